@@ -1,0 +1,8 @@
+"""Subcommands of the `kvstate` command line; each module exposes `register(subparsers)`.
+
+A registered subparser sets `run=<callable(args) -> int>` as its default.
+"""
+
+from kvstate.commands import demo, diagram, spec_summary
+
+ALL = (demo, diagram, spec_summary)

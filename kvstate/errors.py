@@ -1,0 +1,31 @@
+"""Every exception `kvstate` raises on purpose. Messages say what was wrong and what to do."""
+
+from __future__ import annotations
+
+
+class KVStateError(Exception):
+    """Base class of the errors raised by kvstate."""
+
+
+class SpecError(KVStateError, ValueError):
+    """The specification file is malformed or fails validation; the message names the offending entry."""
+
+
+class IllegalTransition(KVStateError):
+    """An event was fired that the specification does not allow from the request's current state."""
+
+    def __init__(self, request_id: object, state: str, event: str, allowed: tuple[str, ...], reason: str = "") -> None:
+        self.request_id = request_id
+        self.state = state
+        self.event = event
+        self.allowed = allowed
+        allowed_text = ", ".join(allowed) if allowed else "none (the state is terminal)"
+        detail = f" {reason}" if reason else ""
+        super().__init__(
+            f"request {request_id!r} in state {state!r} cannot take event {event!r}.{detail} "
+            f"Events the spec allows from {state!r}: {allowed_text}."
+        )
+
+
+class GuardRejected(IllegalTransition):
+    """The spec has an edge for this (state, event) but no edge's guard holds in the current pool state."""

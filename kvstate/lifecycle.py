@@ -1,0 +1,148 @@
+"""The lifecycle machine: one class-level `transitions.Machine` built from the spec, and its compiled table.
+
+Both drive request objects that keep their state in the attribute `STATE_ATTRIBUTE` (requests expose it
+read-only as `state`). Neither registers requests with the machine (`add_model` is quadratic): events are
+triggered on a request passed in, and requests compare by identity.
+
+Invariants kept by both `Lifecycle` and `TransitionTable`:
+* a request's state changes only along an edge of the spec whose guard holds;
+* an event with no edge from the current state raises `IllegalTransition`, an event whose edges' guards all
+  fail raises `GuardRejected`; in both cases nothing changes;
+* the effect hook of the edge taken runs after the state change, exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from transitions import Machine
+
+from kvstate.errors import GuardRejected, IllegalTransition
+from kvstate.semantics import GUARDS, EffectHooks, Guard, PoolView, RequestView
+from kvstate.spec import Spec, Transition, load_spec
+
+STATE_ATTRIBUTE = "_lifecycle_state"
+
+
+class _SpecRules:
+    """What both implementations share: the spec, its guards and the events allowed from each state."""
+
+    def __init__(self, spec: Spec | None = None, guards: Mapping[str, Guard] = GUARDS) -> None:
+        self.spec = spec if spec is not None else load_spec()
+        self.guards = dict(guards)
+        allowed: dict[str, list[str]] = {s.name: [] for s in self.spec.states}
+        for t in self.spec.transitions:
+            if t.event not in allowed[t.source]:
+                allowed[t.source].append(t.event)
+        self._allowed = {state: tuple(events) for state, events in allowed.items()}
+
+    def start(self, request: object) -> None:
+        """Put a new request in the spec's initial state."""
+        setattr(request, STATE_ATTRIBUTE, self.spec.initial)
+
+    @staticmethod
+    def state_of(request: object) -> str:
+        return getattr(request, STATE_ATTRIBUTE)
+
+    def allowed_events(self, state: str) -> tuple[str, ...]:
+        """Events that have an edge from `state` (guards not evaluated), in spec order."""
+        return self._allowed[state]
+
+    def _illegal(self, request: RequestView, event: str) -> IllegalTransition:
+        state = self.state_of(request)
+        reason = "" if event in self.spec.event_by_name else "The spec defines no such event."
+        return IllegalTransition(request.request_id, state, event, self.allowed_events(state), reason)
+
+    def _rejected(self, request: RequestView, event: str, edges: tuple[Transition, ...]) -> GuardRejected:
+        state = self.state_of(request)
+        failed = ", ".join(f"{t.guard} (to {t.dest})" for t in edges)
+        return GuardRejected(
+            request.request_id, state, event, self.allowed_events(state),
+            f"No guard holds in the current pool state: {failed}. Fire it only when one of these guards holds.",
+        )
+
+
+class Lifecycle(_SpecRules):
+    """The reference implementation: fires events through the `transitions` machine built from the spec."""
+
+    def __init__(self, spec: Spec | None = None, guards: Mapping[str, Guard] = GUARDS) -> None:
+        super().__init__(spec, guards)
+        self.machine = Machine(
+            model=None,
+            states=[{"name": s.name, "final": s.terminal} for s in self.spec.states],
+            initial=self.spec.initial,
+            auto_transitions=False,
+            send_event=True,
+            model_attribute=STATE_ATTRIBUTE,
+        )
+        for t in self.spec.transitions:
+            self.machine.add_transition(
+                trigger=t.event,
+                source=t.source,
+                dest=t.dest,
+                conditions=[self._guard_condition(t.guard)] if t.guard else None,
+                after=[self._effect_callback(t)],
+            )
+
+    def _guard_condition(self, guard_name: str):
+        guard = self.guards[guard_name]
+        return lambda event_data: guard(event_data.model, event_data.kwargs["pool"])
+
+    @staticmethod
+    def _effect_callback(transition: Transition):
+        def run_effect(event_data) -> None:
+            event_data.kwargs["taken"].append(transition)
+            hooks = event_data.kwargs["hooks"]
+            if hooks is not None and transition.effect is not None:
+                getattr(hooks, transition.effect)(event_data.model, transition)
+
+        return run_effect
+
+    def fire(self, request: RequestView, event: str, pool: PoolView, hooks: EffectHooks | None = None) -> Transition:
+        """Take `event` on `request`; returns the edge taken. Runs its effect on `hooks` when given."""
+        state = self.state_of(request)
+        if event not in self._allowed[state]:
+            raise self._illegal(request, event)
+        taken: list[Transition] = []
+        if not self.machine.events[event].trigger(request, pool=pool, hooks=hooks, taken=taken):
+            edges = tuple(t for t in self.spec.event_by_name[event].transitions if t.source == state)
+            raise self._rejected(request, event, edges)
+        return taken[0]
+
+
+class TransitionTable(_SpecRules):
+    """The hot-path form of the same spec: a dictionary from (state, event) to the candidate edges.
+
+    Gives the same answers as `Lifecycle` (a Hypothesis test checks every state, event and guard outcome)
+    at the cost of one dictionary lookup and the guard calls.
+    """
+
+    def __init__(self, spec: Spec | None = None, guards: Mapping[str, Guard] = GUARDS) -> None:
+        super().__init__(spec, guards)
+        table: dict[tuple[str, str], list[tuple[Guard | None, Transition]]] = {}
+        for t in self.spec.transitions:
+            table.setdefault((t.source, t.event), []).append((self.guards[t.guard] if t.guard else None, t))
+        self._table = {key: tuple(edges) for key, edges in table.items()}
+
+    def resolve(self, request: RequestView, event: str, pool: PoolView) -> Transition | None:
+        """The edge `event` would take now, or None when the spec has none or no guard holds."""
+        for guard, transition in self._table.get((self.state_of(request), event), ()):
+            if guard is None or guard(request, pool):
+                return transition
+        return None
+
+    def can_fire(self, request: RequestView, event: str, pool: PoolView) -> bool:
+        return self.resolve(request, event, pool) is not None
+
+    def fire(self, request: RequestView, event: str, pool: PoolView, hooks: EffectHooks | None = None) -> Transition:
+        """Take `event` on `request`; returns the edge taken. Runs its effect on `hooks` when given."""
+        transition = self.resolve(request, event, pool)
+        if transition is None:
+            edges = self._table.get((self.state_of(request), event))
+            if edges is None:
+                raise self._illegal(request, event)
+            raise self._rejected(request, event, tuple(t for _, t in edges))
+        setattr(request, STATE_ATTRIBUTE, transition.dest)
+        if hooks is not None and transition.effect is not None:
+            getattr(hooks, transition.effect)(request, transition)
+        return transition

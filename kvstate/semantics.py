@@ -1,0 +1,161 @@
+"""The meaning of every guard and effect name the specification uses.
+
+Guards are pure functions `guard(request, pool) -> bool` of a `RequestView` and a `PoolView`: they read,
+never write. Effects are named hooks: the lifecycle calls `getattr(hooks, effect)(request, transition)` after
+the state change, and each layer (the scheduler's block pool, the model checker's abstract state, the
+executor) supplies an object implementing `EffectHooks`. `GUARDS` and `EFFECTS` are what the spec validator
+holds the spec's names against: a name with no semantics, or semantics no transition uses, is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from kvstate.spec import Transition
+
+
+class RequestView(Protocol):
+    """What guards may read of a request."""
+
+    request_id: object
+
+    @property
+    def blocks_for_first_chunk(self) -> int:
+        """GPU blocks its first prefill chunk needs (admission, or the first chunk of a replay)."""
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        """GPU blocks it holds now."""
+
+    @property
+    def num_host_blocks(self) -> int:
+        """Host blocks it holds now."""
+
+    @property
+    def final_token_produced(self) -> bool:
+        """Its last generated token is final: a stop token, or the token budget is spent."""
+
+    @property
+    def replay_complete(self) -> bool:
+        """Every token of its replay prompt has been computed again."""
+
+    @property
+    def termination_reason(self) -> str | None:
+        """The reason of a finish, cancel or abort deferred while it awaits consensus; None otherwise."""
+
+
+class PoolView(Protocol):
+    """What guards may read of the block pool."""
+
+    @property
+    def gpu_free_blocks(self) -> int: ...
+
+    @property
+    def host_free_blocks(self) -> int: ...
+
+    @property
+    def has_host_tier(self) -> bool: ...
+
+    @property
+    def pipeline_stages(self) -> int: ...
+
+
+Guard = Callable[[RequestView, PoolView], bool]
+
+
+def gpu_room_for_first_chunk(request: RequestView, pool: PoolView) -> bool:
+    """The GPU tier has free blocks for the request's first prefill chunk."""
+    return pool.gpu_free_blocks >= request.blocks_for_first_chunk
+
+
+def gpu_room_for_all_blocks(request: RequestView, pool: PoolView) -> bool:
+    """The GPU tier has a free block for every block the request holds in the host tier."""
+    return pool.gpu_free_blocks >= request.num_host_blocks
+
+
+def host_room_for_all_blocks(request: RequestView, pool: PoolView) -> bool:
+    """A host tier exists and has a free block for every GPU block the request holds (suspend is all-or-nothing)."""
+    return pool.has_host_tier and pool.host_free_blocks >= request.num_gpu_blocks
+
+
+def host_tier_present(request: RequestView, pool: PoolView) -> bool:
+    """A host tier exists: the promotion gate for recompute-pausing a suspended request."""
+    return pool.has_host_tier
+
+
+def single_stage(request: RequestView, pool: PoolView) -> bool:
+    """One pipeline stage: a recompute-pause resets at once."""
+    return pool.pipeline_stages == 1
+
+
+def multi_stage(request: RequestView, pool: PoolView) -> bool:
+    """Several pipeline stages: a recompute-pause waits for every stage to agree before its reset."""
+    return pool.pipeline_stages > 1
+
+
+def replay_complete(request: RequestView, pool: PoolView) -> bool:
+    """The replay prefill has computed the whole replay prompt."""
+    return request.replay_complete
+
+
+def final_token_produced(request: RequestView, pool: PoolView) -> bool:
+    """The request's last token ends it (stop token or budget spent)."""
+    return request.final_token_produced
+
+
+def termination_requested(request: RequestView, pool: PoolView) -> bool:
+    """A finish, cancel or abort arrived while the request awaited consensus."""
+    return request.termination_reason is not None
+
+
+def replay_still_wanted(request: RequestView, pool: PoolView) -> bool:
+    """Nothing ended the request while it awaited consensus, so it is reset for replay."""
+    return request.termination_reason is None
+
+
+GUARDS: Mapping[str, Guard] = {
+    fn.__name__: fn
+    for fn in (
+        gpu_room_for_first_chunk,
+        gpu_room_for_all_blocks,
+        host_room_for_all_blocks,
+        host_tier_present,
+        single_stage,
+        multi_stage,
+        replay_complete,
+        final_token_produced,
+        termination_requested,
+        replay_still_wanted,
+    )
+}
+
+
+class EffectHooks(Protocol):
+    """The effects a layer must implement; each is called after the state change with the edge taken."""
+
+    def allocate_first_chunk(self, request: RequestView, transition: Transition) -> None:
+        """Allocate GPU blocks for the first prefill chunk (of the prompt, or of the replay prompt)."""
+
+    def migrate_to_host(self, request: RequestView, transition: Transition) -> None:
+        """Plan copies of every GPU block to fresh host blocks; fence the GPU sources until the copies complete."""
+
+    def migrate_to_gpu(self, request: RequestView, transition: Transition) -> None:
+        """Plan copies of every host block to fresh GPU blocks; fence the host sources until the copies complete."""
+
+    def release_kv_and_reset(self, request: RequestView, transition: Transition) -> None:
+        """Free every block the request holds in either tier and reset it for replay (SPEC.md, reset for replay)."""
+
+    def hold_for_consensus(self, request: RequestView, transition: Transition) -> None:
+        """Keep the request's GPU blocks, take it out of every batch and announce the pause to all stages."""
+
+    def release_kv_and_terminate(self, request: RequestView, transition: Transition) -> None:
+        """Free every block the request holds and record its done reason."""
+
+    def defer_termination(self, request: RequestView, transition: Transition) -> None:
+        """Record the finish, cancel or abort reason; consensus will terminate the request instead of replaying it."""
+
+
+EFFECTS: frozenset[str] = frozenset(
+    name for name, value in vars(EffectHooks).items() if callable(value) and not name.startswith("_")
+)

@@ -1,0 +1,276 @@
+"""The specification as immutable values, and loading it from TOML.
+
+`load_spec()` parses and validates; a `Spec` that exists has passed every check in `kvstate.validate`.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from functools import cached_property
+from importlib import resources
+from pathlib import Path
+
+from kvstate.errors import SpecError
+
+RESIDENCIES = ("gpu", "host", "none")
+INVARIANT_SCOPES = ("state", "step", "pass", "run", "liveness")
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    """A lifecycle state. `residency` names the only tier that may hold the request's KV in this state."""
+
+    name: str
+    residency: str
+    meaning: str
+    terminal: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One edge: `event` moves a request from `source` to `dest` when `guard` holds, running `effect`.
+
+    `guard` None means always enabled; `effect` None means a pure state change.
+    """
+
+    event: str
+    source: str
+    dest: str
+    guard: str | None
+    effect: str | None
+    destructive: bool
+    done_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """A named input of the lifecycle with its diagram label and its edges (one per source state).
+
+    `done_reason` is the reason recorded when this event ends a request (finished, cancelled, aborted).
+    """
+
+    name: str
+    label: str
+    destructive: bool
+    transitions: tuple[Transition, ...]
+    done_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ExclusiveGuards:
+    """A set of guards of which at most one holds in any request and pool state."""
+
+    name: str
+    guards: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Invariant:
+    """A property with a stable id; `scope` says over what it is checked (see INVARIANT_SCOPES)."""
+
+    id: str
+    scope: str
+    statement: str
+
+
+@dataclass(frozen=True)
+class Spec:
+    """The whole lifecycle specification. Entries keep the order in which the TOML lists them."""
+
+    name: str
+    version: int
+    initial: str
+    states: tuple[State, ...]
+    events: tuple[Event, ...]
+    exclusive_guards: tuple[ExclusiveGuards, ...]
+    invariants: tuple[Invariant, ...]
+    source: str = "<memory>"
+
+    @cached_property
+    def transitions(self) -> tuple[Transition, ...]:
+        return tuple(t for event in self.events for t in event.transitions)
+
+    @cached_property
+    def state_by_name(self) -> dict[str, State]:
+        return {s.name: s for s in self.states}
+
+    @cached_property
+    def event_by_name(self) -> dict[str, Event]:
+        return {e.name: e for e in self.events}
+
+    @cached_property
+    def guard_names(self) -> frozenset[str]:
+        return frozenset(t.guard for t in self.transitions if t.guard is not None)
+
+    @cached_property
+    def effect_names(self) -> frozenset[str]:
+        return frozenset(t.effect for t in self.transitions if t.effect is not None)
+
+    @cached_property
+    def terminal_states(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.states if s.terminal)
+
+    def residency(self, state: str) -> str:
+        return self.state_by_name[state].residency
+
+    def states_with_residency(self, residency: str) -> tuple[str, ...]:
+        return tuple(s.name for s in self.states if s.residency == residency)
+
+    def mutually_exclusive(self, guard_a: str | None, guard_b: str | None) -> bool:
+        """True when both guards are named, differ, and share a declared exclusivity group."""
+        if guard_a is None or guard_b is None or guard_a == guard_b:
+            return False
+        return any({guard_a, guard_b} <= group.guards for group in self.exclusive_guards)
+
+
+def packaged_spec_path() -> Path:
+    """The path of the specification that ships inside the `kvstate` distribution."""
+    return Path(str(resources.files("kvstate.spec_files").joinpath("lifecycle.toml")))
+
+
+def load_spec(path: str | Path | None = None, *, validate: bool = True) -> Spec:
+    """Read a specification from `path` (the packaged one by default) and validate it.
+
+    Raises `SpecError` naming the file and the offending entry when the file cannot be parsed or fails
+    a check of `kvstate.validate.validate_spec`.
+    """
+    source = Path(path) if path is not None else packaged_spec_path()
+    try:
+        text = source.read_text(encoding="utf-8")
+    except OSError as err:
+        raise SpecError(f"cannot read spec file {source}: {err.strerror}; pass an existing TOML file") from err
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise SpecError(f"{source} is not valid TOML: {err}") from err
+    spec = parse_spec(data, source=str(source))
+    if validate:
+        from kvstate.validate import validate_spec
+
+        validate_spec(spec)
+    return spec
+
+
+def parse_spec(data: dict, *, source: str = "<memory>") -> Spec:
+    """Build a `Spec` from parsed TOML data, checking only the shape of each entry."""
+    reader = _Reader(source)
+    header = reader.table(data, "spec", "[spec]")
+    states = tuple(reader.state(entry, i) for i, entry in enumerate(reader.array(data, "states")))
+    events = tuple(reader.event(entry, i) for i, entry in enumerate(reader.array(data, "events")))
+    groups = tuple(
+        ExclusiveGuards(
+            name=reader.string(entry, "name", f"exclusive_guards[{i}]"),
+            guards=frozenset(reader.strings(entry, "guards", f"exclusive_guards[{i}]")),
+        )
+        for i, entry in enumerate(reader.array(data, "exclusive_guards", required=False))
+    )
+    invariants = tuple(reader.invariant(entry, i) for i, entry in enumerate(reader.array(data, "invariants")))
+    return Spec(
+        name=reader.string(header, "name", "[spec]"),
+        version=reader.integer(header, "version", "[spec]"),
+        initial=reader.string(header, "initial", "[spec]"),
+        states=states,
+        events=events,
+        exclusive_guards=groups,
+        invariants=invariants,
+        source=source,
+    )
+
+
+class _Reader:
+    """Shape checks for TOML entries; every failure names the file and the entry."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, where: str, message: str) -> SpecError:
+        return SpecError(f"{self.source}: {where}: {message}")
+
+    def table(self, data: dict, key: str, where: str) -> dict:
+        value = data.get(key)
+        if not isinstance(value, dict):
+            raise self.fail(where, f"missing table [{key}]; add it with name, version and initial")
+        return value
+
+    def array(self, data: dict, key: str, *, required: bool = True) -> list[dict]:
+        value = data.get(key, None if required else [])
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            raise self.fail(f"[[{key}]]", f"expected an array of tables [[{key}]]")
+        return value
+
+    def string(self, entry: dict, key: str, where: str, *, required: bool = True) -> str | None:
+        value = entry.get(key)
+        if value is None and not required:
+            return None
+        if not isinstance(value, str) or not value:
+            raise self.fail(where, f"'{key}' must be a non-empty string, got {value!r}")
+        return value
+
+    def strings(self, entry: dict, key: str, where: str) -> list[str]:
+        value = entry.get(key)
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+            raise self.fail(where, f"'{key}' must be a non-empty list of names, got {value!r}")
+        return value
+
+    def integer(self, entry: dict, key: str, where: str) -> int:
+        value = entry.get(key)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise self.fail(where, f"'{key}' must be an integer, got {value!r}")
+        return value
+
+    def boolean(self, entry: dict, key: str, where: str, default: bool) -> bool:
+        value = entry.get(key, default)
+        if not isinstance(value, bool):
+            raise self.fail(where, f"'{key}' must be true or false, got {value!r}")
+        return value
+
+    def state(self, entry: dict, index: int) -> State:
+        where = f"states[{index}] ({entry.get('name', '?')})"
+        residency = self.string(entry, "residency", where)
+        if residency not in RESIDENCIES:
+            raise self.fail(where, f"residency {residency!r} is not one of {', '.join(RESIDENCIES)}")
+        return State(
+            name=self.string(entry, "name", where),
+            residency=residency,
+            meaning=self.string(entry, "meaning", where),
+            terminal=self.boolean(entry, "terminal", where, False),
+        )
+
+    def event(self, entry: dict, index: int) -> Event:
+        name = self.string(entry, "name", f"events[{index}]")
+        where = f"event {name!r}"
+        destructive = self.boolean(entry, "destructive", where, False)
+        done_reason = self.string(entry, "done_reason", where, required=False)
+        edges = entry.get("transitions")
+        if not isinstance(edges, list) or not edges or not all(isinstance(e, dict) for e in edges):
+            raise self.fail(where, "'transitions' must be a non-empty list of {source, dest, guard, effect} tables")
+        transitions = tuple(
+            Transition(
+                event=name,
+                source=source,
+                dest=self.string(edge, "dest", f"{where} transition {i}"),
+                guard=self.string(edge, "guard", f"{where} transition {i}", required=False),
+                effect=self.string(edge, "effect", f"{where} transition {i}", required=False),
+                destructive=destructive,
+                done_reason=done_reason,
+            )
+            for i, edge in enumerate(edges)
+            for source in self.strings(edge, "source", f"{where} transition {i}")
+        )
+        return Event(
+            name=name,
+            label=self.string(entry, "label", where),
+            destructive=destructive,
+            transitions=transitions,
+            done_reason=done_reason,
+        )
+
+    def invariant(self, entry: dict, index: int) -> Invariant:
+        where = f"invariants[{index}] ({entry.get('id', '?')})"
+        scope = self.string(entry, "scope", where)
+        if scope not in INVARIANT_SCOPES:
+            raise self.fail(where, f"scope {scope!r} is not one of {', '.join(INVARIANT_SCOPES)}")
+        return Invariant(id=self.string(entry, "id", where), scope=scope, statement=self.string(entry, "statement", where))

@@ -1,0 +1,1 @@
+"""The packaged specification files (this folder is `spec/` in the source tree)."""
