@@ -29,3 +29,15 @@ class IllegalTransition(KVStateError):
 
 class GuardRejected(IllegalTransition):
     """The spec has an edge for this (state, event) but no edge's guard holds in the current pool state."""
+
+
+class InvariantViolation(KVStateError, AssertionError):
+    """A specification invariant does not hold; `invariant_id` is its id in `spec/lifecycle.toml`."""
+
+    def __init__(self, invariant_id: str, detail: str) -> None:
+        self.invariant_id = invariant_id
+        super().__init__(f"invariant {invariant_id} violated: {detail}")
+
+
+class PoolError(KVStateError, ValueError):
+    """A block-pool operation was asked for that the pool cannot carry out; nothing was changed."""

@@ -1,0 +1,271 @@
+"""The tiered block pool: block accounting for a GPU tier and an optional host tier, and migration plans.
+
+Invariants kept (checked by `TieredBlockPool.check_invariants`, ids from the spec):
+* CONS-GPU / CONS-HOST: in each tier, free + held + fenced = capacity;
+* OWN-EXCL: a block is free, held by exactly one request, or fenced by exactly one in-flight copy;
+* FENCE: the source blocks of a migration stay fenced (unallocatable) until `complete(plan)` is called;
+* suspend and resume are all-or-nothing: a refused one changes nothing.
+Allocation prefers the lowest free ids, so a request's blocks tend to form runs the executor copies at once.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+from kvstate.errors import InvariantViolation, PoolError
+
+TO_HOST = "to_host"
+TO_GPU = "to_gpu"
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationPlan:
+    """Copies that move one request's KV between tiers: `pairs` are (source block, destination block)."""
+
+    plan_id: int
+    request_id: Hashable
+    direction: str
+    pairs: tuple[tuple[int, int], ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.pairs)
+
+    def runs(self) -> tuple[tuple[int, int, int], ...]:
+        """Merged copies (source start, destination start, length) over runs of consecutive ids on both sides."""
+        merged: list[list[int]] = []
+        for src, dst in self.pairs:
+            if merged and src == merged[-1][0] + merged[-1][2] and dst == merged[-1][1] + merged[-1][2]:
+                merged[-1][2] += 1
+            else:
+                merged.append([src, dst, 1])
+        return tuple((s, d, n) for s, d, n in merged)
+
+    def to_dict(self) -> dict:
+        return {"plan_id": self.plan_id, "request_id": self.request_id, "direction": self.direction,
+                "pairs": [list(p) for p in self.pairs]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MigrationPlan:
+        return cls(d["plan_id"], d["request_id"], d["direction"], tuple((int(s), int(t)) for s, t in d["pairs"]))
+
+
+@dataclass
+class Tier:
+    """One tier of `capacity` blocks: each block is free, held by one owner, or fenced by one plan."""
+
+    name: str
+    capacity: int
+    _free: list[int] = field(init=False, repr=False)
+    owner_of: dict[int, Hashable] = field(init=False, default_factory=dict)
+    blocks_of: dict[Hashable, list[int]] = field(init=False, default_factory=dict)
+    fenced: dict[int, int] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.capacity < 0:
+            raise PoolError(f"{self.name} tier capacity must be >= 0, got {self.capacity}")
+        self._free = list(range(self.capacity))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def held(self, owner: Hashable) -> list[int]:
+        return self.blocks_of.get(owner, [])
+
+    def take(self, owner: Hashable, count: int) -> list[int]:
+        if count > len(self._free):
+            raise PoolError(
+                f"{self.name} tier has {len(self._free)} free blocks, {owner!r} asked for {count}; "
+                "check can_allocate() first"
+            )
+        blocks = [heapq.heappop(self._free) for _ in range(count)]
+        for block in blocks:
+            self.owner_of[block] = owner
+        self.blocks_of.setdefault(owner, []).extend(blocks)
+        return blocks
+
+    def give_back(self, blocks: Iterable[int]) -> None:
+        for block in blocks:
+            heapq.heappush(self._free, block)
+
+    def release(self, owner: Hashable) -> list[int]:
+        blocks = self.blocks_of.pop(owner, [])
+        for block in blocks:
+            del self.owner_of[block]
+        self.give_back(blocks)
+        return blocks
+
+    def fence(self, owner: Hashable, plan_id: int) -> list[int]:
+        """Move every block of `owner` from held to fenced by `plan_id`."""
+        blocks = self.blocks_of.pop(owner, [])
+        for block in blocks:
+            del self.owner_of[block]
+            self.fenced[block] = plan_id
+        return blocks
+
+    def unfence(self, blocks: Iterable[int]) -> None:
+        blocks = list(blocks)
+        for block in blocks:
+            del self.fenced[block]
+        self.give_back(blocks)
+
+    def check(self) -> None:
+        free = set(self._free)
+        held = set(self.owner_of)
+        fenced = set(self.fenced)
+        tag = "CONS-GPU" if self.name == "gpu" else "CONS-HOST"
+        if len(free) != len(self._free):
+            raise InvariantViolation(tag, f"{self.name} tier: a block is on the free list twice")
+        if len(free) + len(held) + len(fenced) != self.capacity:
+            raise InvariantViolation(
+                tag, f"{self.name} tier: free {len(free)} + held {len(held)} + fenced {len(fenced)} != capacity {self.capacity}"
+            )
+        if free & held or free & fenced or held & fenced:
+            raise InvariantViolation("OWN-EXCL", f"{self.name} tier: blocks {sorted((free & held) | (free & fenced) | (held & fenced))} have two roles")
+        listed = [b for blocks in self.blocks_of.values() for b in blocks]
+        if len(listed) != len(set(listed)) or set(listed) != held:
+            raise InvariantViolation("OWN-EXCL", f"{self.name} tier: owner tables disagree with block ownership")
+        if any(b < 0 or b >= self.capacity for b in free | held | fenced):
+            raise InvariantViolation(tag, f"{self.name} tier: a block id is outside 0..{self.capacity - 1}")
+
+
+class TieredBlockPool:
+    """Block accounting for a GPU tier and an optional host tier (capacity 0 = no host tier).
+
+    Verb pairs: `can_allocate`/`allocate`, `can_suspend`/`suspend`, `can_resume`/`resume`; `release` frees
+    a request's blocks in both tiers, `complete` ends a migration's fence. Satisfies `kvstate.PoolView`.
+    """
+
+    def __init__(self, gpu_blocks: int, host_blocks: int = 0, block_size: int = 16, pipeline_stages: int = 1) -> None:
+        if gpu_blocks <= 0:
+            raise PoolError(f"the GPU tier needs at least one block, got gpu_blocks={gpu_blocks}")
+        if block_size <= 0:
+            raise PoolError(f"block_size must be a positive number of tokens, got {block_size}")
+        if pipeline_stages <= 0:
+            raise PoolError(f"pipeline_stages must be >= 1, got {pipeline_stages}")
+        self.block_size = block_size
+        self.gpu = Tier("gpu", gpu_blocks)
+        self.host = Tier("host", host_blocks)
+        self._pipeline_stages = pipeline_stages
+        self.in_flight: dict[int, MigrationPlan] = {}
+        self._next_plan_id = 0
+
+    # ---- PoolView
+    @property
+    def gpu_free_blocks(self) -> int:
+        return self.gpu.num_free
+
+    @property
+    def host_free_blocks(self) -> int:
+        return self.host.num_free
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.host.capacity > 0
+
+    @property
+    def pipeline_stages(self) -> int:
+        return self._pipeline_stages
+
+    # ---- sizes
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def gpu_blocks(self, owner: Hashable) -> tuple[int, ...]:
+        return tuple(self.gpu.held(owner))
+
+    def host_blocks(self, owner: Hashable) -> tuple[int, ...]:
+        return tuple(self.host.held(owner))
+
+    # ---- GPU allocation
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.gpu.num_free
+
+    def allocate(self, owner: Hashable, num_blocks: int) -> list[int]:
+        """Append `num_blocks` fresh GPU blocks to `owner`'s block table."""
+        return self.gpu.take(owner, num_blocks)
+
+    def release(self, owner: Hashable) -> int:
+        """Free every block `owner` holds in both tiers; returns how many. Fenced blocks stay fenced."""
+        return len(self.gpu.release(owner)) + len(self.host.release(owner))
+
+    # ---- migration
+    def can_suspend(self, owner: Hashable) -> bool:
+        held = len(self.gpu.held(owner))
+        return self.has_host_tier and held > 0 and not self.host.held(owner) and held <= self.host.num_free
+
+    def suspend(self, owner: Hashable) -> MigrationPlan:
+        """Plan GPU -> host copies of all of `owner`'s blocks; its GPU blocks are fenced until `complete`."""
+        if not self.can_suspend(owner):
+            raise PoolError(
+                f"cannot suspend {owner!r}: it holds {len(self.gpu.held(owner))} GPU blocks, the host tier has "
+                f"{self.host.num_free} free of {self.host.capacity}; recompute-pause it instead"
+            )
+        return self._migrate(owner, self.gpu, self.host, TO_HOST)
+
+    def can_resume(self, owner: Hashable) -> bool:
+        held = len(self.host.held(owner))
+        return held > 0 and not self.gpu.held(owner) and held <= self.gpu.num_free
+
+    def resume(self, owner: Hashable) -> MigrationPlan:
+        """Plan host -> GPU copies of all of `owner`'s blocks; its host blocks are fenced until `complete`."""
+        if not self.can_resume(owner):
+            raise PoolError(
+                f"cannot resume {owner!r}: it holds {len(self.host.held(owner))} host blocks, the GPU tier has "
+                f"{self.gpu.num_free} free; wait for GPU room"
+            )
+        return self._migrate(owner, self.host, self.gpu, TO_GPU)
+
+    def _migrate(self, owner: Hashable, source: Tier, dest: Tier, direction: str) -> MigrationPlan:
+        plan_id = self._next_plan_id
+        self._next_plan_id += 1
+        src_blocks = source.fence(owner, plan_id)
+        dst_blocks = dest.take(owner, len(src_blocks))
+        plan = MigrationPlan(plan_id, owner, direction, tuple(zip(src_blocks, dst_blocks)))
+        self.in_flight[plan_id] = plan
+        return plan
+
+    def complete(self, plan: MigrationPlan) -> None:
+        """The executor reports `plan`'s copies done: its source blocks become free."""
+        if self.in_flight.pop(plan.plan_id, None) is None:
+            raise PoolError(f"migration plan {plan.plan_id} is not in flight; complete each plan exactly once")
+        source = self.gpu if plan.direction == TO_HOST else self.host
+        source.unfence(src for src, _ in plan.pairs)
+
+    def complete_all(self) -> int:
+        """Complete every in-flight plan; returns how many blocks were unfenced."""
+        plans = list(self.in_flight.values())
+        for plan in plans:
+            self.complete(plan)
+        return sum(p.num_blocks for p in plans)
+
+    # ---- host tier presence
+    def set_host_capacity(self, host_blocks: int) -> None:
+        """Attach, resize or (with 0) detach the host tier; only allowed while it holds and fences nothing."""
+        if self.host.owner_of or self.host.fenced:
+            raise PoolError(
+                f"cannot change the host tier while it holds {len(self.host.owner_of)} blocks and fences "
+                f"{len(self.host.fenced)}; release suspended requests and complete copies first"
+            )
+        self.host = Tier("host", host_blocks)
+
+    # ---- invariants
+    def check_invariants(self) -> None:
+        """Raise `InvariantViolation` (naming the spec invariant) unless every pool invariant holds."""
+        self.gpu.check()
+        self.host.check()
+        for tier in (self.gpu, self.host):
+            stale = {b: p for b, p in tier.fenced.items() if p not in self.in_flight}
+            if stale:
+                raise InvariantViolation("FENCE", f"{tier.name} blocks {sorted(stale)} are fenced by finished plans")
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "gpu_capacity": self.gpu.capacity, "gpu_free": self.gpu.num_free,
+            "gpu_held": len(self.gpu.owner_of), "gpu_fenced": len(self.gpu.fenced),
+            "host_capacity": self.host.capacity, "host_free": self.host.num_free,
+            "host_held": len(self.host.owner_of), "host_fenced": len(self.host.fenced),
+        }

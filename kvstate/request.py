@@ -1,0 +1,122 @@
+"""Request records: what the scheduler knows of one request.
+
+Invariants kept:
+* `state` is read-only here; it changes only through the lifecycle machine (`kvstate.lifecycle`);
+* `generated` is append-only (GEN-APPEND): `append_token` is its only writer;
+* after `reset_for_replay`, `prefill_tokens` = original prompt + every generated token, the remaining budget
+  is `max_new_tokens - len(generated)`, and every KV-derived counter is zero (RESET-*).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from kvstate.lifecycle import STATE_ATTRIBUTE
+
+
+@dataclass(eq=False)
+class Request:
+    """One request. Compares by identity. Satisfies `kvstate.RequestView`.
+
+    `num_gpu_blocks`/`num_host_blocks` mirror the pool's block tables; the scheduler's effect hooks are their
+    only writers, and `Scheduler.check_invariants` compares them with the pool (RES-STATE).
+    """
+
+    request_id: Hashable
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    arrival: int = 0
+    block_size: int = 16
+    generated: list[int] = field(default_factory=list)
+    prefill_tokens: tuple[int, ...] = ()
+    num_computed_tokens: int = 0
+    admission: int = -1
+    planned_chunk: int = 0
+    num_gpu_blocks: int = 0
+    num_host_blocks: int = 0
+    num_suspensions: int = 0
+    num_recompute_pauses: int = 0
+    num_recomputed_tokens: int = 0
+    termination_reason: str | None = None
+    done_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt = tuple(self.prompt)
+        if not self.prefill_tokens:
+            self.prefill_tokens = self.prompt
+        self.stop_token_ids = frozenset(self.stop_token_ids)
+
+    @property
+    def state(self) -> str:
+        return getattr(self, STATE_ATTRIBUTE)
+
+    # ---- token accounting
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt) + len(self.generated)
+
+    @property
+    def all_tokens(self) -> tuple[int, ...]:
+        return self.prompt + tuple(self.generated)
+
+    @property
+    def remaining_tokens(self) -> int:
+        """How many more tokens it may generate (the budget after every reset for replay)."""
+        return self.max_new_tokens - len(self.generated)
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Its prefill tokens (prompt, or replay prompt) are not all computed yet."""
+        return self.num_computed_tokens < len(self.prefill_tokens)
+
+    @property
+    def next_step_tokens(self) -> int:
+        """Tokens its next step computes at most: the rest of its prefill, or one decode token."""
+        return len(self.prefill_tokens) - self.num_computed_tokens if self.is_prefilling else 1
+
+    @property
+    def about_to_finish(self) -> bool:
+        """Its next decode step produces its final token by budget (never a victim, VICTIM-NOT-FINAL)."""
+        return self.remaining_tokens <= 1 and not self.is_prefilling
+
+    def append_token(self, token: int) -> None:
+        self.generated.append(int(token))
+
+    # ---- RequestView
+    @property
+    def blocks_for_first_chunk(self) -> int:
+        return -(-self.planned_chunk // self.block_size)
+
+    @property
+    def final_token_produced(self) -> bool:
+        return bool(self.generated) and (
+            self.generated[-1] in self.stop_token_ids or len(self.generated) >= self.max_new_tokens
+        )
+
+    @property
+    def replay_complete(self) -> bool:
+        return not self.is_prefilling
+
+    def reset_for_replay(self) -> None:
+        """Make the replay prompt prompt + generated and clear every KV-derived counter (RESET-*)."""
+        self.prefill_tokens = self.all_tokens
+        self.num_computed_tokens = 0
+        self.planned_chunk = 0
+        self.num_gpu_blocks = self.num_host_blocks = 0
+        self.num_recompute_pauses += 1
+
+
+def new_request(
+    request_id: Hashable,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    *,
+    stop_token_ids: Sequence[int] = (),
+    arrival: int = 0,
+    block_size: int = 16,
+) -> Request:
+    """A request record with its prompt copied into an immutable tuple."""
+    return Request(request_id, tuple(prompt), max_new_tokens, frozenset(stop_token_ids), arrival, block_size)
