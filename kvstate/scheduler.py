@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 from kvstate.config import RequestRejected, SchedulerConfig
 from kvstate.errors import InvariantViolation, KVStateError
@@ -59,8 +59,15 @@ class _Pass:
 class Scheduler:
     """Continuous batching over a `TieredBlockPool` with suspend and recompute-pause preemption."""
 
-    def __init__(self, config: SchedulerConfig, spec: Spec | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        spec: Spec | None = None,
+        on_transition: Callable[[Request, Transition], None] | None = None,
+    ) -> None:
+        """`on_transition(request, transition)` is called after every lifecycle transition (e.g. a tracer)."""
         self.config = config
+        self.on_transition = on_transition
         self.lifecycle = TransitionTable(spec)
         self.spec = self.lifecycle.spec
         self.pool = TieredBlockPool(config.gpu_blocks, config.host_blocks, config.block_size, config.pipeline_stages)
@@ -144,6 +151,8 @@ class Scheduler:
         before = request.state
         transition = self.lifecycle.fire(request, event, self.pool, self._effects)
         self._move(request, before, transition.dest)
+        if self.on_transition is not None:
+            self.on_transition(request, transition)
         return transition
 
     def _move(self, request: Request, old: str, new: str) -> None:
