@@ -140,6 +140,8 @@ def load_spec(path: str | Path | None = None, *, validate: bool = True) -> Spec:
         text = source.read_text(encoding="utf-8")
     except OSError as err:
         raise SpecError(f"cannot read spec file {source}: {err.strerror}; pass an existing TOML file") from err
+    except UnicodeDecodeError as err:
+        raise SpecError(f"spec file {source} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8") from err
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
