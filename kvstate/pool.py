@@ -3,7 +3,8 @@
 Invariants kept (checked by `TieredBlockPool.check_invariants`, ids from the spec):
 * CONS-GPU / CONS-HOST: in each tier, free + held + fenced = capacity;
 * OWN-EXCL: a block is free, held by exactly one request, or fenced by exactly one in-flight copy;
-* FENCE: the source blocks of a migration stay fenced (unallocatable) until `complete(plan)` is called;
+* FENCE: the source blocks of a migration, and its destination blocks once their owner is released, stay
+  fenced (unallocatable) until `complete(plan)` is called;
 * suspend and resume are all-or-nothing: a refused one changes nothing.
 Allocation prefers the lowest free ids, so a request's blocks tend to form runs the executor copies at once.
 """
@@ -106,6 +107,17 @@ class Tier:
             self.fenced[block] = plan_id
         return blocks
 
+    def fence_blocks(self, owner: Hashable, blocks: list[int], plan_id: int) -> None:
+        """Move the given blocks of `owner` from held to fenced by `plan_id` (a copy still writes them)."""
+        wanted = set(blocks)
+        self.blocks_of[owner] = [b for b in self.blocks_of.get(owner, []) if b not in wanted]
+        for block in blocks:
+            del self.owner_of[block]
+            self.fenced[block] = plan_id
+
+    def fenced_by(self, plan_id: int) -> list[int]:
+        return [block for block, plan in self.fenced.items() if plan == plan_id]
+
     def unfence(self, blocks: Iterable[int]) -> None:
         blocks = list(blocks)
         for block in blocks:
@@ -125,8 +137,8 @@ class Tier:
             )
         if free & held or free & fenced or held & fenced:
             raise InvariantViolation("OWN-EXCL", f"{self.name} tier: blocks {sorted((free & held) | (free & fenced) | (held & fenced))} have two roles")
-        listed = [b for blocks in self.blocks_of.values() for b in blocks]
-        if len(listed) != len(set(listed)) or set(listed) != held:
+        listed = [(b, owner) for owner, blocks in self.blocks_of.items() for b in blocks]
+        if len(listed) != len(held) or any(self.owner_of.get(b, owner) != owner or b not in held for b, owner in listed):
             raise InvariantViolation("OWN-EXCL", f"{self.name} tier: owner tables disagree with block ownership")
         if any(b < 0 or b >= self.capacity for b in free | held | fenced):
             raise InvariantViolation(tag, f"{self.name} tier: a block id is outside 0..{self.capacity - 1}")
@@ -189,7 +201,11 @@ class TieredBlockPool:
         return self.gpu.take(owner, num_blocks)
 
     def release(self, owner: Hashable) -> int:
-        """Free every block `owner` holds in both tiers; returns how many. Fenced blocks stay fenced."""
+        """Free every block `owner` holds in both tiers; returns how many. Blocks an in-flight copy of `owner`
+        still writes stay fenced by that copy until `complete` (FENCE), and are freed then."""
+        for plan in [p for p in self.in_flight.values() if p.request_id == owner]:
+            dest = self.host if plan.direction == TO_HOST else self.gpu
+            dest.fence_blocks(owner, [dst for _, dst in plan.pairs], plan.plan_id)
         return len(self.gpu.release(owner)) + len(self.host.release(owner))
 
     # ---- migration
@@ -232,8 +248,8 @@ class TieredBlockPool:
         """The executor reports `plan`'s copies done: its source blocks become free."""
         if self.in_flight.pop(plan.plan_id, None) is None:
             raise PoolError(f"migration plan {plan.plan_id} is not in flight; complete each plan exactly once")
-        source = self.gpu if plan.direction == TO_HOST else self.host
-        source.unfence(src for src, _ in plan.pairs)
+        for tier in (self.gpu, self.host):
+            tier.unfence(tier.fenced_by(plan.plan_id))
 
     def complete_all(self) -> int:
         """Complete every in-flight plan; returns how many blocks were unfenced."""

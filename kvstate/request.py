@@ -105,6 +105,7 @@ class Request:
         self.prefill_tokens = self.all_tokens
         self.num_computed_tokens = 0
         self.planned_chunk = 0
+        self.admission = -1
         self.num_gpu_blocks = self.num_host_blocks = 0
         self.num_recompute_pauses += 1
 

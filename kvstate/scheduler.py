@@ -19,7 +19,7 @@ import itertools
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 from kvstate.config import RequestRejected, SchedulerConfig
-from kvstate.errors import InvariantViolation, KVStateError
+from kvstate.errors import InvariantViolation, KVStateError, PoolError
 from kvstate.lifecycle import TransitionTable
 from kvstate.output import LIST_STATES, SchedulerOutput
 from kvstate.pool import TieredBlockPool
@@ -188,7 +188,9 @@ class Scheduler:
         self.iteration += 1
         self._pass = step = _Pass(self.config)
         try:
-            for request in list(self.resident):
+            decoding = [r for r in self.resident if not r.is_prefilling]
+            continuing = [r for r in self.resident if r.is_prefilling]
+            for request in itertools.chain(decoding, continuing):  # generation first, then chunks
                 if step.slots_left == 0 or step.tokens_left == 0:
                     break
                 if id(request) not in step.victims and request.state in ("running", "replaying"):
@@ -239,17 +241,23 @@ class Scheduler:
         while self.pool.gpu_free_blocks + step.pending_free < need:
             victim = self._pick_victim(request, step)
             if victim is None:
+                protected = request.about_to_finish or self._capped(request)
+                if protected and (step.scheduled or step.pending_free):
+                    return  # wait: requests scheduled in this pass, or pending copies, will free room
                 self._preempt(request, step)
                 return
             self._preempt(victim, step)
 
-    def _victim_eligible(self, candidate: Request, step: _Pass) -> bool:
+    def _capped(self, request: Request) -> bool:
         cap = self.config.max_preemptions_per_request
+        return cap is not None and request.num_suspensions + request.num_recompute_pauses >= cap
+
+    def _victim_eligible(self, candidate: Request, step: _Pass) -> bool:
         return (
             id(candidate) not in step.victims
             and id(candidate) not in step.scheduled
             and not candidate.about_to_finish
-            and (cap is None or candidate.num_suspensions + candidate.num_recompute_pauses < cap)
+            and not self._capped(candidate)
         )
 
     def _pick_victim(self, requester: Request, step: _Pass) -> Request | None:
@@ -403,6 +411,11 @@ class Scheduler:
 
     def set_host_capacity(self, host_blocks: int) -> list[Request]:
         """Attach, resize or remove (0) the host tier; suspended requests lose their host copies first."""
+        if self.pool.host.fenced:
+            raise PoolError(
+                f"cannot change the host tier while {len(self.pool.host.fenced)} of its blocks are in flight; "
+                "call complete_migrations() for the current output first"
+            )
         lost = [self.lose_host_copy(r.request_id) for r in list(self.suspended)] if host_blocks == 0 else []
         self.pool.set_host_capacity(host_blocks)
         if host_blocks == 0:

@@ -43,7 +43,8 @@ class SimExecutor:
     """Carries out scheduler outputs on slot-level KV contents.
 
     Invariant kept: after every step, the slots of each running request's block table hold exactly the tokens
-    it has computed, in order (checked on read: a slot holding the wrong token raises OUT-EQUIV early).
+    it has computed, in order. A never-written slot raises OUT-EQUIV at once; a slot holding a wrong token
+    changes the produced token, which the comparison with `reference_output` catches.
     """
 
     def __init__(self, scheduler: Scheduler, vocab: int = DEFAULT_VOCAB, *, complete_fences: bool = True,

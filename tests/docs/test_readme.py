@@ -1,0 +1,25 @@
+"""The README stays true: its diagram is the generated one and CI runs its test command."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_readme_embeds_the_generated_mermaid_diagram() -> None:
+    blocks = re.findall(r"```mermaid\n(.*?)```", README, flags=re.S)
+    assert blocks == [(ROOT / "diagrams" / "lifecycle.mmd").read_text(encoding="utf-8")]
+
+
+def test_quick_start_has_the_demo_and_the_test_command_and_ci_runs_the_latter() -> None:
+    commands = re.findall(r"^python3 -m venv .*$", README, flags=re.M)
+    assert len(commands) == 2
+    demo, tests = commands
+    assert demo.endswith("kvstate demo")
+    test_command = tests.split("&& ", 2)[-1]
+    assert test_command.endswith("pytest")
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert test_command.replace("pip install", "pip install -q") in ci

@@ -1,0 +1,146 @@
+"""The scheduler output: serialization as request ids (JSON and pickle), the recompute_paused default, and the
+checks of its lists (OUT-DISJOINT, OUT-STATE). Outputs come from real pressured passes so that every list that
+matters, the recompute_paused one above all, is non-empty."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+
+from kvstate.config import SchedulerConfig
+from kvstate.errors import InvariantViolation
+from kvstate.output import LIST_STATES, SchedulerOutput, UnknownRequest
+from kvstate.scheduler import Scheduler, check_output
+from kvstate.sim import SimExecutor
+
+
+def pressured_pass(host_blocks: int, id_kind: type = str) -> tuple[Scheduler, SchedulerOutput]:
+    """GPU 15 blocks of 1 token, chunks of 6. Pass 2 preempts the two tail requests so the first can continue:
+    with a 6-block host tier it suspends one and recompute-pauses the other (with a copy plan); without one it
+    recompute-pauses both and schedules a context chunk."""
+    sched = Scheduler(SchedulerConfig(gpu_blocks=15, host_blocks=host_blocks, block_size=1, prefill_chunk_size=6,
+                                      max_num_tokens=14))
+    names = ["p", "x", "y"] if id_kind is str else [10, 11, 12]
+    sched.submit(list(range(1, 14)), 1, request_id=names[0])
+    sched.submit(list(range(21, 29)), 2, request_id=names[1])
+    sched.submit([31, 32, 33, 34, 35], 2, request_id=names[2])
+    ex = SimExecutor(sched)
+    ex.step()
+    out = sched.schedule()
+    sched.check_invariants(out)
+    assert out.recompute_paused, "the scenario must produce a recompute-paused request"
+    if host_blocks:
+        assert out.suspended and out.migrations
+    else:
+        assert out.context and out.chunk_tokens
+    return sched, out
+
+
+def ids_of(out: SchedulerOutput) -> dict:
+    return {name: [r.request_id for r in requests] for name, requests in out.lists()}
+
+
+@pytest.mark.parametrize("host_blocks", [6, 0])
+@pytest.mark.parametrize("id_kind", [str, int])
+def test_json_round_trip_keeps_every_list_migrations_and_chunks(host_blocks: int, id_kind: type) -> None:
+    sched, out = pressured_pass(host_blocks, id_kind)
+    wire = json.dumps(out.to_dict())  # JSON-safe without a default hook
+    back = SchedulerOutput.from_dict(json.loads(wire), sched.requests)
+    assert back == out
+    assert ids_of(back) == ids_of(out)
+    for name, requests in out.lists():  # the receiver's own request objects, by identity
+        assert all(a is b for a, b in zip(getattr(back, name), requests))
+    assert back.migrations == out.migrations
+    assert back.chunk_tokens == out.chunk_tokens
+    assert back.num_fitting_requests == out.num_fitting_requests
+    assert [r.request_id for r in back.recompute_paused] == [r.request_id for r in out.recompute_paused] != []
+
+
+@pytest.mark.parametrize("host_blocks", [6, 0])
+def test_pickle_round_trip_keeps_recompute_paused_and_migrations(host_blocks: int) -> None:
+    _, out = pressured_pass(host_blocks)
+    back = pickle.loads(pickle.dumps(out))
+    assert back == out
+    assert [r.request_id for r in back.recompute_paused] == [r.request_id for r in out.recompute_paused] != []
+    assert [r.state for r in back.recompute_paused] == [r.state for r in out.recompute_paused]
+    assert back.migrations == out.migrations
+    if host_blocks:
+        assert back.migrations[0].runs() == out.migrations[0].runs()
+
+
+def test_construction_without_recompute_paused_defaults_to_empty() -> None:
+    sched, out = pressured_pass(0)
+    p = sched.get("p")
+    by_keyword = SchedulerOutput(context=[p], chunk_tokens={"p": 1})
+    assert by_keyword.recompute_paused == []
+    # the positional signature that predates the field still works
+    positional = SchedulerOutput([p], [], [], [], [], [], [], {"p": 1}, 1)
+    assert positional.recompute_paused == [] and positional.num_fitting_requests == 1
+    assert positional.to_dict()["recompute_paused"] == []
+    # the default is a fresh list per output, never shared
+    by_keyword.recompute_paused.append(p)
+    assert SchedulerOutput().recompute_paused == []
+
+
+def test_from_dict_of_a_dict_lacking_recompute_paused_loads() -> None:
+    sched, out = pressured_pass(6)
+    d = json.loads(json.dumps(out.to_dict()))
+    del d["recompute_paused"]
+    back = SchedulerOutput.from_dict(d, sched.requests)
+    assert back.recompute_paused == []
+    assert ids_of(back)["suspended"] == ids_of(out)["suspended"] != []
+    assert back.migrations == out.migrations
+
+
+def test_from_dict_naming_an_unknown_id_raises_unknown_request() -> None:
+    sched, out = pressured_pass(6)
+    d = out.to_dict()
+    missing = d["recompute_paused"][0]
+    active = {rid: r for rid, r in sched.requests.items() if rid != missing}
+    with pytest.raises(UnknownRequest) as info:
+        SchedulerOutput.from_dict(d, active)
+    assert repr(missing) in str(info.value) and "recompute_paused" in str(info.value)
+    assert isinstance(info.value, KeyError)
+
+
+def test_every_list_is_serialized_even_when_empty() -> None:
+    d = SchedulerOutput().to_dict()
+    assert set(LIST_STATES) <= set(d) and "recompute_paused" in d
+    assert all(d[name] == [] for name in LIST_STATES)
+    assert SchedulerOutput.from_dict(d, {}) == SchedulerOutput()
+
+
+def test_real_outputs_pass_check_output() -> None:
+    for host_blocks in (6, 0):
+        _, out = pressured_pass(host_blocks)
+        check_output(out)
+
+
+def test_check_output_detects_a_request_listed_twice() -> None:
+    sched, _ = pressured_pass(0)
+    p = sched.get("p")
+    assert p.state == "running"
+    twice = SchedulerOutput(context=[p], generation=[p])
+    with pytest.raises(InvariantViolation) as info:
+        check_output(twice)
+    assert info.value.invariant_id == "OUT-DISJOINT" and "'p'" in str(info.value)
+
+
+def test_check_output_detects_a_paused_request_also_listed_as_suspended() -> None:
+    sched, out = pressured_pass(6)
+    y = out.recompute_paused[0]
+    bad = SchedulerOutput(suspended=[y], recompute_paused=[y])
+    with pytest.raises(InvariantViolation) as info:
+        check_output(bad)
+    assert info.value.invariant_id == "OUT-DISJOINT"
+
+
+def test_check_output_detects_a_request_in_the_wrong_state_for_its_list() -> None:
+    sched, out = pressured_pass(6)
+    x = out.suspended[0]
+    assert x.state == "suspended"
+    with pytest.raises(InvariantViolation) as info:
+        check_output(SchedulerOutput(generation=[x]))
+    assert info.value.invariant_id == "OUT-STATE"

@@ -1,0 +1,266 @@
+"""The tiered block pool: allocation, conservation, ownership, all-or-nothing migration, fences, invariant checks.
+
+Every scenario uses a pool small enough that the behaviour under test is forced; expectations are computed from
+the pool's own tables (`usage()`, `gpu_blocks()`, `host_blocks()`), not from private counters.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstate.errors import InvariantViolation, PoolError
+from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan, TieredBlockPool
+
+
+def snapshot(pool: TieredBlockPool, *owners: object) -> tuple:
+    """Everything observable about a pool: usage, in-flight plans and each owner's block tables."""
+    return (
+        pool.usage(),
+        dict(pool.in_flight),
+        {o: (pool.gpu_blocks(o), pool.host_blocks(o)) for o in owners},
+        pool.gpu_free_blocks,
+        pool.host_free_blocks,
+    )
+
+
+def assert_conserved(pool: TieredBlockPool) -> None:
+    """CONS-GPU / CONS-HOST seen through `usage()`, and the pool's own check agrees."""
+    u = pool.usage()
+    assert u["gpu_free"] + u["gpu_held"] + u["gpu_fenced"] == u["gpu_capacity"]
+    assert u["host_free"] + u["host_held"] + u["host_fenced"] == u["host_capacity"]
+    pool.check_invariants()
+
+
+# ------------------------------------------------------------------------------------------- allocation
+
+
+def test_allocation_prefers_consecutive_low_ids() -> None:
+    pool = TieredBlockPool(gpu_blocks=8)
+    assert pool.allocate("a", 3) == [0, 1, 2]
+    assert pool.allocate("b", 2) == [3, 4]
+    pool.release("a")
+    # the lowest free ids come back first, and they are consecutive
+    assert pool.allocate("c", 2) == [0, 1]
+    assert pool.allocate("d", 2) == [2, 5]
+    assert pool.gpu_blocks("c") == (0, 1)
+
+
+def test_alloc_and_release_conserve_blocks_and_keep_ownership_exclusive() -> None:
+    pool = TieredBlockPool(gpu_blocks=6, host_blocks=4)
+    a = pool.allocate("a", 2)
+    b = pool.allocate("b", 3)
+    assert_conserved(pool)
+    assert pool.usage()["gpu_held"] == 5 and pool.gpu_free_blocks == 1
+    assert set(a).isdisjoint(b)
+    assert pool.gpu_blocks("a") == tuple(a) and pool.gpu_blocks("b") == tuple(b)
+    more = pool.allocate("a", 1)  # appends to a's table
+    assert pool.gpu_blocks("a") == tuple(a + more)
+    assert pool.release("a") == 3
+    assert pool.gpu_blocks("a") == () and pool.gpu_free_blocks == 3
+    assert_conserved(pool)
+    assert pool.release("a") == 0  # releasing an owner with nothing is a no-op
+    assert_conserved(pool)
+
+
+def test_allocate_more_than_free_is_refused_and_changes_nothing() -> None:
+    pool = TieredBlockPool(gpu_blocks=3)
+    pool.allocate("a", 2)
+    before = snapshot(pool, "a", "b")
+    assert not pool.can_allocate(2)
+    with pytest.raises(PoolError, match="1 free blocks"):
+        pool.allocate("b", 2)
+    assert snapshot(pool, "a", "b") == before
+
+
+# --------------------------------------------------------------------------------------------- suspend
+
+
+def test_suspend_is_atomic_when_the_host_tier_is_too_small() -> None:
+    pool = TieredBlockPool(gpu_blocks=8, host_blocks=2)
+    pool.allocate("a", 3)
+    before = snapshot(pool, "a")
+    assert not pool.can_suspend("a")
+    with pytest.raises(PoolError, match="recompute-pause"):
+        pool.suspend("a")
+    assert snapshot(pool, "a") == before  # no block moved, nothing fenced, no plan in flight
+    # the next plan id was not consumed by the refusal: a successful suspend still gets the first id
+    pool.release("a")
+    pool.allocate("b", 2)
+    assert pool.suspend("b").plan_id == 0
+
+
+def test_suspend_without_host_tier_is_refused() -> None:
+    pool = TieredBlockPool(gpu_blocks=4, host_blocks=0)
+    pool.allocate("a", 1)
+    assert not pool.has_host_tier
+    before = snapshot(pool, "a")
+    with pytest.raises(PoolError):
+        pool.suspend("a")
+    assert snapshot(pool, "a") == before
+
+
+def test_suspend_fences_gpu_sources_until_complete() -> None:
+    pool = TieredBlockPool(gpu_blocks=4, host_blocks=4)
+    sources = pool.allocate("a", 2)
+    pool.allocate("b", 1)
+    plan = pool.suspend("a")
+    assert plan.direction == TO_HOST and plan.request_id == "a"
+    assert [s for s, _ in plan.pairs] == sources
+    assert pool.gpu_blocks("a") == () and pool.host_blocks("a") == tuple(d for _, d in plan.pairs)
+    assert pool.usage()["gpu_fenced"] == 2
+    assert_conserved(pool)
+    # the fenced sources are not allocatable: only the one never-used block is free
+    assert pool.gpu_free_blocks == 1 and not pool.can_allocate(2)
+    got = pool.allocate("c", 1)
+    assert set(got).isdisjoint(sources)
+    pool.complete(plan)
+    assert pool.usage()["gpu_fenced"] == 0 and pool.gpu_free_blocks == 2
+    assert sorted(pool.allocate("d", 2)) == sorted(sources)
+    assert_conserved(pool)
+
+
+def test_resume_fences_host_sources_until_complete() -> None:
+    pool = TieredBlockPool(gpu_blocks=4, host_blocks=3)
+    pool.allocate("a", 2)
+    pool.complete(pool.suspend("a"))
+    host_sources = list(pool.host_blocks("a"))
+    assert pool.can_resume("a")
+    plan = pool.resume("a")
+    assert plan.direction == TO_GPU and [s for s, _ in plan.pairs] == host_sources
+    assert pool.host_blocks("a") == () and len(pool.gpu_blocks("a")) == 2
+    assert pool.usage()["host_fenced"] == 2 and pool.host_free_blocks == 1
+    assert_conserved(pool)
+    # while the copy back is in flight, another request cannot take the fenced host blocks
+    pool.allocate("b", 1)
+    plan_b = pool.suspend("b")
+    assert set(d for _, d in plan_b.pairs).isdisjoint(host_sources)
+    pool.complete(plan)
+    assert pool.usage()["host_fenced"] == 0 and pool.host_free_blocks == 2
+    assert_conserved(pool)
+
+
+def test_resume_is_atomic_when_the_gpu_tier_is_too_small() -> None:
+    pool = TieredBlockPool(gpu_blocks=3, host_blocks=3)
+    pool.allocate("a", 2)
+    pool.complete(pool.suspend("a"))
+    pool.allocate("b", 2)
+    before = snapshot(pool, "a", "b")
+    assert not pool.can_resume("a")
+    with pytest.raises(PoolError, match="wait for GPU room"):
+        pool.resume("a")
+    assert snapshot(pool, "a", "b") == before
+
+
+# ------------------------------------------------------------------------------------------ plan shape
+
+
+def test_runs_merge_pairs_consecutive_on_both_sides() -> None:
+    plan = MigrationPlan(0, "r", TO_HOST, ((0, 5), (1, 6), (2, 7), (4, 8), (5, 9), (6, 3), (8, 4)))
+    assert plan.runs() == ((0, 5, 3), (4, 8, 2), (6, 3, 1), (8, 4, 1))
+    assert sum(n for _, _, n in plan.runs()) == plan.num_blocks
+    assert MigrationPlan(1, "r", TO_GPU, ()).runs() == ()
+
+
+def test_suspend_of_consecutive_blocks_is_one_run() -> None:
+    pool = TieredBlockPool(gpu_blocks=8, host_blocks=8)
+    pool.allocate("a", 5)
+    plan = pool.suspend("a")
+    assert plan.runs() == ((0, 0, 5),)
+
+
+def test_completing_a_plan_twice_is_an_error() -> None:
+    pool = TieredBlockPool(gpu_blocks=4, host_blocks=4)
+    pool.allocate("a", 2)
+    plan = pool.suspend("a")
+    pool.complete(plan)
+    before = snapshot(pool, "a")
+    with pytest.raises(PoolError, match="exactly once"):
+        pool.complete(plan)
+    assert snapshot(pool, "a") == before
+    assert_conserved(pool)
+
+
+# ------------------------------------------------------------------------------------------- host tier
+
+
+def test_set_host_capacity_refused_while_host_blocks_are_held() -> None:
+    pool = TieredBlockPool(gpu_blocks=4, host_blocks=4)
+    pool.allocate("a", 2)
+    pool.complete(pool.suspend("a"))
+    before = snapshot(pool, "a")
+    with pytest.raises(PoolError, match="holds 2 blocks"):
+        pool.set_host_capacity(0)
+    assert snapshot(pool, "a") == before and pool.has_host_tier
+
+
+def test_set_host_capacity_refused_while_host_blocks_are_fenced() -> None:
+    pool = TieredBlockPool(gpu_blocks=4, host_blocks=4)
+    pool.allocate("a", 2)
+    pool.complete(pool.suspend("a"))
+    pool.resume("a")  # host sources fenced, nothing held
+    assert pool.usage()["host_held"] == 0 and pool.usage()["host_fenced"] == 2
+    with pytest.raises(PoolError, match="fences 2"):
+        pool.set_host_capacity(8)
+    assert pool.host.capacity == 4
+
+
+def test_set_host_capacity_attaches_and_detaches_an_empty_host_tier() -> None:
+    pool = TieredBlockPool(gpu_blocks=4, host_blocks=0)
+    pool.set_host_capacity(3)
+    assert pool.has_host_tier and pool.host_free_blocks == 3
+    pool.set_host_capacity(0)
+    assert not pool.has_host_tier
+    assert_conserved(pool)
+
+
+# ------------------------------------------------------------------------------------------ invariants
+
+
+def test_check_invariants_detects_a_block_listed_by_two_owners() -> None:
+    pool = TieredBlockPool(gpu_blocks=4)
+    a = pool.allocate("a", 2)
+    pool.allocate("b", 1)
+    pool.check_invariants()
+    pool.gpu.blocks_of["b"].append(a[0])  # corrupt: block a[0] now listed by a and by b
+    with pytest.raises(InvariantViolation) as info:
+        pool.check_invariants()
+    assert info.value.invariant_id == "OWN-EXCL"
+
+
+def test_check_invariants_detects_a_held_block_on_the_free_list() -> None:
+    pool = TieredBlockPool(gpu_blocks=4)
+    a = pool.allocate("a", 2)
+    pool.gpu.give_back([a[0]])  # corrupt: a held block is also free
+    with pytest.raises(InvariantViolation) as info:
+        pool.check_invariants()
+    assert info.value.invariant_id == "CONS-GPU"  # free + held + fenced exceeds capacity
+
+
+def test_check_invariants_detects_a_lost_host_block() -> None:
+    pool = TieredBlockPool(gpu_blocks=4, host_blocks=4)
+    pool.allocate("a", 2)
+    pool.complete(pool.suspend("a"))
+    pool.host._free.pop()  # corrupt: a free host block vanished
+    with pytest.raises(InvariantViolation) as info:
+        pool.check_invariants()
+    assert info.value.invariant_id == "CONS-HOST"
+
+
+def test_check_invariants_detects_a_fence_of_a_finished_plan() -> None:
+    pool = TieredBlockPool(gpu_blocks=4, host_blocks=4)
+    pool.allocate("a", 2)
+    plan = pool.suspend("a")
+    pool.in_flight.pop(plan.plan_id)  # corrupt: the plan is gone but its sources stay fenced
+    with pytest.raises(InvariantViolation) as info:
+        pool.check_invariants()
+    assert info.value.invariant_id == "FENCE"
+
+
+def test_check_invariants_detects_owner_tables_naming_different_owners() -> None:
+    pool = TieredBlockPool(gpu_blocks=4)
+    a = pool.allocate("a", 1)
+    pool.allocate("b", 1)
+    pool.gpu.owner_of[a[0]] = "b"  # corrupt: blocks_of says a owns it, owner_of says b
+    with pytest.raises(InvariantViolation) as info:
+        pool.check_invariants()
+    assert info.value.invariant_id == "OWN-EXCL"

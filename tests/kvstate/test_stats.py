@@ -1,0 +1,108 @@
+"""Iteration statistics (DESIGN §1.8, STATS-COUNT): suspended and recompute-paused requests and their KV tokens,
+recomputed tokens during replay, and a JSON-safe dict. Every expectation is computed from the scheduler's own
+request records and outputs, never hard-coded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvstate.config import SchedulerConfig
+from kvstate.scheduler import Scheduler
+from kvstate.sim import SimExecutor
+
+BLOCK_BYTES = 4096
+
+
+def scenario(host_blocks: int, pipeline_stages: int = 1) -> tuple[Scheduler, SimExecutor]:
+    """GPU 15 blocks of 1 token, chunks of 6: pass 2 preempts the two tail requests (see test_scheduler)."""
+    sched = Scheduler(SchedulerConfig(gpu_blocks=15, host_blocks=host_blocks, block_size=1, prefill_chunk_size=6,
+                                      max_num_tokens=14, pipeline_stages=pipeline_stages, block_bytes=BLOCK_BYTES))
+    sched.submit(list(range(1, 14)), 1, request_id="p")
+    sched.submit(list(range(21, 29)), 2, request_id="x")
+    sched.submit([31, 32, 33, 34, 35], 2, request_id="y")
+    return sched, SimExecutor(sched)
+
+
+def in_state(sched: Scheduler, state: str) -> list:
+    return [r for r in sched.requests.values() if r.state == state]
+
+
+def test_pressured_step_counts_suspended_and_recompute_paused_requests_and_their_tokens() -> None:
+    sched, ex = scenario(host_blocks=6)
+    ex.step()
+    out = ex.step()
+    stats = sched.stats()
+    suspended, paused = in_state(sched, "suspended"), in_state(sched, "recompute_paused")
+    assert suspended and paused  # the step was pressured both ways
+    assert stats.iteration == sched.iteration
+    assert stats.requests_per_state["suspended"] == len(suspended) == stats.num_suspended
+    assert stats.requests_per_state["recompute_paused"] == len(paused) == stats.num_recompute_paused
+    assert stats.requests_per_state["running"] == len(in_state(sched, "running"))
+    assert sum(stats.requests_per_state.values()) == len(sched.requests) + len(sched.finished)
+    assert stats.suspended_kv_tokens == sum(r.num_computed_tokens for r in suspended) > 0
+    assert stats.recompute_paused_tokens_to_replay == sum(len(r.prefill_tokens) for r in paused) > 0
+    assert stats.suspended_this_iteration == len(out.suspended)
+    assert stats.recompute_paused_this_iteration == len(out.recompute_paused)
+    assert stats.preemptions == len(out.suspended) + len(out.recompute_paused)
+    blocks = sum(p.num_blocks for p in out.migrations)
+    assert stats.blocks_migrated == blocks > 0 and stats.bytes_migrated == blocks * BLOCK_BYTES
+    usage = sched.pool.usage()
+    assert stats.host_blocks_used == usage["host_held"] + usage["host_fenced"] > 0
+    assert stats.gpu_blocks_used == usage["gpu_held"] + usage["gpu_fenced"]
+    assert (stats.gpu_capacity, stats.host_capacity) == (15, 6)
+
+
+def test_requests_awaiting_consensus_count_as_recompute_paused() -> None:
+    sched, ex = scenario(host_blocks=0, pipeline_stages=2)
+    ex.step()
+    out = ex.step()
+    awaiting = in_state(sched, "awaiting_consensus")
+    assert awaiting and out.recompute_paused
+    stats = sched.stats()
+    assert stats.requests_per_state["awaiting_consensus"] == len(awaiting)
+    assert stats.num_recompute_paused == len(awaiting) + len(in_state(sched, "recompute_paused"))
+    assert stats.suspended_kv_tokens == 0 and stats.num_suspended == 0
+
+
+def test_recomputed_tokens_equal_the_replay_chunk_tokens() -> None:
+    sched, ex = scenario(host_blocks=0)
+    replay_steps = 0
+    total = 0
+    while sched.has_unfinished:
+        out = ex.step()
+        stats = sched.stats()
+        replayed = sum(out.chunk_tokens[r.request_id] for r in out.replay)
+        assert stats.recomputed_tokens == replayed
+        assert stats.scheduled_tokens == out.num_tokens
+        if out.replay:
+            replay_steps += 1
+            assert stats.recomputed_tokens > 0
+            assert stats.scheduled_tokens >= stats.recomputed_tokens
+        total += stats.recomputed_tokens
+    assert replay_steps > 0
+    assert total == sum(r.num_recomputed_tokens for r in sched.finished.values()) > 0
+
+
+def test_generated_tokens_count_the_tokens_produced_in_the_step() -> None:
+    sched, ex = scenario(host_blocks=6)
+    while sched.has_unfinished:
+        before = {rid: len(r.generated) for rid, r in sched.requests.items()}
+        ex.step()
+        after = {rid: len(r.generated) for rid, r in {**sched.requests, **sched.finished}.items() if rid in before}
+        assert sched.stats().generated_tokens == sum(after[rid] - before[rid] for rid in before)
+
+
+@pytest.mark.parametrize("host_blocks", [6, 0])
+def test_stats_to_dict_is_json_safe(host_blocks: int) -> None:
+    sched, ex = scenario(host_blocks)
+    ex.step()
+    ex.step()
+    stats = sched.stats()
+    d = stats.to_dict()
+    assert json.loads(json.dumps(d)) == d
+    assert d["requests_per_state"] == stats.requests_per_state
+    assert d["suspended_kv_tokens"] == stats.suspended_kv_tokens
+    d["requests_per_state"]["running"] = -1  # the dict is a copy: the stats stay as they were
+    assert stats.requests_per_state["running"] != -1
