@@ -3,6 +3,6 @@
 A registered subparser sets `run=<callable(args) -> int>` as its default.
 """
 
-from kvstate.commands import demo, diagram, spec_summary
+from kvstate.commands import check, demo, diagram, spec_summary
 
-ALL = (demo, diagram, spec_summary)
+ALL = (check, demo, diagram, spec_summary)

@@ -1,0 +1,24 @@
+"""Model checking of the lifecycle spec and refinement checking of the real scheduler (`kvstate check`).
+
+* `model`: the abstract model derived from the spec (counts, not tokens), with symmetry reduction;
+* `invariants`: predicates keyed by spec invariant id, and which layer checks which invariant;
+* `explore`: BFS, deadlock, SCC liveness (fairness assumption in its docstring), coverage;
+* `refinement`: exhaustive exploration of the real `Scheduler` driven by `SimExecutor`;
+* `runner`: the `kvstate check` code path, reports and counterexample regression tests;
+* `bounds`: named bounds from `spec/bounds.toml`.
+"""
+
+from kvstate.checker.bounds import Bound, BoundsError, load_bounds, select_bounds
+from kvstate.checker.explore import HOLDS, INCOMPLETE, VIOLATED, ModelResult, explore
+from kvstate.checker.invariants import STATE_PREDICATES, STEP_PREDICATES, CheckerError, plan_invariants
+from kvstate.checker.model import AbstractEffects, AbstractModel
+from kvstate.checker.refinement import ObservedScheduler, Refinement, replay_refinement
+from kvstate.checker.replay import replay_abstract
+from kvstate.checker.runner import EXIT_CODES, BoundReport, check_bound, run_check
+
+__all__ = [
+    "HOLDS", "INCOMPLETE", "VIOLATED", "EXIT_CODES", "AbstractEffects", "AbstractModel", "Bound", "BoundReport",
+    "BoundsError", "CheckerError", "ModelResult", "ObservedScheduler", "Refinement", "STATE_PREDICATES",
+    "STEP_PREDICATES", "check_bound", "explore", "load_bounds", "plan_invariants", "replay_abstract",
+    "replay_refinement", "run_check", "select_bounds",
+]

@@ -1,0 +1,126 @@
+"""Named bounds of the model checker, read from `spec/bounds.toml`.
+
+A bound fixes everything that makes the state space finite: the requests (prompt length, max new tokens), the
+GPU and host tiers (host 0 = no host tier), the block size, the prefill chunk, the pipeline depth, and how much
+environment nondeterminism the scheduler refinement injects (cancellations, lost host copies).
+
+Invariant kept: every request of a bound fits the GPU tier alone (LIVE-REFUSE: a request that cannot is refused
+at submission, so it never belongs to a bound; the loader refuses such a bound with a clear message).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from kvstate.errors import KVStateError
+
+DEFAULT_SET_KEY = "default_set"
+
+
+class BoundsError(KVStateError, ValueError):
+    """The bounds file is malformed or names an unknown bound; the message names the entry."""
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One finite instance of the model. `requests` = ((prompt_len, max_new_tokens), ...) in arrival order."""
+
+    name: str
+    requests: tuple[tuple[int, int], ...]
+    gpu_blocks: int
+    host_blocks: int = 0
+    block_size: int = 1
+    chunk_size: int = 2
+    pipeline_stages: int = 1
+    cancel: bool = True  # abstract model: cancel and abort may hit any request in any state
+    env_cancels: int = 1  # refinement: cancellations the environment may inject in one run
+    env_host_losses: int = 0  # refinement: host copies the environment may lose in one run
+    recompute_pause: bool = True  # scheduler config enable_recompute_pause
+    description: str = ""
+    groups: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "requests", tuple((int(p), int(m)) for p, m in self.requests))
+        object.__setattr__(self, "groups", tuple(sorted(set(self.requests))))
+        where = f"bound {self.name!r}"
+        if not self.requests:
+            raise BoundsError(f"{where}: 'requests' is empty; list at least one [prompt_len, max_new_tokens]")
+        for name in ("gpu_blocks", "block_size", "chunk_size", "pipeline_stages"):
+            if getattr(self, name) <= 0:
+                raise BoundsError(f"{where}: {name} must be a positive integer, got {getattr(self, name)}")
+        if self.host_blocks < 0 or self.env_cancels < 0 or self.env_host_losses < 0:
+            raise BoundsError(f"{where}: host_blocks, env_cancels and env_host_losses must be >= 0")
+        for prompt, new in self.requests:
+            if prompt <= 0 or new <= 0:
+                raise BoundsError(f"{where}: request [{prompt}, {new}] needs prompt_len >= 1 and max_new_tokens >= 1")
+            if prompt + new > self.gpu_blocks * self.block_size:
+                raise BoundsError(
+                    f"{where}: request [{prompt}, {new}] can never fit the GPU tier alone "
+                    f"({self.gpu_blocks} blocks x {self.block_size} tokens); the scheduler refuses it at submission "
+                    "(LIVE-REFUSE), so it cannot be part of a bound: shrink it or enlarge gpu_blocks"
+                )
+
+    def group_of(self, index: int) -> int:
+        """The symmetry group of request `index`: requests with equal parameters are interchangeable."""
+        return self.groups.index(self.requests[index])
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name, "requests": [list(r) for r in self.requests], "gpu_blocks": self.gpu_blocks,
+            "host_blocks": self.host_blocks, "block_size": self.block_size, "chunk_size": self.chunk_size,
+            "pipeline_stages": self.pipeline_stages, "cancel": self.cancel, "env_cancels": self.env_cancels,
+            "env_host_losses": self.env_host_losses, "recompute_pause": self.recompute_pause,
+            "description": self.description,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, name: str | None = None) -> Bound:
+        data = dict(data)
+        data["name"] = name or data.get("name", "bound")
+        known = set(cls.__dataclass_fields__) - {"groups"}
+        unknown = set(data) - known
+        if unknown:
+            raise BoundsError(f"bound {data['name']!r}: unknown keys {sorted(unknown)}; known keys: {sorted(known)}")
+        requests = data.get("requests")
+        if not isinstance(requests, list) or not all(isinstance(r, list) and len(r) == 2 for r in requests):
+            raise BoundsError(f"bound {data['name']!r}: 'requests' must be a list of [prompt_len, max_new_tokens]")
+        if "gpu_blocks" not in data:
+            raise BoundsError(f"bound {data['name']!r}: 'gpu_blocks' is required")
+        return cls(**{**data, "requests": tuple(tuple(r) for r in requests)})
+
+
+def packaged_bounds_path() -> Path:
+    return Path(str(resources.files("kvstate.spec_files").joinpath("bounds.toml")))
+
+
+def load_bounds(path: str | Path | None = None) -> tuple[dict[str, Bound], tuple[str, ...]]:
+    """All bounds of the file (in file order) and the names of the default set."""
+    source = Path(path) if path is not None else packaged_bounds_path()
+    try:
+        data = tomllib.loads(source.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise BoundsError(f"cannot read bounds file {source}: {err.strerror}") from err
+    except tomllib.TOMLDecodeError as err:
+        raise BoundsError(f"{source} is not valid TOML: {err}") from err
+    tables = data.get("bounds")
+    if not isinstance(tables, dict) or not tables:
+        raise BoundsError(f"{source}: expected tables [bounds.NAME]")
+    bounds = {name: Bound.from_dict(entry, name) for name, entry in tables.items()}
+    default = tuple(data.get(DEFAULT_SET_KEY, list(bounds)))
+    missing = [n for n in default if n not in bounds]
+    if missing:
+        raise BoundsError(f"{source}: {DEFAULT_SET_KEY} names unknown bounds {missing}")
+    return bounds, default
+
+
+def select_bounds(names: list[str] | None, path: str | Path | None = None) -> list[Bound]:
+    """The bounds named (the default set when `names` is empty), refusing unknown names."""
+    bounds, default = load_bounds(path)
+    chosen = names or list(default)
+    unknown = [n for n in chosen if n not in bounds]
+    if unknown:
+        raise BoundsError(f"unknown bound(s) {unknown}; known bounds: {', '.join(bounds)}")
+    return [bounds[n] for n in chosen]

@@ -1,0 +1,345 @@
+"""The abstract model derived from the spec: counts instead of tokens and block ids.
+
+Abstract state (hashable): `(requests, gpu_free, host_free, gpu_fenced, host_fenced)` where `requests` is a sorted
+tuple of per-request tuples `(group, state, computed, generated, gpu_blocks, host_blocks, deferred, prefill, in_flight)`:
+`group` indexes the bound's distinct (prompt_len, max_new_tokens) pairs, `state` is a spec state ("" = not
+arrived yet), `deferred` the termination reason recorded while awaiting consensus ("" = none) and `prefill` the
+length of the (replay) prompt. The host tier is present iff the bound's host capacity is > 0; the pipeline depth
+is the bound's. `in_flight` (0/1) marks a decode step still in the pipeline when a recompute-pause was
+decided (pipeline stages > 1 only). Sorting the tuples is the symmetry reduction: requests with equal parameters are
+interchangeable, so states that differ only by a permutation of them are one state.
+
+Transitions (`AbstractModel.successors`), each atomic:
+* `arrive` (environment): a not-yet-arrived request enters the spec's initial state (at most once each, so
+  arrivals stop);
+* every spec event on every request whose guard - the real function of `GUARDS`, or an injected one - holds on
+  views built from the abstract state, fired through `TransitionTable.fire` with the effect applied by an
+  `EffectHooks` implementation on the abstract state (`AbstractEffects`, or an injected class);
+* `compute` (a scheduler step of one request): a running or replaying request computes its next prefill chunk
+  or decodes one token, allocating the GPU blocks it needs (disabled without room: making room is the job of
+  the spec's preemption events). When the step completes the (replay) prompt a token is produced; then
+  `catch_up` and `finish` fire through the table where their guards hold, as the scheduler does in
+  `complete_step`. Token ids and stop tokens are abstracted away: a request finishes when its budget is spent;
+* with several pipeline stages, a request whose recompute-pause was decided while its last decode step was in
+  the pipeline (`in_flight`) may still receive that token while awaiting consensus (`compute` lands it; `finish`
+  then takes its self-loop and defers the termination);
+* `complete gpu` / `complete host` (environment): the executor reports every copy out of that tier done,
+  ending their fences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from kvstate.checker.bounds import Bound
+from kvstate.lifecycle import STATE_ATTRIBUTE, TransitionTable
+from kvstate.semantics import GUARDS, Guard
+from kvstate.spec import Spec, Transition
+
+ABSENT = ""
+NONE = ""
+# fields of a request tuple
+GROUP, STATE, COMPUTED, GENERATED, GPU, HOST, DEFERRED, PREFILL, IN_FLIGHT = range(9)
+
+Req = tuple  # (group, state, computed, generated, gpu, host, deferred, prefill, in_flight)
+AState = tuple  # (requests, gpu_free, host_free, gpu_fenced, host_fenced)
+Action = tuple  # (kind, slot, name): ("arrive", k, None), ("event", k, "suspend"), ("compute", k, None), ("complete", None, "gpu")
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+class RequestState:
+    """A mutable view of one abstract request; satisfies `kvstate.RequestView`."""
+
+    __slots__ = ("request_id", STATE_ATTRIBUTE, "group", "computed", "generated", "gpu", "host", "deferred",
+                 "prefill", "in_flight", "prompt_len", "max_new_tokens", "chunk_size", "block_size")
+
+    def __init__(self, req: Req, slot: int, bound: Bound) -> None:
+        self.request_id = slot
+        (self.group, state, self.computed, self.generated, self.gpu, self.host, deferred, self.prefill,
+         self.in_flight) = req
+        setattr(self, STATE_ATTRIBUTE, state)
+        self.deferred = deferred or None
+        self.prompt_len, self.max_new_tokens = bound.groups[self.group]
+        self.chunk_size = bound.chunk_size
+        self.block_size = bound.block_size
+
+    @property
+    def state(self) -> str:
+        return getattr(self, STATE_ATTRIBUTE)
+
+    def to_tuple(self) -> Req:
+        state = self.state
+        if state == "done":  # a finished request's history no longer matters; its block counts still do
+            return (self.group, state, 0, 0, self.gpu, self.host, NONE, 0, 0)
+        return (self.group, state, self.computed, self.generated, self.gpu, self.host, self.deferred or NONE,
+                self.prefill, self.in_flight)
+
+    # ---- RequestView
+    @property
+    def next_chunk(self) -> int:
+        return min(self.chunk_size, self.prefill - self.computed)
+
+    @property
+    def blocks_for_first_chunk(self) -> int:
+        return blocks_for(self.next_chunk, self.block_size)
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.gpu
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host
+
+    @property
+    def final_token_produced(self) -> bool:
+        return self.generated >= self.max_new_tokens
+
+    @property
+    def replay_complete(self) -> bool:
+        return self.computed >= self.prefill
+
+    @property
+    def termination_reason(self) -> str | None:
+        return self.deferred
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.computed < self.prefill
+
+
+class PoolState:
+    """A mutable view of the abstract pool; satisfies `kvstate.PoolView`."""
+
+    __slots__ = ("gpu_free", "host_free", "gpu_fenced", "host_fenced", "gpu_capacity", "host_capacity", "stages")
+
+    def __init__(self, state: AState, bound: Bound) -> None:
+        _, self.gpu_free, self.host_free, self.gpu_fenced, self.host_fenced = state
+        self.gpu_capacity, self.host_capacity, self.stages = bound.gpu_blocks, bound.host_blocks, bound.pipeline_stages
+
+    def to_tuple(self) -> tuple[int, int, int, int]:
+        return (self.gpu_free, self.host_free, self.gpu_fenced, self.host_fenced)
+
+    @property
+    def gpu_free_blocks(self) -> int:
+        return self.gpu_free
+
+    @property
+    def host_free_blocks(self) -> int:
+        return self.host_free
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.host_capacity > 0
+
+    @property
+    def pipeline_stages(self) -> int:
+        return self.stages
+
+
+class AbstractEffects:
+    """`EffectHooks` on the abstract state: block counting, fences as counts, the reset for replay."""
+
+    def __init__(self, pool: PoolState) -> None:
+        self.pool = pool
+
+    def allocate_first_chunk(self, request: RequestState, transition: Transition) -> None:
+        blocks = request.blocks_for_first_chunk
+        self.pool.gpu_free -= blocks
+        request.gpu = blocks
+
+    def migrate_to_host(self, request: RequestState, transition: Transition) -> None:
+        blocks = request.gpu
+        self.pool.gpu_fenced += blocks  # sources stay fenced until the copies complete (FENCE)
+        self.pool.host_free -= blocks
+        request.gpu, request.host = 0, blocks
+
+    def migrate_to_gpu(self, request: RequestState, transition: Transition) -> None:
+        blocks = request.host
+        self.pool.host_fenced += blocks
+        self.pool.gpu_free -= blocks
+        request.gpu, request.host = blocks, 0
+
+    def _release(self, request: RequestState) -> None:
+        self.pool.gpu_free += request.gpu
+        self.pool.host_free += request.host
+        request.gpu = request.host = 0
+
+    def release_kv_and_reset(self, request: RequestState, transition: Transition) -> None:
+        self._release(request)
+        request.prefill = request.prompt_len + request.generated
+        request.computed = 0
+        request.in_flight = 0
+
+    def hold_for_consensus(self, request: RequestState, transition: Transition) -> None:
+        # With several stages the pause may be decided while the request's last decode step is still in the
+        # pipeline: that token may still land (and may be its final one) before consensus.
+        request.in_flight = int(not request.is_prefilling)
+
+    def release_kv_and_terminate(self, request: RequestState, transition: Transition) -> None:
+        self._release(request)
+        request.in_flight = 0
+
+    def defer_termination(self, request: RequestState, transition: Transition) -> None:
+        request.deferred = request.deferred or transition.done_reason
+
+
+@dataclass(frozen=True)
+class Step:
+    """One edge of the abstract state graph, before canonicalization: `before`/`after` are in the same order."""
+
+    action: Action
+    before: AState
+    after_requests: tuple[Req, ...]
+    after_pool: tuple[int, int, int, int]
+    taken: tuple[Transition, ...]
+
+    @property
+    def slot(self) -> int | None:
+        return self.action[1]
+
+
+class AbstractModel:
+    """The abstract model of one bound; `guards`, `effects` and `spec` can be injected (planted bugs)."""
+
+    def __init__(self, bound: Bound, spec: Spec | None = None, guards: Mapping[str, Guard] | None = None,
+                 effects: type = AbstractEffects) -> None:
+        self.bound = bound
+        self.table = TransitionTable(spec, GUARDS if guards is None else guards)
+        self.spec = self.table.spec
+        self.effects = effects
+        self.terminal = frozenset(self.spec.terminal_states)
+        self.events_from = {s.name: self.table.allowed_events(s.name) for s in self.spec.states}
+        if not bound.cancel:
+            self.events_from = {s: tuple(e for e in evs if e not in ("cancel", "abort")) for s, evs in self.events_from.items()}
+
+    # ---- states
+    def initial(self) -> AState:
+        reqs = tuple(sorted((self.bound.group_of(i), ABSENT, 0, 0, 0, 0, NONE, p, 0)
+                            for i, (p, _) in enumerate(self.bound.requests)))
+        return (reqs, self.bound.gpu_blocks, self.bound.host_blocks, 0, 0)
+
+    def is_final(self, state: AState) -> bool:
+        """Every request reached a terminal state."""
+        return all(r[STATE] in self.terminal for r in state[0])
+
+    @staticmethod
+    def canonical(requests: tuple[Req, ...], pool: tuple[int, int, int, int]) -> AState:
+        return (tuple(sorted(requests)), *pool)
+
+    @staticmethod
+    def canonical_order(requests: tuple[Req, ...]) -> list[int]:
+        """The permutation `canonical` applies: position i of the result holds requests[order[i]]."""
+        return sorted(range(len(requests)), key=requests.__getitem__)
+
+    # ---- actions
+    def actions(self, state: AState) -> Iterator[Action]:
+        reqs = state[0]
+        for k, r in enumerate(reqs):
+            if k and r == reqs[k - 1]:
+                continue  # an identical twin: the same successors (symmetry)
+            st = r[STATE]
+            if st == ABSENT:
+                yield ("arrive", k, None)
+                continue
+            if st in ("running", "replaying") or r[IN_FLIGHT]:
+                yield ("compute", k, None)
+            for event in self.events_from[st]:
+                yield ("event", k, event)
+        if state[3]:
+            yield ("complete", None, "gpu")
+        if state[4]:
+            yield ("complete", None, "host")
+
+    def apply(self, state: AState, action: Action) -> Step | None:
+        """The edge `action` takes from `state`, or None when it is not enabled."""
+        kind, slot, name = action
+        bound = self.bound
+        pool = PoolState(state, bound)
+        reqs = list(state[0])
+        taken: list[Transition] = []
+        if kind == "complete":
+            if name == "gpu" and pool.gpu_fenced:
+                pool.gpu_free, pool.gpu_fenced = pool.gpu_free + pool.gpu_fenced, 0
+            elif name == "host" and pool.host_fenced:
+                pool.host_free, pool.host_fenced = pool.host_free + pool.host_fenced, 0
+            else:
+                return None
+            return Step(action, state, tuple(reqs), pool.to_tuple(), ())
+        request = RequestState(reqs[slot], slot, bound)
+        table = self.table
+        if kind == "arrive":
+            if request.state != ABSENT:
+                return None
+            table.start(request)
+        elif kind == "event":
+            if table.resolve(request, name, pool) is None:
+                return None
+            taken.append(table.fire(request, name, pool, self.effects(pool)))
+        elif kind == "compute":
+            landing = request.state == "awaiting_consensus" and request.in_flight
+            if request.state not in ("running", "replaying") and not landing:
+                return None
+            if landing:
+                tokens = 1
+                request.in_flight = 0
+            elif request.is_prefilling:
+                tokens = request.next_chunk
+            elif request.state == "running":
+                tokens = 1
+            else:
+                return None  # a caught-up replay is running by now
+            need = blocks_for(request.computed + tokens, bound.block_size) - request.gpu
+            if need > pool.gpu_free:
+                return None
+            if need > 0:
+                pool.gpu_free -= need
+                request.gpu += need
+            request.computed += tokens
+            if not request.is_prefilling:
+                request.generated += 1
+                hooks = self.effects(pool)
+                if request.state == "replaying" and table.resolve(request, "catch_up", pool) is not None:
+                    taken.append(table.fire(request, "catch_up", pool, hooks))
+                if table.resolve(request, "finish", pool) is not None:
+                    taken.append(table.fire(request, "finish", pool, hooks))
+        else:
+            raise ValueError(f"unknown action kind {kind!r}")
+        reqs[slot] = request.to_tuple()
+        return Step(action, state, tuple(reqs), pool.to_tuple(), tuple(taken))
+
+    def successors(self, state: AState) -> Iterator[Step]:
+        for action in self.actions(state):
+            step = self.apply(state, action)
+            if step is not None:
+                yield step
+
+    # ---- words
+    def describe_request(self, req: Req) -> str:
+        prompt, new = self.bound.groups[req[GROUP]]
+        if req[STATE] == ABSENT:
+            return f"not arrived [prompt {prompt}, max_new {new}]"
+        if req[STATE] in self.terminal:
+            return f"{req[STATE]} (gpu {req[GPU]}, host {req[HOST]})"
+        text = (f"{req[STATE]} computed {req[COMPUTED]}/{req[PREFILL]} generated {req[GENERATED]}/{new} "
+                f"gpu {req[GPU]} host {req[HOST]}")
+        return text + (f" deferred {req[DEFERRED]}" if req[DEFERRED] else "")
+
+    def describe_pool(self, state: AState) -> str:
+        _, gf, hf, gfe, hfe = state
+        return (f"pool gpu free {gf}/{self.bound.gpu_blocks} fenced {gfe}; host free {hf}/{self.bound.host_blocks}"
+                f" fenced {hfe}")
+
+    def describe_action(self, action: Action, name_of: str) -> str:
+        kind, _, name = action
+        if kind == "complete":
+            return f"executor completes every copy out of the {name} tier"
+        if kind == "arrive":
+            return f"{name_of} arrives"
+        if kind == "compute":
+            return f"{name_of} computes one step"
+        return f"{name_of} takes event {name}"

@@ -1,0 +1,88 @@
+"""Replaying counterexamples: the functions the generated regression tests call, and step-list formatting."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kvstate.checker.bounds import Bound
+from kvstate.checker.explore import Violation
+from kvstate.checker.invariants import STATE_PREDICATES, STEP_PREDICATES
+from kvstate.checker.model import AbstractModel, AState
+from kvstate.errors import InvariantViolation
+from kvstate.spec import load_spec
+
+
+def _check_state(model: AbstractModel, state: AState) -> None:
+    for inv_id, predicate in STATE_PREDICATES.items():
+        message = predicate(model, state)
+        if message:
+            raise InvariantViolation(inv_id, message)
+
+
+def replay_abstract(bound: Bound | dict, steps: list[tuple], *, invariant: str | None = None,
+                    spec_path: str | None = None) -> bool:
+    """Replay `steps` on the abstract model with the real guards and effects; raise InvariantViolation (an
+    AssertionError) when an invariant fails. Returns False when a step is no longer enabled (the counterexample
+    is not feasible any more: the bug is fixed), True when the whole path replayed cleanly."""
+    if isinstance(bound, dict):
+        bound = Bound.from_dict(bound)
+    model = AbstractModel(bound, load_spec(spec_path) if spec_path else None)
+    state = model.initial()
+    _check_state(model, state)
+    for action in steps:
+        step = model.apply(state, tuple(action))
+        if step is None:
+            return False
+        for inv_id, predicate in STEP_PREDICATES.items():
+            message = predicate(model, step)
+            if message:
+                raise InvariantViolation(inv_id, message)
+        state = model.canonical(step.after_requests, step.after_pool)
+        _check_state(model, state)
+    if invariant == "DEADLOCK" and not model.is_final(state):
+        if not any(model.canonical(s.after_requests, s.after_pool) != state for s in model.successors(state)):
+            raise InvariantViolation("DEADLOCK", "no enabled action leads anywhere from a state that is not final")
+    if invariant == "LIVE-DONE" and not _final_reachable(model, state):
+        raise InvariantViolation("LIVE-DONE", "no final state is reachable from the end of the counterexample")
+    return True
+
+
+def _final_reachable(model: AbstractModel, start: AState) -> bool:
+    seen, queue = {start}, deque([start])
+    while queue:
+        state = queue.popleft()
+        if model.is_final(state):
+            return True
+        for step in model.successors(state):
+            nxt = model.canonical(step.after_requests, step.after_pool)
+            if nxt not in seen:
+                seen.add(nxt)
+                queue.append(nxt)
+    return False
+
+
+def format_abstract_path(model: AbstractModel, violation: Violation) -> list[str]:
+    """The counterexample as numbered steps; requests keep their names r0, r1, ... (bound order) throughout."""
+    state = model.initial()
+    unsorted = tuple((model.bound.group_of(i), "", 0, 0, 0, 0, "", p, 0) for i, (p, _) in enumerate(model.bound.requests))
+    perm = model.canonical_order(unsorted)  # canonical slot -> request index
+    lines = ["0. initial: " + model.describe_pool(state)]
+    for n, (action, after) in enumerate(violation.path, 1):
+        if violation.loop_start is not None and n - 1 == violation.loop_start:
+            lines.append("   -- the following steps repeat forever --")
+        step = model.apply(state, action)
+        if step is None:  # cannot happen for a path the search produced
+            lines.append(f"{n}. {action} (not enabled on replay)")
+            break
+        slot = action[1]
+        if slot is None:
+            lines.append(f"{n}. {model.describe_action(action, '')}; {model.describe_pool(after)}")
+        else:
+            name = f"r{perm[slot]}"
+            edges = ", ".join(f"{t.event}: {t.source} -> {t.dest}" for t in step.taken)
+            lines.append(f"{n}. {model.describe_action(action, name)}" + (f" [{edges}]" if edges else "") +
+                         f"; {name} now {model.describe_request(step.after_requests[slot])}; {model.describe_pool(after)}")
+        order = model.canonical_order(step.after_requests)
+        perm = [perm[k] for k in order]
+        state = model.canonical(step.after_requests, step.after_pool)
+    return lines

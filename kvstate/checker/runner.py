@@ -1,0 +1,231 @@
+"""`check_bound` and `run_check`: the code path of `kvstate check` (abstract model, then scheduler refinement).
+
+Verdicts are three-valued: `holds`, `violated`, `incomplete` (a search cut by --max-states or --time-limit never
+reports holds). A violation prints its shortest counterexample and writes it as a pytest regression test.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Mapping
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstate.checker.bounds import Bound
+from kvstate.checker.explore import HOLDS, INCOMPLETE, VIOLATED, ModelResult, explore
+from kvstate.checker.invariants import InvariantPlan, plan_invariants
+from kvstate.checker.model import AbstractEffects, AbstractModel
+from kvstate.checker.refinement import ObservedScheduler, Refinement, RefinementResult
+from kvstate.checker.replay import format_abstract_path
+from kvstate.semantics import Guard
+from kvstate.spec import Spec, load_spec, packaged_spec_path
+
+EXIT_CODES = {HOLDS: 0, VIOLATED: 1, INCOMPLETE: 2}
+
+
+@dataclass
+class BoundReport:
+    bound: Bound
+    abstract: ModelResult
+    refinement: RefinementResult | None
+    verdict: str
+    counterexample: list[str]
+    counterexample_file: Path | None = None
+    violated_invariant: str | None = None
+
+
+def combine(*verdicts: str) -> str:
+    if VIOLATED in verdicts:
+        return VIOLATED
+    if INCOMPLETE in verdicts:
+        return INCOMPLETE
+    return HOLDS
+
+
+def check_bound(bound: Bound, *, spec: Spec | None = None, guards: Mapping[str, Guard] | None = None,
+                effects: type = AbstractEffects, max_states: int | None = None, time_limit: float | None = None,
+                refine: bool = True, scheduler_class: type = ObservedScheduler, progress=None,
+                counterexample_dir: Path | None = None) -> BoundReport:
+    """Check one bound; `spec`, `guards`, `effects` and `scheduler_class` may be injected (planted bugs)."""
+    spec = spec if spec is not None else load_spec()
+    plan_invariants(spec)
+    start = time.perf_counter()
+    model = AbstractModel(bound, spec, guards, effects)
+    abstract = explore(model, max_states=max_states, time_limit=time_limit, keep_states=refine,
+                       progress=(lambda s, e: progress("abstract", s, e)) if progress else None)
+    refinement = None
+    lines: list[str] = []
+    if abstract.verdict != VIOLATED and refine:
+        left = None if time_limit is None else max(0.01, time_limit - (time.perf_counter() - start))
+        refinement = Refinement(bound, spec, abstract.reachable if abstract.verdict == HOLDS else None,
+                                scheduler_class).explore(
+            max_states=max_states, time_limit=left,
+            progress=(lambda s, e: progress("refinement", s, e)) if progress else None)
+    abstract.reachable = None  # free memory
+    report = BoundReport(bound, abstract, refinement,
+                         combine(abstract.verdict, refinement.verdict if refinement else HOLDS), lines)
+    if abstract.violation is not None:
+        report.violated_invariant = abstract.violation.invariant
+        lines += [f"counterexample (abstract model, bound {bound.name}): invariant {abstract.violation.invariant} "
+                  f"violated: {abstract.violation.message}", *format_abstract_path(model, abstract.violation)]
+        if counterexample_dir is not None:
+            report.counterexample_file = write_abstract_test(counterexample_dir, bound, spec, abstract)
+    elif refinement is not None and refinement.verdict == VIOLATED:
+        report.violated_invariant = refinement.violation_id
+        lines.append(f"counterexample (scheduler refinement, bound {bound.name}): {refinement.message}")
+        for n, (action, fired) in enumerate(refinement.path, 1):
+            if refinement.loop_start is not None and n - 1 == refinement.loop_start:
+                lines.append("   -- the following steps repeat forever --")
+            lines.append(f"{n}. {' '.join(map(str, action))}" + (f": {'; '.join(fired)}" if fired else ""))
+        if counterexample_dir is not None:
+            report.counterexample_file = write_refinement_test(counterexample_dir, bound, spec, refinement)
+    return report
+
+
+# ------------------------------------------------------------------------------------- regression test files
+def _slug(text: str) -> str:
+    return re.sub(r"\W+", "_", text).strip("_").lower() or "bound"
+
+
+def _spec_path(spec: Spec) -> str | None:
+    try:
+        if Path(spec.source).resolve() == packaged_spec_path().resolve():
+            return None
+    except OSError:
+        pass
+    return str(Path(spec.source).resolve()) if Path(spec.source).is_file() else None
+
+
+def _header(kind: str, bound: Bound, invariant: str, message: str, spec: Spec) -> str:
+    return (
+        f'"""Regression test written by `kvstate check`: a counterexample of the {kind}, bound {bound.name!r}.\n\n'
+        f"Invariant {invariant}: {message}\n\n"
+        "It replays the steps with the real guards and effects and fails while the violation is still there;\n"
+        "it passes once a step is no longer enabled or the invariant holds along the whole path.\n"
+        f'Spec: {spec.source}\n"""\n\n'
+    )
+
+
+def write_abstract_test(directory: Path, bound: Bound, spec: Spec, result: ModelResult) -> Path:
+    violation = result.violation
+    steps = "".join(f"    {tuple(action)!r},\n" for action, _ in violation.path)
+    text = (
+        _header("abstract model", bound, violation.invariant, violation.message, spec)
+        + "from kvstate.checker.replay import replay_abstract\n\n"
+        f"BOUND = {bound.to_dict()!r}\n"
+        f"SPEC_PATH = {_spec_path(spec)!r}\n"
+        f"INVARIANT = {violation.invariant!r}\n"
+        f"STEPS = [\n{steps}]\n\n\n"
+        f"def test_{_slug(bound.name)}_{_slug(violation.invariant)}():\n"
+        "    replay_abstract(BOUND, STEPS, invariant=INVARIANT, spec_path=SPEC_PATH)\n"
+    )
+    return _write(directory / f"kvstate-counterexample-{_slug(bound.name)}.py", text)
+
+
+def write_refinement_test(directory: Path, bound: Bound, spec: Spec, result: RefinementResult) -> Path:
+    actions = "".join(f"    {tuple(action)!r},\n" for action, _ in result.path if action != ("step",) or True)
+    text = (
+        _header("scheduler refinement", bound, result.violation_id, result.message, spec)
+        + "from kvstate.checker.refinement import replay_refinement\n\n"
+        f"BOUND = {bound.to_dict()!r}\n"
+        f"SPEC_PATH = {_spec_path(spec)!r}\n"
+        f"INVARIANT = {result.violation_id!r}\n"
+        f"ACTIONS = [\n{actions}]\n\n\n"
+        f"def test_{_slug(bound.name)}_{_slug(result.violation_id)}():\n"
+        "    replay_refinement(BOUND, ACTIONS, invariant=INVARIANT, spec_path=SPEC_PATH)\n"
+    )
+    return _write(directory / f"kvstate-counterexample-{_slug(bound.name)}.py", text)
+
+
+def _write(path: Path, text: str) -> Path:
+    from kvstate.errors import KVStateError
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    except OSError as err:
+        raise KVStateError(f"cannot write {path}: {err.strerror}; pass a writable --counterexample-dir") from err
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- reporting
+def describe_bound(bound: Bound) -> str:
+    reqs = ", ".join(f"{p}+{m}" for p, m in bound.requests)
+    return (f"requests [{reqs}] (prompt+max_new), gpu {bound.gpu_blocks}, host {bound.host_blocks}, "
+            f"block {bound.block_size}, chunk {bound.chunk_size}, stages {bound.pipeline_stages}")
+
+
+def report_lines(report: BoundReport, spec: Spec) -> list[str]:
+    a = report.abstract
+    total = len(spec.transitions)
+    lines = [f"bound {report.bound.name}: {describe_bound(report.bound)}"]
+    coverage = (f"coverage {total - len(a.never_enabled)}/{total} transitions" if a.verdict == HOLDS
+                else "coverage not judged")
+    lines.append(f"  abstract model: {a.states} states, {a.edges} edges, {a.seconds:.2f} s ({a.rate:.0f} states/s), "
+                 f"{coverage}: {a.verdict}" + (f" ({a.stop_reason})" if a.stop_reason else ""))
+    if a.verdict == HOLDS:
+        if a.never_enabled:
+            lines.append("    never enabled: " + ", ".join(f"{t.source} -{t.event}-> {t.dest}" for t in a.never_enabled))
+        lines.append(f"    progress-free cycles (information, excluded by fairness / the policy): "
+                     f"{a.progress_free_sccs} non-trivial SCCs with an unfinished request")
+    r = report.refinement
+    if r is not None:
+        checked = "abstraction in the model's reachable set" if r.abstract_checked else "abstraction not matched (model incomplete)"
+        lines.append(f"  scheduler refinement: {r.states} states, {r.edges} edges, {r.seconds:.2f} s "
+                     f"({r.rate:.0f} states/s), {checked}: {r.verdict}" + (f" ({r.stop_reason})" if r.stop_reason else ""))
+    lines.append(f"  verdict: {report.verdict}" + (f" ({report.violated_invariant})" if report.violated_invariant else ""))
+    return lines
+
+
+def overall_coverage(reports: list[BoundReport], spec: Spec) -> tuple[list, list]:
+    """(taken somewhere, never enabled in any complete bound) over every bound."""
+    taken = set()
+    for r in reports:
+        taken.update(r.abstract.taken)
+    return [t for t in spec.transitions if t in taken], [t for t in spec.transitions if t not in taken]
+
+
+def run_check(bounds: list[Bound], *, spec: Spec | None = None, max_states: int | None = None,
+              time_limit: float | None = None, counterexample_dir: Path | None = Path("."), console=None,
+              show_progress: bool = False, refine: bool = True, **inject) -> tuple[int, list[BoundReport]]:
+    """Check every bound, print the report; returns (exit code, reports)."""
+    spec = spec if spec is not None else load_spec()
+    plan: InvariantPlan = plan_invariants(spec)
+    say = console.print if console is not None else print
+    say(f"kvstate check: spec {spec.source}; bounds {', '.join(b.name for b in bounds)}")
+    for line in plan.lines():
+        say(f"  {line}", markup=False) if console is not None else say(f"  {line}")
+    reports = []
+    for bound in bounds:
+        progress_ctx = nullcontext(None)
+        if show_progress and console is not None:
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            progress_ctx = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                                    console=console, transient=True)
+        with progress_ctx as bar:
+            callback = None
+            if bar is not None:
+                task = bar.add_task(f"{bound.name}: starting")
+
+                def callback(phase, states, edges, bar=bar, task=task, name=bound.name):
+                    bar.update(task, description=f"{name}: {phase} {states} states, {edges} edges")
+            report = check_bound(bound, spec=spec, max_states=max_states, time_limit=time_limit, refine=refine,
+                                 progress=callback, counterexample_dir=counterexample_dir, **inject)
+        reports.append(report)
+        for line in report_lines(report, spec) + report.counterexample:
+            say(line, markup=False, highlight=False) if console is not None else say(line)
+        if report.counterexample_file is not None:
+            line = f"  wrote regression test {report.counterexample_file}"
+            say(line, markup=False) if console is not None else say(line)
+    taken, never = overall_coverage(reports, spec)
+    verdict = combine(*(r.verdict for r in reports))
+    summary = [f"coverage over all bounds: {len(taken)}/{len(spec.transitions)} transitions taken"]
+    if never:
+        summary.append("  never taken in any bound: " + ", ".join(f"{t.source} -{t.event}-> {t.dest}" for t in never))
+    summary.append(f"verdict: {verdict} ({len(reports)} bound(s), exit {EXIT_CODES[verdict]})")
+    for line in summary:
+        say(line, markup=False, highlight=False) if console is not None else say(line)
+    return EXIT_CODES[verdict], reports

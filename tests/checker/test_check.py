@@ -1,0 +1,134 @@
+"""`kvstate check` on the default bounds, verdicts, exit codes, and the counterexample regression file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstate.checker import HOLDS, INCOMPLETE, Bound, check_bound, plan_invariants, run_check, select_bounds
+from kvstate.checker.explore import tarjan
+from kvstate.cli import main
+from kvstate.spec import load_spec, packaged_spec_path
+
+SPEC = load_spec()
+
+
+@pytest.fixture(scope="module")
+def default_reports():
+    code, reports = run_check(select_bounds(None), counterexample_dir=None)
+    return code, reports
+
+
+def test_default_bounds_hold(default_reports):
+    code, reports = default_reports
+    assert code == 0
+    assert {r.bound.name for r in reports} >= {"default", "no_host", "pipeline2"}
+    for report in reports:
+        assert report.verdict == HOLDS, report.counterexample
+        assert report.abstract.verdict == HOLDS and report.refinement.verdict == HOLDS
+        assert report.refinement.abstract_checked  # every scheduler state mapped into the model's reachable set
+        assert report.abstract.states > 100 and report.abstract.edges > report.abstract.states
+
+
+def test_coverage_lists_every_transition(default_reports):
+    _, reports = default_reports
+    taken_anywhere = set()
+    for report in reports:
+        taken = set(report.abstract.taken)
+        never = set(report.abstract.never_enabled)
+        assert taken | never == set(SPEC.transitions) and not taken & never
+        taken_anywhere |= taken
+    assert taken_anywhere == set(SPEC.transitions)  # every spec edge is exercised by some default bound
+
+
+def test_no_host_bound_never_suspends(default_reports):
+    _, reports = default_reports
+    no_host = next(r for r in reports if r.bound.name == "no_host")
+    assert any(t.event == "suspend" for t in no_host.abstract.never_enabled)
+
+
+def test_cli_exit_code_holds(capsys, tmp_path):
+    assert main(["check", "--bound", "no_host", "--counterexample-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "bound no_host" in out and "verdict: holds" in out and "states/s" in out and "coverage" in out
+
+
+def test_cli_incomplete_with_tiny_max_states(capsys, tmp_path):
+    assert main(["check", "--max-states", "10", "--counterexample-dir", str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert "incomplete" in out and "verdict: holds" not in out
+
+
+def test_time_limit_gives_incomplete():
+    report = check_bound(select_bounds(["default"])[0], time_limit=1e-9)
+    assert report.verdict == INCOMPLETE
+
+
+def test_unknown_bound_is_a_clear_error(capsys):
+    assert main(["check", "--bound", "nope"]) == 2
+    assert "unknown bound" in capsys.readouterr().err
+
+
+def test_state_invariant_without_predicate_refuses(tmp_path, capsys):
+    text = packaged_spec_path().read_text() + (
+        '\n[[invariants]]\nid = "NEW-STATE-RULE"\nscope = "state"\nstatement = "Something new."\n')
+    path = tmp_path / "spec.toml"
+    path.write_text(text)
+    assert main(["check", "--spec", str(path), "--bound", "no_host"]) == 2
+    err = capsys.readouterr().err
+    assert "NEW-STATE-RULE" in err and "no predicate" in err
+
+
+def test_invariant_plan_covers_every_state_invariant():
+    plan = plan_invariants(SPEC)
+    assert set(plan.state) == {i.id for i in SPEC.invariants if i.scope == "state"}
+    assert "GEN-APPEND" in plan.step and "OUT-EQUIV" in plan.refinement and "LIVE-DONE" in plan.liveness
+    assert all(SPEC_SCOPE[i] in ("pass", "run", "liveness", "step") for i in plan.left)
+
+
+SPEC_SCOPE = {i.id: i.scope for i in SPEC.invariants}
+
+
+def test_bound_that_cannot_fit_is_refused():
+    from kvstate.checker import BoundsError
+
+    with pytest.raises(BoundsError, match="LIVE-REFUSE"):
+        Bound(name="x", requests=((4, 4),), gpu_blocks=2, block_size=1)
+
+
+def test_tarjan_iterative_deep_chain():
+    n = 50_000  # far beyond the recursion limit
+    succ = [[i + 1] for i in range(n - 1)] + [[0]]
+    comp = tarjan(n, succ)
+    assert len(set(comp)) == 1
+    comp = tarjan(n, [[i + 1] for i in range(n - 1)] + [[]])
+    assert len(set(comp)) == n
+
+
+def spec_with_resume_to_done(tmp_path: Path) -> Path:
+    text = packaged_spec_path().read_text()
+    edited = text.replace('{ source = ["suspended"], dest = "running", guard = "gpu_room_for_all_blocks"',
+                          '{ source = ["suspended"], dest = "done", guard = "gpu_room_for_all_blocks"')
+    assert edited != text
+    path = tmp_path / "lifecycle.toml"
+    path.write_text(edited)
+    return path
+
+
+def test_counterexample_file_is_a_failing_pytest(tmp_path, capsys):
+    spec_path = spec_with_resume_to_done(tmp_path)
+    out_dir = tmp_path / "cex"
+    assert main(["check", "--spec", str(spec_path), "--bound", "default", "--counterexample-dir", str(out_dir)]) == 1
+    out = capsys.readouterr().out
+    assert "counterexample" in out and "1. " in out and "RES-STATE" in out
+    written = out_dir / "kvstate-counterexample-default.py"
+    source = written.read_text()
+    compile(source, str(written), "exec")
+    assert "def test_" in source and "replay_abstract" in source
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(written)],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr  # the regression test fails while the bug is there
+    assert "RES-STATE" in run.stdout

@@ -1,0 +1,99 @@
+"""Deliberately wrong guards, effects, specs and scheduler code: the checker must catch each with a
+counterexample naming the invariant. Bugs are injected (guards mapping, effects class, spec copy, monkeypatch),
+never by editing library files."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstate.checker import VIOLATED, AbstractEffects, Bound, check_bound, select_bounds
+from kvstate.scheduler import Scheduler
+from kvstate.semantics import GUARDS
+from kvstate.spec import load_spec, packaged_spec_path
+
+BOUNDS = {b.name: b for b in select_bounds(["default", "no_host", "pipeline2"])}
+
+
+def caught(report, *invariants: str) -> str:
+    assert report.verdict == VIOLATED, "the planted bug was not caught"
+    assert report.violated_invariant in invariants, report.counterexample
+    assert report.counterexample and report.counterexample[0].startswith("counterexample")
+    assert any(line.startswith("1. ") for line in report.counterexample)
+    return "\n".join(report.counterexample)
+
+
+def always(request, pool) -> bool:
+    return True
+
+
+@pytest.mark.parametrize("bound", ["default", "no_host"])
+def test_suspend_without_host_room(bound):
+    guards = {**GUARDS, "host_room_for_all_blocks": always}
+    text = caught(check_bound(BOUNDS[bound], guards=guards, refine=False),
+                  "OWN-EXCL", "CONS-HOST", "HOST-CAP", "NO-HOST-NO-SUSPEND")
+    assert "suspend" in text
+
+
+def test_recompute_pause_that_keeps_its_blocks():
+    class KeepsBlocks(AbstractEffects):
+        def release_kv_and_reset(self, request, transition):
+            request.prefill = request.prompt_len + request.generated
+            request.computed = 0  # forgets to free its blocks
+
+    text = caught(check_bound(BOUNDS["no_host"], effects=KeepsBlocks, refine=False), "RES-STATE", "RESET-CLEARED")
+    assert "recompute_pause" in text
+
+
+def test_replay_that_forgets_generated_tokens():
+    class Forgets(AbstractEffects):
+        def release_kv_and_reset(self, request, transition):
+            super().release_kv_and_reset(request, transition)
+            request.prefill = request.prompt_len  # replay prompt without the generated tokens
+
+    text = caught(check_bound(BOUNDS["no_host"], effects=Forgets, refine=False), "RESET-PROMPT")
+    assert "replay prompt" in text
+
+
+def test_resume_that_ignores_gpu_room():
+    guards = {**GUARDS, "gpu_room_for_all_blocks": always}
+    text = caught(check_bound(BOUNDS["default"], guards=guards, refine=False), "OWN-EXCL", "CONS-GPU")
+    assert "resume" in text
+
+
+def test_victim_chosen_twice(monkeypatch):
+    """Scheduler._victim_eligible without its `victims` test picks a victim that could not be preempted again."""
+
+    def ignores_victims(self, candidate, step):
+        cap = self.config.max_preemptions_per_request
+        return (id(candidate) not in step.scheduled and not candidate.about_to_finish
+                and (cap is None or candidate.num_suspensions + candidate.num_recompute_pauses < cap))
+
+    # no host tier and recompute-pause disabled: a victim can be neither suspended nor paused
+    bound = Bound(name="victims", requests=((2, 3), (2, 3)), gpu_blocks=5, host_blocks=0, block_size=1,
+                  chunk_size=2, recompute_pause=False, env_cancels=0)
+    monkeypatch.setattr(Scheduler, "_victim_eligible", ignores_victims)
+    text = caught(check_bound(bound), "VICTIM-ONCE")
+    assert "scheduler refinement" in text
+
+
+def test_spec_edit_resume_to_done(tmp_path):
+    text = packaged_spec_path().read_text()
+    edited = text.replace('{ source = ["suspended"], dest = "running", guard = "gpu_room_for_all_blocks"',
+                          '{ source = ["suspended"], dest = "done", guard = "gpu_room_for_all_blocks"')
+    path = tmp_path / "lifecycle.toml"
+    path.write_text(edited)
+    report = check_bound(BOUNDS["default"], spec=load_spec(path), counterexample_dir=tmp_path)
+    text = caught(report, "RES-STATE")
+    assert "resume: suspended -> done" in text
+    assert report.counterexample_file is not None and report.counterexample_file.exists()
+
+
+def test_consensus_that_replays_a_cancelled_request():
+    guards = {**GUARDS, "replay_still_wanted": always,
+              "termination_requested": lambda request, pool: False}
+    caught(check_bound(BOUNDS["pipeline2"], guards=guards, refine=False), "RESET-TERMINATED", "PP-TERMINATE")
+
+
+def test_correct_model_holds_on_the_same_bounds():
+    for bound in BOUNDS.values():
+        assert check_bound(bound, refine=False).verdict == "holds"
