@@ -1,3 +1,42 @@
-"""The reference executor on torch (filled in by the executor issue)."""
+"""executor: the torch side of kvstate — paged KV cache with a device and a host tier, a small Llama-style
+model with paged attention, a deterministic sampler, and the engine loop that carries out the scheduler's plan.
 
-__all__: list[str] = []
+`import kvstate` never imports this package (or torch); import `executor` explicitly.
+"""
+
+from executor.engine import Engine, EngineConfig, HostTierFallbackWarning, InvalidTokenId, RunTotals, resolve_dtype
+from executor.hf import CheckpointError, load_hf_llama, save_hf_llama
+from executor.kv_cache import CompletedFence, EventFence, Fence, HostTierAllocationError, PagedKVCache, resolve_device
+from executor.model import LlamaModel, ModelConfig, PagedBatch, SeqChunk
+from executor.sampler import GREEDY, SamplingParams, draw_seed, sample_token
+from executor.trace import TRACE_FIELDS, TraceWriter, read_trace, trace_record
+
+__all__ = [
+    "GREEDY",
+    "TRACE_FIELDS",
+    "CheckpointError",
+    "CompletedFence",
+    "Engine",
+    "EngineConfig",
+    "EventFence",
+    "Fence",
+    "HostTierAllocationError",
+    "HostTierFallbackWarning",
+    "InvalidTokenId",
+    "LlamaModel",
+    "ModelConfig",
+    "PagedBatch",
+    "PagedKVCache",
+    "RunTotals",
+    "SamplingParams",
+    "SeqChunk",
+    "TraceWriter",
+    "draw_seed",
+    "load_hf_llama",
+    "read_trace",
+    "resolve_device",
+    "resolve_dtype",
+    "sample_token",
+    "save_hf_llama",
+    "trace_record",
+]

@@ -1,0 +1,218 @@
+"""The paged KV cache: a device tier, an optional host tier, and fenced block copies between them.
+
+Layout (both tiers): ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``; index 0 of the third
+dimension holds keys, 1 holds values. One block's K and V for every layer are contiguous, so moving a request's
+block moves all of its layers in one slice, and a run of consecutive block ids is one contiguous slice.
+
+Invariants kept:
+* block ids are the scheduler's: device block ``b`` is ``device[b]``, host block ``h`` is ``host[h]``; this class
+  never allocates or frees a block id, it only copies the blocks a `MigrationPlan` names;
+* `execute(plan)` issues exactly one slice copy per run of `plan.runs()` (merged consecutive ids on both sides);
+* a plan's copies are complete once its `Fence` reports `done()`; `Fence.wait()` blocks the host until then and
+  `Fence.order_before(stream)` makes a stream wait for them on the device. The scheduler may reuse a migration's
+  source blocks only after its fence completed (the engine calls `complete_migrations` after `wait()`);
+* on CUDA the copies run on a dedicated copy stream that first waits for the compute stream (so the forward
+  passes that wrote a source block finish before it is read) and use ``non_blocking=True`` with a pinned host
+  tier; on the CPU every copy is synchronous and the fence is already complete;
+* the host tier either exists with its full capacity or not at all: a failed allocation raises
+  `HostTierAllocationError` and leaves the cache GPU-only, so the engine can fall back (DESIGN §1.7).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan
+
+
+class HostTierAllocationError(RuntimeError):
+    """The host tier could not be allocated (not enough pinned memory); run GPU-only or shrink `host_blocks`."""
+
+
+class Fence(Protocol):
+    """Completion of one migration plan's copies."""
+
+    def wait(self) -> None:
+        """Block the calling thread until the copies have completed."""
+
+    def done(self) -> bool:
+        """True once the copies have completed (never blocks)."""
+
+    def order_before(self, stream: object | None) -> None:
+        """Make `stream` (a CUDA stream; None on the CPU) wait for the copies before its later work."""
+
+
+class CompletedFence:
+    """The fence of a synchronous copy: complete at creation."""
+
+    __slots__ = ()
+
+    def wait(self) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True
+
+    def order_before(self, stream: object | None) -> None:
+        return None
+
+
+class EventFence:
+    """The fence of copies issued on a CUDA stream: an event recorded on that stream after the last copy."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+    def done(self) -> bool:
+        return bool(self.event.query())
+
+    def order_before(self, stream: object | None) -> None:
+        if stream is not None:
+            stream.wait_event(self.event)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` is CUDA when a device is usable, else the CPU; ``"cuda"`` without one is a clear error."""
+    if isinstance(device, torch.device):
+        resolved = device
+    elif device == "auto":
+        resolved = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    elif device in ("cpu", "cuda") or str(device).startswith("cuda:"):
+        resolved = torch.device(device)
+    else:
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch.cuda.is_available() is False; use 'cpu' or 'auto'")
+    return resolved
+
+
+class PagedKVCache:
+    """Device tier and (after `attach_host_tier`) host tier tensors, plus the copy machinery between them."""
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        *,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "auto",
+        num_host_blocks: int = 0,
+    ) -> None:
+        """Allocate the device tier; with `num_host_blocks` > 0 also the host tier (may raise
+        `HostTierAllocationError`, after which the object is not created; prefer `attach_host_tier`)."""
+        if num_gpu_blocks <= 0:
+            raise ValueError(f"num_gpu_blocks must be positive, got {num_gpu_blocks}")
+        self.device = resolve_device(device)
+        self.block_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device_cache = torch.zeros((num_gpu_blocks, *self.block_shape), dtype=dtype, device=self.device)
+        self.host_cache: torch.Tensor | None = None
+        self.num_copies = 0  # slice copies issued so far (one per merged run)
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if num_host_blocks:
+            self.attach_host_tier(num_host_blocks)
+
+    # ---- sizes
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.device_cache.shape[0]
+
+    @property
+    def num_host_blocks(self) -> int:
+        return 0 if self.host_cache is None else self.host_cache.shape[0]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block (K and V of every layer): what a one-block migration moves."""
+        numel = 1
+        for n in self.block_shape:
+            numel *= n
+        return numel * self.device_cache.element_size()
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def copy_stream(self) -> torch.cuda.Stream | None:
+        return self._copy_stream
+
+    # ---- host tier
+    def attach_host_tier(self, num_host_blocks: int, *, simulate_failure: bool = False) -> None:
+        """Allocate the host tier (pinned when the device tier is on CUDA).
+
+        Raises `HostTierAllocationError` when it cannot be allocated (or `simulate_failure` asks for that, for
+        tests); the cache is then left without a host tier.
+        """
+        if num_host_blocks <= 0:
+            raise ValueError(f"num_host_blocks must be positive, got {num_host_blocks}; 0 means no host tier")
+        self.host_cache = None
+        shape = (num_host_blocks, *self.block_shape)
+        if simulate_failure:
+            raise HostTierAllocationError(
+                f"simulated failure allocating a host tier of {num_host_blocks} blocks "
+                f"({num_host_blocks * self.block_bytes} bytes)"
+            )
+        try:
+            self.host_cache = torch.zeros(shape, dtype=self.dtype, device="cpu", pin_memory=self.is_cuda)
+        except (RuntimeError, MemoryError) as err:  # torch raises RuntimeError (OOM, pinning failed)
+            raise HostTierAllocationError(
+                f"could not allocate a host tier of {num_host_blocks} blocks ({num_host_blocks * self.block_bytes} "
+                f"bytes{', pinned' if self.is_cuda else ''}): {err}; lower host_blocks or run GPU-only"
+            ) from err
+
+    # ---- per-layer views used by attention
+    def layer_keys(self, layer: int) -> torch.Tensor:
+        """View ``[num_gpu_blocks, block_size, num_kv_heads, head_dim]`` of one layer's keys (writes go through)."""
+        return self.device_cache[:, layer, 0]
+
+    def layer_values(self, layer: int) -> torch.Tensor:
+        return self.device_cache[:, layer, 1]
+
+    # ---- migration
+    def execute(self, plan: MigrationPlan) -> Fence:
+        """Issue `plan`'s copies, one slice copy per merged run; returns the fence that completes with them."""
+        if plan.direction == TO_HOST:
+            source, dest = self.device_cache, self._host(plan)
+        elif plan.direction == TO_GPU:
+            source, dest = self._host(plan), self.device_cache
+        else:
+            raise ValueError(f"migration plan {plan.plan_id} has unknown direction {plan.direction!r}")
+        runs = plan.runs()
+        if self._copy_stream is None:
+            for src, dst, n in runs:
+                self._copy(dest, dst, source, src, n, non_blocking=False)
+            return CompletedFence()
+        compute = torch.cuda.current_stream(self.device)
+        self._copy_stream.wait_stream(compute)  # source blocks written by earlier forward passes are final
+        with torch.cuda.stream(self._copy_stream):
+            for src, dst, n in runs:
+                self._copy(dest, dst, source, src, n, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        return EventFence(event)
+
+    def _copy(self, dest: torch.Tensor, dst: int, source: torch.Tensor, src: int, n: int, *,
+              non_blocking: bool) -> None:
+        dest[dst:dst + n].copy_(source[src:src + n], non_blocking=non_blocking)
+        self.num_copies += 1
+
+    def _host(self, plan: MigrationPlan) -> torch.Tensor:
+        if self.host_cache is None:
+            raise RuntimeError(
+                f"migration plan {plan.plan_id} ({plan.direction}) needs a host tier, but this cache has none; "
+                "the scheduler must run with host_blocks=0 when the host tier is missing"
+            )
+        return self.host_cache

@@ -1,0 +1,52 @@
+"""`kvstate demo` end to end on a small workload."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvstate.cli import main
+
+
+def test_demo_runs_and_passes(tmp_path, capsys):
+    trace = tmp_path / "demo.ndjson"
+    code = main(["demo", "--requests", "8", "--gpu-blocks", "12", "--host-blocks", "4", "--block-size", "4",
+                 "--device", "cpu", "--seed", "1", "--trace", str(trace)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "OUTPUT EQUIVALENCE: PASS" in out
+    assert "recompute-pauses" in out and "bytes migrated" in out and "tokens/s" in out
+    assert str(trace) in out.replace("\n", "")
+    lines = trace.read_text().splitlines()
+    assert lines and all(json.loads(line)["event"] for line in lines)
+
+
+def test_demo_without_host_tier(tmp_path, capsys):
+    code = main(["demo", "--requests", "6", "--gpu-blocks", "12", "--host-blocks", "0", "--block-size", "4",
+                 "--device", "cpu", "--trace", str(tmp_path / "t.ndjson")])
+    assert code == 0
+    assert "PASS" in capsys.readouterr().out
+
+
+def test_demo_bad_option_is_a_clear_error(tmp_path, capsys):
+    code = main(["demo", "--gpu-blocks", "0", "--device", "cpu", "--trace", str(tmp_path / "t.ndjson")])
+    assert code == 2
+    assert "gpu_blocks must be a positive integer" in capsys.readouterr().err
+
+
+def test_import_kvstate_does_not_import_torch():
+    code = "import sys, kvstate, kvstate.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+@pytest.mark.cuda
+def test_demo_on_cuda(tmp_path, capsys):
+    code = main(["demo", "--requests", "8", "--gpu-blocks", "12", "--host-blocks", "4", "--block-size", "4",
+                 "--device", "cuda", "--trace", str(tmp_path / "t.ndjson")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "on cuda" in out and "PASS" in out

@@ -1,0 +1,143 @@
+"""The paged KV cache: layout, merged-run copies, fences, host-tier allocation failure; CUDA copy stream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor import CompletedFence, EventFence, HostTierAllocationError, PagedKVCache
+from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan
+
+
+def _cache(gpu=16, host=8, device="cpu", dtype=torch.float32) -> PagedKVCache:
+    return PagedKVCache(gpu, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype, device=device,
+                        num_host_blocks=host)
+
+
+def _fill(tensor: torch.Tensor) -> None:
+    tensor.copy_(torch.arange(tensor.numel(), dtype=tensor.dtype).view_as(tensor))
+
+
+def test_layout_and_block_bytes():
+    cache = _cache()
+    assert cache.device_cache.shape == (16, 2, 2, 4, 2, 8)
+    assert cache.host_cache.shape == (8, 2, 2, 4, 2, 8)
+    assert cache.block_bytes == 2 * 2 * 4 * 2 * 8 * 4
+    assert cache.device_cache[3].is_contiguous()  # one block's K and V of every layer are contiguous
+    keys = cache.layer_keys(1)
+    keys[5, 2] = 7.0
+    assert torch.all(cache.device_cache[5, 1, 0, 2] == 7.0)  # the per-layer view writes through
+
+
+def test_consecutive_ids_copy_as_one_run():
+    cache = _cache()
+    _fill(cache.device_cache)
+    plan = MigrationPlan(0, "r", TO_HOST, ((3, 0), (4, 1), (5, 2), (6, 3)))
+    fence = cache.execute(plan)
+    assert cache.num_copies == 1
+    assert isinstance(fence, CompletedFence) and fence.done()
+    fence.wait()
+    assert torch.equal(cache.host_cache[0:4], cache.device_cache[3:7])
+
+
+def test_runs_split_where_ids_stop_being_consecutive():
+    cache = _cache()
+    _fill(cache.host_cache)
+    pairs = ((0, 9), (1, 10), (5, 11), (6, 2), (7, 3))  # runs: (0,9,2) (5,11,1) (6,2,2)
+    cache.execute(MigrationPlan(1, "r", TO_GPU, pairs))
+    assert cache.num_copies == 3
+    for src, dst in pairs:
+        assert torch.equal(cache.device_cache[dst], cache.host_cache[src])
+
+
+def test_round_trip_preserves_every_byte():
+    cache = _cache(dtype=torch.float64)
+    _fill(cache.device_cache)
+    original = cache.device_cache[[2, 7, 8]].clone()
+    cache.execute(MigrationPlan(0, "r", TO_HOST, ((2, 5), (7, 0), (8, 1))))
+    cache.device_cache.zero_()
+    cache.execute(MigrationPlan(1, "r", TO_GPU, ((5, 11), (0, 12), (1, 13))))
+    assert torch.equal(cache.device_cache[11:14], original)
+
+
+def test_host_tier_allocation_failure_is_catchable():
+    cache = _cache(host=0)
+    assert cache.host_cache is None and cache.num_host_blocks == 0
+    with pytest.raises(HostTierAllocationError, match="simulated"):
+        cache.attach_host_tier(4, simulate_failure=True)
+    assert cache.host_cache is None
+    with pytest.raises(RuntimeError, match="needs a host tier"):
+        cache.execute(MigrationPlan(0, "r", TO_HOST, ((0, 0),)))
+
+
+def test_real_allocation_error_becomes_host_tier_error(monkeypatch):
+    cache = _cache(host=0)
+    real_zeros = torch.zeros
+
+    def failing_zeros(*args, **kwargs):
+        if kwargs.get("device") == "cpu" and "pin_memory" in kwargs:
+            raise RuntimeError("CUDA error: out of memory (pinned)")
+        return real_zeros(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", failing_zeros)
+    with pytest.raises(HostTierAllocationError, match="out of memory"):
+        cache.attach_host_tier(4)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="num_gpu_blocks"):
+        _cache(gpu=0)
+    with pytest.raises(ValueError, match="device must be"):
+        _cache(device="tpu")
+    with pytest.raises(ValueError, match="direction"):
+        _cache().execute(MigrationPlan(0, "r", "sideways", ((0, 0),)))
+
+
+# ---------------------------------------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+def test_cuda_copies_run_on_the_copy_stream_with_an_event_fence():
+    cache = _cache(gpu=64, host=64, device="cuda")
+    assert cache.host_cache.is_pinned()
+    assert cache.copy_stream is not None and cache.copy_stream != torch.cuda.current_stream()
+    _fill(cache.device_cache)
+    expected = cache.device_cache[0:32].cpu()
+    fence = cache.execute(MigrationPlan(0, "r", TO_HOST, tuple((i, i) for i in range(32))))
+    assert isinstance(fence, EventFence)
+    fence.wait()
+    assert fence.done()
+    assert cache.num_copies == 1
+    assert torch.equal(cache.host_cache[0:32], expected)
+
+
+@pytest.mark.cuda
+def test_cuda_copy_waits_for_prior_compute_and_compute_waits_for_the_fence():
+    """A copy issued right after a kernel that writes its source sees the kernel's result; a kernel ordered
+    after the fence sees the copied data."""
+    cache = _cache(gpu=64, host=64, device="cuda", dtype=torch.float32)
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(4):
+        big = big @ big / 64.0  # keep the compute stream busy
+    cache.device_cache[0:8].fill_(3.0)  # queued on the compute stream behind the matmuls
+    fence = cache.execute(MigrationPlan(0, "r", TO_HOST, tuple((i, i) for i in range(8))))
+    fence.wait()
+    assert torch.all(cache.host_cache[0:8] == 3.0)
+    cache.host_cache[8:16].fill_(5.0)
+    fence = cache.execute(MigrationPlan(1, "r", TO_GPU, tuple((8 + i, 20 + i) for i in range(8))))
+    fence.order_before(torch.cuda.current_stream())
+    total = cache.device_cache[20:28].sum()  # runs on the compute stream after the fence
+    assert total.item() == 5.0 * cache.device_cache[20:28].numel()
+    assert fence.done()
+
+
+@pytest.mark.cuda
+def test_cuda_engine_outputs_equal_references():
+    from executor import Engine, EngineConfig
+    from executor.checks import leaked_blocks, mismatches, random_workload, submit_all
+
+    with Engine(EngineConfig(device="cuda", dtype="float64", gpu_blocks=16, host_blocks=6, block_size=4,
+                             check_invariants=True)) as engine:
+        submit_all(engine, random_workload(12, 1, (4, 30), (4, 24)))
+        outputs = engine.run()
+        assert engine.totals.suspensions > 0 and engine.totals.recompute_pauses > 0
+        assert not mismatches(engine, outputs)
+        assert leaked_blocks(engine) == 0
