@@ -1,0 +1,595 @@
+"""A reusable Hypothesis conformance machine: fuzz any scheduler against the lifecycle specification.
+
+The system under test is reached only through a small adapter (`SchedulerAdapter`), so one machine tests many
+schedulers (zarr's stateful store test takes its store the same way). `conformance_machine(factory)` returns a
+`RuleBasedStateMachine` class whose rules submit valid and invalid requests, step, cancel requests in any
+state and make the host tier disappear and reappear; after every rule (and after every step inside a rule) it
+checks, with ids taken from the spec:
+
+* every observed state is a spec state, every change between two observations of a request follows a path of
+  spec edges (several events may fire in one step), and terminal states are absorbing;
+* GEN-APPEND (outputs only grow), OUT-EQUIV (every output is a prefix of the unpressured reference output,
+  and equals it once the request is done without having been cancelled);
+* CONS-GPU / CONS-HOST (free + held + fenced = capacity), RES-STATE (blocks held in a tier never exceed what
+  the requests in states resident in that tier can hold: leaked blocks are caught), NO-HOST-NO-SUSPEND;
+* LIVE-REFUSE (an invalid or never-fitting submission is refused with a `ValueError` and changes nothing);
+* the adapter's own `check_invariants()`;
+* LIVE-DONE at teardown (and in the `drain` rule): with arrivals stopped, every request reaches a terminal
+  state within `liveness_base + liveness_per_token * tokens` steps, and no block is held afterwards.
+
+State names, the edge graph, terminal states, residencies and invariant statements all come from the spec
+(`kvstate.load_spec()` or the one passed in). Failures print Hypothesis' replayable step list, with rule
+arguments as plain values (`Submission(...)`, ints, booleans).
+
+Usage::
+
+    from kvstate.config import SchedulerConfig
+    from kvstate.testing import KVStateAdapter, conformance_machine
+
+    Machine = conformance_machine(lambda: KVStateAdapter(SchedulerConfig(gpu_blocks=16, host_blocks=16,
+                                                                         block_size=4)), name="Machine")
+    TestMachine = Machine.TestCase
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from hypothesis import note
+from hypothesis.control import currently_in_test_context
+from hypothesis.errors import StopTest
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
+
+from kvstate.config import SchedulerConfig
+from kvstate.errors import InvariantViolation, KVStateError
+from kvstate.scheduler import Scheduler
+from kvstate.sim import DEFAULT_VOCAB, SimExecutor, reference_output
+from kvstate.spec import Spec, load_spec
+
+__all__ = [
+    "AdapterContractError",
+    "KVStateAdapter",
+    "LifecycleViolation",
+    "SchedulerAdapter",
+    "Submission",
+    "USAGE_KEYS",
+    "conformance_machine",
+]
+
+# Keys every `block_usage()` mapping must have.
+USAGE_KEYS = ("gpu_capacity", "gpu_free", "gpu_held", "gpu_fenced", "host_capacity", "host_free", "host_held",
+              "host_fenced")
+
+# Spec invariants this machine checks; each must exist in the spec the machine is built from.
+_CHECKED_INVARIANTS = ("CONS-GPU", "CONS-HOST", "RES-STATE", "NO-HOST-NO-SUSPEND", "GEN-APPEND", "OUT-EQUIV",
+                       "LIVE-DONE", "LIVE-REFUSE")
+
+
+class LifecycleViolation(KVStateError, AssertionError):
+    """An observed state, or a change between two observations, that the spec's state graph does not allow."""
+
+
+class AdapterContractError(KVStateError, AssertionError):
+    """The adapter broke the `SchedulerAdapter` protocol (missing ids or keys, wrong exception types)."""
+
+
+# ------------------------------------------------------------------------------------------------ protocol
+@runtime_checkable
+class SchedulerAdapter(Protocol):
+    """How the conformance machine drives a scheduler. Implement it for your engine to fuzz it against the spec.
+
+    Attributes:
+        gpu_token_capacity: the most tokens (prompt + max_new_tokens) one request may need to fit the GPU tier
+            alone; the machine submits requests up to exactly this size and expects larger ones refused.
+        block_size: tokens per KV block (used for edge-size prompts and block bounds).
+
+    Every method is called between iterations, never during one. Request ids are any hashable values the
+    adapter picks; they must stay unique for the adapter's lifetime.
+    """
+
+    gpu_token_capacity: int
+    block_size: int
+
+    def submit(self, prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int]) -> Hashable:
+        """Queue a request and return its id. Refuse an invalid one (empty prompt, too large to ever fit the
+        GPU tier) by raising a `ValueError` subclass, changing nothing."""
+
+    def step(self) -> None:
+        """Run one whole iteration: schedule, carry out migrations and complete their fences, forward pass,
+        sampling, pipeline consensus. Requests may take several spec events in one step."""
+
+    def cancel(self, request_id: Hashable) -> None:
+        """Cancel a request. From a terminal state: raise `LookupError` or `ValueError`, or do nothing."""
+
+    def states(self) -> Mapping[Hashable, str]:
+        """The spec state name of every request ever submitted (terminal ones included)."""
+
+    def outputs(self) -> Mapping[Hashable, Sequence[int]]:
+        """The tokens every request ever submitted has generated so far."""
+
+    def block_usage(self) -> Mapping[str, int]:
+        """Block counts per tier, with at least the keys of `USAGE_KEYS` (host_capacity 0 = no host tier)."""
+
+    def check_invariants(self) -> None:
+        """Optional deep self-check (raise on a violation); may do nothing."""
+
+    def set_host_capacity(self, blocks: int) -> bool:
+        """Make the host tier disappear (0) or reappear (`blocks` > 0); return False if not supported.
+        Suspended requests lose their host copies when it disappears."""
+
+    def reference(self, prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int]) -> list[int]:
+        """The output of this request run alone with unlimited memory. Must be a pure function of its arguments
+        (it is also called while generating test data, on a separate adapter instance)."""
+
+
+@functools.cache
+def _packaged_spec() -> Spec:
+    return load_spec()
+
+
+class KVStateAdapter:
+    """`SchedulerAdapter` over this package's `Scheduler` driven by the slot-level `SimExecutor`.
+
+    `scheduler_factory(config, spec)` and `executor_factory(scheduler, vocab, check_invariants=...)` let tests
+    substitute subclasses (for instance deliberately broken ones). `deep_checks` turns the scheduler's own
+    `check_invariants` on (inside every step and in `check_invariants()`).
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        spec: Spec | None = None,
+        vocab: int = DEFAULT_VOCAB,
+        deep_checks: bool = True,
+        scheduler_factory: Callable[[SchedulerConfig, Spec], Scheduler] = Scheduler,
+        executor_factory: Callable[..., SimExecutor] = SimExecutor,
+    ) -> None:
+        self.config = config
+        self.vocab = vocab
+        self.deep_checks = deep_checks
+        self.scheduler = scheduler_factory(config, spec if spec is not None else _packaged_spec())
+        self.executor = executor_factory(self.scheduler, vocab, check_invariants=deep_checks)
+        self.gpu_token_capacity = config.gpu_token_capacity
+        self.block_size = config.block_size
+
+    def __repr__(self) -> str:
+        return f"KVStateAdapter({self.config!r})"
+
+    def submit(self, prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = ()) -> Hashable:
+        return self.scheduler.submit(list(prompt), max_new_tokens, stop_token_ids=stop_token_ids).request_id
+
+    def step(self) -> None:
+        self.executor.step()
+
+    def cancel(self, request_id: Hashable) -> None:
+        self.scheduler.cancel(request_id)
+
+    def states(self) -> dict[Hashable, str]:
+        s = self.scheduler
+        return {rid: r.state for table in (s.finished, s.requests) for rid, r in table.items()}
+
+    def outputs(self) -> dict[Hashable, list[int]]:
+        s = self.scheduler
+        return {rid: list(r.generated) for table in (s.finished, s.requests) for rid, r in table.items()}
+
+    def block_usage(self) -> dict[str, int]:
+        return self.scheduler.pool.usage()
+
+    def check_invariants(self) -> None:
+        if self.deep_checks:
+            self.scheduler.check_invariants()
+
+    def set_host_capacity(self, blocks: int) -> bool:
+        self.scheduler.set_host_capacity(blocks)
+        self.executor.sync_host_tier()
+        return True
+
+    def reference(self, prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = ()) -> list[int]:
+        return reference_output(prompt, max_new_tokens, stop_token_ids, self.vocab)
+
+
+# ------------------------------------------------------------------------------------------- rule values
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """The arguments of one `submit` call, printed as-is in failing step lists."""
+
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        """Its worst case: prompt plus every token it may generate."""
+        return len(self.prompt) + self.max_new_tokens
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        """One line in Hypothesis' step lists (its pretty printer would put each prompt token on a line)."""
+        printer.text(repr(self))
+
+
+def _valid_submissions(capacity: int, block_size: int, vocab: int, max_new: int, max_stops: int,
+                       reference: Callable[[Sequence[int], int, Sequence[int]], list[int]]) -> st.SearchStrategy:
+    """Requests that fit the GPU tier alone, with edge sizes over-represented: one-token prompts, exactly one
+    block, one block plus one token, and the largest prompt that fits; max_new_tokens 1 often; stop tokens
+    that are random or taken from the reference output (so requests stop early)."""
+
+    @st.composite
+    def build(draw: st.DrawFn) -> Submission:
+        new = draw(st.one_of(st.just(1), st.integers(1, max_new)))
+        longest = capacity - new
+        edges = sorted({n for n in (1, block_size, block_size + 1, longest) if 1 <= n <= longest})
+        length = draw(st.one_of(st.sampled_from(edges), st.integers(1, longest)))
+        prompt = tuple(draw(st.lists(st.integers(0, vocab - 1), min_size=length, max_size=length)))
+        stops = draw(st.lists(st.integers(0, vocab - 1), max_size=max_stops, unique=True))
+        stop_at = draw(st.one_of(st.none(), st.integers(0, new - 1)))
+        if stop_at is not None:
+            token = reference(prompt, new, ())[stop_at]
+            if token not in stops:
+                stops.append(token)
+        return Submission(prompt, new, tuple(stops))
+
+    return build()
+
+
+def _invalid_submissions(capacity: int, vocab: int) -> st.SearchStrategy:
+    """Requests every scheduler must refuse: an empty prompt, or prompt + max_new_tokens over the capacity."""
+    empty = st.builds(Submission, st.just(()), st.integers(1, capacity))
+
+    @st.composite
+    def too_large(draw: st.DrawFn) -> Submission:
+        length = draw(st.integers(1, capacity))
+        new = capacity - length + draw(st.integers(1, 3))
+        prompt = tuple(draw(st.lists(st.integers(0, vocab - 1), min_size=length, max_size=length)))
+        return Submission(prompt, new)
+
+    return st.one_of(empty, too_large())
+
+
+# ------------------------------------------------------------------------------------------ spec model
+class _SpecModel:
+    """What the machine derives from the spec: states, the reachability closure of its edges, residencies,
+    the destinations of the cancel event, and the invariants it checks."""
+
+    def __init__(self, spec: Spec, cancel_event: str) -> None:
+        self.spec = spec
+        self.states = frozenset(s.name for s in spec.states)
+        self.terminal = frozenset(spec.terminal_states)
+        if not self.terminal:
+            raise ValueError(f"spec {spec.name!r} has no terminal state; LIVE-DONE needs one")
+        self.reach = self._closure_from(spec)
+        self.initial_reach = self.reach[spec.initial]
+        self.successors = {s: sorted({t.dest for t in spec.transitions if t.source == s}) for s in self.states}
+        self.gpu_states = frozenset(spec.states_with_residency("gpu"))
+        self.host_states = frozenset(spec.states_with_residency("host"))
+        if cancel_event not in spec.event_by_name:
+            raise ValueError(f"spec {spec.name!r} has no event {cancel_event!r}; pass cancel_event= naming the "
+                             f"event that cancels a request (events: {', '.join(spec.event_by_name)})")
+        self.cancel_event = cancel_event
+        self.cancel_dests: dict[str, frozenset[str]] = {}
+        for t in spec.event_by_name[cancel_event].transitions:
+            self.cancel_dests[t.source] = self.cancel_dests.get(t.source, frozenset()) | {t.dest}
+        by_id = {inv.id: inv for inv in spec.invariants}
+        missing = [i for i in _CHECKED_INVARIANTS if i not in by_id]
+        if missing:
+            raise ValueError(f"spec {spec.name!r} ({spec.source}) lacks invariants {', '.join(missing)} that the "
+                             "conformance machine checks; add them to the spec or use the packaged one")
+        self.invariants = {i: by_id[i] for i in _CHECKED_INVARIANTS}
+
+    @staticmethod
+    def _closure_from(spec: Spec) -> dict[str, frozenset[str]]:
+        edges: dict[str, set[str]] = {s.name: set() for s in spec.states}
+        for t in spec.transitions:
+            edges[t.source].add(t.dest)
+        closure = {}
+        for start in edges:
+            seen, todo = {start}, [start]
+            while todo:
+                for nxt in edges[todo.pop()]:
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        todo.append(nxt)
+            closure[start] = frozenset(seen)
+        return closure
+
+    def violation(self, invariant_id: str, detail: str) -> InvariantViolation:
+        return InvariantViolation(invariant_id, f"{detail}. [{invariant_id}: {self.invariants[invariant_id].statement}]")
+
+
+def _note(text: str) -> None:
+    """`hypothesis.note`, except outside a test (a printed step list replayed as plain Python)."""
+    if currently_in_test_context():
+        note(text)
+
+
+def _guarded(method: Callable) -> Callable:
+    """Mark the machine unhealthy while `method` runs; it stays so if `method` raises (see `teardown`)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        self.healthy = False
+        result = method(self, *args, **kwargs)
+        self.healthy = True
+        return result
+
+    return run
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+# ----------------------------------------------------------------------------------------------- factory
+def conformance_machine(
+    adapter_factory: Callable[[], SchedulerAdapter],
+    *,
+    spec: Spec | None = None,
+    name: str | None = None,
+    vocab_size: int = DEFAULT_VOCAB,
+    max_new_tokens: int | None = None,
+    max_stop_tokens: int = 2,
+    max_steps_per_rule: int = 8,
+    liveness_base: int = 50,
+    liveness_per_token: int = 20,
+    cancel_event: str = "cancel",
+) -> type[RuleBasedStateMachine]:
+    """Build a `RuleBasedStateMachine` class that checks the scheduler behind `adapter_factory()` against `spec`.
+
+    `adapter_factory` is called once per test case (and once now, for a probe that supplies the capacity, the
+    block size and reference outputs to the data strategies). `name` names the class in printed step lists
+    (give it the name you bind the class to, so the list replays as written). `max_new_tokens` caps generated
+    tokens per request (default: half the GPU token capacity). Use `.TestCase` for unittest/pytest.
+    """
+    model = _SpecModel(spec if spec is not None else _packaged_spec(), cancel_event)
+    probe = adapter_factory()
+    if not isinstance(probe, SchedulerAdapter):
+        missing = [m for m in ("gpu_token_capacity", "block_size", "submit", "step", "cancel", "states", "outputs",
+                               "block_usage", "check_invariants", "set_host_capacity", "reference")
+                   if not hasattr(probe, m)]
+        raise TypeError(f"adapter_factory() returned {type(probe).__name__}, which lacks {', '.join(missing)} of "
+                        "kvstate.testing.SchedulerAdapter; implement them")
+    capacity, block_size = int(probe.gpu_token_capacity), int(probe.block_size)
+    if capacity < 2 or block_size < 1:
+        raise ValueError(f"gpu_token_capacity={capacity} and block_size={block_size}: the GPU tier must fit at "
+                         "least a one-token prompt plus one new token")
+    initial_host = int(probe.block_usage()["host_capacity"])
+    max_new = max(1, min(max_new_tokens or capacity // 2, capacity - 1))
+    valid = _valid_submissions(capacity, block_size, vocab_size, max_new, max_stop_tokens, probe.reference)
+    invalid = _invalid_submissions(capacity, vocab_size)
+    steps = st.integers(1, max(1, max_steps_per_rule))
+
+    class ConformanceMachine(RuleBasedStateMachine):
+        requests = Bundle("requests")
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.adapter = adapter_factory()
+            self.submitted: dict[Hashable, Submission] = {}
+            self.expected: dict[Hashable, list[int]] = {}
+            self.cancelled: set[Hashable] = set()
+            self.last_states: dict[Hashable, str] = {}
+            self.last_outputs: dict[Hashable, list[int]] = {}
+            self.host_resizable = initial_host > 0
+            self.steps_taken = 0
+            self.healthy = True  # False while a rule or invariant runs, and after one raised
+
+        # ------------------------------------------------------------------------------------- rules
+        @rule(target=requests, request=valid)
+        @_guarded
+        def submit(self, request: Submission) -> Hashable:
+            try:
+                rid = self.adapter.submit(list(request.prompt), request.max_new_tokens, list(request.stop_token_ids))
+            except ValueError as err:
+                raise model.violation("LIVE-DONE", f"{request} fits the GPU tier alone ({request.num_tokens} <= "
+                                      f"{capacity} tokens) but was refused: {err}") from err
+            if rid in self.submitted:
+                raise AdapterContractError(f"submit returned id {rid!r}, already used by {self.submitted[rid]}; "
+                                           "request ids must be unique")
+            self.submitted[rid] = request
+            self.expected[rid] = list(self.adapter.reference(request.prompt, request.max_new_tokens,
+                                                             request.stop_token_ids))
+            _note(f"submit -> request id {rid!r}")
+            self._observe()
+            return rid
+
+        @rule(request=invalid)
+        @_guarded
+        def submit_invalid(self, request: Submission) -> None:
+            before = self._snapshot()
+            try:
+                rid = self.adapter.submit(list(request.prompt), request.max_new_tokens, list(request.stop_token_ids))
+            except ValueError:
+                pass
+            except Exception as err:
+                raise AdapterContractError(f"refusing {request} raised {type(err).__name__}: {err}; refusals must "
+                                           "raise a ValueError subclass") from err
+            else:
+                why = "an empty prompt" if not request.prompt else (
+                    f"{request.num_tokens} tokens, over the GPU token capacity {capacity}")
+                raise model.violation("LIVE-REFUSE", f"{request} has {why} but was accepted as {rid!r}")
+            if self._snapshot() != before:
+                raise model.violation("LIVE-REFUSE", f"refusing {request} changed request states, outputs or "
+                                      "block usage; a refusal must change nothing")
+
+        @rule(iterations=steps)
+        @_guarded
+        def step(self, iterations: int) -> None:
+            for _ in range(iterations):
+                self._step()
+
+        @rule(request=requests)
+        @_guarded
+        def cancel(self, request: Hashable) -> None:
+            self._cancel(request)
+
+        @precondition(lambda self: any(s not in model.terminal for s in self.last_states.values()))
+        @rule(data=st.data())
+        @_guarded
+        def cancel_active(self, data: st.DataObject) -> None:
+            active = [rid for rid, s in self.last_states.items() if s not in model.terminal]
+            self._cancel(data.draw(st.sampled_from(active), label="request"))
+
+        @precondition(lambda self: self.host_resizable)
+        @rule(present=st.booleans())
+        @_guarded
+        def host_tier(self, present: bool) -> None:
+            target = initial_host if present else 0
+            if int(self.adapter.block_usage()["host_capacity"]) == target:
+                return
+            if self.adapter.set_host_capacity(target) is False:
+                self.host_resizable = False
+                return
+            usage = self.adapter.block_usage()
+            if usage["host_capacity"] != target:
+                raise AdapterContractError(f"set_host_capacity({target}) returned, but block_usage() reports "
+                                           f"host_capacity={usage['host_capacity']}")
+            self._observe()
+
+        @precondition(lambda self: any(s not in model.terminal for s in self.last_states.values()))
+        @rule()
+        @_guarded
+        def drain(self) -> None:
+            self._drain("drain")
+
+        @invariant()
+        @_guarded
+        def conforms(self) -> None:
+            self._observe()
+
+        def teardown(self) -> None:
+            # Check liveness only after a run whose every rule and invariant passed: never mask the failure
+            # that ended the run, nor step a run that Hypothesis abandoned.
+            if self.healthy and not isinstance(sys.exc_info()[1], StopTest):
+                self._drain("teardown")
+                usage = self.adapter.block_usage()
+                if usage["gpu_held"] or usage["host_held"]:
+                    raise model.violation("RES-STATE", f"every request is done, yet {usage['gpu_held']} GPU and "
+                                          f"{usage['host_held']} host blocks are held (usage {dict(usage)})")
+
+        # ------------------------------------------------------------------------------- helpers
+        def _step(self) -> None:
+            self.adapter.step()
+            self.steps_taken += 1
+            self._observe()
+
+        def _cancel(self, rid: Hashable) -> None:
+            before = self.last_states[rid]
+            allowed = model.cancel_dests.get(before)
+            try:
+                self.adapter.cancel(rid)
+            except (LookupError, ValueError) as err:
+                if allowed is not None:
+                    raise LifecycleViolation(
+                        f"cancel({rid!r}) from state {before!r} raised {type(err).__name__}: {err}; the spec's "
+                        f"{model.cancel_event!r} event has an edge from {before!r} to {sorted(allowed)}") from err
+            after = self.adapter.states()[rid]
+            if allowed is None:
+                if after != before:
+                    raise LifecycleViolation(f"cancel({rid!r}) moved it from {before!r} to {after!r}; the spec's "
+                                             f"{model.cancel_event!r} event has no edge from {before!r}")
+            else:
+                if after not in allowed:
+                    raise LifecycleViolation(f"cancel({rid!r}) moved it from {before!r} to {after!r}; the spec's "
+                                             f"{model.cancel_event!r} event goes from {before!r} to {sorted(allowed)}")
+                self.cancelled.add(rid)
+            _note(f"cancelled {rid!r} in {before!r} -> {after!r}")
+            self._observe()
+
+        def _drain(self, where: str) -> None:
+            active = [rid for rid, s in self.last_states.items() if s not in model.terminal]
+            tokens = sum(self.submitted[rid].num_tokens for rid in active)
+            bound = liveness_base + liveness_per_token * tokens
+            for _ in range(bound):
+                if all(s in model.terminal for s in self.last_states.values()):
+                    return
+                self._step()
+            stuck = {rid: s for rid, s in self.last_states.items() if s not in model.terminal}
+            if stuck:
+                listing = ", ".join(f"{rid!r}: {s} ({len(self.last_outputs[rid])}/{self.submitted[rid].max_new_tokens}"
+                                    " tokens)" for rid, s in list(stuck.items())[:12])
+                raise model.violation("LIVE-DONE", f"{where}: arrivals stopped, {bound} steps later (bound "
+                                      f"{liveness_base} + {liveness_per_token} x {tokens} tokens) {len(stuck)} "
+                                      f"request(s) are not done: {listing}; usage {dict(self.adapter.block_usage())}")
+
+        def _snapshot(self) -> tuple:
+            return (dict(self.adapter.states()), {k: list(v) for k, v in self.adapter.outputs().items()},
+                    dict(self.adapter.block_usage()))
+
+        def _observe(self) -> None:
+            states = dict(self.adapter.states())
+            outputs = {rid: list(out) for rid, out in self.adapter.outputs().items()}
+            usage = self.adapter.block_usage()
+            self._check_ids(states, outputs, usage)
+            for rid, state in states.items():
+                self._check_state(rid, self.last_states.get(rid), state)
+            for rid, out in outputs.items():
+                self._check_output(rid, self.last_outputs.get(rid), out, states[rid])
+            self._check_blocks(states, usage)
+            self.adapter.check_invariants()
+            self.last_states, self.last_outputs = states, outputs
+
+        def _check_ids(self, states: dict, outputs: dict, usage: Mapping[str, int]) -> None:
+            if states.keys() != self.submitted.keys() or outputs.keys() != self.submitted.keys():
+                raise AdapterContractError(
+                    f"states() has ids {sorted(map(repr, states))} and outputs() {sorted(map(repr, outputs))}; both "
+                    f"must name exactly the submitted requests {sorted(map(repr, self.submitted))}")
+            missing = [k for k in USAGE_KEYS if k not in usage]
+            if missing:
+                raise AdapterContractError(f"block_usage() lacks {', '.join(missing)}; it must report {USAGE_KEYS}")
+
+        def _check_state(self, rid: Hashable, old: str | None, new: str) -> None:
+            if new not in model.states:
+                raise LifecycleViolation(f"request {rid!r} is in state {new!r}, which spec {model.spec.name!r} does "
+                                         f"not define (states: {', '.join(sorted(model.states))})")
+            if old is None:
+                if new not in model.initial_reach:
+                    raise LifecycleViolation(f"new request {rid!r} is in {new!r}, not reachable from the spec's "
+                                             f"initial state {model.spec.initial!r}")
+            elif old != new:
+                if old in model.terminal:
+                    raise LifecycleViolation(f"request {rid!r} left terminal state {old!r} for {new!r}; terminal "
+                                             "states are absorbing")
+                if new not in model.reach[old]:
+                    raise LifecycleViolation(f"request {rid!r} went from {old!r} to {new!r}, but no path of spec "
+                                             f"edges leads there (edges from {old!r}: {model.successors[old]})")
+
+        def _check_output(self, rid: Hashable, old: list[int] | None, out: list[int], state: str) -> None:
+            if old is not None and out[:len(old)] != old:
+                raise model.violation("GEN-APPEND", f"request {rid!r} ({state}) had generated {old}, now {out}")
+            expected = self.expected[rid]
+            if out != expected[:len(out)]:
+                raise model.violation("OUT-EQUIV", f"request {rid!r} ({state}) generated {out}, which departs from "
+                                      f"its unpressured reference {expected} ({self.submitted[rid]})")
+            if state in model.terminal and rid not in self.cancelled and out != expected:
+                raise model.violation("OUT-EQUIV", f"request {rid!r} ended ({state}) with {out}, but its "
+                                      f"unpressured reference is {expected} ({self.submitted[rid]})")
+
+        def _check_blocks(self, states: dict[Hashable, str], usage: Mapping[str, int]) -> None:
+            for tier, inv, resident in (("gpu", "CONS-GPU", model.gpu_states), ("host", "CONS-HOST", model.host_states)):
+                cap, free, held, fenced = (int(usage[f"{tier}_{k}"]) for k in ("capacity", "free", "held", "fenced"))
+                if min(cap, free, held, fenced) < 0 or free + held + fenced != cap:
+                    raise model.violation(inv, f"{tier} tier: free {free} + held {held} + fenced {fenced} != "
+                                          f"capacity {cap}")
+                holders = [rid for rid, s in states.items() if s in resident]
+                bound = sum(_blocks(self.submitted[rid].num_tokens, block_size) for rid in holders)
+                if held > bound:
+                    raise model.violation("RES-STATE", f"{tier} tier holds {held} blocks, but the {len(holders)} "
+                                          f"request(s) in {tier}-resident states can hold at most {bound}; blocks "
+                                          f"are leaked by requests in other states (states {states})")
+            if int(usage["host_capacity"]) == 0:
+                suspended = sorted((repr(rid) for rid, s in states.items() if s in model.host_states))
+                if suspended:
+                    raise model.violation("NO-HOST-NO-SUSPEND", f"the host tier is gone, yet requests {suspended} "
+                                          "are in host-resident states")
+
+    cls_name = name or f"{type(probe).__name__}Conformance"
+    ConformanceMachine.__name__ = ConformanceMachine.__qualname__ = cls_name
+    caller = sys._getframe(1).f_globals.get("__name__")
+    if caller:
+        ConformanceMachine.__module__ = caller
+    return ConformanceMachine
