@@ -1,0 +1,187 @@
+"""The conformance machine catches deliberately broken schedulers, executors, adapters and specs.
+
+Each test plants one bug, runs the machine under the active Hypothesis profile, and asserts that Hypothesis
+finds a failing case whose error names the expected spec invariant, and that the printed step list is
+plain Python that replays the failure. The scheduler's own deep checks are off (`deep_checks=False`) so that
+what catches the bug is the machine, through the adapter protocol only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+from hypothesis import Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvstate import load_spec
+from kvstate.config import RequestRejected, SchedulerConfig
+from kvstate.errors import InvariantViolation
+from kvstate.scheduler import Scheduler, _Effects
+from kvstate.sim import SimExecutor
+from kvstate.testing import KVStateAdapter, LifecycleViolation, Submission, conformance_machine
+
+SPEC = load_spec()
+import os
+PHASES = list(Phase) if os.environ.get("SHRINK") else [Phase.explicit, Phase.reuse, Phase.generate]
+
+# Small pools: preemption, replay and suspension happen within a few rules.
+WITH_HOST = SchedulerConfig(gpu_blocks=8, host_blocks=8, block_size=2, prefill_chunk_size=3, max_num_tokens=16)
+NO_HOST = dataclasses.replace(WITH_HOST, host_blocks=0)
+
+
+def find_failure(machine: type, error: type[BaseException] = InvariantViolation) -> BaseException:
+    """Run `machine` under the active profile (shrinking off: the raw failing case is enough, and fast); return
+    the error after checking its printed step list replays the same failure as plain Python."""
+    run_settings = settings(stateful_step_count=50, database=None, report_multiple_bugs=False,
+                            phases=PHASES)
+    with pytest.raises(error) as caught:
+        run_state_machine_as_test(machine, settings=run_settings)
+    replay_printed_steps(machine, caught.value, error)
+    return caught.value
+
+
+def replay_printed_steps(machine: type, err: BaseException, error: type[BaseException]) -> None:
+    """Hypothesis attaches the failing step list to the error; it must run as written and fail the same way."""
+    report = "\n".join(getattr(err, "__notes__", []))
+    start = report.index(f"state = {machine.__name__}()")
+    end = report.index("state.teardown()") + len("state.teardown()")
+    program = report[start:end]
+    assert re.search(r"^state\.\w+\(", program, flags=re.M), report
+    with pytest.raises(error) as replayed:
+        exec(program, {machine.__name__: machine, "Submission": Submission})  # noqa: S102 - our own report
+    assert getattr(replayed.value, "invariant_id", None) == getattr(err, "invariant_id", None)
+
+
+def adapter_with(config: SchedulerConfig, **kwargs):
+    return lambda: KVStateAdapter(config, deep_checks=False, **kwargs)
+
+
+def scheduler_with_effects(effects: type[_Effects]) -> type[Scheduler]:
+    class BrokenScheduler(Scheduler):
+        def __init__(self, config, spec=None) -> None:
+            super().__init__(config, spec)
+            self._effects = effects(self)
+
+    return BrokenScheduler
+
+
+# ------------------------------------------------------------------------------------- broken schedulers
+class ReplayForgetsGenerated(_Effects):
+    """Reset for replay re-prefills the original prompt only, forgetting the generated tokens' KV."""
+
+    def release_kv_and_reset(self, request, transition) -> None:
+        super().release_kv_and_reset(request, transition)
+        request.prefill_tokens = request.prompt
+
+
+def test_a_replay_prompt_without_the_generated_tokens_breaks_output_equivalence() -> None:
+    machine = conformance_machine(adapter_with(NO_HOST, scheduler_factory=scheduler_with_effects(ReplayForgetsGenerated)),
+                                  name="ForgetfulReplay")
+    assert find_failure(machine).invariant_id == "OUT-EQUIV"
+
+
+class ResetClearsGenerated(_Effects):
+    """Reset for replay throws the generated tokens away."""
+
+    def release_kv_and_reset(self, request, transition) -> None:
+        super().release_kv_and_reset(request, transition)
+        request.generated.clear()
+        request.prefill_tokens = request.prompt
+
+
+def test_a_reset_that_drops_generated_tokens_breaks_append_only_output() -> None:
+    machine = conformance_machine(adapter_with(NO_HOST, scheduler_factory=scheduler_with_effects(ResetClearsGenerated)),
+                                  name="ClearingReset")
+    assert find_failure(machine).invariant_id == "GEN-APPEND"
+
+
+class FinishLeaksBlocks(_Effects):
+    """A finished request keeps its blocks in the pool (the request record says it holds none)."""
+
+    def release_kv_and_terminate(self, request, transition) -> None:
+        if transition.done_reason != "finished":
+            return super().release_kv_and_terminate(request, transition)
+        request.num_gpu_blocks = request.num_host_blocks = 0
+        request.done_reason = transition.done_reason
+
+
+def test_blocks_kept_after_finish_are_caught_as_a_leak() -> None:
+    machine = conformance_machine(adapter_with(WITH_HOST, scheduler_factory=scheduler_with_effects(FinishLeaksBlocks)),
+                                  name="LeakyFinish")
+    assert find_failure(machine).invariant_id == "RES-STATE"
+
+
+class NeverReplays(Scheduler):
+    """Recompute-paused requests are never readmitted (starvation of a preempted request)."""
+
+    def _admit_replays(self, step) -> None:
+        return None
+
+
+def test_starving_recompute_paused_requests_breaks_liveness() -> None:
+    config = dataclasses.replace(NO_HOST, no_progress_limit=1_000_000)  # let the machine, not the watchdog, see it
+    machine = conformance_machine(adapter_with(config, scheduler_factory=NeverReplays), name="Starving")
+    assert find_failure(machine).invariant_id == "LIVE-DONE"
+
+
+class _StaleHostSlots(list):
+    """Host block slots that ignore writes: a suspend whose copy never happens, leaving stale KV behind."""
+
+    def __setitem__(self, index, value) -> None:
+        pass
+
+
+class SuspendWithoutCopy(SimExecutor):
+    """The executor skips the GPU -> host copies; resumed requests read stale host blocks back."""
+
+    def __init__(self, scheduler, vocab, **kwargs) -> None:
+        super().__init__(scheduler, vocab, **kwargs)
+        self.sync_host_tier()
+
+    def sync_host_tier(self) -> None:
+        size = self.scheduler.config.block_size
+        self.host = _StaleHostSlots([[0] * size for _ in range(self.scheduler.pool.host.capacity)])
+
+
+def test_a_suspend_that_copies_nothing_breaks_output_equivalence() -> None:
+    machine = conformance_machine(adapter_with(WITH_HOST, executor_factory=SuspendWithoutCopy), name="NoCopySuspend")
+    assert find_failure(machine).invariant_id == "OUT-EQUIV"
+
+
+# ------------------------------------------------------------------------------------- broken adapters
+class IgnoresCancel(KVStateAdapter):
+    def cancel(self, request_id) -> None:
+        self.scheduler.get(request_id)  # looks the id up, then forgets to cancel
+
+
+def test_a_cancel_that_does_nothing_breaks_the_cancel_edges() -> None:
+    machine = conformance_machine(lambda: IgnoresCancel(WITH_HOST, deep_checks=False), name="DeafToCancel")
+    err = find_failure(machine, LifecycleViolation)
+    assert "'cancel' event goes from" in str(err)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LaxConfig(SchedulerConfig):
+    """Checks only that the prompt is non-empty: requests too large to ever fit are accepted."""
+
+    def check_submission(self, prompt, max_new_tokens, stop_token_ids) -> None:
+        if not prompt:
+            raise RequestRejected("prompt is empty")
+
+
+def test_accepting_a_request_that_can_never_fit_breaks_refusal() -> None:
+    lax = LaxConfig(**{f.name: getattr(WITH_HOST, f.name) for f in dataclasses.fields(SchedulerConfig)})
+    machine = conformance_machine(adapter_with(lax), name="LaxAdmission")
+    assert find_failure(machine).invariant_id == "LIVE-REFUSE"
+
+
+# ---------------------------------------------------------------------------------------- broken spec
+def test_the_edge_graph_comes_from_the_spec_passed_in() -> None:
+    """Without the catch-up edge, our scheduler's replaying -> running is a path the spec does not have."""
+    events = tuple(e for e in SPEC.events if e.name != "catch_up")
+    spec = dataclasses.replace(SPEC, events=events)
+    machine = conformance_machine(adapter_with(NO_HOST), spec=spec, name="NoCatchUp")
+    err = find_failure(machine, LifecycleViolation)
+    assert "'replaying' to 'running'" in str(err) or "to 'running', but no path" in str(err)
