@@ -2,8 +2,9 @@
 
 The system under test is reached only through a small adapter (`SchedulerAdapter`), so one machine tests many
 schedulers (zarr's stateful store test takes its store the same way). `conformance_machine(factory)` returns a
-`RuleBasedStateMachine` class whose rules submit valid and invalid requests, step, cancel requests in any
-state and make the host tier disappear and reappear; after every rule (and after every step inside a rule) it
+`RuleBasedStateMachine` class whose rules submit valid requests (one, or a burst of 2-4) and invalid ones,
+step (a few iterations, or until some request reaches a given state), cancel a request in any state, make the
+host tier disappear and reappear, and drain; after every rule (and after every step inside a rule) it
 checks, with ids taken from the spec:
 
 * every observed state is a spec state, every change between two observations of a request follows a path of
@@ -19,7 +20,8 @@ checks, with ids taken from the spec:
 
 State names, the edge graph, terminal states, residencies and invariant statements all come from the spec
 (`kvstate.load_spec()` or the one passed in). Failures print Hypothesis' replayable step list, with rule
-arguments as plain values (`Submission(...)`, ints, booleans).
+arguments as plain values (`Submission(...)`, state names, ints, booleans): the printed lines run as plain
+Python given the machine class and `Submission`.
 
 Usage::
 
@@ -40,10 +42,10 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from hypothesis import note
+from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from hypothesis.errors import StopTest
-from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import Bundle, MultipleResults, RuleBasedStateMachine, invariant, multiple, precondition, rule
 
 from kvstate.config import SchedulerConfig
 from kvstate.errors import InvariantViolation, KVStateError
@@ -113,7 +115,10 @@ class SchedulerAdapter(Protocol):
         """The tokens every request ever submitted has generated so far."""
 
     def block_usage(self) -> Mapping[str, int]:
-        """Block counts per tier, with at least the keys of `USAGE_KEYS` (host_capacity 0 = no host tier)."""
+        """Block counts per tier, with at least the keys of `USAGE_KEYS` (host_capacity 0 = no host tier).
+        `*_held` counts blocks owned by requests, `*_fenced` those reserved by copies in flight. A request holds
+        at most ceil((prompt + max_new_tokens) / block_size) blocks, and only in the tier its state's residency
+        names; held blocks beyond that bound are reported as leaked (RES-STATE)."""
 
     def check_invariants(self) -> None:
         """Optional deep self-check (raise on a violation); may do nothing."""
@@ -221,13 +226,13 @@ def _valid_submissions(capacity: int, block_size: int, vocab: int, max_new: int,
 
     @st.composite
     def build(draw: st.DrawFn) -> Submission:
-        new = draw(st.one_of(st.just(1), st.integers(1, max_new)))
+        new = draw(st.integers(1, max_new) | st.integers(1, max_new) | st.just(1))
         longest = capacity - new
         edges = sorted({n for n in (1, block_size, block_size + 1, longest) if 1 <= n <= longest})
-        length = draw(st.one_of(st.sampled_from(edges), st.integers(1, longest)))
+        length = draw(st.sampled_from(edges) | st.integers(1, longest) | st.integers(1, min(longest, 2 * block_size)))
         prompt = tuple(draw(st.lists(st.integers(0, vocab - 1), min_size=length, max_size=length)))
         stops = draw(st.lists(st.integers(0, vocab - 1), max_size=max_stops, unique=True))
-        stop_at = draw(st.one_of(st.none(), st.integers(0, new - 1)))
+        stop_at = draw(st.none() | st.none() | st.integers(0, new - 1))
         if stop_at is not None:
             token = reference(prompt, new, ())[stop_at]
             if token not in stops:
@@ -260,6 +265,8 @@ class _SpecModel:
         self.spec = spec
         self.states = frozenset(s.name for s in spec.states)
         self.terminal = frozenset(spec.terminal_states)
+        self.state_names = tuple(s.name for s in spec.states)
+        self.live_states = tuple(s.name for s in spec.states if not s.terminal)
         if not self.terminal:
             raise ValueError(f"spec {spec.name!r} has no terminal state; LIVE-DONE needs one")
         self.reach = self._closure_from(spec)
@@ -382,20 +389,13 @@ def conformance_machine(
         @rule(target=requests, request=valid)
         @_guarded
         def submit(self, request: Submission) -> Hashable:
-            try:
-                rid = self.adapter.submit(list(request.prompt), request.max_new_tokens, list(request.stop_token_ids))
-            except ValueError as err:
-                raise model.violation("LIVE-DONE", f"{request} fits the GPU tier alone ({request.num_tokens} <= "
-                                      f"{capacity} tokens) but was refused: {err}") from err
-            if rid in self.submitted:
-                raise AdapterContractError(f"submit returned id {rid!r}, already used by {self.submitted[rid]}; "
-                                           "request ids must be unique")
-            self.submitted[rid] = request
-            self.expected[rid] = list(self.adapter.reference(request.prompt, request.max_new_tokens,
-                                                             request.stop_token_ids))
-            _note(f"# submit -> request id {rid!r}")
-            self._observe()
-            return rid
+            return self._submit(request)
+
+        @rule(target=requests, batch=st.lists(valid, min_size=2, max_size=4))
+        @_guarded
+        def submit_many(self, batch: list[Submission]) -> MultipleResults:
+            """Several arrivals between two steps: what builds memory pressure."""
+            return multiple(*(self._submit(request) for request in batch))
 
         @rule(request=invalid)
         @_guarded
@@ -422,18 +422,29 @@ def conformance_machine(
             for _ in range(iterations):
                 self._step()
 
-        @rule(request=requests)
+        @rule(in_state=st.sampled_from(model.live_states))
         @_guarded
-        def cancel(self, request: Hashable) -> None:
-            self._cancel(request)
+        def step_until(self, in_state: str) -> None:
+            """Step until some request is in `in_state` (at most 4 x max_steps_per_rule steps), to set up
+            cancels and host-tier changes in rare states."""
+            for _ in range(4 * max_steps_per_rule):
+                if in_state in self.last_states.values() or all(s in model.terminal for s in self.last_states.values()):
+                    return
+                self._step()
 
-        @precondition(lambda self: any(s not in model.terminal for s in self.last_states.values()))
-        @rule(index=st.integers(0, 63))
+        @precondition(lambda self: bool(self.last_states))
+        @rule(in_state=st.sampled_from(model.state_names), nth=st.integers(0, 7))
         @_guarded
-        def cancel_active(self, index: int) -> None:
-            """Cancel the `index % n`-th of the n requests not yet terminal, in submission order."""
-            active = [rid for rid, s in self.last_states.items() if s not in model.terminal]
-            self._cancel(active[index % len(active)])
+        def cancel(self, in_state: str, nth: int) -> None:
+            """Cancel the `nth` (modulo) request in state `in_state` (terminal states included: cancelling a
+            finished request must change nothing). If no request is in it, cancel the `nth` of those in the least
+            populated non-terminal state present, so that cancels reach short-lived states whenever they occur."""
+            groups: dict[str, list[Hashable]] = {}
+            for rid, s in self.last_states.items():
+                groups.setdefault(s, []).append(rid)
+            live = [ids for s, ids in groups.items() if s not in model.terminal]
+            candidates = groups.get(in_state) or (min(live, key=len) if live else next(iter(groups.values())))
+            self._cancel(candidates[nth % len(candidates)])
 
         @precondition(lambda self: self.host_resizable)
         @rule(present=st.booleans())
@@ -473,6 +484,22 @@ def conformance_machine(
                                           f"{usage['host_held']} host blocks are held (usage {dict(usage)})")
 
         # ------------------------------------------------------------------------------- helpers
+        def _submit(self, request: Submission) -> Hashable:
+            try:
+                rid = self.adapter.submit(list(request.prompt), request.max_new_tokens, list(request.stop_token_ids))
+            except ValueError as err:
+                raise model.violation("LIVE-DONE", f"{request} fits the GPU tier alone ({request.num_tokens} <= "
+                                      f"{capacity} tokens) but was refused: {err}") from err
+            if rid in self.submitted:
+                raise AdapterContractError(f"submit returned id {rid!r}, already used by {self.submitted[rid]}; "
+                                           "request ids must be unique")
+            self.submitted[rid] = request
+            self.expected[rid] = list(self.adapter.reference(request.prompt, request.max_new_tokens,
+                                                             request.stop_token_ids))
+            _note(f"# submit -> request id {rid!r}")
+            self._observe()
+            return rid
+
         def _step(self) -> None:
             self.adapter.step()
             self.steps_taken += 1

@@ -61,7 +61,7 @@ def test_a_printed_step_list_replays_as_plain_python() -> None:
     state.conforms()
     state.submit_invalid(request=Submission(prompt=(), max_new_tokens=1))
     state.step(iterations=2)
-    state.cancel(request=requests_0)
+    state.cancel(in_state='running', nth=0)
     state.conforms()
     state.teardown()
     assert state.last_states == {requests_0: load_spec().terminal_states[0]}
