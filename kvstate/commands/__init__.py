@@ -3,6 +3,6 @@
 A registered subparser sets `run=<callable(args) -> int>` as its default.
 """
 
-from kvstate.commands import check, demo, diagram, spec_summary
+from kvstate.commands import bench, check, demo, diagram, report, soak, spec_summary, validate
 
-ALL = (check, demo, diagram, spec_summary)
+ALL = (bench, check, demo, diagram, report, soak, spec_summary, validate)

@@ -1,0 +1,5 @@
+"""`kvstate validate` (being built)."""
+
+
+def register(subparsers):
+    """Registers nothing until the command is implemented."""
