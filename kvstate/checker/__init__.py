@@ -5,7 +5,8 @@
 * `explore`: BFS, deadlock, SCC liveness (fairness assumption in its docstring), coverage;
 * `refinement`: exhaustive exploration of the real `Scheduler` driven by `SimExecutor`;
 * `runner`: the `kvstate check` code path, reports and counterexample regression tests;
-* `bounds`: named bounds from `spec/bounds.toml`.
+* `bounds`: named bounds from `spec/bounds.toml`;
+* `trace`: `kvstate validate`, checking an engine's NDJSON trace (spec/TRACE.md) against the spec.
 """
 
 from kvstate.checker.bounds import Bound, BoundsError, load_bounds, select_bounds
@@ -15,10 +16,11 @@ from kvstate.checker.model import AbstractEffects, AbstractModel
 from kvstate.checker.refinement import ObservedScheduler, Refinement, replay_refinement
 from kvstate.checker.replay import replay_abstract
 from kvstate.checker.runner import EXIT_CODES, BoundReport, check_bound, run_check
+from kvstate.checker.trace import Divergence, TraceError, TraceReport, validate_trace
 
 __all__ = [
     "HOLDS", "INCOMPLETE", "VIOLATED", "EXIT_CODES", "AbstractEffects", "AbstractModel", "Bound", "BoundReport",
-    "BoundsError", "CheckerError", "ModelResult", "ObservedScheduler", "Refinement", "STATE_PREDICATES",
+    "BoundsError", "CheckerError", "Divergence", "ModelResult", "ObservedScheduler", "Refinement", "STATE_PREDICATES",
     "STEP_PREDICATES", "check_bound", "explore", "load_bounds", "plan_invariants", "replay_abstract",
-    "replay_refinement", "run_check", "select_bounds",
+    "replay_refinement", "run_check", "select_bounds", "TraceError", "TraceReport", "validate_trace",
 ]

@@ -1,0 +1,329 @@
+"""Validate a lifecycle trace (spec/TRACE.md) against the specification, line by line (`kvstate validate`).
+
+The validator replays each request's lifecycle from the trace and stops at the first line that diverges from
+the spec. Rules, in the order they are checked on a line (edges, states, residencies, terminal states and
+invariant ids all come from the `Spec`; nothing is re-typed here except the invariant ids the rules report,
+which a test checks against the packaged spec):
+
+* ``format``: the line is a UTF-8 JSON object with exactly the keys of `TRACE_FIELDS`, in that order, each of
+  its documented type;
+* ``iteration``: `iteration` never decreases down the file;
+* ``capacity``: `gpu_capacity` is the same on every line (it is constant for a run);
+* ``stutter`` / ``edge``: `(event, from, to)` is an edge of the spec (``stutter`` when `from == to` and the spec
+  declares no such self-loop);
+* ``from``: a request's first line starts from the spec's initial state, every later line from the state the
+  validator holds for it (its previous `to`); a request in a terminal state takes no further line;
+* ``residency`` (RES-STATE): a request holds no block outside the tier its `to` state's residency names;
+* ``no-host-no-suspend`` (NO-HOST-NO-SUSPEND): with `host_capacity == 0`, no request is in a host-residency state;
+* ``conservation`` (CONS-GPU / CONS-HOST): per tier, `free + fenced + the line's request's blocks <= capacity`;
+* ``generated`` (GEN-APPEND): a request's `generated` never decreases;
+* ``done-reason``: `done_reason` is non-null exactly when `to` is terminal, and is the reason the event records;
+* ``terminal`` (end of file, with `require_done`): every request ends in a terminal state.
+
+A report is a frozen value: `TraceReport.ok` is True when no rule was broken; otherwise `divergence` names the
+first broken rule with its line number. Unreadable input raises `TraceError` (exit code 2 in the CLI).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+from kvstate.errors import KVStateError
+from kvstate.spec import Spec, load_spec
+from kvstate.trace import TRACE_FIELDS
+
+
+
+# rule names (stable: tests and tools match on them)
+FORMAT, ITERATION, CAPACITY, STUTTER, EDGE, FROM = "format", "iteration", "capacity", "stutter", "edge", "from"
+RESIDENCY, NO_HOST, CONSERVATION, GENERATED = "residency", "no-host-no-suspend", "conservation", "generated"
+DONE_REASON, TERMINAL = "done-reason", "terminal"
+RULES = (FORMAT, ITERATION, CAPACITY, STUTTER, EDGE, FROM, RESIDENCY, NO_HOST, CONSERVATION, GENERATED,
+         DONE_REASON, TERMINAL)
+
+# spec invariant ids the rules report (reported only when the spec in use declares them)
+INVARIANT_IDS = ("RES-STATE", "NO-HOST-NO-SUSPEND", "CONS-GPU", "CONS-HOST", "GEN-APPEND")
+
+
+class TraceError(KVStateError):
+    """The trace cannot be read at all (missing file, a directory, no permission); nothing was validated."""
+
+
+@dataclass(frozen=True, slots=True)
+class Divergence:
+    """The first line at which the trace departs from the spec.
+
+    `expected` is the state the validator holds for the request before this line (None when the line could not
+    be parsed far enough to know the request); `observed` is the line's (event, from, to), with None for parts
+    the line lacks. `invariant` is the spec invariant id the broken rule checks, when there is one.
+    """
+
+    line: int
+    request_id: Hashable | None
+    rule: str
+    invariant: str | None
+    expected: str | None
+    observed: tuple[object, object, object] | None
+    message: str
+
+    def describe(self) -> str:
+        """A multi-line, human-readable account of the divergence."""
+        rule = f"{self.rule} ({self.invariant})" if self.invariant else self.rule
+        lines = [f"line {self.line}: rule {rule} broken"]
+        if self.request_id is not None:
+            lines.append(f"  request:  {self.request_id!r}")
+        if self.expected is not None:
+            lines.append(f"  expected: state {self.expected!r}")
+        if self.observed is not None:
+            event, source, dest = self.observed
+            lines.append(f"  observed: event {event!r}, from {source!r} to {dest!r}")
+        lines.append(f"  {self.message}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceReport:
+    """The result of validating one trace. Mappings are read-only views."""
+
+    source: str
+    lines: int  # non-blank lines read, up to and including a divergent one
+    requests: int
+    transitions: Mapping[str, int]  # event -> lines with that event (lines before a divergence)
+    final_states: Mapping[Hashable, str]  # request id -> the state the validator holds at the end
+    divergence: Divergence | None
+
+    @property
+    def ok(self) -> bool:
+        return self.divergence is None
+
+
+def validate_trace(source: str | Path | Iterable[str], spec: Spec | None = None, *,
+                   require_done: bool = True) -> TraceReport:
+    """Validate a trace file (a path) or its lines (an iterable of str) against `spec` (default: packaged).
+
+    Stops at the first divergence. Raises `TraceError` when a path cannot be opened or read.
+    """
+    spec = spec if spec is not None else load_spec()
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        try:
+            with path.open("rb") as handle:
+                return _Validator(spec, str(path)).run(handle, require_done)
+        except OSError as err:
+            raise TraceError(f"cannot read trace file {path}: {err.strerror or err}; pass the path of an NDJSON "
+                             "trace written with EngineConfig(trace_path=...) or `kvstate demo --trace`") from err
+    return _Validator(spec, "<lines>").run(source, require_done)
+
+
+_NULL = type(None)
+_TYPES: dict[str, tuple[tuple[type, ...], str, int | None]] = {
+    # field -> (accepted types, description, minimum for ints)
+    "iteration": ((int,), "an integer >= 0", 0),
+    "request_id": ((int, str), "an integer or a string", None),
+    "event": ((str,), "a string (an event name)", None),
+    "from": ((str,), "a string (a state name)", None),
+    "to": ((str,), "a string (a state name)", None),
+    "gpu_capacity": ((int,), "an integer > 0", 1),
+    "done_reason": ((str, _NULL), "a string or null", None),
+}
+_COUNT = ((int,), "an integer >= 0", 0)
+
+
+class _Stop(Exception):
+    def __init__(self, divergence: Divergence) -> None:
+        self.divergence = divergence
+
+
+class _Validator:
+    """Holds per-request state while reading one trace; see the module docstring for the rules."""
+
+    def __init__(self, spec: Spec, source: str) -> None:
+        self.spec = spec
+        self.source = source
+        self.edges = {(t.event, t.source, t.dest): t for t in spec.transitions}
+        self.terminal = frozenset(spec.terminal_states)
+        self.host_states = frozenset(spec.states_with_residency("host"))
+        self.reasons = frozenset(e.done_reason for e in spec.events if e.done_reason)
+        declared = {inv.id for inv in spec.invariants}
+        self.invariant = {i: (i if i in declared else None) for i in INVARIANT_IDS}
+        self.state: dict[Hashable, str] = {}
+        self.last_line: dict[Hashable, int] = {}
+        self.generated: dict[Hashable, int] = {}
+        self.host_held: set[Hashable] = set()
+        self.counts: Counter[str] = Counter()
+        self.iteration = 0
+        self.gpu_capacity: int | None = None
+        self.lines = 0
+
+    def run(self, lines: Iterable[str | bytes], require_done: bool) -> TraceReport:
+        divergence = None
+        try:
+            for number, raw in enumerate(lines, 1):
+                if not raw.strip():
+                    continue
+                self.lines += 1
+                self.check_line(number, raw)
+            if require_done:
+                self.check_end()
+        except _Stop as stop:
+            divergence = stop.divergence
+        return TraceReport(
+            source=self.source, lines=self.lines, requests=len(self.state),
+            transitions=MappingProxyType(dict(sorted(self.counts.items()))),
+            final_states=MappingProxyType(dict(self.state)), divergence=divergence,
+        )
+
+    # ------------------------------------------------------------------------------------------- one line
+    def fail(self, number: int, rule: str, message: str, *, line: dict | None = None, rid: Hashable | None = None,
+             invariant: str | None = None, expected: str | None = None) -> _Stop:
+        observed = None
+        if line is not None:
+            observed = (line.get("event"), line.get("from"), line.get("to"))
+            rid = line.get("request_id", rid)
+            if expected is None and isinstance(rid, (int, str)):
+                expected = self.state.get(rid, self.spec.initial)
+        return _Stop(Divergence(number, rid, rule, invariant, expected, observed, message))
+
+    def parse(self, number: int, raw: str | bytes) -> dict:
+        try:
+            text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+            line = json.loads(text)
+        except UnicodeDecodeError as err:
+            raise self.fail(number, FORMAT, f"the line is not UTF-8 ({err.reason} at byte {err.start}); "
+                            "a trace is UTF-8 NDJSON, check what wrote this file") from None
+        except json.JSONDecodeError as err:
+            raise self.fail(number, FORMAT, f"the line is not JSON ({err.msg} at column {err.colno}); each line "
+                            "must be one JSON object ending in a newline — was the file truncated or two writers "
+                            "interleaved?") from None
+        if not isinstance(line, dict):
+            raise self.fail(number, FORMAT, f"the line is a JSON {type(line).__name__}, not an object; each line "
+                            "must be one object with the fields of spec/TRACE.md")
+        missing = [f for f in TRACE_FIELDS if f not in line]
+        if missing:
+            raise self.fail(number, FORMAT, f"field {missing[0]!r} is missing (missing: {', '.join(missing)}); "
+                            "every line has all the fields of spec/TRACE.md", line=line)
+        extra = [f for f in line if f not in TRACE_FIELDS]
+        if extra:
+            raise self.fail(number, FORMAT, f"field {extra[0]!r} is not a trace field; remove it or update "
+                            "spec/TRACE.md and the validator together", line=line)
+        if tuple(line) != TRACE_FIELDS:
+            first = next(f for f, want in zip(line, TRACE_FIELDS) if f != want)
+            raise self.fail(number, FORMAT, f"field {first!r} is out of order; keys come in the order "
+                            f"{', '.join(TRACE_FIELDS)}", line=line)
+        for field in TRACE_FIELDS:
+            types, what, minimum = _TYPES.get(field, _COUNT)
+            value = line[field]
+            bad = isinstance(value, bool) or not isinstance(value, types)
+            if not bad and minimum is not None and value < minimum:
+                bad = True
+            if bad:
+                raise self.fail(number, FORMAT, f"field {field!r} is {value!r}; it must be {what}", line=line)
+        return line
+
+    def check_line(self, number: int, raw: str | bytes) -> None:
+        line = self.parse(number, raw)
+        rid, event, source, dest = line["request_id"], line["event"], line["from"], line["to"]
+        spec = self.spec
+        held = self.state.get(rid, spec.initial)
+
+        if line["iteration"] < self.iteration:
+            raise self.fail(number, ITERATION, f"iteration {line['iteration']} is below {self.iteration} of an "
+                            "earlier line; lines must be written in the order the transitions happened", line=line)
+        if self.gpu_capacity is not None and line["gpu_capacity"] != self.gpu_capacity:
+            raise self.fail(number, CAPACITY, f"gpu_capacity {line['gpu_capacity']} differs from "
+                            f"{self.gpu_capacity} on earlier lines; a trace covers one run of one engine", line=line)
+
+        transition = self.edges.get((event, source, dest))
+        if transition is None:
+            raise self.fail(number, STUTTER if source == dest else EDGE, self._edge_message(event, source, dest),
+                            line=line)
+        if source != held:
+            if rid not in self.state:
+                why = (f"its first line must start from the spec's initial state {spec.initial!r}; "
+                       "check that the trace is complete from its start")
+            elif held in self.terminal:
+                why = (f"it already reached the terminal state {held!r} at line {self.last_line[rid]}; request ids "
+                       "are never reused within a run")
+            else:
+                why = (f"its previous line ({self.last_line[rid]}) left it in {held!r}; a transition is missing or "
+                       "lines were reordered")
+            raise self.fail(number, FROM, f"the line starts from {source!r} but {why}", line=line, expected=held)
+
+        residency = spec.residency(dest)
+        for tier in ("gpu", "host"):
+            held_blocks = line[f"{tier}_blocks"]
+            if residency != tier and held_blocks != 0:
+                raise self.fail(number, RESIDENCY, f"field '{tier}_blocks' is {held_blocks} but state {dest!r} has "
+                                f"residency {residency!r}; the transition's effect must move or free every {tier} "
+                                "block", line=line, invariant=self.invariant["RES-STATE"])
+
+        host_held = (self.host_held | {rid}) if dest in self.host_states else (self.host_held - {rid})
+        if line["host_capacity"] == 0 and host_held:
+            who = rid if rid in host_held else min(host_held, key=repr)
+            raise self.fail(number, NO_HOST, f"host_capacity is 0 (no host tier) but request {who!r} is in a host "
+                            "state; without a host tier every eviction must be a recompute-pause, and a tier that "
+                            "goes away must first drop its copies (lose_host_copy)",
+                            line=line, invariant=self.invariant["NO-HOST-NO-SUSPEND"])
+
+        for tier, inv in (("gpu", "CONS-GPU"), ("host", "CONS-HOST")):
+            free, fenced, held_blocks, cap = (line[f"{tier}_{k}"] for k in ("free", "fenced", "blocks", "capacity"))
+            if free + fenced + held_blocks > cap:
+                raise self.fail(number, CONSERVATION, f"{tier} tier: free {free} + fenced {fenced} + this "
+                                f"request's {held_blocks} = {free + fenced + held_blocks} > capacity {cap}; a block "
+                                "is counted twice (leaked fence or double free?)", line=line,
+                                invariant=self.invariant[inv])
+
+        before = self.generated.get(rid, 0)
+        if line["generated"] < before:
+            raise self.fail(number, GENERATED, f"generated fell from {before} to {line['generated']}; generated "
+                            "tokens are append-only through suspend, resume, pause and replay",
+                            line=line, invariant=self.invariant["GEN-APPEND"])
+
+        reason = line["done_reason"]
+        if (reason is not None) != (dest in self.terminal):
+            where = "a terminal" if dest in self.terminal else "a non-terminal"
+            raise self.fail(number, DONE_REASON, f"done_reason is {reason!r} on a line into {where} state "
+                            f"{dest!r}; it is non-null exactly when the request ends", line=line)
+        allowed = {transition.done_reason} if transition.done_reason else self.reasons
+        if reason is not None and reason not in allowed:
+            raise self.fail(number, DONE_REASON, f"done_reason {reason!r} cannot end a request by {event!r}; "
+                            f"expected one of {', '.join(sorted(allowed))}", line=line)
+
+        self.iteration = line["iteration"]
+        self.gpu_capacity = line["gpu_capacity"]
+        self.state[rid] = dest
+        self.last_line[rid] = number
+        self.generated[rid] = line["generated"]
+        self.host_held = host_held
+        self.counts[event] += 1
+
+    def _edge_message(self, event: str, source: str, dest: str) -> str:
+        spec = self.spec
+        if event not in spec.event_by_name:
+            return f"event {event!r} is not in the spec; events are {', '.join(spec.event_by_name)}"
+        for name in (source, dest):
+            if name not in spec.state_by_name:
+                return f"state {name!r} is not in the spec; states are {', '.join(spec.state_by_name)}"
+        allowed = [f"{t.source} -> {t.dest}" for t in spec.event_by_name[event].transitions]
+        kind = "declares no self-loop" if source == dest else "has no edge"
+        return (f"the spec {kind} {source} -> {dest} on {event!r}; its edges for {event!r} are "
+                f"{'; '.join(allowed)}")
+
+    # ----------------------------------------------------------------------------------------- end of file
+    def check_end(self) -> None:
+        open_requests = [rid for rid, state in self.state.items() if state not in self.terminal]
+        if not open_requests:
+            return
+        rid = min(open_requests, key=self.last_line.__getitem__)
+        state = self.state[rid]
+        raise _Stop(Divergence(
+            self.last_line[rid], rid, TERMINAL, None, state, None,
+            f"the trace ends with request {rid!r} in {state!r} (its last line; {len(open_requests)} request(s) not "
+            f"in a terminal state {', '.join(sorted(self.terminal))}); the run was cut short or lines are missing — "
+            "pass --no-require-done to validate a partial trace",
+        ))

@@ -1,0 +1,390 @@
+"""The trace validator (`kvstate.checker.trace`, `kvstate validate`): real traces validate, and every kind of
+corruption is rejected at exactly the corrupted line with the right rule and invariant id.
+
+Traces come from the pure `Scheduler` + `SimExecutor` (traced by the torch-free `kvstate.trace.trace_record`, the
+same record the engine writes) and from the real torch `executor.Engine`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+
+import pytest
+
+from kvstate import Scheduler, SchedulerConfig, SimExecutor, load_spec
+from kvstate.checker import trace as vt
+from kvstate.checker.trace import TRACE_FIELDS, TraceError, validate_trace
+from kvstate.cli import main
+from kvstate.trace import trace_record
+
+SPEC = load_spec()
+EDGES = {(t.event, t.source, t.dest) for t in SPEC.transitions}
+TERMINAL = set(SPEC.terminal_states)
+
+
+def sim_trace(host_blocks: int, pipeline_stages: int = 1, seed: int = 0) -> list[dict]:
+    """A pressured, seeded SimExecutor run with one cancel, traced in the TRACE.md format."""
+    records: list[dict] = []
+
+    def tracer(request, transition) -> None:
+        records.append(trace_record(sched, request, transition))
+
+    sched = Scheduler(SchedulerConfig(gpu_blocks=12, host_blocks=host_blocks, block_size=2, prefill_chunk_size=4,
+                                      pipeline_stages=pipeline_stages), on_transition=tracer)
+    rng = random.Random(seed)
+    for i in range(10):
+        prompt = rng.randint(2, 8)
+        sched.submit([rng.randrange(1000) for _ in range(prompt)], rng.randint(2, 24 - prompt), request_id=f"r{i}")
+    ex = SimExecutor(sched)
+    for _ in range(5):
+        ex.step()
+    sched.cancel("r9")
+    ex.run()
+    assert not sched.has_unfinished
+    return records
+
+
+def dumps(records: list[dict]) -> list[str]:
+    return [json.dumps(r, separators=(",", ":")) + "\n" for r in records]
+
+
+@pytest.fixture(scope="module")
+def pressured() -> list[dict]:
+    """Host tier present: suspends, resumes, recompute-pauses, replays, a cancel."""
+    records = sim_trace(host_blocks=6)
+    events = {r["event"] for r in records}
+    hosts = set(SPEC.states_with_residency("host"))
+    assert any(r["to"] in hosts for r in records) and {r["event"] for r in records if r["to"] in hosts} < events
+    return records
+
+
+# ---------------------------------------------------------------------------------------- valid traces
+
+
+@pytest.mark.parametrize("host_blocks, stages", [(6, 1), (0, 1), (6, 2)])
+def test_sim_traces_validate_and_counts_match(host_blocks, stages):
+    records = sim_trace(host_blocks, stages)
+    report = validate_trace(dumps(records))
+    assert report.ok, report.divergence.describe()
+    assert report.lines == len(records)
+    assert dict(report.transitions) == {e: sum(r["event"] == e for r in records) for e in report.transitions}
+    assert sum(report.transitions.values()) == len(records)
+    assert report.requests == 10 and set(report.final_states.values()) <= TERMINAL
+
+
+def test_declared_self_loops_are_accepted_and_undeclared_stutters_rejected():
+    loops = [t for t in SPEC.transitions if t.source == t.dest]
+    assert loops, "the spec declares deferred terminations as self-loops"
+    loop = loops[0]
+    path = _path_to(loop.source) + [loop] + _path_to_terminal(loop.source)
+    report = validate_trace(dumps(_walk(path)))
+    assert report.ok, report.divergence.describe()
+    assert report.transitions[loop.event] >= 1
+
+    first = _walk(path)
+    first[0]["to"] = first[0]["from"]  # e.g. admit waiting -> waiting: no such self-loop
+    assert (first[0]["event"], first[0]["from"], first[0]["to"]) not in EDGES
+    assert_rejected(first, 1, vt.STUTTER)
+
+
+def test_the_validator_reports_only_invariant_ids_the_spec_declares():
+    assert set(vt.INVARIANT_IDS) <= {inv.id for inv in SPEC.invariants}
+
+
+def test_empty_trace_is_valid_and_blank_lines_are_skipped_but_keep_line_numbers(pressured):
+    assert validate_trace([]).ok and validate_trace([]).lines == 0
+    lines = dumps(pressured)
+    lines.insert(1, "\n")
+    bad = dict(pressured[1], generated=-1)
+    lines[2] = json.dumps(bad) + "\n"
+    report = validate_trace(lines)
+    assert (report.divergence.line, report.divergence.rule, report.lines) == (3, vt.FORMAT, 2)  # 2 non-blank
+    assert "'generated'" in report.divergence.message
+
+
+# ------------------------------------------------------------------------------------------ corruptions
+
+
+def assert_rejected(records_or_lines, line: int, rule: str, invariant: str | None = None, *, field: str | None = None,
+                    require_done: bool = True):
+    lines = records_or_lines if isinstance(records_or_lines[0], str) else dumps(records_or_lines)
+    report = validate_trace(lines, require_done=require_done)
+    assert not report.ok, f"corruption at line {line} not detected"
+    d = report.divergence
+    assert (d.line, d.rule, d.invariant) == (line, rule, invariant), d.describe()
+    if field is not None:
+        assert repr(field) in d.message, d.message
+    assert d.message and d.describe().startswith(f"line {line}:")
+    return d
+
+
+def first(records: list[dict], predicate: Callable[[dict], bool], start: int = 1) -> int:
+    """Index of the first record at or after `start` satisfying predicate (start > 0: not the very first line)."""
+    return next(i for i in range(start, len(records)) if predicate(records[i]))
+
+
+def test_wrong_from_state_is_rejected_with_the_held_state(pressured):
+    def has_alternative(r):
+        return any(e == r["event"] and d == r["to"] and s != r["from"] for e, s, d in EDGES)
+
+    i = first(pressured, has_alternative)
+    held = pressured[i]["from"]
+    other = next(s for e, s, d in sorted(EDGES) if e == pressured[i]["event"] and d == pressured[i]["to"] and s != held)
+    corrupted = [dict(r) for r in pressured]
+    corrupted[i]["from"] = other
+    d = assert_rejected(corrupted, i + 1, vt.FROM)
+    assert d.expected == held and d.observed == (pressured[i]["event"], other, pressured[i]["to"])
+    assert d.request_id == pressured[i]["request_id"]
+
+
+def test_edge_not_in_spec_is_rejected(pressured):
+    i = len(pressured) // 2
+    r = pressured[i]
+    wrong = next(e.name for e in SPEC.events if (e.name, r["from"], r["to"]) not in EDGES)
+    corrupted = [dict(x) for x in pressured]
+    corrupted[i]["event"] = wrong
+    d = assert_rejected(corrupted, i + 1, vt.EDGE)
+    assert d.observed == (wrong, r["from"], r["to"])
+
+
+def test_suspend_without_host_tier_is_rejected(pressured):
+    hosts = set(SPEC.states_with_residency("host"))
+    i = first(pressured, lambda r: r["to"] in hosts)
+    corrupted = [dict(r) for r in pressured]
+    corrupted[i].update(host_capacity=0, host_free=0)
+    assert_rejected(corrupted, i + 1, vt.NO_HOST, "NO-HOST-NO-SUSPEND")
+
+
+def test_host_tier_gone_while_a_request_stays_suspended_is_rejected(pressured):
+    hosts = set(SPEC.states_with_residency("host"))
+    i = first(pressured, lambda r: r["to"] in hosts)
+    j = first(pressured, lambda r: r["request_id"] != pressured[i]["request_id"] and r["to"] not in hosts, i + 1)
+    assert all(r["request_id"] != pressured[i]["request_id"] for r in pressured[i + 1:j]), "still suspended at j"
+    corrupted = [dict(r) for r in pressured]
+    corrupted[j].update(host_capacity=0, host_free=0, host_fenced=0)
+    d = assert_rejected(corrupted, j + 1, vt.NO_HOST, "NO-HOST-NO-SUSPEND")
+    state_at_j = {r["request_id"]: r["to"] for r in pressured[:j + 1]}
+    named = [rid for rid, state in state_at_j.items() if state in hosts and repr(rid) in d.message]
+    assert named, d.message
+
+
+@pytest.mark.parametrize("tier", ["gpu", "host"])
+def test_blocks_outside_the_state_residency_are_rejected(pressured, tier):
+    i = first(pressured, lambda r: SPEC.residency(r["to"]) != tier)
+    corrupted = [dict(r) for r in pressured]
+    corrupted[i][f"{tier}_blocks"] = 1
+    assert_rejected(corrupted, i + 1, vt.RESIDENCY, "RES-STATE", field=f"{tier}_blocks")
+
+
+@pytest.mark.parametrize("tier, invariant", [("gpu", "CONS-GPU"), ("host", "CONS-HOST")])
+def test_more_blocks_than_capacity_is_rejected(pressured, tier, invariant):
+    i = first(pressured, lambda r: r[f"{tier}_blocks"] > 0)
+    corrupted = [dict(r) for r in pressured]
+    corrupted[i][f"{tier}_free"] = corrupted[i][f"{tier}_capacity"]
+    assert_rejected(corrupted, i + 1, vt.CONSERVATION, invariant)
+
+
+def test_generated_decreasing_is_rejected(pressured):
+    seen: dict = {}
+    for i, r in enumerate(pressured):
+        if seen.get(r["request_id"], 0) > 0:
+            break
+        seen[r["request_id"]] = r["generated"]
+    corrupted = [dict(r) for r in pressured]
+    corrupted[i]["generated"] = seen[r["request_id"]] - 1
+    assert_rejected(corrupted, i + 1, vt.GENERATED, "GEN-APPEND")
+
+
+def test_iteration_going_backwards_is_rejected(pressured):
+    i = next(i for i in range(1, len(pressured)) if pressured[i - 1]["iteration"] >= 1)
+    corrupted = [dict(r) for r in pressured]
+    corrupted[i]["iteration"] = pressured[i - 1]["iteration"] - 1
+    assert_rejected(corrupted, i + 1, vt.ITERATION)
+
+
+def test_gpu_capacity_changing_within_a_run_is_rejected(pressured):
+    i = len(pressured) // 2
+    corrupted = [dict(r) for r in pressured]
+    corrupted[i]["gpu_capacity"] += 1
+    assert_rejected(corrupted, i + 1, vt.CAPACITY)
+
+
+def test_malformed_json_and_non_objects_are_rejected(pressured):
+    lines = dumps(pressured)
+    i = len(lines) // 3
+    lines[i] = lines[i][: len(lines[i]) // 2] + "\n"
+    d = assert_rejected(lines, i + 1, vt.FORMAT)
+    assert d.request_id is None and d.observed is None
+    lines = dumps(pressured)
+    lines[i] = "[1, 2]\n"
+    assert_rejected(lines, i + 1, vt.FORMAT)
+    lines = dumps(pressured)
+    lines[i] = b"\xff\xfe{}\n"
+    assert_rejected(lines, i + 1, vt.FORMAT)
+
+
+@pytest.mark.parametrize("field", ["iteration", "request_id", "from", "host_fenced", "done_reason"])
+def test_missing_field_is_rejected_naming_the_field(pressured, field):
+    i = len(pressured) // 2
+    corrupted = [dict(r) for r in pressured]
+    del corrupted[i][field]
+    assert_rejected(corrupted, i + 1, vt.FORMAT, field=field)
+
+
+@pytest.mark.parametrize("field, value", [("gpu_blocks", "3"), ("gpu_free", -1), ("generated", True),
+                                          ("gpu_capacity", 0), ("request_id", [1]), ("done_reason", 0)])
+def test_wrong_field_type_is_rejected_naming_the_field(pressured, field, value):
+    i = len(pressured) // 2
+    corrupted = [dict(r) for r in pressured]
+    corrupted[i][field] = value
+    assert_rejected(corrupted, i + 1, vt.FORMAT, field=field)
+
+
+def test_extra_and_reordered_fields_are_rejected(pressured):
+    i = 2
+    corrupted = [dict(r) for r in pressured]
+    corrupted[i]["note"] = "x"
+    assert_rejected(corrupted, i + 1, vt.FORMAT, field="note")
+    corrupted = [dict(r) for r in pressured]
+    corrupted[i] = dict(reversed(list(corrupted[i].items())))
+    assert_rejected(corrupted, i + 1, vt.FORMAT, field=TRACE_FIELDS[-1])
+
+
+def test_done_reason_mismatch_is_rejected(pressured):
+    i = first(pressured, lambda r: r["to"] in TERMINAL)
+    corrupted = [dict(r) for r in pressured]
+    corrupted[i]["done_reason"] = None
+    assert_rejected(corrupted, i + 1, vt.DONE_REASON)
+
+    j = first(pressured, lambda r: r["to"] not in TERMINAL)
+    corrupted = [dict(r) for r in pressured]
+    corrupted[j]["done_reason"] = pressured[i]["done_reason"]
+    assert_rejected(corrupted, j + 1, vt.DONE_REASON)
+
+    reasons = {e.done_reason for e in SPEC.events if e.done_reason}
+    corrupted = [dict(r) for r in pressured]
+    corrupted[i]["done_reason"] = sorted(reasons - {pressured[i]["done_reason"]})[0]
+    assert_rejected(corrupted, i + 1, vt.DONE_REASON)
+
+
+def test_line_after_a_terminal_state_is_rejected(pressured):
+    i = first(pressured, lambda r: r["to"] in TERMINAL)
+    corrupted = [dict(r) for r in pressured] + [dict(pressured[i], iteration=pressured[-1]["iteration"])]
+    d = assert_rejected(corrupted, len(corrupted), vt.FROM)
+    assert d.expected in TERMINAL and f"line {i + 1}" in d.message
+
+
+def test_truncated_run_is_rejected_at_the_request_last_line_unless_partial_traces_are_allowed(pressured):
+    last = pressured[-1]
+    assert last["to"] in TERMINAL
+    previous = max(i for i, r in enumerate(pressured[:-1]) if r["request_id"] == last["request_id"])
+    truncated = pressured[:-1]
+    d = assert_rejected(truncated, previous + 1, vt.TERMINAL)
+    assert d.request_id == last["request_id"] and d.expected == last["from"]
+    report = validate_trace(dumps(truncated), require_done=False)
+    assert report.ok and report.final_states[last["request_id"]] == last["from"]
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_exit_codes_and_output(pressured, tmp_path, capsys):
+    good = tmp_path / "good.ndjson"
+    good.write_text("".join(dumps(pressured)), encoding="utf-8")
+    assert main(["validate", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert "VALID" in out and f"{len(pressured)} lines" in out and "suspend" in out
+
+    i = first(pressured, lambda r: SPEC.residency(r["to"]) != "gpu")
+    corrupted = [dict(r) for r in pressured]
+    corrupted[i]["gpu_blocks"] = 2
+    bad = tmp_path / "bad.ndjson"
+    bad.write_text("".join(dumps(corrupted)), encoding="utf-8")
+    assert main(["validate", str(bad), "--spec", str(SPEC.source)]) == 1
+    out = capsys.readouterr().out
+    assert "INVALID" in out and f"line {i + 1}:" in out and "RES-STATE" in out
+    assert repr(pressured[i]["request_id"]) in out and f"state {pressured[i]['from']!r}" in out
+
+    truncated = tmp_path / "truncated.ndjson"
+    truncated.write_text("".join(dumps(pressured[:-1])), encoding="utf-8")
+    assert main(["validate", str(truncated)]) == 1
+    capsys.readouterr()
+    assert main(["validate", str(truncated), "--no-require-done"]) == 0
+    capsys.readouterr()
+
+    assert main(["validate", str(tmp_path / "missing.ndjson")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read trace file" in err and "missing.ndjson" in err
+    assert main(["validate", str(good), "--spec", str(tmp_path / "nospec.toml")]) == 2
+    with pytest.raises(TraceError):
+        validate_trace(tmp_path)  # a directory
+
+
+# --------------------------------------------------------------------------------------- real executor
+
+
+def test_a_trace_written_by_the_torch_engine_validates(tmp_path):
+    torch = pytest.importorskip("torch")
+    from executor import Engine, EngineConfig, LlamaModel, ModelConfig
+    from executor.checks import random_workload, submit_all
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = LlamaModel.from_seed(ModelConfig(), 0, dtype=torch.float64, device="cpu")
+        path = tmp_path / "engine.ndjson"
+        with Engine(EngineConfig(device="cpu", gpu_blocks=16, host_blocks=6, block_size=4, trace_path=path),
+                    model=model) as engine:
+            submit_all(engine, random_workload(10, 3, (4, 30), (8, 24)))
+            for _ in range(5):
+                engine.step()
+            engine.cancel(next(iter(engine.scheduler.requests)))
+            engine.run()
+    finally:
+        torch.set_num_threads(threads)
+    report = validate_trace(path)
+    assert report.ok, report.divergence.describe()
+    assert report.lines == engine.trace.lines == sum(engine.totals.events.values())
+    assert dict(report.transitions) == {e: n for e, n in engine.totals.events.items() if n}
+    assert sorted(report.final_states, key=repr) == sorted(engine.scheduler.finished, key=repr)
+    assert main(["validate", str(path)]) == 0
+
+
+# -------------------------------------------------------------------------------------------- helpers
+
+
+def _path_to(state: str) -> list:
+    """The shortest list of spec transitions from the initial state to `state` (BFS over the spec)."""
+    frontier, seen = [(SPEC.initial, [])], {SPEC.initial}
+    while frontier:
+        here, path = frontier.pop(0)
+        if here == state:
+            return path
+        for t in SPEC.transitions:
+            if t.source == here and t.dest not in seen:
+                seen.add(t.dest)
+                frontier.append((t.dest, path + [t]))
+    raise AssertionError(f"{state} unreachable")
+
+
+def _path_to_terminal(state: str) -> list:
+    t = next(t for t in SPEC.transitions if t.source == state and t.dest in TERMINAL)
+    return [t]
+
+
+def _walk(path: list, request_id: int = 7) -> list[dict]:
+    """Trace lines for one request taking `path`, with block counts consistent with each state's residency."""
+    records, generated = [], 0
+    for n, t in enumerate(path):
+        residency = SPEC.residency(t.dest)
+        generated += residency == "gpu"
+        records.append({
+            "iteration": n, "request_id": request_id, "event": t.event, "from": t.source, "to": t.dest,
+            "gpu_blocks": int(residency == "gpu"), "host_blocks": int(residency == "host"),
+            "gpu_free": 4 - (residency == "gpu"), "host_free": 4 - (residency == "host"), "gpu_fenced": 0,
+            "host_fenced": 0, "gpu_capacity": 4, "host_capacity": 4, "generated": generated, "computed_tokens": 0,
+            "done_reason": (t.done_reason or "finished") if t.dest in TERMINAL else None,
+        })
+    return records
