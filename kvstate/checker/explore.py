@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from kvstate.checker.bounds import Bound
 from kvstate.checker.invariants import STATE_PREDICATES, STEP_PREDICATES
+from kvstate.checker.budget import SearchBudget
 from kvstate.checker.model import AbstractModel, Action, AState, Step
 from kvstate.spec import Transition
 
@@ -112,7 +113,7 @@ def explore(model: AbstractModel, *, max_states: int | None = None, time_limit: 
             state_predicates=STATE_PREDICATES, step_predicates=STEP_PREDICATES) -> ModelResult:
     """Explore every reachable state of `model`; stop at the first violation (its shortest counterexample)."""
     start = time.perf_counter()
-    deadline = start + time_limit if time_limit else None
+    budget = SearchBudget(max_states, time_limit, check_every=256)
     result = ModelResult(model.bound, HOLDS)
     state_checks = [(i, p) for i, p in state_predicates.items() if i in {inv.id for inv in model.spec.invariants}]
     step_checks = [(i, p) for i, p in step_predicates.items() if i in {inv.id for inv in model.spec.invariants}]
@@ -149,14 +150,10 @@ def explore(model: AbstractModel, *, max_states: int | None = None, time_limit: 
         return finish(VIOLATED)
     i = 0
     while i < len(states):
-        if i & 255 == 0:
-            if progress is not None:
-                progress(len(states), result.edges)
-            if deadline is not None and time.perf_counter() > deadline:
-                result.stop_reason = f"time limit {time_limit:g} s reached"
-                return finish(INCOMPLETE)
-        if max_states is not None and len(states) > max_states:
-            result.stop_reason = f"--max-states {max_states} reached"
+        if progress is not None and i & 255 == 0:
+            progress(len(states), result.edges)
+        if (reason := budget.stop_reason(len(states))) is not None:
+            result.stop_reason = reason
             return finish(INCOMPLETE)
         state = states[i]
         outs: list[int] = []

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from kvstate.checker.bounds import Bound
 from kvstate.checker.explore import HOLDS, INCOMPLETE, VIOLATED
 from kvstate.checker.invariants import STATE_PREDICATES
+from kvstate.checker.budget import SearchBudget
 from kvstate.checker.model import ABSENT, NONE, AbstractModel, AState
 from kvstate.config import RequestRejected, SchedulerConfig
 from kvstate.errors import InvariantViolation, KVStateError
@@ -264,7 +265,7 @@ class Refinement:
     def explore(self, *, max_states: int | None = None, time_limit: float | None = None,
                 progress: Callable[[int, int], None] | None = None) -> RefinementResult:
         start = time.perf_counter()
-        deadline = start + time_limit if time_limit else None
+        budget = SearchBudget(max_states, time_limit, check_every=32)
         result = RefinementResult(self.bound, HOLDS, abstract_checked=self.reachable is not None)
         parent: list[int] = [-1]
         via: list[tuple] = [()]
@@ -293,14 +294,10 @@ class Refinement:
         worlds: dict[int, World] = {0: first}
         i = 0
         while i < len(parent):
-            if i & 31 == 0:
-                if progress is not None:
-                    progress(len(parent), result.edges)
-                if deadline is not None and time.perf_counter() > deadline:
-                    result.stop_reason = f"time limit {time_limit:g} s reached"
-                    return done(INCOMPLETE)
-            if max_states is not None and len(parent) > max_states:
-                result.stop_reason = f"--max-states {max_states} reached"
+            if progress is not None and i & 31 == 0:
+                progress(len(parent), result.edges)
+            if (reason := budget.stop_reason(len(parent))) is not None:
+                result.stop_reason = reason
                 return done(INCOMPLETE)
             world = worlds.pop(i)
             for action in self.actions(world):
