@@ -4,29 +4,59 @@ model with paged attention, a deterministic sampler, and the engine loop that ca
 `import kvstate` never imports this package (or torch); import `executor` explicitly.
 """
 
-from executor.engine import Engine, EngineConfig, HostTierFallbackWarning, InvalidTokenId, RunTotals, resolve_dtype
+from executor.engine import (
+    Engine,
+    EngineClosed,
+    EngineConfig,
+    EngineMisuse,
+    HostTierFallbackWarning,
+    HostTierLossRefused,
+    InvalidTokenId,
+    RequestNotActive,
+    RunTotals,
+    resolve_dtype,
+)
+from executor.faults import FAULT_KINDS, FaultInjector, FaultPlan, FaultPlanError, FaultSpec
 from executor.hf import CheckpointError, load_hf_llama, save_hf_llama
-from executor.kv_cache import CompletedFence, EventFence, Fence, HostTierAllocationError, PagedKVCache, resolve_device
+from executor.kv_cache import (
+    CompletedFence,
+    EventFence,
+    Fence,
+    HostTierAllocationError,
+    MigrationFailed,
+    PagedKVCache,
+    resolve_device,
+)
 from executor.model import LlamaModel, ModelConfig, PagedBatch, SeqChunk
 from executor.sampler import GREEDY, SamplingParams, draw_seed, sample_token
 from executor.trace import TRACE_FIELDS, TraceWriter, read_trace, trace_record
 
 __all__ = [
+    "FAULT_KINDS",
     "GREEDY",
     "TRACE_FIELDS",
     "CheckpointError",
     "CompletedFence",
     "Engine",
+    "EngineClosed",
     "EngineConfig",
+    "EngineMisuse",
     "EventFence",
+    "FaultInjector",
+    "FaultPlan",
+    "FaultPlanError",
+    "FaultSpec",
     "Fence",
     "HostTierAllocationError",
     "HostTierFallbackWarning",
+    "HostTierLossRefused",
     "InvalidTokenId",
     "LlamaModel",
+    "MigrationFailed",
     "ModelConfig",
     "PagedBatch",
     "PagedKVCache",
+    "RequestNotActive",
     "RunTotals",
     "SamplingParams",
     "SeqChunk",

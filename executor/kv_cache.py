@@ -7,7 +7,12 @@ block moves all of its layers in one slice, and a run of consecutive block ids i
 Invariants kept:
 * block ids are the scheduler's: device block ``b`` is ``device[b]``, host block ``h`` is ``host[h]``; this class
   never allocates or frees a block id, it only copies the blocks a `MigrationPlan` names;
-* `execute(plan)` issues exactly one slice copy per run of `plan.runs()` (merged consecutive ids on both sides);
+* `execute(plan)` moves every run of `plan.runs()` (merged consecutive ids on both sides) and counts each in
+  `num_copies`. On CUDA, and for plans of at most `GATHER_MIN_RUNS` runs, each run is one slice copy. A CPU plan
+  with more runs is one gather (`index_select(out=)`) when its destination ids are consecutive (a suspend into
+  a fresh host range), else one memcpy per run through NumPy views, whose call overhead is a fraction of a
+  torch slice copy's: per-call overhead, not bandwidth, is what a fragmented plan of small blocks pays (§6 of
+  DESIGN.md; `index_copy_` measured slower than either);
 * a plan's copies are complete once its `Fence` reports `done()`; `Fence.wait()` blocks the host until then and
   `Fence.order_before(stream)` makes a stream wait for them on the device. The scheduler may reuse a migration's
   source blocks only after its fence completed (the engine calls `complete_migrations` after `wait()`);
@@ -15,11 +20,19 @@ Invariants kept:
   passes that wrote a source block finish before it is read) and use ``non_blocking=True`` with a pinned host
   tier; on the CPU every copy is synchronous and the fence is already complete;
 * the host tier either exists with its full capacity or not at all: a failed allocation raises
-  `HostTierAllocationError` and leaves the cache GPU-only, so the engine can fall back (DESIGN §1.7).
+  `HostTierAllocationError` and leaves the cache GPU-only, so the engine can fall back (DESIGN §1.7);
+  `detach_host_tier` drops it mid-run (the engine does so only once the scheduler has no host blocks);
+* `migrate(plan)` is `execute(plan)` for callers that handle failures: a copy that fails raises
+  `MigrationFailed` only after every copy it had issued has completed, so the caller may release the plan's
+  blocks at once (`Scheduler.fail_migration`); `migrate(plan, fail_after=k)` simulates such a failure after k
+  runs (fault injection, `executor.faults`);
+* `host_checksums(blocks)` is a CRC-32 per host block, over its bytes: any changed value changes it.
 """
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -27,8 +40,24 @@ import torch
 from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan
 
 
+GATHER_MIN_RUNS = 4  # a CPU plan with more runs than this is copied by one gather/scatter, not run by run
+
+
 class HostTierAllocationError(RuntimeError):
     """The host tier could not be allocated (not enough pinned memory); run GPU-only or shrink `host_blocks`."""
+
+
+class MigrationFailed(RuntimeError):
+    """The copies of one migration plan failed; every copy that had been issued has completed (nothing in flight).
+
+    `plan` is the failed plan and `runs_done` how many of its merged runs were copied before the failure; the
+    destination blocks hold partial data and must not be read (report it with `Scheduler.fail_migration`)."""
+
+    def __init__(self, plan: MigrationPlan, runs_done: int, reason: str) -> None:
+        self.plan = plan
+        self.runs_done = runs_done
+        super().__init__(f"migration plan {plan.plan_id} ({plan.direction}, request {plan.request_id!r}, "
+                         f"{plan.num_blocks} blocks) failed after {runs_done} of {len(plan.runs())} copies: {reason}")
 
 
 class Fence(Protocol):
@@ -119,7 +148,7 @@ class PagedKVCache:
         self.dtype = dtype
         self.device_cache = torch.zeros((num_gpu_blocks, *self.block_shape), dtype=dtype, device=self.device)
         self.host_cache: torch.Tensor | None = None
-        self.num_copies = 0  # slice copies issued so far (one per merged run)
+        self.num_copies = 0  # merged runs copied so far (one per run of each plan)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if num_host_blocks:
             self.attach_host_tier(num_host_blocks)
@@ -173,6 +202,27 @@ class PagedKVCache:
                 f"bytes{', pinned' if self.is_cuda else ''}): {err}; lower host_blocks or run GPU-only"
             ) from err
 
+    def detach_host_tier(self) -> None:
+        """Drop the host tier (it became unusable); the cache runs GPU-only from now on."""
+        self.host_cache = None
+
+    def host_checksums(self, blocks: Sequence[int]) -> tuple[int, ...]:
+        """A CRC-32 of each host block's bytes (K and V of every layer), in the order given."""
+        if self.host_cache is None:
+            raise RuntimeError("host_checksums needs a host tier, but this cache has none")
+        out = []
+        for block in blocks:
+            raw = self.host_cache[block].contiguous().view(torch.uint8)
+            out.append(zlib.crc32(raw.numpy().tobytes()))
+        return tuple(out)
+
+    def corrupt_host_block(self, block: int, delta: float = 1024.0) -> None:
+        """Fault injection: add `delta` to the first key value of layer 0 of host block `block` (its first token's
+        slot, which every used block holds), as a memory error at rest would change it."""
+        if self.host_cache is None:
+            raise RuntimeError("corrupt_host_block needs a host tier, but this cache has none")
+        self.host_cache[block, 0, 0, 0, 0, 0] += delta
+
     # ---- per-layer views used by attention
     def layer_keys(self, layer: int) -> torch.Tensor:
         """View ``[num_gpu_blocks, block_size, num_kv_heads, head_dim]`` of one layer's keys (writes go through)."""
@@ -192,8 +242,11 @@ class PagedKVCache:
             raise ValueError(f"migration plan {plan.plan_id} has unknown direction {plan.direction!r}")
         runs = plan.runs()
         if self._copy_stream is None:
-            for src, dst, n in runs:
-                self._copy(dest, dst, source, src, n, non_blocking=False)
+            if len(runs) <= GATHER_MIN_RUNS:
+                for src, dst, n in runs:
+                    self._copy(dest, dst, source, src, n, non_blocking=False)
+            else:
+                self._copy_fragmented(dest, source, plan.pairs, runs)
             return CompletedFence()
         compute = torch.cuda.current_stream(self.device)
         self._copy_stream.wait_stream(compute)  # source blocks written by earlier forward passes are final
@@ -204,10 +257,56 @@ class PagedKVCache:
             event.record(self._copy_stream)
         return EventFence(event)
 
+    def migrate(self, plan: MigrationPlan, *, fail_after: int | None = None) -> Fence:
+        """`execute(plan)`, except that a failed copy raises `MigrationFailed` once nothing of the plan is in
+        flight any more. With `fail_after=k`, copy only the first k merged runs, wait for them, and fail."""
+        self._host(plan)  # a missing host tier is a caller bug, not a failed copy
+        if fail_after is None:
+            try:
+                return self.execute(plan)
+            except RuntimeError as err:
+                self._drain()
+                raise MigrationFailed(plan, 0, f"{type(err).__name__}: {err}") from err
+        source, dest = (self.device_cache, self.host_cache) if plan.direction == TO_HOST else \
+            (self.host_cache, self.device_cache)
+        runs = plan.runs()[:max(0, fail_after)]
+        for src, dst, n in runs:
+            self._copy(dest, dst, source, src, n, non_blocking=False)
+        raise MigrationFailed(plan, len(runs), "injected copy failure (fault injection)")
+
+    def _drain(self) -> None:
+        """Wait for every copy issued on the copy stream (CUDA); nothing to wait for on the CPU."""
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
+
     def _copy(self, dest: torch.Tensor, dst: int, source: torch.Tensor, src: int, n: int, *,
               non_blocking: bool) -> None:
         dest[dst:dst + n].copy_(source[src:src + n], non_blocking=non_blocking)
         self.num_copies += 1
+
+    def _copy_fragmented(self, dest: torch.Tensor, source: torch.Tensor, pairs: tuple[tuple[int, int], ...],
+                         runs: tuple[tuple[int, int, int], ...]) -> None:
+        """CPU copy of a plan of many runs: one gather when the destination ids are consecutive, else one memcpy
+        per run through NumPy views (a torch slice copy per run for a dtype NumPy lacks)."""
+        first_dst = pairs[0][1]
+        if all(dst == first_dst + i for i, (_, dst) in enumerate(pairs)):
+            index = torch.tensor([src for src, _ in pairs], dtype=torch.long)
+            torch.index_select(source, 0, index, out=dest[first_dst:first_dst + len(pairs)])
+        elif (np_dest := self._numpy(dest)) is not None and (np_source := self._numpy(source)) is not None:
+            for src, dst, n in runs:
+                np_dest[dst:dst + n] = np_source[src:src + n]
+        else:
+            for src, dst, n in runs:
+                dest[dst:dst + n].copy_(source[src:src + n])
+        self.num_copies += len(runs)
+
+    @staticmethod
+    def _numpy(tensor: torch.Tensor):
+        """A NumPy view sharing `tensor`'s memory, or None for a dtype NumPy lacks (bfloat16)."""
+        try:
+            return tensor.numpy()
+        except TypeError:
+            return None
 
     def _host(self, plan: MigrationPlan) -> torch.Tensor:
         if self.host_cache is None:

@@ -1,7 +1,16 @@
-"""Scheduler configuration and submission checks."""
+"""Scheduler configuration and submission checks.
+
+Invariants kept:
+* a `SchedulerConfig` that exists is valid: every size is in range, and under `max_utilization` an engine
+  that cannot recompute-pause has a host tier to suspend into (otherwise a victim could be neither suspended
+  nor paused and the scheduler would stall: LIVE-DONE);
+* `check_submission` refuses, with `RequestRejected` naming the problem and the limit, every request that is
+  malformed or can never fit the GPU tier alone (LIVE-REFUSE); it never changes anything.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvstate.errors import KVStateError
@@ -15,6 +24,23 @@ class ConfigError(KVStateError, ValueError):
 
 class RequestRejected(KVStateError, ValueError):
     """A submitted request is invalid or can never be served; nothing was changed."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _describe(value: object) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def normalize_stop_token_ids(stop_token_ids: object) -> tuple:
+    """`stop_token_ids` as a tuple; raises `RequestRejected` when it is not an iterable of token ids."""
+    if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Iterable):
+        raise RequestRejected(f"stop_token_ids must be an iterable of integer token ids (e.g. [2] or ()), got "
+                              f"{_describe(stop_token_ids)}")
+    return tuple(stop_token_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,10 +74,19 @@ class SchedulerConfig:
                 raise ConfigError(f"{name} must be an integer >= 0 (0 = none), got {value!r}")
         for name in ("max_preemptions_per_request", "max_input_len"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
+            if value is not None and (not _is_int(value) or value <= 0):
                 raise ConfigError(f"{name} must be a positive integer or None (no limit), got {value!r}")
+        if not isinstance(self.enable_recompute_pause, bool):
+            raise ConfigError(f"enable_recompute_pause must be True or False, got {self.enable_recompute_pause!r}")
         if self.capacity_policy not in CAPACITY_POLICIES:
             raise ConfigError(f"capacity_policy must be one of {CAPACITY_POLICIES}, got {self.capacity_policy!r}")
+        if not self.enable_recompute_pause and self.host_blocks == 0 and self.capacity_policy == "max_utilization":
+            raise ConfigError(
+                "enable_recompute_pause=False with host_blocks=0 under capacity_policy='max_utilization' leaves no "
+                "way to evict a victim (it can be neither suspended nor recompute-paused), so the scheduler would "
+                "stall (LIVE-DONE); enable recompute-pause, give it a host tier (host_blocks > 0), or use "
+                "capacity_policy='guaranteed_no_evict'"
+            )
 
     @property
     def gpu_token_capacity(self) -> int:
@@ -59,16 +94,24 @@ class SchedulerConfig:
 
     def check_submission(self, prompt: object, max_new_tokens: object, stop_token_ids: object) -> None:
         """Raise `RequestRejected` unless the request is well formed and fits the GPU tier alone (LIVE-REFUSE)."""
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise RequestRejected(f"prompt must be a list of integer token ids, got {type(prompt).__name__}")
+        if not isinstance(prompt, (list, tuple)):
+            hint = "; tokenize the text first" if isinstance(prompt, (str, bytes)) else ""
+            raise RequestRejected(f"prompt must be a list or tuple of integer token ids, got {_describe(prompt)}{hint}")
         if not prompt:
             raise RequestRejected("prompt is empty; a request needs at least one prompt token")
-        if any(t < 0 for t in prompt):
-            raise RequestRejected(f"prompt has negative token id {min(prompt)}; token ids are >= 0")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
-            raise RequestRejected(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
-            raise RequestRejected(f"stop_token_ids must be integer token ids, got {stop_token_ids!r}")
+        for index, token in enumerate(prompt):
+            if not _is_int(token):
+                raise RequestRejected(f"prompt[{index}] is {_describe(token)}; token ids must be Python ints "
+                                      "(not bool, float or str)")
+            if token < 0:
+                raise RequestRejected(f"prompt[{index}] is negative ({token}); token ids are >= 0")
+        if not _is_int(max_new_tokens) or max_new_tokens <= 0:
+            raise RequestRejected(f"max_new_tokens must be a positive integer (at least 1), got "
+                                  f"{_describe(max_new_tokens)}")
+        for index, token in enumerate(stop_token_ids):
+            if not _is_int(token) or token < 0:
+                raise RequestRejected(f"stop_token_ids[{index}] is {_describe(token)}; stop tokens must be integer "
+                                      "token ids >= 0")
         if self.max_input_len is not None and len(prompt) > self.max_input_len:
             raise RequestRejected(
                 f"prompt has {len(prompt)} tokens, more than max_input_len={self.max_input_len}; shorten it"

@@ -18,11 +18,11 @@ import bisect
 import itertools
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
-from kvstate.config import RequestRejected, SchedulerConfig
+from kvstate.config import RequestRejected, SchedulerConfig, normalize_stop_token_ids
 from kvstate.errors import InvariantViolation, KVStateError, PoolError
 from kvstate.lifecycle import TransitionTable
 from kvstate.output import LIST_STATES, SchedulerOutput
-from kvstate.pool import TieredBlockPool
+from kvstate.pool import TO_HOST, MigrationPlan, TieredBlockPool
 from kvstate.request import Request, new_request
 from kvstate.spec import Spec, Transition
 from kvstate.stats import IterationStats
@@ -32,7 +32,7 @@ class SchedulerStalled(KVStateError, RuntimeError):
     """No request made progress for `no_progress_limit` iterations; the message names requests and pool state."""
 
 
-class UnknownRequestId(KVStateError, KeyError):
+class UnknownRequestId(KVStateError, KeyError, ValueError):
     """An API call named a request id the scheduler does not know or has already finished."""
 
     def __str__(self) -> str:
@@ -98,7 +98,7 @@ class Scheduler:
         request_id: Hashable | None = None,
     ) -> Request:
         """Queue a new request; raises `RequestRejected` (nothing changed) when it is invalid or can never fit."""
-        stop = tuple(stop_token_ids)
+        stop = normalize_stop_token_ids(stop_token_ids)
         self.config.check_submission(prompt, max_new_tokens, stop)
         if request_id is None:
             request_id = self._next_free_id()
@@ -410,7 +410,17 @@ class Scheduler:
         return request
 
     def set_host_capacity(self, host_blocks: int) -> list[Request]:
-        """Attach, resize or remove (0) the host tier; suspended requests lose their host copies first."""
+        """Attach, resize or remove (0) the host tier; suspended requests lose their host copies first.
+
+        Removing it is refused (`PoolError`, nothing changed) when recompute-pause is disabled under
+        `max_utilization`: without either preemption path the scheduler would stall (LIVE-DONE)."""
+        if host_blocks == 0 and not self.config.enable_recompute_pause \
+                and self.config.capacity_policy == "max_utilization":
+            raise PoolError(
+                "cannot remove the host tier while enable_recompute_pause=False: no victim could then be suspended "
+                "or recompute-paused and the scheduler would stall (LIVE-DONE); enable recompute-pause in "
+                "SchedulerConfig, or keep a host tier"
+            )
         if self.pool.host.fenced:
             raise PoolError(
                 f"cannot change the host tier while {len(self.pool.host.fenced)} of its blocks are in flight; "
@@ -421,6 +431,45 @@ class Scheduler:
         if host_blocks == 0:
             self.host_tier_fallback = True
         return lost
+
+    def fail_migration(self, output: SchedulerOutput, plan: MigrationPlan) -> Request:
+        """The executor reports that the copies of `plan`, a migration of this iteration's `output`, failed
+        (or that the host copy it would read is corrupt): undo the move through spec events, atomically.
+
+        * ``to_host`` (a suspend of this pass): the host copy is unusable, so the suspended request takes
+          `lose_host_copy` to `recompute_paused` (its generated tokens are kept and replayed);
+        * ``to_gpu`` (a resume of this pass): its GPU blocks never received the KV, so the now `running`
+          request takes `recompute_pause` (to `recompute_paused`, or `awaiting_consensus` with several stages).
+
+        Either way the plan is withdrawn (spec §4.0): it leaves `output.migrations` and the pool's in-flight set,
+        which frees its fenced source blocks, and the request's destination blocks are released; the request
+        moves from `output.suspended` / `output.resumed` to `output.recompute_paused`, so OUT-DISJOINT and
+        OUT-STATE hold and `check_invariants(output)` passes. Call it before `complete_migrations(output)` and
+        only once the executor no longer touches the plan's blocks. Raises `PoolError` (nothing changed) when
+        `plan` is not an in-flight migration of `output`, or its request is not in the state the plan left it.
+        """
+        if plan not in output.migrations or plan.plan_id not in self.pool.in_flight:
+            raise PoolError(
+                f"migration plan {plan.plan_id} ({plan.direction}, request {plan.request_id!r}) is not an in-flight "
+                "migration of this output; report a failed copy once, before complete_migrations(output)"
+            )
+        request = self.requests.get(plan.request_id)
+        suspend = plan.direction == TO_HOST
+        event, listed = ("lose_host_copy", output.suspended) if suspend else ("recompute_pause", output.resumed)
+        if request is None or request not in listed or not self.lifecycle.can_fire(request, event, self.pool):
+            state = "not active (done or unknown)" if request is None else request.state
+            raise PoolError(
+                f"cannot fail migration plan {plan.plan_id}: request {plan.request_id!r} is {state} and "
+                f"{'not ' if request is None or request not in listed else ''}listed as "
+                f"{'suspended' if suspend else 'resumed'} in this output; only a suspend or resume of the current "
+                "iteration can fail"
+            )
+        output.migrations.remove(plan)
+        self.pool.complete(plan)  # withdraw: sources free at once, destinations stay with the request until released
+        self._fire(request, event)
+        listed.remove(request)
+        output.recompute_paused.append(request)
+        return request
 
     # -------------------------------------------------------------------------------------------- progress
     def _watch_progress(self, out: SchedulerOutput) -> None:

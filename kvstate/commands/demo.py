@@ -4,6 +4,9 @@ The GPU tier is small enough that requests are suspended to the host tier, and t
 take every victim, so some are recompute-paused and replayed. Every output is then compared with its
 unpressured reference (the same request run alone); any difference is exit status 1.
 
+`--inject KIND[:RATE]` (repeatable) injects seeded faults (`executor.faults`): failed copies, corrupt host copies
+(caught by checksums, on unless `--no-checksums`), host-tier allocation failure or loss. The run must still pass.
+
 torch and `executor` are imported inside `_run`, so `import kvstate` never imports torch.
 """
 
@@ -41,6 +44,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for flag, kind, text in options:
         key = flag[2:].replace("-", "_")
         p.add_argument(flag, type=kind, default=DEFAULTS[key], help=f"{text} (default %(default)s)")
+    p.add_argument("--inject", action="append", default=[], metavar="KIND[:RATE]",
+                   help="inject a fault (host_alloc, copy_to_host, copy_to_gpu, corrupt_host, host_loss) with a "
+                        "probability per opportunity, or as KIND@ITERATION,...; repeat for several kinds")
+    p.add_argument("--no-checksums", action="store_true",
+                   help="do not checksum suspended blocks (an injected corrupt_host then garbles outputs)")
     p.add_argument("--dtype", default=DEFAULTS["dtype"], choices=("float64", "float32"),
                    help="model and cache dtype; float64 keeps greedy argmax immune to batching rounding "
                         "(default %(default)s)")
@@ -69,7 +77,7 @@ def _run(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from executor import Engine, EngineConfig
+    from executor import Engine, EngineConfig, FaultPlan
     from executor.checks import leaked_blocks, mismatches, random_workload
 
     console = Console(file=sys.stdout)
@@ -78,10 +86,12 @@ def _demo(args: argparse.Namespace) -> int:
         errors.print(f"kvstate demo: error: --requests must be positive, got {args.requests}")
         return 2
     try:
+        faults = FaultPlan.parse(args.inject, seed=args.seed) if args.inject else None
         config = EngineConfig(device=args.device, dtype=args.dtype, gpu_blocks=args.gpu_blocks,
                               host_blocks=args.host_blocks, block_size=args.block_size,
                               prefill_chunk_size=args.chunk_size, max_num_tokens=max(256, args.chunk_size),
-                              seed=args.seed, weights_seed=args.seed, trace_path=args.trace)
+                              seed=args.seed, weights_seed=args.seed, trace_path=args.trace, faults=faults,
+                              verify_host_checksums=not args.no_checksums)
         engine = Engine(config)
     except (ValueError, OSError) as err:
         errors.print(f"kvstate demo: error: {err}", markup=False)
@@ -169,6 +179,10 @@ def _summary_table(engine, wall: float, check_time: float):
         ("bytes migrated", _bytes(totals.bytes_migrated)),
         ("copy calls (merged runs)", str(engine.cache.num_copies)),
         ("host tier fallback", "yes" if engine.scheduler.host_tier_fallback else "no"),
+        ("faults injected", ", ".join(f"{k} {v}" for k, v in sorted(totals.faults.items())) or "none"),
+        ("failed copies rolled back", str(totals.failed_copies)),
+        ("corrupt host copies caught", str(totals.checksum_mismatches)),
+        ("host tier lost mid-run", str(totals.host_tier_losses)),
         ("tokens/s (generated)", f"{totals.generated_tokens / wall:,.0f}" if wall > 0 else "-"),
         ("wall time", f"{wall:.2f} s"),
         ("reference check time", f"{check_time:.2f} s"),

@@ -1,5 +1,46 @@
-"""`kvstate report` (being built)."""
+"""`kvstate report TRACE [--out DIR]`: a visual report of an engine run from its lifecycle trace.
+
+Writes a request timeline, tier occupancy, the lifecycle diagram annotated with firing counts (where Graphviz
+is installed) and one self-contained HTML page. matplotlib is imported inside `_run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
 
 
-def register(subparsers):
-    """Registers nothing until the command is implemented."""
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "report",
+        help="draw a run report (timeline, tier occupancy, annotated lifecycle diagram, HTML) from a trace",
+        description="Read a lifecycle trace (NDJSON, spec/TRACE.md; write one with `kvstate demo --trace PATH`) "
+                    "and write timeline.png/.svg, occupancy.png/.svg, lifecycle.dot/.svg/.png (diagram with "
+                    "each edge's firing count; images need Graphviz) and report.html (self-contained).",
+    )
+    p.add_argument("trace", help="trace file (NDJSON)")
+    p.add_argument("--out", default="kvstate-report", help="output directory (default %(default)s)")
+    p.add_argument("--spec", default=None, help="specification file the trace was produced with (default: bundled)")
+    p.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("kvstate report: error: needs matplotlib; pip install 'matplotlib>=3.8'", file=sys.stderr)
+        return 2
+    from kvstate.report import write_report
+    from kvstate.spec import load_spec
+
+    spec = load_spec(args.spec) if args.spec else None
+    result = write_report(args.trace, args.out, spec=spec)
+    s = result.summary
+    print(f"kvstate report: {len(s.requests)} requests, {s.lines} transitions, iterations "
+          f"{s.first_iteration}-{s.last_iteration}")
+    for path in result.files:
+        print(f"  {path}")
+    if result.note:
+        print(f"  note: {result.note}")
+    print(f"open {result.html.resolve()}")
+    return 0

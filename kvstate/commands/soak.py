@@ -1,5 +1,311 @@
-"""`kvstate soak` (being built)."""
+"""`kvstate soak`: thousands of requests with seeded random arrivals, lengths and cancellations, under heavy memory
+pressure and injected faults, on the real executor; then every output is compared with its unpressured reference.
+
+What a soak checks (the run fails, exit status 1, on any breach):
+* every request reaches `done`, as `finished` or (when the soak cancelled it) `cancelled` — none `aborted`;
+* every finished output equals its reference, and every cancelled output is a prefix of it (OUT-EQUIV); the
+  references are computed in batches on one unpressured engine (`Engine.batched_reference_outputs`);
+* no block of either tier is held and no copy is in flight at the end;
+* `Scheduler.check_invariants(output)` holds around every iteration (the engine's `check_invariants`).
+
+`run_soak(SoakSettings(...))` is the library entry (tests call it); torch and `executor` are imported inside it,
+so `import kvstate` never imports torch. Every random choice derives from `SoakSettings.seed`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+
+from kvstate.errors import KVStateError
+
+DEFAULT_FAULTS = ("copy_to_host:0.05", "copy_to_gpu:0.05", "corrupt_host:0.05")
 
 
-def register(subparsers):
-    """Registers nothing until the command is implemented."""
+class SoakError(KVStateError, ValueError):
+    """A soak setting is out of range; the message names it and the accepted range."""
+
+
+@dataclass(frozen=True, slots=True)
+class SoakSettings:
+    """One soak: workload, pools, arrival and cancellation rates, injected faults (`--inject` forms), seed."""
+
+    requests: int = 2000
+    seed: int = 0
+    gpu_blocks: int = 48
+    host_blocks: int = 24
+    block_size: int = 4
+    chunk_size: int = 32
+    max_num_tokens: int = 128
+    prompt_len: tuple[int, int] = (4, 60)
+    new_tokens: tuple[int, int] = (4, 40)
+    arrival_rate: float = 2.0  # mean arrivals per iteration (exponential gaps)
+    cancel_rate: float = 0.05  # share of requests the soak cancels, at a random time after arrival
+    faults: tuple[str, ...] = DEFAULT_FAULTS
+    checksums: bool = True
+    device: str = "cpu"
+    dtype: str = "float64"
+    reference_batch: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("requests", "gpu_blocks", "block_size", "chunk_size", "max_num_tokens", "reference_batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise SoakError(f"--{name.replace('_', '-')} must be positive, got {value!r}")
+        if isinstance(self.host_blocks, bool) or not isinstance(self.host_blocks, int) or self.host_blocks < 0:
+            raise SoakError(f"--host-blocks must be an integer >= 0 (0 = no host tier), got {self.host_blocks!r}")
+        if not self.arrival_rate > 0:
+            raise SoakError(f"--arrival-rate must be > 0 requests per iteration, got {self.arrival_rate!r}")
+        if not 0.0 <= self.cancel_rate <= 1.0:
+            raise SoakError(f"--cancel-rate must be in [0, 1], got {self.cancel_rate!r}")
+        for name in ("prompt_len", "new_tokens"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise SoakError(f"{name} must be a range 1 <= low <= high, got {(lo, hi)!r}")
+
+
+@dataclass(frozen=True)
+class SoakReport:
+    """What a soak observed. `ok` is true when nothing was lost, leaked or different."""
+
+    settings: SoakSettings
+    requests: int
+    finished: int
+    cancelled: int
+    aborted: int
+    unfinished: int
+    iterations: int
+    generated_tokens: int
+    suspensions: int
+    resumes: int
+    recompute_pauses: int
+    replays: int
+    faults: dict[str, int]
+    failed_copies: int
+    checksum_mismatches: int
+    host_tier_losses: int
+    host_tier_fallback: bool
+    compared: int
+    mismatches: tuple = ()
+    leaked_blocks: int = 0
+    run_seconds: float = 0.0
+    reference_seconds: float = 0.0
+    events: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches and not self.leaked_blocks and not self.unfinished and not self.aborted
+
+    def rows(self) -> list[tuple[str, str]]:
+        faults = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"
+        return [
+            ("requests", str(self.requests)),
+            ("finished", str(self.finished)),
+            ("cancelled", str(self.cancelled)),
+            ("aborted / unfinished", f"{self.aborted} / {self.unfinished}"),
+            ("iterations", str(self.iterations)),
+            ("generated tokens", str(self.generated_tokens)),
+            ("suspensions", str(self.suspensions)),
+            ("resumes", str(self.resumes)),
+            ("recompute-pauses", str(self.recompute_pauses)),
+            ("replays", str(self.replays)),
+            ("faults injected", faults),
+            ("failed copies rolled back", str(self.failed_copies)),
+            ("corrupt host copies caught", str(self.checksum_mismatches)),
+            ("host tier lost / fallback", f"{self.host_tier_losses} / {'yes' if self.host_tier_fallback else 'no'}"),
+            ("outputs compared", str(self.compared)),
+            ("mismatches", str(len(self.mismatches))),
+            ("leaked blocks", str(self.leaked_blocks)),
+            ("run time", f"{self.run_seconds:.1f} s"),
+            ("reference time", f"{self.reference_seconds:.1f} s"),
+        ]
+
+
+def _schedule(settings: SoakSettings) -> tuple[list[float], dict[int, float]]:
+    """Arrival times (exponential gaps) and, for the requests to cancel, cancel times after their arrival."""
+    rng = random.Random(f"soak-arrivals-{settings.seed}")
+    clock, arrivals, cancels = 0.0, [], {}
+    for index in range(settings.requests):
+        arrivals.append(clock)
+        if rng.random() < settings.cancel_rate:
+            cancels[index] = clock + rng.uniform(0, 80)
+        clock += rng.expovariate(settings.arrival_rate)
+    return arrivals, cancels
+
+
+def run_soak(settings: SoakSettings, on_progress: Callable[[int, int, object], None] | None = None) -> SoakReport:
+    """Run one soak to the end and compare every output; `on_progress(done, total, stats)` after each iteration."""
+    import warnings
+
+    from executor import Engine, EngineConfig, FaultPlan, HostTierFallbackWarning
+    from executor.checks import leaked_blocks, random_workload
+
+    plan = FaultPlan.parse(settings.faults, seed=settings.seed)
+    config = EngineConfig(
+        device=settings.device, dtype=settings.dtype, gpu_blocks=settings.gpu_blocks,
+        host_blocks=settings.host_blocks, block_size=settings.block_size, prefill_chunk_size=settings.chunk_size,
+        max_num_tokens=max(settings.max_num_tokens, settings.chunk_size), seed=settings.seed,
+        weights_seed=settings.seed, check_invariants=True, faults=plan, verify_host_checksums=settings.checksums,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HostTierFallbackWarning)  # counted in the report instead
+        engine = Engine(config)
+        work = random_workload(settings.requests, settings.seed, settings.prompt_len, settings.new_tokens,
+                               vocab=engine.model.config.vocab_size,
+                               max_tokens=settings.gpu_blocks * settings.block_size)
+        arrivals, cancel_at = _schedule(settings)
+        cancel_queue = sorted((t, i) for i, t in cancel_at.items())
+        ids: list = []
+        soak_cancelled: set = set()
+        clock, next_arrival, next_cancel = 0, 0, 0
+        started = time.perf_counter()
+        with engine:
+            while next_arrival < len(work) or engine.scheduler.has_unfinished:
+                if not engine.scheduler.has_unfinished and arrivals[next_arrival] > clock:
+                    clock = int(arrivals[next_arrival])  # idle: skip to the next arrival
+                while next_arrival < len(work) and arrivals[next_arrival] <= clock:
+                    prompt, new = work[next_arrival]
+                    ids.append(engine.add_request(prompt, new, request_id=next_arrival))
+                    next_arrival += 1
+                while next_cancel < len(cancel_queue) and cancel_queue[next_cancel][0] <= clock:
+                    rid = cancel_queue[next_cancel][1]
+                    next_cancel += 1
+                    if rid in engine.scheduler.requests:  # still active: cancel it wherever it is
+                        engine.cancel(rid)
+                        soak_cancelled.add(rid)
+                stats = engine.step() if engine.scheduler.has_unfinished else None
+                clock += 1
+                if on_progress is not None:
+                    on_progress(len(engine.scheduler.finished), len(work), stats)
+            run_seconds = time.perf_counter() - started
+        checked = time.perf_counter()
+        references = engine.batched_reference_outputs(ids, batch_size=settings.reference_batch)
+        reference_seconds = time.perf_counter() - checked
+
+    finished = engine.scheduler.finished
+    reasons = [r.done_reason for r in finished.values()]
+    mismatches = []
+    for rid, request in finished.items():
+        ref = references[rid]
+        expected = ref if request.done_reason == "finished" else ref[:len(request.generated)]
+        if request.generated != expected or (request.done_reason == "cancelled" and rid not in soak_cancelled):
+            mismatches.append(rid)
+    totals = engine.totals
+    return SoakReport(
+        settings=settings, requests=len(work), finished=reasons.count("finished"),
+        cancelled=reasons.count("cancelled"), aborted=reasons.count("aborted"),
+        unfinished=len(work) - len(finished), iterations=totals.steps, generated_tokens=totals.generated_tokens,
+        suspensions=totals.suspensions, resumes=totals.events["resume"], recompute_pauses=totals.recompute_pauses,
+        replays=totals.events["replay"], faults=dict(totals.faults), failed_copies=totals.failed_copies,
+        checksum_mismatches=totals.checksum_mismatches, host_tier_losses=totals.host_tier_losses,
+        host_tier_fallback=engine.scheduler.host_tier_fallback, compared=len(finished),
+        mismatches=tuple(sorted(mismatches)), leaked_blocks=leaked_blocks(engine), run_seconds=run_seconds,
+        reference_seconds=reference_seconds, events=dict(totals.events),
+    )
+
+
+# ------------------------------------------------------------------------------------------ command line
+def register(subparsers: argparse._SubParsersAction) -> None:
+    defaults = SoakSettings()
+    p = subparsers.add_parser(
+        "soak",
+        help="thousands of seeded requests under memory pressure and injected faults; check nothing is lost",
+        description="Run a seeded soak on the real executor: random arrivals, lengths and cancellations, a GPU tier "
+                    "far smaller than the demand, injected faults (failed copies, corrupt host copies, ...), and "
+                    "the scheduler's invariants checked around every iteration. Then compare every output with its "
+                    "unpressured reference. Exit status 1 on any mismatch, leaked block or unfinished request.",
+    )
+    options = [
+        ("--requests", int, "number of requests"),
+        ("--seed", int, "seed of the workload, arrivals, cancellations, faults, weights and sampling"),
+        ("--gpu-blocks", int, "GPU tier blocks"),
+        ("--host-blocks", int, "host tier blocks, 0 = no host tier"),
+        ("--block-size", int, "tokens per block"),
+        ("--chunk-size", int, "prefill chunk size in tokens"),
+        ("--arrival-rate", float, "mean request arrivals per iteration"),
+        ("--cancel-rate", float, "share of requests cancelled at a random time after arrival"),
+        ("--device", str, "cpu, cuda or auto"),
+    ]
+    for flag, kind, text in options:
+        key = flag[2:].replace("-", "_")
+        p.add_argument(flag, type=kind, default=getattr(defaults, key), help=f"{text} (default %(default)s)")
+    p.add_argument("--inject", action="append", metavar="KIND[:RATE]",
+                   help="inject a fault kind (host_alloc, copy_to_host, copy_to_gpu, corrupt_host, host_loss), with "
+                        "a probability or as KIND@ITERATION,...; repeat for several; 'none' for no faults "
+                        f"(default: {' '.join(DEFAULT_FAULTS)})")
+    p.add_argument("--no-checksums", action="store_true",
+                   help="do not checksum suspended blocks (corrupt_host faults then garble outputs)")
+    p.add_argument("--dtype", default=defaults.dtype, choices=("float64", "float32"), help="model and cache dtype")
+    p.set_defaults(run=_run)
+
+
+def settings_from_args(args: argparse.Namespace) -> SoakSettings:
+    injected = DEFAULT_FAULTS if args.inject is None else tuple(i for i in args.inject if i != "none")
+    names = {f.name for f in fields(SoakSettings)}
+    values = {k: v for k, v in vars(args).items() if k in names and k != "faults"}
+    return SoakSettings(**values, faults=injected, checksums=not args.no_checksums)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from executor import FaultPlan
+
+    errors = sys.stderr
+    try:
+        settings = settings_from_args(args)
+        FaultPlan.parse(settings.faults, seed=settings.seed)  # refuse a bad --inject before building anything
+    except ValueError as err:
+        print(f"kvstate soak: error: {err}", file=errors)
+        return 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny model's ops are microseconds long: intra-op threads only add barriers
+    try:
+        return _soak(settings)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _soak(settings: SoakSettings) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    console = Console(file=sys.stdout)
+    host = f"{settings.host_blocks} blocks" if settings.host_blocks else "none"
+    console.print(f"[bold]kvstate soak[/bold]: {settings.requests} requests, seed {settings.seed}, GPU tier "
+                  f"{settings.gpu_blocks} blocks x {settings.block_size} tokens, host tier {host}, faults: "
+                  f"{' '.join(settings.faults) or 'none'}, checksums {'on' if settings.checksums else 'off'}")
+    columns = (TextColumn("requests done"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[status]}"))
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("soak", total=settings.requests, status="")
+
+        def update(done: int, total: int, stats: object) -> None:
+            status = "" if stats is None else (f"iteration {stats.iteration}, suspended {stats.num_suspended}, "
+                                               f"paused {stats.num_recompute_paused}")
+            progress.update(task, completed=done, status=status)
+
+        try:
+            report = run_soak(settings, update)
+        except ValueError as err:
+            print(f"kvstate soak: error: {err}", file=sys.stderr)
+            return 2
+    table = Table(title="Soak summary")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in report.rows():
+        table.add_row(name, value)
+    console.print(table)
+    if report.ok:
+        console.print(f"[bold green]SOAK: PASS[/bold green] - {report.compared} outputs equal their references, "
+                      "no block leaked")
+        return 0
+    console.print(f"[bold red]SOAK: FAIL[/bold red] - {len(report.mismatches)} mismatches "
+                  f"{list(report.mismatches[:10])}, {report.leaked_blocks} leaked blocks, "
+                  f"{report.unfinished} unfinished, {report.aborted} aborted")
+    return 1

@@ -68,8 +68,9 @@ def test_victim_chosen_twice(monkeypatch):
         return (id(candidate) not in step.scheduled and not candidate.about_to_finish
                 and (cap is None or candidate.num_suspensions + candidate.num_recompute_pauses < cap))
 
-    # no host tier and recompute-pause disabled: a victim can be neither suspended nor paused
-    bound = Bound(name="victims", requests=((2, 3), (2, 3)), gpu_blocks=5, host_blocks=0, block_size=1,
+    # recompute-pause disabled and a host tier too small for any victim: a victim can be neither suspended
+    # nor paused, so only the victims set keeps it from being chosen again
+    bound = Bound(name="victims", requests=((2, 3), (2, 3)), gpu_blocks=5, host_blocks=1, block_size=1,
                   chunk_size=2, recompute_pause=False, env_cancels=0)
     monkeypatch.setattr(Scheduler, "_victim_eligible", ignores_victims)
     text = caught(check_bound(bound), "VICTIM-ONCE")

@@ -1,0 +1,95 @@
+"""`python -m executor.pipeline`: the pipeline demo, spawned locally or one rank per process under torchrun.
+
+    python -m executor.pipeline --pp 2                      # spawns 2 local ranks (gloo on the CPU)
+    torchrun --nproc-per-node 2 -m executor.pipeline ...    # one rank per process; rank 0 prints the summary
+
+Exit status 1 if an output differs from its single-process reference or a block leaked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m executor.pipeline", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pp", type=int, default=2, help="stages to spawn without torchrun (default %(default)s)")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--gpu-blocks", type=int, default=32)
+    p.add_argument("--host-blocks", type=int, default=16, help="0 = no host tier")
+    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    p.add_argument("--dtype", default="float64", choices=("float64", "float32"))
+    p.add_argument("--trace", default=None, help="rank 0's trace file; rank r writes <stem>.rank<r><suffix>")
+    p.add_argument("--fail-host-tier-on-rank", type=int, action="append", default=[],
+                   help="force this rank's host-tier allocation to fail (repeatable; tests the fallback)")
+    p.add_argument("--timeout", type=float, default=600.0, help="bound of every collective, seconds")
+    return p
+
+
+def _print(summary) -> None:
+    print(summary.header)
+    print("state: peak final")
+    for state, peak, final in summary.state_rows:
+        print(f"  {state}: {peak} {final}")
+    for metric, value in summary.summary_rows:
+        print(f"  {metric}: {value}")
+    for path, lines in summary.traces:
+        print(f"trace: {path} ({lines} transitions)")
+    verdict = "PASS" if not summary.differ else f"FAIL ({len(summary.differ)} differ: {list(summary.differ)[:10]})"
+    print(f"OUTPUT EQUIVALENCE: {verdict}; leaked blocks: {summary.leaked_blocks}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _torchrun(args)
+    from executor.pipeline.demo import run_pp_demo
+
+    summary = run_pp_demo(stages=args.pp, requests=args.requests, gpu_blocks=args.gpu_blocks,
+                          host_blocks=args.host_blocks, block_size=args.block_size, chunk_size=args.chunk_size,
+                          seed=args.seed, device=args.device, dtype=args.dtype, trace=args.trace,
+                          fail_host_tier_on_ranks=frozenset(args.fail_host_tier_on_rank), timeout_s=args.timeout)
+    _print(summary)
+    return summary.exit_code
+
+
+def _torchrun(args: argparse.Namespace) -> int:
+    from executor.checks import random_workload
+    from executor.engine import Engine, EngineConfig
+    from executor.pipeline.config import PipelineConfig
+    from executor.pipeline.demo import MAX_NEW_TOKENS, PROMPT_LEN
+    from executor.pipeline.launch import torchrun_main
+
+    engine_config = EngineConfig(device=args.device, dtype=args.dtype, gpu_blocks=args.gpu_blocks,
+                                 host_blocks=args.host_blocks, block_size=args.block_size,
+                                 prefill_chunk_size=args.chunk_size, max_num_tokens=max(256, args.chunk_size),
+                                 seed=args.seed, weights_seed=args.seed, trace_path=args.trace)
+    config = PipelineConfig(engine=engine_config, timeout_s=args.timeout,
+                            fail_host_tier_on_ranks=frozenset(args.fail_host_tier_on_rank))
+    work = random_workload(args.requests, args.seed, PROMPT_LEN, MAX_NEW_TOKENS,
+                           vocab=engine_config.model.vocab_size, max_tokens=args.gpu_blocks * args.block_size)
+    result = torchrun_main(config, work)
+    print(f"rank {result.rank}: layers {list(result.layers)}, {result.iterations} iterations, host tier "
+          f"{result.host_tier}, {len(result.trace)} trace lines")
+    if result.rank != 0:
+        return 0
+    with Engine(EngineConfig(**{**engine_config.__dict__, "trace_path": None, "host_blocks": 0})) as oracle:
+        differ = [rid for rid, reason in result.done_reasons.items() if reason == "finished"
+                  and result.outputs[rid] != oracle.reference(work[rid][0], work[rid][1], request_id=rid)]
+    print(f"rank 0: {len(result.outputs)} requests, totals {result.totals}")
+    print(f"OUTPUT EQUIVALENCE: {'PASS' if not differ else f'FAIL {differ[:10]}'}; leaked blocks: "
+          f"{result.leaked_blocks}")
+    return 0 if not differ and not result.leaked_blocks else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

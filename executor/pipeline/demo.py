@@ -1,0 +1,114 @@
+"""The pipeline-parallel demo: a seeded workload under memory pressure on N stages, checked against the
+single-process oracle. `run_pp_demo` returns the data `kvstate demo` prints (so the command only formats it).
+
+Invariant kept: `differ` lists every finished request whose output is not `Engine.reference` of it; `ok` is true
+only when nothing differs and no block is held at the end (rank 0's pool).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass
+from pathlib import Path
+
+from executor.pipeline.config import PipelineConfig
+from executor.pipeline.launch import PipelineResult, run_pipeline
+
+PROMPT_LEN = (8, 96)  # the single-process demo's workload shape (kvstate/commands/demo.py)
+MAX_NEW_TOKENS = (8, 64)
+
+
+@dataclass(frozen=True)
+class PipelineDemoSummary:
+    """What the demo reports: the header facts, the per-state table, the summary table and the verdict."""
+
+    header: str
+    state_rows: tuple[tuple[str, int, int], ...]  # (state, peak, final)
+    summary_rows: tuple[tuple[str, str], ...]  # (metric, value), as in the single-process demo
+    traces: tuple[tuple[str, int], ...]  # (path, lines) per rank, when tracing
+    differ: tuple[Hashable, ...]
+    outputs: int
+    leaked_blocks: int
+    result: PipelineResult
+
+    @property
+    def ok(self) -> bool:
+        return not self.differ and not self.leaked_blocks
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def run_pp_demo(*, stages: int = 2, requests: int = 48, gpu_blocks: int = 32, host_blocks: int = 16,
+                block_size: int = 8, chunk_size: int = 64, seed: int = 0, device: str = "cpu",
+                dtype: str = "float64", trace: str | Path | None = None,
+                fail_host_tier_on_ranks: frozenset[int] = frozenset(), timeout_s: float = 600.0) -> PipelineDemoSummary:
+    """Run the demo workload on `stages` spawned ranks and check every output against the oracle."""
+    import torch
+
+    from executor.checks import random_workload
+    from executor.engine import Engine, EngineConfig
+
+    engine_config = EngineConfig(device=device, dtype=dtype, gpu_blocks=gpu_blocks, host_blocks=host_blocks,
+                                 block_size=block_size, prefill_chunk_size=chunk_size,
+                                 max_num_tokens=max(256, chunk_size), seed=seed, weights_seed=seed, trace_path=trace)
+    config = PipelineConfig(engine=engine_config, fail_host_tier_on_ranks=fail_host_tier_on_ranks,
+                            timeout_s=timeout_s)
+    work = random_workload(requests, seed, PROMPT_LEN, MAX_NEW_TOKENS, vocab=engine_config.model.vocab_size,
+                           max_tokens=gpu_blocks * block_size)
+    started = time.perf_counter()
+    result = run_pipeline(config, work, stages)
+    wall = time.perf_counter() - started
+    driver = result.driver
+    checked = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with Engine(EngineConfig(**{**engine_config.__dict__, "trace_path": None, "host_blocks": 0})) as oracle:
+            differ = tuple(rid for rid, reason in driver.done_reasons.items() if reason == "finished"
+                           and result.outputs[rid] != oracle.reference(work[rid][0], work[rid][1], request_id=rid))
+    finally:
+        torch.set_num_threads(threads)
+    check_time = time.perf_counter() - checked
+    host = driver.host_tier
+    host_text = "none" if not host_blocks else f"{host_blocks} blocks"
+    if host["fallback"]:
+        host_text += f" (allocation failed on ranks {host['failed_ranks']}: every rank GPU-only)"
+    layers = ", ".join(f"rank {r.rank}: layers {list(r.layers)}" for r in result.ranks)
+    header = (f"kvstate demo --pp {stages}: {requests} requests on {device} ({dtype}), GPU tier {gpu_blocks} blocks x "
+              f"{block_size} tokens per stage, host tier {host_text}; {layers}")
+    totals, events = driver.totals, driver.totals.get("events", {})
+    rows = (
+        ("requests", str(len(driver.done_reasons))),
+        ("pipeline stages", str(stages)),
+        ("iterations", str(totals.get("steps", 0))),
+        ("generated tokens", str(totals.get("generated_tokens", 0))),
+        ("suspensions", str(events.get("suspend", 0))),
+        ("resumes", str(events.get("resume", 0))),
+        ("recompute-pauses", str(events.get("recompute_pause", 0))),
+        ("consensus rounds", str(events.get("consensus", 0))),
+        ("replays", str(events.get("replay", 0))),
+        ("recomputed tokens", str(totals.get("recomputed_tokens", 0))),
+        ("blocks migrated", str(totals.get("blocks_migrated", 0))),
+        ("bytes migrated", _bytes(totals.get("bytes_migrated", 0))),
+        ("copy calls (merged runs, all stages)", str(sum(r.copy_calls for r in result.ranks))),
+        ("host tier fallback", "yes" if host["fallback"] else "no"),
+        ("tokens/s (generated)", f"{totals.get('generated_tokens', 0) / wall:,.0f}" if wall > 0 else "-"),
+        ("wall time (incl. process start)", f"{wall:.2f} s"),
+        ("reference check time", f"{check_time:.2f} s"),
+    )
+    states = tuple((s, driver.peak_states.get(s, 0), driver.final_states.get(s, 0)) for s in driver.peak_states)
+    traces = tuple((str(config.trace_path_for(r.rank).resolve()), len(r.trace)) for r in result.ranks) \
+        if trace is not None else ()
+    return PipelineDemoSummary(header, states, rows, traces, differ, len(result.outputs), driver.leaked_blocks,
+                               result)

@@ -1,0 +1,99 @@
+"""One pipeline stage's share of the model and of the KV cache.
+
+Every rank builds the same full weights from the seed (`LlamaModel.from_seed`) and keeps only its slice, so the
+stages together compute exactly what the single-process model computes (OUT-EQUIV across the pipeline).
+
+Invariants kept:
+* stage s holds layers `stage_layers(L, N, s)` and a `PagedKVCache` with exactly those layers; the cache is
+  addressed by the model's global layer index through `StageCache` (local index = global - first layer);
+* block ids are the scheduler's (rank 0's pool): every stage stores block b's K/V for its layers in its own
+  `device_cache[b]`, so every stage carries out the same migration plans on its own blocks;
+* the first stage embeds tokens; the last stage applies the final norm and the LM head to the sampling rows only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from executor.kv_cache import PagedKVCache
+from executor.model import LlamaModel, PagedBatch, rotary_cos_sin
+from executor.pipeline.config import stage_layers
+
+
+class StageCache:
+    """A `PagedKVCache` of a layer slice, seen through the model's global layer numbers."""
+
+    def __init__(self, cache: PagedKVCache, first_layer: int) -> None:
+        self.cache = cache
+        self.first_layer = first_layer
+
+    def _local(self, layer: int) -> int:
+        local = layer - self.first_layer
+        if not 0 <= local < self.cache.num_layers:
+            raise IndexError(f"layer {layer} is not held by this stage (layers {self.first_layer}.."
+                             f"{self.first_layer + self.cache.num_layers - 1})")
+        return local
+
+    def layer_keys(self, layer: int) -> torch.Tensor:
+        return self.cache.layer_keys(self._local(layer))
+
+    def layer_values(self, layer: int) -> torch.Tensor:
+        return self.cache.layer_values(self._local(layer))
+
+
+class StageModel(nn.Module):
+    """The slice of a `LlamaModel` one stage runs: [embedding] + layers[begin:end] + [norm, LM head]."""
+
+    def __init__(self, full: LlamaModel, stage: int, stages: int) -> None:
+        super().__init__()
+        self.config = full.config
+        self.stage, self.stages = stage, stages
+        self.layer_range = stage_layers(full.config.num_layers, stages, stage)
+        self.is_first, self.is_last = stage == 0, stage == stages - 1
+        self.layers = nn.ModuleList(full.layers[i] for i in self.layer_range)
+        tied = full.config.tie_word_embeddings
+        self.embed_tokens = full.embed_tokens if self.is_first or (self.is_last and tied) else None
+        self.norm = full.norm if self.is_last else None
+        self.lm_head = full.lm_head if self.is_last else None
+        self.requires_grad_(False)
+
+    @classmethod
+    def from_seed(cls, config, seed: int, stage: int, stages: int, *, dtype: torch.dtype,
+                  device: torch.device) -> StageModel:
+        """Build the full seeded model on the CPU, keep this stage's slice, move only that to `device`."""
+        full = LlamaModel.from_seed(config, seed, dtype=dtype, device="cpu")
+        return cls(full, stage, stages).to(device).eval()
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].input_layernorm.weight.dtype
+
+    def make_cache(self, gpu_blocks: int, block_size: int, device: torch.device) -> PagedKVCache:
+        """A paged cache of `gpu_blocks` blocks holding only this stage's layers."""
+        c = self.config
+        return PagedKVCache(gpu_blocks, num_layers=len(self.layer_range), block_size=block_size,
+                            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype, device=device)
+
+    @torch.inference_mode()
+    def forward_stage(self, batch: PagedBatch, cache: StageCache, hidden: torch.Tensor | None) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` for the next stage, or, on the last stage, logits of the sampling rows.
+        The first stage takes token ids from `batch`; the others take the previous stage's `hidden`."""
+        if self.is_first:
+            h = self.embed_tokens(batch.input_ids)
+        else:
+            if hidden is None:
+                raise ValueError(f"stage {self.stage} needs the hidden states of stage {self.stage - 1}")
+            h = hidden
+        cos, sin = rotary_cos_sin(batch.positions, self.config.head_dim, self.config.rope_theta, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, batch, cache)
+        if not self.is_last:
+            return h
+        h = self.norm(h[batch.logits_indices])
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return h @ weight.T

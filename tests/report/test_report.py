@@ -1,0 +1,132 @@
+"""`kvstate report`: trace summary (spans, occupancy, edge counts), files written, self-contained HTML, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvstate import load_spec
+from kvstate.cli import main
+from kvstate.diagrams.dot import CLUSTER_COLORS
+from kvstate.report import TraceError, summarize, write_report
+from kvstate.report.colors import SHADES, state_colors
+from kvstate.report.diagram import annotated_diagram
+from kvstate.report.model import Span
+
+
+def _line(it, rid, event, src, dst, gpu_free=6, gpu_fenced=0, host_free=4, host_fenced=0, reason=None):
+    return {"iteration": it, "request_id": rid, "event": event, "from": src, "to": dst, "gpu_blocks": 0,
+            "host_blocks": 0, "gpu_free": gpu_free, "host_free": host_free, "gpu_fenced": gpu_fenced,
+            "host_fenced": host_fenced, "gpu_capacity": 8, "host_capacity": 4, "generated": 0,
+            "computed_tokens": 0, "done_reason": reason}
+
+
+LINES = [
+    _line(1, "a", "admit", "waiting", "running", gpu_free=6),
+    _line(1, "b", "admit", "waiting", "running", gpu_free=4),
+    _line(3, "a", "suspend", "running", "suspended", gpu_free=4, gpu_fenced=2, host_free=2),
+    _line(5, "a", "resume", "suspended", "running", gpu_free=2, host_free=4),
+    _line(6, "b", "finish", "running", "done", gpu_free=4, reason="finished"),
+    _line(8, "a", "finish", "running", "done", gpu_free=8, reason="finished"),
+]
+
+
+def _write(path, lines):
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def test_summary_spans_occupancy_and_counts():
+    s = summarize(LINES)
+    assert s.requests == ["a", "b"]
+    assert s.spans["a"] == [Span("running", 1, 3), Span("suspended", 3, 5), Span("running", 5, 8)]
+    assert s.spans["b"] == [Span("running", 1, 6)]  # waiting had no width: admitted in the first iteration
+    assert s.edge_counts[("admit", "waiting", "running")] == 2 and s.done_reasons["finished"] == 2
+    assert [r["iteration"] for r in s.occupancy] == list(range(1, 9))
+    assert s.occupancy[2]["gpu_fenced"] == 2 and s.occupancy[2]["gpu_held"] == 2  # iteration 3
+    assert s.occupancy[3] == {**s.occupancy[2], "iteration": 4}  # carried over an iteration without lines
+    assert s.occupancy[-1]["gpu_held"] == 0
+
+
+def test_unfinished_request_runs_to_the_end_of_the_trace():
+    s = summarize(LINES[:3])
+    assert s.spans["b"] == [Span("running", 1, 4)]
+
+
+def test_state_colours_follow_the_diagram_residency_colours():
+    spec = load_spec()
+    colors = state_colors(spec)
+    assert set(colors) == {s.name for s in spec.states if not s.terminal}
+    for state in spec.states:
+        if not state.terminal:
+            assert colors[state.name] in SHADES[state.residency]
+    assert colors["running"] == CLUSTER_COLORS["gpu"][1] and colors["suspended"] == CLUSTER_COLORS["host"][1]
+    gpu_states = [s.name for s in spec.states if s.residency == "gpu"]
+    assert len({colors[s] for s in gpu_states}) == len(gpu_states)  # distinct shades within a residency
+
+
+def test_annotated_diagram_counts_every_edge():
+    spec = load_spec()
+    counts = summarize(LINES).edge_counts
+    diagram, dot = annotated_diagram(spec, counts)
+    assert len(diagram.edges) == len(spec.transitions)
+    assert "admit ×2" in dot and "suspend ×1" in dot and "cancel ×0" in dot
+    assert dot.count("penwidth=") == len(counts)
+
+
+def test_write_report_files_and_self_contained_html(tmp_path):
+    pytest.importorskip("matplotlib")
+    result = write_report(_write(tmp_path / "t.ndjson", LINES), tmp_path / "out")
+    names = {p.name for p in result.files}
+    assert {"timeline.png", "timeline.svg", "occupancy.png", "occupancy.svg", "lifecycle.dot", "report.html"} <= names
+    for name in ("timeline.png", "occupancy.png"):
+        assert (tmp_path / "out" / name).read_bytes()[:4] == b"\x89PNG"
+    html = result.html.read_text()
+    assert html.count("data:image/png;base64,") == 2 and "http://" not in html.replace("http://www.w3.org", "")
+    if result.note:  # no Graphviz here
+        assert "Graphviz" in html
+    else:
+        assert "<svg" in html and "lifecycle.svg" in names
+
+
+def test_without_graphviz_the_diagram_is_skipped_with_a_note(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import kvstate.report.diagram as diagram
+
+    monkeypatch.setattr(diagram, "render", lambda dot, fmt: None)
+    result = write_report(_write(tmp_path / "t.ndjson", LINES), tmp_path / "out")
+    assert "Graphviz" in result.note and not (tmp_path / "out" / "lifecycle.svg").exists()
+    assert "Graphviz" in result.html.read_text()
+
+
+def test_bad_traces_are_clear_errors(tmp_path):
+    with pytest.raises(TraceError, match="does not exist"):
+        write_report(tmp_path / "missing.ndjson", tmp_path)
+    with pytest.raises(TraceError, match="no lines"):
+        write_report(_write(tmp_path / "empty.ndjson", []), tmp_path)
+    (tmp_path / "bad.ndjson").write_text("{not json\n")
+    with pytest.raises(TraceError, match=r"bad.ndjson:1: not a JSON object"):
+        write_report(tmp_path / "bad.ndjson", tmp_path)
+    with pytest.raises(TraceError, match="missing fields"):
+        write_report(_write(tmp_path / "short.ndjson", [{"iteration": 1}]), tmp_path)
+    with pytest.raises(TraceError, match="does not define"):
+        write_report(_write(tmp_path / "odd.ndjson", [_line(1, "a", "resume", "waiting", "done")]), tmp_path)
+
+
+def test_report_command_on_a_real_engine_trace(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("torch")
+    from executor import Engine, EngineConfig
+    from executor.checks import random_workload, submit_all
+
+    trace = tmp_path / "t.ndjson"
+    with Engine(EngineConfig(device="cpu", gpu_blocks=16, host_blocks=6, block_size=4, trace_path=trace)) as engine:
+        submit_all(engine, random_workload(10, 1, (4, 30), (4, 24)))
+        engine.run()
+        assert engine.totals.suspensions > 0
+    assert main(["report", str(trace), "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert "10 requests" in out and "report.html" in out
+    assert main(["report", str(tmp_path / "missing"), "--out", str(tmp_path / "rep")]) == 2
+    assert "does not exist" in capsys.readouterr().err
