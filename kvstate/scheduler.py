@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 
 from kvstate.config import RequestRejected, SchedulerConfig, normalize_stop_token_ids
 from kvstate.errors import InvariantViolation, KVStateError, PoolError
-from kvstate.lifecycle import TransitionTable
+from kvstate.lifecycle import STATE_ATTRIBUTE, TransitionTable
 from kvstate.output import LIST_STATES, SchedulerOutput
 from kvstate.pool import TO_HOST, MigrationPlan, TieredBlockPool
 from kvstate.request import Request, new_request
@@ -37,6 +37,9 @@ class UnknownRequestId(KVStateError, KeyError, ValueError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+_COMPUTING = ("running", "replaying")
 
 
 def _by_arrival(request: Request) -> int:
@@ -187,13 +190,16 @@ class Scheduler:
         """Plan one iteration. Raises `SchedulerStalled` after `no_progress_limit` passes without progress."""
         self.iteration += 1
         self._pass = step = _Pass(self.config)
+        step.pending_free = self._room_on_its_way()
         try:
-            decoding = [r for r in self.resident if not r.is_prefilling]
-            continuing = [r for r in self.resident if r.is_prefilling]
-            for request in itertools.chain(decoding, continuing):  # generation first, then chunks
+            decoding, continuing = [], []
+            for request in self.resident:
+                (continuing if request.num_computed_tokens < len(request.prefill_tokens) else decoding).append(request)
+            self._schedule_decoding(decoding, step)
+            for request in continuing:  # then prompt and replay chunks, in arrival order
                 if step.slots_left == 0 or step.tokens_left == 0:
                     break
-                if id(request) not in step.victims and request.state in ("running", "replaying"):
+                if id(request) not in step.victims and getattr(request, STATE_ATTRIBUTE) in _COMPUTING:
                     self._schedule_resident(request, step)
             if self.config.capacity_policy == "max_utilization":
                 self._admit_resumes(step)
@@ -207,6 +213,29 @@ class Scheduler:
         self._watch_progress(out)
         return out
 
+    def _room_on_its_way(self) -> int:
+        """GPU blocks that free without further preemption: fenced by copies, or held awaiting consensus."""
+        held = sum(r.num_gpu_blocks for r in self.resident if getattr(r, STATE_ATTRIBUTE) == "awaiting_consensus")
+        return len(self.pool.gpu.fenced) + held
+
+    def _schedule_decoding(self, decoding: list[Request], step: _Pass) -> None:
+        """Generation requests in arrival order. The steady state — a running request whose last block still
+        has room — costs a few attribute reads: no lifecycle event, no pool call."""
+        out, block_size = step.output, self.config.block_size
+        for request in decoding:
+            if step.slots_left == 0 or step.tokens_left == 0:
+                return
+            if id(request) in step.victims or getattr(request, STATE_ATTRIBUTE) != "running":
+                continue
+            if request.num_computed_tokens < request.num_gpu_blocks * block_size:
+                out.generation.append(request)
+                out.chunk_tokens[request.request_id] = 1
+                step.scheduled.add(id(request))
+                step.tokens_left -= 1
+                step.slots_left -= 1
+            else:
+                self._schedule_resident(request, step)
+
     def _schedule_resident(self, request: Request, step: _Pass) -> None:
         tokens = 1 if not request.is_prefilling else min(
             self.config.prefill_chunk_size, request.next_step_tokens, step.tokens_left
@@ -216,7 +245,7 @@ class Scheduler:
             if self.config.capacity_policy == "guaranteed_no_evict":
                 return
             self._make_room(request, need, step)
-            if request.state not in ("running", "replaying") or need > self.pool.gpu_free_blocks:
+            if request.state not in _COMPUTING or need > self.pool.gpu_free_blocks:
                 return  # preempted itself, or the freed room is fenced until the copies complete
         if need:
             self.pool.allocate(request.request_id, need)
@@ -388,7 +417,7 @@ class Scheduler:
             produced.append(request)
             if request.state == "replaying":
                 self._fire(request, "catch_up")
-            if self.lifecycle.can_fire(request, "finish", self.pool):
+            if request.final_token_produced:
                 self._fire(request, "finish")
         self._last_stats = self._stats(output, recomputed, generated)
         if produced or recomputed:
@@ -396,9 +425,11 @@ class Scheduler:
         return produced
 
     # ------------------------------------------------------------------------------- pipeline, host tier
-    def reach_consensus(self) -> list[Request]:
-        """Every stage agreed on the pending recompute-pauses: reset them for replay, or terminate them."""
-        pending = [r for r in self.resident if r.state == "awaiting_consensus"]
+    def reach_consensus(self, request_ids: Collection[Hashable] | None = None) -> list[Request]:
+        """Every stage agreed on these pending recompute-pauses (default: all of them): reset them for replay,
+        or terminate them if they finished or were cancelled while waiting."""
+        pending = [r for r in self.resident if r.state == "awaiting_consensus"
+                   and (request_ids is None or r.request_id in request_ids)]
         for request in pending:
             self._fire(request, "consensus")
         return pending

@@ -21,7 +21,6 @@ in order from each request's current state (checked as they are applied).
 
 from __future__ import annotations
 
-import inspect
 import json
 import time
 from collections import Counter
@@ -48,26 +47,6 @@ from kvstate.errors import KVStateError
 from kvstate.pool import TO_GPU
 from kvstate.scheduler import Scheduler
 from kvstate.spec import load_spec
-
-
-def reach_consensus_for(scheduler: Scheduler, agreed: set[Hashable]) -> list:
-    """Fire `consensus` for the requests awaiting it whose pause every rank acknowledged, and only those.
-
-    `Scheduler.reach_consensus()` releases every pending pause at once, which is right only when all of them are
-    agreed; with a slow stage a newer pause is not, and waiting for all of them at once can starve the older ones
-    forever (every iteration pauses someone new). Until the scheduler takes the ids itself
-    (`reach_consensus(request_ids)`), the subset goes through the scheduler's own transition path (`_fire`)."""
-    awaiting = [r for r in scheduler.resident if r.state == "awaiting_consensus"]
-    ready = [r for r in awaiting if r.request_id in agreed]
-    if not ready:
-        return []
-    if len(ready) == len(awaiting):
-        return scheduler.reach_consensus()
-    if "request_ids" in inspect.signature(scheduler.reach_consensus).parameters:
-        return scheduler.reach_consensus(request_ids={r.request_id for r in ready})
-    for request in ready:
-        scheduler._fire(request, "consensus")  # stopgap: the per-id variant is a reported scheduler change
-    return ready
 
 
 class PipelineFailed(KVStateError, RuntimeError):
@@ -204,7 +183,7 @@ class PipelineRank:
 
     def _plan(self, agreed: set[Hashable]) -> tuple[dict, Any]:
         s = self.scheduler
-        reach_consensus_for(s, agreed)
+        s.reach_consensus(agreed)  # only the pauses every rank acknowledged
         message: dict[str, Any] = {"iteration": s.iteration, "stop": False, "error": None}
         out = None
         if not s.has_unfinished:
