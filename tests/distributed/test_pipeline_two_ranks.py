@@ -142,3 +142,13 @@ def test_a_failing_rank_fails_the_run_instead_of_hanging():
     config = PipelineConfig(engine=pressured(), timeout_s=TIMEOUT_S, max_iterations=3)
     with pytest.raises(mp.ProcessRaisedException, match="max_iterations"):
         run_pipeline(config, workload(4), world_size=2)
+
+
+@pytest.mark.parametrize(("host_blocks", "delay"), [(0, 2), (6, 4)])
+def test_a_stage_acknowledging_late_does_not_livelock(host_blocks, delay):
+    """Regression: with rank 1 acknowledging late, pauses awaiting consensus made the scheduler preempt again and
+    again without progress (these two cases livelocked); the blocks they hold now count as room on its way."""
+    work, engine, result = _run(pressured(host_blocks=host_blocks), ack_delay=((1, delay),))
+    refs = references(engine, work)
+    assert set(result.driver.done_reasons.values()) == {"finished"}
+    assert result.outputs == {rid: refs[rid] for rid in range(len(work))}
