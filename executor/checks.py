@@ -12,6 +12,19 @@ from executor.engine import Engine
 from executor.sampler import SamplingParams
 
 
+DEMO_PROMPT_LEN = (8, 96)  # the demo workload's prompt lengths (single process and pipeline)
+DEMO_MAX_NEW_TOKENS = (8, 64)
+
+
+def format_bytes(n: float) -> str:
+    """`n` bytes in B, KiB, MiB or GiB, one decimal above bytes."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def random_workload(count: int, seed: int, prompt_len: tuple[int, int], new_tokens: tuple[int, int], *,
                     vocab: int = 512, max_tokens: int | None = None) -> list[tuple[list[int], int]]:
     """`count` (prompt, max_new_tokens) pairs with lengths drawn uniformly from the inclusive ranges; with

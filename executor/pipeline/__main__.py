@@ -63,10 +63,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _torchrun(args: argparse.Namespace) -> int:
-    from executor.checks import random_workload
+    from executor.checks import DEMO_MAX_NEW_TOKENS, DEMO_PROMPT_LEN, random_workload
     from executor.engine import Engine, EngineConfig
     from executor.pipeline.config import PipelineConfig
-    from executor.pipeline.demo import MAX_NEW_TOKENS, PROMPT_LEN
     from executor.pipeline.launch import torchrun_main
 
     engine_config = EngineConfig(device=args.device, dtype=args.dtype, gpu_blocks=args.gpu_blocks,
@@ -75,7 +74,7 @@ def _torchrun(args: argparse.Namespace) -> int:
                                  seed=args.seed, weights_seed=args.seed, trace_path=args.trace)
     config = PipelineConfig(engine=engine_config, timeout_s=args.timeout,
                             fail_host_tier_on_ranks=frozenset(args.fail_host_tier_on_rank))
-    work = random_workload(args.requests, args.seed, PROMPT_LEN, MAX_NEW_TOKENS,
+    work = random_workload(args.requests, args.seed, DEMO_PROMPT_LEN, DEMO_MAX_NEW_TOKENS,
                            vocab=engine_config.model.vocab_size, max_tokens=args.gpu_blocks * args.block_size)
     result = torchrun_main(config, work)
     print(f"rank {result.rank}: layers {list(result.layers)}, {result.iterations} iterations, host tier "

@@ -15,8 +15,6 @@ from pathlib import Path
 from executor.pipeline.config import PipelineConfig
 from executor.pipeline.launch import PipelineResult, run_pipeline
 
-PROMPT_LEN = (8, 96)  # the single-process demo's workload shape (kvstate/commands/demo.py)
-MAX_NEW_TOKENS = (8, 64)
 
 
 @dataclass(frozen=True)
@@ -41,14 +39,6 @@ class PipelineDemoSummary:
         return 0 if self.ok else 1
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
 def run_pp_demo(*, stages: int = 2, requests: int = 48, gpu_blocks: int = 32, host_blocks: int = 16,
                 block_size: int = 8, chunk_size: int = 64, seed: int = 0, device: str = "cpu",
                 dtype: str = "float64", trace: str | Path | None = None,
@@ -56,7 +46,7 @@ def run_pp_demo(*, stages: int = 2, requests: int = 48, gpu_blocks: int = 32, ho
     """Run the demo workload on `stages` spawned ranks and check every output against the oracle."""
     import torch
 
-    from executor.checks import random_workload
+    from executor.checks import DEMO_MAX_NEW_TOKENS, DEMO_PROMPT_LEN, format_bytes, random_workload
     from executor.engine import Engine, EngineConfig
 
     engine_config = EngineConfig(device=device, dtype=dtype, gpu_blocks=gpu_blocks, host_blocks=host_blocks,
@@ -64,7 +54,7 @@ def run_pp_demo(*, stages: int = 2, requests: int = 48, gpu_blocks: int = 32, ho
                                  max_num_tokens=max(256, chunk_size), seed=seed, weights_seed=seed, trace_path=trace)
     config = PipelineConfig(engine=engine_config, fail_host_tier_on_ranks=fail_host_tier_on_ranks,
                             timeout_s=timeout_s)
-    work = random_workload(requests, seed, PROMPT_LEN, MAX_NEW_TOKENS, vocab=engine_config.model.vocab_size,
+    work = random_workload(requests, seed, DEMO_PROMPT_LEN, DEMO_MAX_NEW_TOKENS, vocab=engine_config.model.vocab_size,
                            max_tokens=gpu_blocks * block_size)
     started = time.perf_counter()
     result = run_pipeline(config, work, stages)
@@ -100,7 +90,7 @@ def run_pp_demo(*, stages: int = 2, requests: int = 48, gpu_blocks: int = 32, ho
         ("replays", str(events.get("replay", 0))),
         ("recomputed tokens", str(totals.get("recomputed_tokens", 0))),
         ("blocks migrated", str(totals.get("blocks_migrated", 0))),
-        ("bytes migrated", _bytes(totals.get("bytes_migrated", 0))),
+        ("bytes migrated", format_bytes(totals.get("bytes_migrated", 0))),
         ("copy calls (merged runs, all stages)", str(sum(r.copy_calls for r in result.ranks))),
         ("host tier fallback", "yes" if host["fallback"] else "no"),
         ("tokens/s (generated)", f"{totals.get('generated_tokens', 0) / wall:,.0f}" if wall > 0 else "-"),

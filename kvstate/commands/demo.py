@@ -4,6 +4,9 @@ The GPU tier is small enough that requests are suspended to the host tier, and t
 take every victim, so some are recompute-paused and replayed. Every output is then compared with its
 unpressured reference (the same request run alone); any difference is exit status 1.
 
+`--pp N` runs the same workload on N pipeline stages (spawned local ranks, `executor.pipeline`); `--report DIR`
+also writes a visual run report of the trace (`kvstate report`).
+
 `--inject KIND[:RATE]` (repeatable) injects seeded faults (`executor.faults`): failed copies, corrupt host copies
 (caught by checksums, on unless `--no-checksums`), host-tier allocation failure or loss. The run must still pass.
 
@@ -15,11 +18,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 DEFAULTS = {"requests": 48, "gpu_blocks": 32, "host_blocks": 16, "block_size": 8, "chunk_size": 64, "seed": 0,
             "trace": "kvstate-trace.ndjson", "device": "auto", "dtype": "float64"}
-PROMPT_LEN = (8, 96)
-MAX_NEW_TOKENS = (8, 64)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -52,15 +54,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=DEFAULTS["dtype"], choices=("float64", "float32"),
                    help="model and cache dtype; float64 keeps greedy argmax immune to batching rounding "
                         "(default %(default)s)")
+    p.add_argument("--pp", type=int, default=1, metavar="N",
+                   help="pipeline stages, run as N spawned local ranks; 1 = single process (default %(default)s)")
+    p.add_argument("--report", metavar="DIR", default=None,
+                   help="also write a visual run report of the trace (timeline, occupancy, diagram, HTML) into DIR")
     p.set_defaults(run=_run)
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -78,13 +76,18 @@ def _demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from executor import Engine, EngineConfig, FaultPlan
-    from executor.checks import leaked_blocks, mismatches, random_workload
+    from executor.checks import DEMO_MAX_NEW_TOKENS, DEMO_PROMPT_LEN, leaked_blocks, mismatches, random_workload
 
     console = Console(file=sys.stdout)
     errors = Console(file=sys.stderr)
     if args.requests <= 0:
         errors.print(f"kvstate demo: error: --requests must be positive, got {args.requests}")
         return 2
+    if args.pp < 1:
+        errors.print(f"kvstate demo: error: --pp must be at least 1 stage, got {args.pp}")
+        return 2
+    if args.pp > 1:
+        return _pipeline_demo(args, console, errors)
     try:
         faults = FaultPlan.parse(args.inject, seed=args.seed) if args.inject else None
         config = EngineConfig(device=args.device, dtype=args.dtype, gpu_blocks=args.gpu_blocks,
@@ -97,7 +100,7 @@ def _demo(args: argparse.Namespace) -> int:
         errors.print(f"kvstate demo: error: {err}", markup=False)
         return 2
     with engine:
-        work = random_workload(args.requests, args.seed, PROMPT_LEN, MAX_NEW_TOKENS,
+        work = random_workload(args.requests, args.seed, DEMO_PROMPT_LEN, DEMO_MAX_NEW_TOKENS,
                                vocab=engine.model.config.vocab_size, max_tokens=args.gpu_blocks * args.block_size)
         for prompt, new in work:
             engine.add_request(prompt, new)
@@ -116,16 +119,48 @@ def _demo(args: argparse.Namespace) -> int:
         check_time = time.perf_counter() - checked
         leaked = leaked_blocks(engine)
 
-    console.print(_state_table(engine, peak))
-    console.print(_summary_table(engine, wall, check_time))
-    console.print(f"trace: {engine.trace.path.resolve()} ({engine.trace.lines} transitions)", soft_wrap=True)
+    final = engine.stats().requests_per_state
+    console.print(_table("Requests per state", ("state", "peak", "final"),
+                         [(state, peak[state], final.get(state, 0)) for state in peak]))
+    console.print(_table("Summary", ("metric", "value"), _summary_rows(engine, wall, check_time)))
+    traces = [(engine.trace.path, engine.trace.lines)] if engine.trace is not None else []
+    return _verdict(console, errors, args, traces, leaked, differ, len(outputs))
+
+
+def _pipeline_demo(args: argparse.Namespace, console, errors) -> int:
+    """`--pp N`: the same workload on N spawned pipeline stages (`executor.pipeline`), same tables and verdict."""
+    from executor.pipeline.demo import run_pp_demo
+
+    try:
+        summary = run_pp_demo(stages=args.pp, requests=args.requests, gpu_blocks=args.gpu_blocks,
+                              host_blocks=args.host_blocks, block_size=args.block_size, chunk_size=args.chunk_size,
+                              seed=args.seed, device=args.device, dtype=args.dtype, trace=args.trace)
+    except (ValueError, OSError) as err:
+        errors.print(f"kvstate demo: error: {err}", markup=False)
+        return 2
+    console.print(summary.header)
+    console.print(_table("Requests per state", ("state", "peak", "final"), summary.state_rows))
+    console.print(_table("Summary", ("metric", "value"), summary.summary_rows))
+    return _verdict(console, errors, args, summary.traces, summary.leaked_blocks, list(summary.differ),
+                    summary.outputs)
+
+
+def _verdict(console, errors, args, traces, leaked: int, differ: list, outputs: int) -> int:
+    """Print the trace paths, the optional report, leaks and the output-equivalence verdict; the exit status."""
+    for path, lines in traces:
+        console.print(f"trace: {Path(path).resolve()} ({lines} transitions)", soft_wrap=True)
+    if args.report and traces:
+        from kvstate.report import write_report
+
+        written = write_report(traces[0][0], args.report)
+        console.print(f"report: {written.html.resolve()}", soft_wrap=True)
     if leaked:
         console.print(f"[bold red]LEAK[/bold red]: {leaked} blocks still allocated after every request finished")
     if differ:
-        console.print(f"[bold red]OUTPUT EQUIVALENCE: FAIL[/bold red] - {len(differ)} of {len(outputs)} outputs "
+        console.print(f"[bold red]OUTPUT EQUIVALENCE: FAIL[/bold red] - {len(differ)} of {outputs} outputs "
                       f"differ from their unpressured reference: {differ[:10]}")
     else:
-        console.print(f"[bold green]OUTPUT EQUIVALENCE: PASS[/bold green] - all {len(outputs)} outputs equal "
+        console.print(f"[bold green]OUTPUT EQUIVALENCE: PASS[/bold green] - all {outputs} outputs equal "
                       "their unpressured reference")
     return 0 if not differ and not leaked else 1
 
@@ -149,24 +184,23 @@ def _run_with_progress(engine, console) -> dict[str, int]:
     return peak
 
 
-def _state_table(engine, peak: dict[str, int]):
+def _table(title: str, columns: tuple[str, ...], rows):
+    """A rich table; every column after the first is right-aligned."""
     from rich.table import Table
 
-    final = engine.stats().requests_per_state
-    table = Table(title="Requests per state")
-    table.add_column("state")
-    table.add_column("peak", justify="right")
-    table.add_column("final", justify="right")
-    for state in peak:
-        table.add_row(state, str(peak[state]), str(final.get(state, 0)))
+    table = Table(title=title)
+    for n, column in enumerate(columns):
+        table.add_column(column, justify="right" if n else "left")
+    for row in rows:
+        table.add_row(*(str(cell) for cell in row))
     return table
 
 
-def _summary_table(engine, wall: float, check_time: float):
-    from rich.table import Table
+def _summary_rows(engine, wall: float, check_time: float) -> list[tuple[str, str]]:
+    from executor.checks import format_bytes
 
     totals = engine.totals
-    rows = [
+    return [
         ("requests", str(len(engine.scheduler.finished))),
         ("iterations", str(totals.steps)),
         ("generated tokens", str(totals.generated_tokens)),
@@ -176,7 +210,7 @@ def _summary_table(engine, wall: float, check_time: float):
         ("replays", str(totals.events["replay"])),
         ("recomputed tokens", str(totals.recomputed_tokens)),
         ("blocks migrated", str(totals.blocks_migrated)),
-        ("bytes migrated", _bytes(totals.bytes_migrated)),
+        ("bytes migrated", format_bytes(totals.bytes_migrated)),
         ("copy calls (merged runs)", str(engine.cache.num_copies)),
         ("host tier fallback", "yes" if engine.scheduler.host_tier_fallback else "no"),
         ("faults injected", ", ".join(f"{k} {v}" for k, v in sorted(totals.faults.items())) or "none"),
@@ -187,9 +221,4 @@ def _summary_table(engine, wall: float, check_time: float):
         ("wall time", f"{wall:.2f} s"),
         ("reference check time", f"{check_time:.2f} s"),
     ]
-    table = Table(title="Summary")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for name, value in rows:
-        table.add_row(name, value)
-    return table
+

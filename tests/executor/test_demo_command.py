@@ -31,6 +31,26 @@ def test_demo_without_host_tier(tmp_path, capsys):
     assert "PASS" in capsys.readouterr().out
 
 
+def test_demo_writes_a_report_of_its_trace(tmp_path, capsys):
+    code = main(["demo", "--requests", "6", "--gpu-blocks", "12", "--host-blocks", "4", "--block-size", "4",
+                 "--device", "cpu", "--trace", str(tmp_path / "t.ndjson"), "--report", str(tmp_path / "report")])
+    out = capsys.readouterr().out.replace("\n", "")
+    assert code == 0
+    html = tmp_path / "report" / "report.html"
+    assert str(html) in out and html.stat().st_size > 0
+
+
+@pytest.mark.distributed
+def test_demo_on_two_pipeline_stages(tmp_path, capsys):
+    trace = tmp_path / "pp.ndjson"
+    code = main(["demo", "--pp", "2", "--requests", "6", "--gpu-blocks", "12", "--host-blocks", "4",
+                 "--block-size", "4", "--device", "cpu", "--trace", str(trace)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "pipeline stages" in out and "OUTPUT EQUIVALENCE: PASS" in out
+    assert trace.exists() and (tmp_path / "pp.rank1.ndjson").exists()
+
+
 def test_demo_bad_option_is_a_clear_error(tmp_path, capsys):
     code = main(["demo", "--gpu-blocks", "0", "--device", "cpu", "--trace", str(tmp_path / "t.ndjson")])
     assert code == 2
