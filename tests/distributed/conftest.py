@@ -8,22 +8,14 @@ from __future__ import annotations
 
 import json
 
-import pytest
-import torch
-
 from executor import Engine, EngineConfig
 from executor.checks import random_workload
+from executor.pytest_fixtures import single_thread_torch
 from kvstate import load_spec
+from kvstate.checker import validate_trace
 
 SPEC = load_spec()
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+__all__ = ["SPEC", "check_trace", "pressured", "references", "single_thread_torch", "workload"]
 
 
 def pressured(**overrides) -> EngineConfig:
@@ -45,30 +37,7 @@ def references(config: EngineConfig, work) -> dict:
 
 
 def check_trace(lines: list[dict]) -> dict:
-    """Validate one rank's trace against the spec (spec/TRACE.md); returns {id: last state}.
-
-    Uses `kvstate.checker.trace.validate_trace` when it exists; the checks below always run as well."""
-    try:
-        from kvstate.checker.trace import validate_trace  # written by another engineer; may not exist yet
-    except ImportError:
-        validate_trace = None
-    if validate_trace is not None:
-        report = validate_trace([json.dumps(line) for line in lines], SPEC)
-        assert report.ok, report.divergence.describe()
-    edges = {(t.event, t.source, t.dest) for t in SPEC.transitions}
-    state: dict = {}
-    last_iteration = 0
-    for line in lines:
-        assert (line["event"], line["from"], line["to"]) in edges, line
-        assert state.get(line["request_id"], SPEC.initial) == line["from"], line
-        state[line["request_id"]] = line["to"]
-        residency = SPEC.residency(line["to"])
-        assert residency == "gpu" or line["gpu_blocks"] == 0, line
-        assert residency == "host" or line["host_blocks"] == 0, line
-        assert line["gpu_free"] + line["gpu_fenced"] + line["gpu_blocks"] <= line["gpu_capacity"], line
-        assert line["host_free"] + line["host_fenced"] + line["host_blocks"] <= line["host_capacity"], line
-        assert line["host_capacity"] or line["to"] != "suspended", line
-        assert (line["done_reason"] is not None) == (line["to"] == "done"), line
-        assert line["iteration"] >= last_iteration, line
-        last_iteration = line["iteration"]
-    return state
+    """Validate one rank's trace against the spec with `kvstate validate`'s library; returns {id: last state}."""
+    report = validate_trace([json.dumps(line) for line in lines], SPEC)
+    assert report.ok, report.divergence.describe()
+    return dict(report.final_states)
