@@ -286,15 +286,20 @@ class PagedKVCache:
 
     def _copy_fragmented(self, dest: torch.Tensor, source: torch.Tensor, pairs: tuple[tuple[int, int], ...],
                          runs: tuple[tuple[int, int, int], ...]) -> None:
-        """CPU copy of a plan of many runs: one gather when the destination ids are consecutive, else one memcpy
-        per run through NumPy views (a torch slice copy per run for a dtype NumPy lacks)."""
+        """CPU copy of a plan of many runs: one gather when the destination ids are consecutive, one scatter
+        when the source ids are, else one memcpy per run through NumPy views (a torch slice copy per run for a
+        dtype NumPy lacks)."""
         first_dst = pairs[0][1]
         if all(dst == first_dst + i for i, (_, dst) in enumerate(pairs)):
             index = torch.tensor([src for src, _ in pairs], dtype=torch.long)
             torch.index_select(source, 0, index, out=dest[first_dst:first_dst + len(pairs)])
         elif (np_dest := self._numpy(dest)) is not None and (np_source := self._numpy(source)) is not None:
-            for src, dst, n in runs:
-                np_dest[dst:dst + n] = np_source[src:src + n]
+            first_src = pairs[0][0]
+            if all(src == first_src + i for i, (src, _) in enumerate(pairs)):  # one scatter (a resume)
+                np_dest[[dst for _, dst in pairs]] = np_source[first_src:first_src + len(pairs)]
+            else:
+                for src, dst, n in runs:
+                    np_dest[dst:dst + n] = np_source[src:src + n]
         else:
             for src, dst, n in runs:
                 dest[dst:dst + n].copy_(source[src:src + n])
