@@ -46,7 +46,7 @@ from executor.sampler import GREEDY, SamplingParams, sample_batch
 from executor.trace import TraceWriter
 from kvstate.config import ConfigError, RequestRejected, SchedulerConfig, normalize_stop_token_ids
 from kvstate.errors import KVStateError, PoolError
-from kvstate.output import SchedulerOutput
+from kvstate.output import SchedulerOutput, planned_chunks
 from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan
 from kvstate.request import Request
 from kvstate.scheduler import Scheduler, UnknownRequestId
@@ -54,7 +54,6 @@ from kvstate.spec import Transition
 from kvstate.stats import IterationStats
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_COMPUTING = ("running", "replaying")
 
 
 class InvalidTokenId(RequestRejected):
@@ -368,25 +367,10 @@ class Engine:
 
     def _compute(self, out: SchedulerOutput) -> dict[Hashable, int]:
         """The forward pass of `out` and the tokens sampled by the requests that produce one."""
-        chunks: list[SeqChunk] = []
-        samplers: list[Request] = []
-        positions: list[int] = []
-        pool = self.scheduler.pool
-        for request in out.scheduled:
-            if request.state not in _COMPUTING:
-                continue  # ended since the output was planned
-            rid = request.request_id
-            n = out.chunk_tokens[rid]
-            start = request.num_computed_tokens
-            if request.is_prefilling:
-                tokens = request.prefill_tokens[start:start + n]
-            else:
-                tokens = (request.generated[-1],)
-            produces = start + n >= len(request.prefill_tokens)
-            chunks.append(SeqChunk(tuple(tokens), start, pool.gpu_blocks(rid), produces))
-            if produces:
-                samplers.append(request)
-                positions.append(start + n)
+        planned = planned_chunks(out, self.scheduler.pool)
+        chunks = [SeqChunk(c.tokens, c.start, c.block_table, c.produces_token) for c in planned]
+        samplers = [c.request for c in planned if c.produces_token]
+        positions = [c.start + len(c.tokens) for c in planned if c.produces_token]
         if not chunks:
             return {}
         batch = PagedBatch.build(chunks, self.cache.block_size, self.device)

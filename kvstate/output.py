@@ -10,7 +10,7 @@ from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from kvstate.errors import KVStateError
-from kvstate.pool import MigrationPlan
+from kvstate.pool import MigrationPlan, TieredBlockPool
 from kvstate.request import Request
 
 # list name -> the lifecycle states a request in it may be in once the pass is over (OUT-STATE)
@@ -24,6 +24,36 @@ LIST_STATES: Mapping[str, tuple[str, ...]] = {
     "aborted": ("done",),
 }
 # A request suspended in a pass may be promoted later in the same pass; it is then listed as recompute-paused.
+
+# states in which a request computes in a forward pass (it holds GPU blocks and is not awaiting consensus)
+COMPUTING_STATES = ("running", "replaying")
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedChunk:
+    """What one scheduled request computes in a forward pass: `tokens` at positions `start`.., written into the
+    KV slots of `block_table`; `produces_token` when the chunk ends its (re)prefill or is a decode step."""
+
+    request: Request
+    start: int
+    tokens: tuple[int, ...]
+    block_table: tuple[int, ...]
+    produces_token: bool
+
+
+def planned_chunks(output: SchedulerOutput, pool: TieredBlockPool) -> list[PlannedChunk]:
+    """The forward pass of `output`, in batch order: the rest of a prefill chunk (of the prompt, or of the replay
+    prompt) or the last generated token of a decode step. Requests ended since the output was planned drop out."""
+    chunks = []
+    for request in output.scheduled:
+        if request.state not in COMPUTING_STATES:
+            continue
+        n = output.chunk_tokens[request.request_id]
+        start = request.num_computed_tokens
+        tokens = request.prefill_tokens[start:start + n] if request.is_prefilling else (request.generated[-1],)
+        chunks.append(PlannedChunk(request, start, tuple(tokens), pool.gpu_blocks(request.request_id),
+                                   start + n >= len(request.prefill_tokens)))
+    return chunks
 
 
 class UnknownRequest(KVStateError, KeyError):

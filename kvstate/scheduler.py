@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, S
 from kvstate.config import RequestRejected, SchedulerConfig, normalize_stop_token_ids
 from kvstate.errors import InvariantViolation, KVStateError, PoolError
 from kvstate.lifecycle import STATE_ATTRIBUTE, TransitionTable
-from kvstate.output import LIST_STATES, SchedulerOutput
+from kvstate.output import COMPUTING_STATES, LIST_STATES, SchedulerOutput
 from kvstate.pool import TO_HOST, MigrationPlan, TieredBlockPool
 from kvstate.request import Request, new_request
 from kvstate.spec import Spec, Transition
@@ -37,9 +37,6 @@ class UnknownRequestId(KVStateError, KeyError, ValueError):
 
     def __str__(self) -> str:
         return str(self.args[0])
-
-
-_COMPUTING = ("running", "replaying")
 
 
 def _by_arrival(request: Request) -> int:
@@ -169,7 +166,7 @@ class Scheduler:
                 source.remove(request)
             if target is not None:
                 bisect.insort(target, request, key=_by_arrival)
-        if old in ("running", "replaying") and new not in ("running", "replaying"):
+        if old in COMPUTING_STATES and new not in COMPUTING_STATES:
             self.admitted.remove(request)
         if new == "done":
             del self.requests[request.request_id]
@@ -199,7 +196,7 @@ class Scheduler:
             for request in continuing:  # then prompt and replay chunks, in arrival order
                 if step.slots_left == 0 or step.tokens_left == 0:
                     break
-                if id(request) not in step.victims and getattr(request, STATE_ATTRIBUTE) in _COMPUTING:
+                if id(request) not in step.victims and getattr(request, STATE_ATTRIBUTE) in COMPUTING_STATES:
                     self._schedule_resident(request, step)
             if self.config.capacity_policy == "max_utilization":
                 self._admit_resumes(step)
@@ -245,7 +242,7 @@ class Scheduler:
             if self.config.capacity_policy == "guaranteed_no_evict":
                 return
             self._make_room(request, need, step)
-            if request.state not in _COMPUTING or need > self.pool.gpu_free_blocks:
+            if request.state not in COMPUTING_STATES or need > self.pool.gpu_free_blocks:
                 return  # preempted itself, or the freed room is fenced until the copies complete
         if need:
             self.pool.allocate(request.request_id, need)
@@ -403,7 +400,7 @@ class Scheduler:
         produced = []
         recomputed = generated = 0
         for request in output.scheduled:
-            if request.state not in ("running", "replaying"):
+            if request.state not in COMPUTING_STATES:
                 continue  # cancelled or aborted since the output was planned
             tokens = output.chunk_tokens[request.request_id]
             request.num_computed_tokens += tokens

@@ -14,7 +14,7 @@ from array import array
 from collections.abc import Hashable, Sequence
 
 from kvstate.errors import InvariantViolation
-from kvstate.output import SchedulerOutput
+from kvstate.output import SchedulerOutput, planned_chunks
 from kvstate.pool import TO_HOST
 from kvstate.scheduler import Scheduler
 
@@ -76,25 +76,28 @@ class SimExecutor:
                 dest[dst] = list(source[src])
         if self.complete_fences:
             scheduler.complete_migrations(out)
-        sampled = {r.request_id: self._compute(r.request_id, out.chunk_tokens[r.request_id]) for r in out.scheduled}
-        scheduler.complete_step(out, sampled)
+        scheduler.complete_step(out, self.compute(out))
         if self.check_invariants:
             scheduler.check_invariants()
         return out
 
-    def _compute(self, request_id: Hashable, num_tokens: int) -> int:
-        request = self.scheduler.requests[request_id]
-        start = request.num_computed_tokens
-        tokens = request.prefill_tokens[start:start + num_tokens] if request.is_prefilling else (request.generated[-1],)
-        table = self.scheduler.pool.gpu_blocks(request_id)
+    def compute(self, out: SchedulerOutput) -> dict[Hashable, int]:
+        """The forward pass of `out`: write each chunk's tokens into its KV slots, read the whole context back
+        from the block table, and produce a token for every chunk that produces one."""
         size = self.scheduler.config.block_size
-        for offset, token in enumerate(tokens, start):
-            self.gpu[table[offset // size]][offset % size] = token
-        context = [self.gpu[table[pos // size]][pos % size] for pos in range(start + len(tokens))]
-        if None in context:
-            raise InvariantViolation("OUT-EQUIV", f"request {request_id!r} reads KV that was never written "
-                                     f"(position {context.index(None)}); a block was lost or misplaced")
-        return next_token(context, self.vocab)
+        sampled = {}
+        for chunk in planned_chunks(out, self.scheduler.pool):
+            table = chunk.block_table
+            for offset, token in enumerate(chunk.tokens, chunk.start):
+                self.gpu[table[offset // size]][offset % size] = token
+            if not chunk.produces_token:
+                continue
+            context = [self.gpu[table[pos // size]][pos % size] for pos in range(chunk.start + len(chunk.tokens))]
+            if None in context:
+                raise InvariantViolation("OUT-EQUIV", f"request {chunk.request.request_id!r} reads KV that was never "
+                                         f"written (position {context.index(None)}); a block was lost or misplaced")
+            sampled[chunk.request.request_id] = next_token(context, self.vocab)
+        return sampled
 
     def run(self, max_iterations: int = 100_000) -> dict[Hashable, list[int]]:
         """Step until every request is done; returns {id: generated tokens} of all finished requests."""

@@ -26,12 +26,11 @@ from typing import Any
 from executor.sampler import SamplingParams
 from kvstate.errors import KVStateError
 from kvstate.lifecycle import STATE_ATTRIBUTE, TransitionTable
-from kvstate.output import LIST_STATES, SchedulerOutput
+from kvstate.output import LIST_STATES, SchedulerOutput, planned_chunks
 from kvstate.pool import TieredBlockPool
 from kvstate.request import Request, new_request
 from kvstate.spec import Spec
 
-_COMPUTING = ("running", "replaying")
 
 
 class MirrorDiverged(KVStateError, RuntimeError):
@@ -46,17 +45,8 @@ def new_request_data(request_id: Hashable, prompt: Iterable[int], max_new_tokens
 
 def batch_chunks(out: SchedulerOutput, pool: TieredBlockPool) -> list[list]:
     """The flattened batch of `out`: what each scheduled request computes (as in `Engine._compute`)."""
-    chunks = []
-    for request in out.scheduled:
-        if request.state not in _COMPUTING:
-            continue
-        rid = request.request_id
-        n = out.chunk_tokens[rid]
-        start = request.num_computed_tokens
-        tokens = request.prefill_tokens[start:start + n] if request.is_prefilling else (request.generated[-1],)
-        samples = start + n >= len(request.prefill_tokens)
-        chunks.append([rid, start, list(tokens), list(pool.gpu_blocks(rid)), samples])
-    return chunks
+    return [[c.request.request_id, c.start, list(c.tokens), list(c.block_table), c.produces_token]
+            for c in planned_chunks(out, pool)]
 
 
 def held_blocks(out: SchedulerOutput, pool: TieredBlockPool) -> list[list]:
@@ -96,7 +86,7 @@ class MirrorBook:
             raise MirrorDiverged(f"request {rid!r} is {request.state} here but rank 0 moved it from "
                                  f"{record['from']} ({record['event']} -> {record['to']})")
         setattr(request, STATE_ATTRIBUTE, record["to"])
-        if record["to"] == "done":
+        if record["to"] in self.spec.terminal_states:
             request.done_reason = record["done_reason"]
         return request
 
@@ -105,7 +95,7 @@ class MirrorBook:
         out = SchedulerOutput.from_dict(d, self.requests)
         for name, requests in out.lists():
             for request in requests:
-                if request.state != "done" and request.state not in LIST_STATES[name]:
+                if request.state not in self.spec.terminal_states and request.state not in LIST_STATES[name]:
                     raise MirrorDiverged(f"output list {name!r} names {request.request_id!r}, which is "
                                          f"{request.state} on this rank")
         return out

@@ -99,5 +99,4 @@ def run(*, quick: bool = False, device: str = "auto", seed: int = 0) -> Section:
                 section.data["series"].append({"op": op, "layout": layout, "block_bytes": block_bytes,
                                                "blocks": n, "runs": len(plan.runs()), "gbps": ours,
                                                "baseline_gbps": limit})
-        del cache, flat_host, flat_host_src, flat_dev
     return section

@@ -6,6 +6,7 @@
 * `refinement`: exhaustive exploration of the real `Scheduler` driven by `SimExecutor`;
 * `runner`: the `kvstate check` code path, reports and counterexample regression tests;
 * `bounds`: named bounds from `spec/bounds.toml`;
+* `search`: what both searches share: their limits and shortest-path reconstruction;
 * `trace`: `kvstate validate`, checking an engine's NDJSON trace (spec/TRACE.md) against the spec.
 """
 

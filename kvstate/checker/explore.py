@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 from kvstate.checker.bounds import Bound
 from kvstate.checker.invariants import STATE_PREDICATES, STEP_PREDICATES
-from kvstate.checker.budget import SearchBudget
-from kvstate.checker.model import AbstractModel, Action, AState, Step
+from kvstate.checker.search import SearchBudget, path_indices
+from kvstate.checker.model import AbstractModel, Action, AState
 from kvstate.spec import Transition
 
 HOLDS, VIOLATED, INCOMPLETE = "holds", "violated", "incomplete"
@@ -126,11 +126,7 @@ def explore(model: AbstractModel, *, max_states: int | None = None, time_limit: 
     taken: dict[Transition, int] = {}
 
     def path_to(j: int) -> list[tuple[Action, AState]]:
-        out = []
-        while parent[j] != -1:
-            out.append((via[j], states[j]))
-            j = parent[j]
-        return out[::-1]
+        return [(via[i], states[i]) for i in path_indices(parent, j)]
 
     def finish(verdict: str) -> ModelResult:
         result.verdict = verdict

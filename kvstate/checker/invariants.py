@@ -32,20 +32,20 @@ def _tier_sums(model: AbstractModel, state: AState) -> tuple[int, int]:
     return sum(r[GPU] for r in reqs), sum(r[HOST] for r in reqs)
 
 
+def _conservation(tier: str, free: int, held: int, fenced: int, capacity: int) -> str | None:
+    if free + held + fenced != capacity:
+        return f"{tier} tier: free {free} + held {held} + fenced {fenced} != capacity {capacity}"
+    return None
+
+
 def cons_gpu(model: AbstractModel, state: AState) -> str | None:
     held, _ = _tier_sums(model, state)
-    free, fenced, cap = state[1], state[3], model.bound.gpu_blocks
-    if free + held + fenced != cap:
-        return f"GPU tier: free {free} + held {held} + fenced {fenced} != capacity {cap}"
-    return None
+    return _conservation("GPU", state[1], held, state[3], model.bound.gpu_blocks)
 
 
 def cons_host(model: AbstractModel, state: AState) -> str | None:
     _, held = _tier_sums(model, state)
-    free, fenced, cap = state[2], state[4], model.bound.host_blocks
-    if free + held + fenced != cap:
-        return f"host tier: free {free} + held {held} + fenced {fenced} != capacity {cap}"
-    return None
+    return _conservation("host", state[2], held, state[4], model.bound.host_blocks)
 
 
 def own_excl(model: AbstractModel, state: AState) -> str | None:

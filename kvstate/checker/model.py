@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from kvstate.checker.bounds import Bound
 from kvstate.lifecycle import STATE_ATTRIBUTE, TransitionTable
+from kvstate.output import COMPUTING_STATES
 from kvstate.semantics import GUARDS, Guard
 from kvstate.spec import Spec, Transition
 
@@ -246,7 +247,7 @@ class AbstractModel:
             if st == ABSENT:
                 yield ("arrive", k, None)
                 continue
-            if st in ("running", "replaying") or r[IN_FLIGHT]:
+            if st in COMPUTING_STATES or r[IN_FLIGHT]:
                 yield ("compute", k, None)
             for event in self.events_from[st]:
                 yield ("event", k, event)
@@ -282,7 +283,7 @@ class AbstractModel:
             taken.append(table.fire(request, name, pool, self.effects(pool)))
         elif kind == "compute":
             landing = request.state == "awaiting_consensus" and request.in_flight
-            if request.state not in ("running", "replaying") and not landing:
+            if request.state not in COMPUTING_STATES and not landing:
                 return None
             if landing:
                 tokens = 1

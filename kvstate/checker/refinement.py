@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from kvstate.checker.bounds import Bound
 from kvstate.checker.explore import HOLDS, INCOMPLETE, VIOLATED
 from kvstate.checker.invariants import STATE_PREDICATES
-from kvstate.checker.budget import SearchBudget
+from kvstate.checker.search import SearchBudget, path_indices
 from kvstate.checker.model import ABSENT, NONE, AbstractModel, AState
 from kvstate.config import RequestRejected, SchedulerConfig
 from kvstate.errors import InvariantViolation, KVStateError
@@ -274,11 +274,7 @@ class Refinement:
         step_next: list[int] = [-1]
 
         def path_to(j: int) -> list[tuple[tuple, list[str]]]:
-            out = []
-            while parent[j] != -1:
-                out.append((via[j], fired[j]))
-                j = parent[j]
-            return out[::-1]
+            return [(via[i], fired[i]) for i in path_indices(parent, j)]
 
         def done(verdict: str) -> RefinementResult:
             result.verdict, result.states, result.seconds = verdict, len(parent), time.perf_counter() - start

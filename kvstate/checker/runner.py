@@ -187,6 +187,16 @@ def overall_coverage(reports: list[BoundReport], spec: Spec) -> tuple[list, list
     return [t for t in spec.transitions if t in taken], [t for t in spec.transitions if t not in taken]
 
 
+def _progress_callback(bar, name: str):
+    """A `progress(phase, states, edges)` callback that updates one task of a rich progress bar."""
+    task = bar.add_task(f"{name}: starting")
+
+    def callback(phase: str, states: int, edges: int) -> None:
+        bar.update(task, description=f"{name}: {phase} {states} states, {edges} edges")
+
+    return callback
+
+
 def run_check(bounds: list[Bound], *, spec: Spec | None = None, max_states: int | None = None,
               time_limit: float | None = None, counterexample_dir: Path | None = Path("."), console=None,
               show_progress: bool = False, refine: bool = True, **inject) -> tuple[int, list[BoundReport]]:
@@ -206,12 +216,7 @@ def run_check(bounds: list[Bound], *, spec: Spec | None = None, max_states: int 
             progress_ctx = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                                     console=console, transient=True)
         with progress_ctx as bar:
-            callback = None
-            if bar is not None:
-                task = bar.add_task(f"{bound.name}: starting")
-
-                def callback(phase, states, edges, bar=bar, task=task, name=bound.name):
-                    bar.update(task, description=f"{name}: {phase} {states} states, {edges} edges")
+            callback = _progress_callback(bar, bound.name) if bar is not None else None
             report = check_bound(bound, spec=spec, max_states=max_states, time_limit=time_limit, refine=refine,
                                  progress=callback, counterexample_dir=counterexample_dir, **inject)
         reports.append(report)

@@ -43,12 +43,6 @@ def _run(args: argparse.Namespace) -> int:
     console = Console(file=sys.stdout)
     if console.width < TABLE_WIDTH:
         console = Console(file=sys.stdout, width=TABLE_WIDTH)  # a pipe or a narrow terminal: keep rows on one line
-    if args.plots:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print("kvstate bench: error: --plots needs matplotlib; pip install 'matplotlib>=3.8'", file=sys.stderr)
-            return 2
     groups = tuple(args.only) if args.only else GROUPS
     started = time.perf_counter()
     try:

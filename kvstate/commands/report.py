@@ -7,7 +7,6 @@ is installed) and one self-contained HTML page. matplotlib is imported inside `_
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,11 +24,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        print("kvstate report: error: needs matplotlib; pip install 'matplotlib>=3.8'", file=sys.stderr)
-        return 2
     from kvstate.report import write_report
     from kvstate.spec import load_spec
 

@@ -113,7 +113,7 @@ def _step_failing(ex: SimExecutor, fails) -> list:
         for src, dst in plan.pairs:
             dest[dst] = list(source[src])
     sched.complete_migrations(out)
-    sampled = {r.request_id: ex._compute(r.request_id, out.chunk_tokens[r.request_id]) for r in out.scheduled}
+    sampled = ex.compute(out)
     sched.complete_step(out, sampled)
     sched.check_invariants()
     return failed
@@ -156,7 +156,7 @@ def _schedule_until(sched: Scheduler, ex: SimExecutor, direction: str):
         plan = next((p for p in out.migrations if p.direction == direction), None)
         if plan is not None:
             return out, plan
-        sampled = {r.request_id: ex._compute(r.request_id, out.chunk_tokens[r.request_id]) for r in out.scheduled}
+        sampled = ex.compute(out)
         sched.complete_migrations(out)
         sched.complete_step(out, sampled)
     raise AssertionError(f"no {direction} migration was planned")

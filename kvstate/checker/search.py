@@ -1,4 +1,5 @@
-"""The limits of one search: a state count and a wall-clock time. A search that hits either is `incomplete`."""
+"""What the breadth-first searches share: their limits (a search that hits one is `incomplete`) and the
+reconstruction of a shortest path from parent pointers."""
 
 from __future__ import annotations
 
@@ -29,3 +30,13 @@ class SearchBudget:
         if self._deadline is not None and self._calls % self.check_every == 0 and time.perf_counter() > self._deadline:
             return f"time limit {self.time_limit:g} s reached"
         return None
+
+
+def path_indices(parent: list[int], j: int) -> list[int]:
+    """The indices of the states on the BFS path from the initial state (excluded) to state `j` (included);
+    `parent[i]` is the index of the state `i` was first reached from, -1 for the initial state."""
+    path = []
+    while parent[j] != -1:
+        path.append(j)
+        j = parent[j]
+    return path[::-1]
