@@ -20,27 +20,44 @@ resume `recompute_pause`; either replays), a host copy whose checksum no longer 
 is treated as a failed resume, and a lost host tier (`lose_host_tier`) replays every suspended request and leaves
 the engine GPU-only. The engine keeps serving through all of them and every output still equals its reference.
 
+Failures (an exception anywhere inside `step()`: the forward pass, sampling, a copy, the scheduler, a trace write,
+an interrupt): the step is settled before the exception leaves it — every fence is waited on (the copy stream is
+drained), every migration of the iteration is carried out and completed, or failed through
+`Scheduler.fail_migration`, and the forward pass is discarded (the requests did not advance; the next step
+computes the same chunks again). The original exception is then re-raised and the engine keeps serving. When that
+is impossible — `complete_step` had applied part of the iteration, the scheduler's invariants no longer hold, or
+the trace missed a transition — the engine is marked broken: `EngineBroken` names the step, the phase and the
+cause, and every later call that drives it raises it (finished outputs can still be read and taken).
+
 Invariants kept:
 * OUT-EQUIV: every finished request's output equals `Engine.reference` of it (its unpressured run) — the model
   reads only the request's own blocks and the sampler depends only on (seed, request id, position);
 * no block of a migration's source is reused before that migration's fence has completed;
+* between two calls nothing is in flight: every fence has completed and `scheduler.pool.in_flight` is empty,
+  also after a failed step and after `close()` (so the device cache may then be freed);
 * every lifecycle transition is written to the trace (when `trace_path` is set) as it happens;
-* a refused call (bad request, unknown id, closed engine) raises a `ValueError` subclass and changes nothing.
+* a refused call (bad request, unknown id, closed engine, re-entrant or concurrent misuse) raises a `ValueError`
+  subclass and changes nothing;
+* memory is bounded by the active requests plus the finished ones not yet handed over with `take_finished()`.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import warnings
 from collections import Counter
 from collections.abc import Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 
 from executor.faults import FaultInjector, FaultPlan
 from executor.hf import load_hf_llama
-from executor.kv_cache import Fence, HostTierAllocationError, MigrationFailed, PagedKVCache, resolve_device
+from executor.kv_cache import (Fence, HostTierAllocationError, MigrationFailed, PagedKVCache, block_shape,
+                               resolve_device)
 from executor.model import LlamaModel, ModelConfig, PagedBatch, SeqChunk
 from executor.sampler import GREEDY, SamplingParams, sample_batch
 from executor.trace import TraceWriter
@@ -81,16 +98,69 @@ class HostTierLossRefused(EngineMisuse):
     """The host tier was lost while recompute-pause is disabled: no victim could be evicted any more."""
 
 
+class EngineBusy(EngineMisuse):
+    """A call the engine cannot serve now; nothing changed: a call that drives or changes the engine made from
+    inside the engine on the same thread (an `on_transition` hook), or `step`/`run`/`stream` while a `stream()`
+    is being consumed (the stream drives the engine)."""
+
+
+class EngineBroken(KVStateError, RuntimeError):
+    """A step failed and its effects could not be undone; the message names the step, the phase and the cause
+    (also its `__cause__`). Every later call that drives the engine raises it; finished outputs can still be
+    read (`outputs()`, `take_finished()`) and `close()` still works. Create a new `Engine` to continue."""
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequest:
+    """A finished request handed over by `Engine.take_finished`: its generated tokens and why it ended
+    (`finished`, `cancelled` or `aborted`)."""
+
+    tokens: list[int]
+    reason: str
+
+
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
-    """None: float64 on the CPU (the deterministic oracle), float32 on CUDA (with TF32 disabled by the engine)."""
+    """None: float64 on the CPU (the deterministic oracle), float32 on CUDA (with TF32 disabled by the engine).
+    Only the floating dtypes of `_DTYPES` are accepted (`ConfigError` otherwise: float8, complex and integer
+    dtypes have no paged-attention kernel here)."""
     if dtype is None:
         return torch.float64 if device.type == "cpu" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
+    name = str(dtype).removeprefix("torch.") if isinstance(dtype, (str, torch.dtype)) else None
+    if name not in _DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(_DTYPES)} (a name or the torch.dtype), got {dtype!r}; "
+                          "float8, complex and integer dtypes are not supported")
+    return _DTYPES[name]
+
+
+def _physical_memory() -> int | None:
+    """Bytes of physical memory of this machine (Linux `sysconf`), or None where it cannot be read."""
     try:
-        return _DTYPES[str(dtype).removeprefix("torch.")]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or a torch.dtype, got {dtype!r}") from None
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_memory(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse (`ConfigError`) pool sizes that cannot fit: the device tier against the CUDA device's free memory
+    (or, on the CPU, both tiers against physical memory), the host tier against physical memory."""
+    mc = model_config
+    per_block = dtype.itemsize
+    for n in block_shape(mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim):
+        per_block *= n
+    gpu, host, ram = config.gpu_blocks * per_block, config.host_blocks * per_block, _physical_memory()
+    gib = 1024 ** 3
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if gpu > free:
+            raise ConfigError(f"gpu_blocks={config.gpu_blocks} needs {gpu / gib:.2f} GiB of device memory "
+                              f"({per_block} bytes per block) but {device} has {free / gib:.2f} GiB free; "
+                              "lower gpu_blocks or block_size")
+        needed, what = host, f"host_blocks={config.host_blocks}"
+    else:
+        needed, what = gpu + host, f"gpu_blocks={config.gpu_blocks} + host_blocks={config.host_blocks}"
+    if ram is not None and needed > ram:
+        raise ConfigError(f"{what} needs {needed / gib:.2f} GiB of host memory ({per_block} bytes per block) but "
+                          f"this machine has {ram / gib:.2f} GiB; lower them")
 
 
 @dataclass(frozen=True)
@@ -117,11 +187,44 @@ class EngineConfig:
     check_invariants: bool = False  # run Scheduler.check_invariants around every step (slow; for tests)
     faults: FaultPlan | None = None  # fault injection (executor.faults); None = no injected faults
     verify_host_checksums: bool = False  # CRC-32 every suspended block; a mismatch on resume replays the request
+    lifecycle: str = "machine"  # "machine": the transitions machine fires every transition; "compiled": the table
 
     def __post_init__(self) -> None:
+        """Refuse wrong types and unsupported dtypes here; pool sizes and budgets are checked by `SchedulerConfig`
+        and against the device's memory when the `Engine` is built, before anything is allocated."""
         if self.faults is not None and not isinstance(self.faults, FaultPlan):
             raise ConfigError(f"EngineConfig.faults must be an executor.FaultPlan or None, got "
                               f"{type(self.faults).__name__}; build one with FaultPlan.parse or FaultPlan.of")
+        for f in fields(self):
+            value, kind = getattr(self, f.name), _FIELD_KINDS.get(f.name)
+            if kind is bool and not isinstance(value, bool):
+                raise ConfigError(f"EngineConfig.{f.name} must be True or False, got {value!r}")
+            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"EngineConfig.{f.name} must be an int, got {type(value).__name__} {value!r}")
+        if not isinstance(self.model, ModelConfig):
+            raise ConfigError(f"EngineConfig.model must be an executor.ModelConfig, got {type(self.model).__name__}")
+        for name in ("checkpoint", "trace_path"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise ConfigError(f"EngineConfig.{name} must be a path (str or os.PathLike) or None, got "
+                                  f"{type(value).__name__}")
+        if not isinstance(self.device, (str, torch.device)):
+            raise ConfigError(f"EngineConfig.device must be 'auto', 'cpu', 'cuda', 'cuda:N' or a torch.device, got "
+                              f"{type(self.device).__name__}")
+        if self.max_preemptions_per_request is not None and (isinstance(self.max_preemptions_per_request, bool)
+                                                             or not isinstance(self.max_preemptions_per_request, int)):
+            raise ConfigError(f"EngineConfig.max_preemptions_per_request must be an int or None, got "
+                              f"{self.max_preemptions_per_request!r}")
+        if self.dtype is not None:
+            resolve_dtype(self.dtype, torch.device("cpu"))
+
+
+_FIELD_KINDS = {
+    **dict.fromkeys(("weights_seed", "seed", "gpu_blocks", "host_blocks", "block_size", "max_batch_size",
+                     "max_num_tokens", "prefill_chunk_size", "no_progress_limit"), int),
+    **dict.fromkeys(("enable_recompute_pause", "simulate_host_alloc_failure", "check_invariants",
+                     "verify_host_checksums"), bool),
+}  # EngineConfig fields checked by type in __post_init__ (ranges: SchedulerConfig)
 
 
 @dataclass
@@ -157,8 +260,38 @@ class _Submission:
     sampling: SamplingParams
 
 
+class _Attempt:
+    """How far one step got, so that a failure can settle it: the phase, the scheduler output, the fence of each
+    issued migration plan, the plans already waited on, and the scheduled requests' progress before
+    `complete_step` (None until then)."""
+
+    __slots__ = ("phase", "out", "fences", "settled", "progress")
+
+    def __init__(self) -> None:
+        self.phase = "start"
+        self.out: SchedulerOutput | None = None
+        self.fences: dict[int, Fence] = {}
+        self.settled: set[int] = set()
+        self.progress: list[tuple[int, int, str]] | None = None
+
+
+def _progress(out: SchedulerOutput) -> list[tuple[int, int, str]]:
+    return [(r.num_computed_tokens, len(r.generated), r.state) for r in out.scheduled]
+
+
 class Engine:
-    """A paged-KV serving engine over the `kvstate` scheduler. Use as a context manager or call `close()`."""
+    """A paged-KV serving engine over the `kvstate` scheduler. Use as a context manager or call `close()`.
+
+    Threading model: one engine may be shared by threads, and every call is serialized by one lock. The calls
+    that drive or change it (`step`, each step of `run` and `stream`, `add_request`, `cancel`, `lose_host_tier`,
+    `take_finished`, `close`) hold the lock for their duration, and `outputs` holds it while it copies; so a
+    `cancel` from a second thread during `run()` takes effect between two steps, and two threads calling
+    `step()` get two whole iterations one after the other. A call that drives or changes the engine from inside
+    the engine on the same thread — from an `on_transition` hook, which runs inside `step` or `cancel` — raises
+    `EngineBusy` and changes nothing (reading, e.g. `outputs()`, is allowed there); so do `step`, `run` and
+    `stream` while a `stream()` generator is live (the stream drives the engine; `cancel` and `add_request`
+    between its items are fine). Failures: see the module docstring (a failed step is settled and re-raised, or
+    the engine is `EngineBroken`)."""
 
     def __init__(self, config: EngineConfig | None = None, *, model: LlamaModel | None = None) -> None:
         """`model` shares existing weights (it must already be on the configured device and dtype)."""
@@ -179,8 +312,14 @@ class Engine:
                              f"{dtype} on {self.device}; move the model or change EngineConfig.device/dtype")
         self.model = model
         mc = model.config
-        self.cache = PagedKVCache(config.gpu_blocks, num_layers=mc.num_layers, block_size=config.block_size,
-                                  num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=dtype, device=self.device)
+        check_memory(config, mc, dtype, self.device)
+        try:
+            self.cache = PagedKVCache(config.gpu_blocks, num_layers=mc.num_layers, block_size=config.block_size,
+                                      num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=dtype,
+                                      device=self.device)
+        except (RuntimeError, MemoryError) as err:  # torch's out-of-memory errors are RuntimeErrors
+            raise ConfigError(f"could not allocate the device tier of gpu_blocks={config.gpu_blocks} on "
+                              f"{self.device}: {err}; lower gpu_blocks") from err
         self.faults = FaultInjector(config.faults) if config.faults is not None else None
         host_blocks, fallback = config.host_blocks, False
         if host_blocks:
@@ -206,6 +345,12 @@ class Engine:
         self._submissions: dict[Hashable, _Submission] = {}
         self._checksums: dict[Hashable, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # id -> (host blocks, CRCs)
         self._closed = False
+        self._broken: EngineBroken | None = None
+        self._trace_failure: BaseException | None = None  # a trace write that failed (the engine breaks on it)
+        self._lock = threading.Lock()  # serializes every call (class docstring: threading model)
+        self._owner: int | None = None  # the thread inside a call that holds the lock, and the call's name
+        self._owner_call = ""
+        self._streaming = False  # a stream() generator is live
         if self.faults is not None:
             self.totals.faults = self.faults.injected  # one counter: what the injector fired, by kind
 
@@ -216,7 +361,7 @@ class Engine:
             max_batch_size=c.max_batch_size, max_num_tokens=c.max_num_tokens,
             prefill_chunk_size=c.prefill_chunk_size, enable_recompute_pause=c.enable_recompute_pause,
             max_preemptions_per_request=c.max_preemptions_per_request,
-            no_progress_limit=c.no_progress_limit, block_bytes=block_bytes,
+            no_progress_limit=c.no_progress_limit, block_bytes=block_bytes, lifecycle=c.lifecycle,
         )
 
     # ------------------------------------------------------------------------------------------- requests
@@ -229,9 +374,13 @@ class Engine:
         sampling: SamplingParams = GREEDY,
         request_id: Hashable | None = None,
     ) -> Hashable:
-        """Queue a request; returns its id. Raises `InvalidTokenId`, `RequestRejected` or `EngineClosed`
-        (all `ValueError`s; nothing queued, the engine keeps serving)."""
-        self._check_open("add_request")
+        """Queue a request; returns its id. Raises `InvalidTokenId`, `RequestRejected`, `EngineClosed` or
+        `EngineBusy` (all `ValueError`s; nothing queued, the engine keeps serving), or `EngineBroken`."""
+        with self._exclusive("add_request"):
+            return self._add_request(prompt_token_ids, max_new_tokens, stop_token_ids, sampling, request_id)
+
+    def _add_request(self, prompt_token_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Iterable[int],
+                     sampling: SamplingParams, request_id: Hashable | None) -> Hashable:
         if hasattr(prompt_token_ids, "tolist"):
             prompt_token_ids = prompt_token_ids.tolist()
         if hasattr(stop_token_ids, "tolist"):
@@ -258,17 +407,53 @@ class Engine:
     def cancel(self, request_id: Hashable) -> None:
         """Cancel an active request (its blocks are freed at once; its partial output stays in `outputs()`).
         Raises `RequestNotActive` (a `ValueError` and an `UnknownRequestId`; nothing changed) for an id that is
-        unknown or already done."""
-        self._check_open("cancel")
-        if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
-            raise RequestNotActive(f"cannot cancel {request_id!r}: request ids are str or int, got "
-                                   f"{type(request_id).__name__}; pass the id add_request returned")
-        try:
-            self.scheduler.cancel(request_id)
-        except UnknownRequestId as err:
-            raise RequestNotActive(str(err)) from None
+        unknown or already done. Safe from another thread during `run()` (it lands between two steps)."""
+        with self._exclusive("cancel"):
+            if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+                raise RequestNotActive(f"cannot cancel {request_id!r}: request ids are str or int, got "
+                                       f"{type(request_id).__name__}; pass the id add_request returned")
+            try:
+                self.scheduler.cancel(request_id)
+            except UnknownRequestId as err:
+                raise RequestNotActive(str(err)) from None
+            finally:
+                self._break_on_trace_failure("cancel")
 
-    def _check_open(self, what: str) -> None:
+    # ------------------------------------------------------------------------------------- call discipline
+    @contextmanager
+    def _exclusive(self, what: str, *, drives: bool = True, steps: bool = False) -> Iterator[None]:
+        """Hold the engine lock for one call (class docstring: threading model). `drives`: refused on a closed
+        or broken engine; `steps`: also refused while a `stream()` is live."""
+        me = threading.get_ident()
+        if self._owner == me:
+            raise EngineBusy(f"{what}() was called from inside {self._owner_call}() on the same thread (from an "
+                             "on_transition hook); the engine cannot serve it there and nothing changed: note what "
+                             f"you need in the hook and call {what}() after {self._owner_call}() has returned")
+        with self._lock:
+            self._owner, self._owner_call = me, what
+            try:
+                if drives:
+                    self._check_usable(what)
+                if steps and self._streaming:
+                    raise EngineBusy(f"{what}() was called while a stream() is being consumed; the stream drives the "
+                                     "engine (tokens of other steps would never reach it) and nothing changed: "
+                                     "consume the stream to its end or close it (generator.close()) first")
+                yield
+            finally:
+                self._owner, self._owner_call = None, ""
+
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Hold the lock while reading, unless this thread already holds it (a hook reading the engine)."""
+        if self._owner == threading.get_ident():
+            yield
+            return
+        with self._lock:
+            yield
+
+    def _check_usable(self, what: str) -> None:
+        if self._broken is not None:
+            raise EngineBroken(self._broken.args[0]) from self._broken.__cause__
         if self._closed:
             raise EngineClosed(f"{what}() was called after close(); the engine can still be inspected (outputs(), "
                                "stats(), totals) but not driven: create a new Engine to serve more requests")
@@ -276,16 +461,33 @@ class Engine:
     # ------------------------------------------------------------------------------------------- stepping
     def step(self) -> IterationStats:
         """Schedule and carry out one iteration; `last_produced` lists the (request id, token) it produced.
-        Injected faults (`EngineConfig.faults`) happen here; the iteration still completes."""
-        self._check_open("step")
-        scheduler = self.scheduler
+        Injected faults (`EngineConfig.faults`) happen here; the iteration still completes. An exception inside
+        the step is settled and re-raised, or becomes `EngineBroken` (module docstring)."""
+        with self._exclusive("step", steps=True):
+            return self._step()
+
+    def _step(self) -> IterationStats:
+        attempt = _Attempt()
+        try:
+            stats = self._carry_out(attempt)
+        except BaseException as err:
+            self._settle_failed(attempt, err)
+            raise
+        self._break_on_trace_failure(f"step {self.scheduler.iteration}")
+        return stats
+
+    def _carry_out(self, attempt: _Attempt) -> IterationStats:
+        """The iteration itself (module docstring, 1-5); `attempt` records how far it got."""
+        scheduler, check = self.scheduler, self.config.check_invariants
         iteration = scheduler.iteration + 1
         if self.faults is not None and scheduler.pool.has_host_tier and self.faults.fire("host_loss", iteration):
-            self.lose_host_tier(f"injected fault host_loss at iteration {iteration}")
-        out = scheduler.schedule()
-        if self.config.check_invariants:
+            attempt.phase = "host tier loss"
+            self._lose_host_tier(f"injected fault host_loss at iteration {iteration}")
+        attempt.phase = "schedule"
+        out = attempt.out = scheduler.schedule()
+        if check:
             scheduler.check_invariants(out)
-        issued: list[tuple[MigrationPlan, Fence]] = []
+        attempt.phase = "issue copies"
         failed = 0
         for plan in list(out.migrations):
             fence = self._issue(plan, iteration)
@@ -293,21 +495,22 @@ class Engine:
                 scheduler.fail_migration(out, plan)
                 failed += 1
             else:
-                issued.append((plan, fence))
-        if failed and self.config.check_invariants:
+                attempt.fences[plan.plan_id] = fence
+        if failed and check:
             scheduler.check_invariants(out)
         compute_stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        for _, fence in issued:
+        for fence in attempt.fences.values():
             fence.order_before(compute_stream)  # resumed blocks are in place before attention reads them
+        attempt.phase = "forward"
         sampled = self._compute(out)
-        for plan, fence in issued:
-            fence.wait()  # fenced source blocks become reusable only after their copy completed
-            if plan.direction == TO_HOST:
-                self._after_suspend(plan, iteration)
-        scheduler.complete_migrations(out)
+        attempt.phase = "complete migrations"
+        self._settle_migrations(out, attempt, iteration)
+        attempt.phase = "complete step"
+        attempt.progress = _progress(out)
         produced = scheduler.complete_step(out, sampled)
+        attempt.phase = "after the step"
         self.last_produced = [(r.request_id, r.generated[-1]) for r in produced]
-        if self.config.check_invariants:
+        if check:
             scheduler.check_invariants()
         stats = self.stats()
         totals = self.totals
@@ -318,6 +521,77 @@ class Engine:
         totals.blocks_migrated += stats.blocks_migrated
         totals.bytes_migrated += stats.bytes_migrated
         return stats
+
+    def _settle_migrations(self, out: SchedulerOutput, attempt: _Attempt, iteration: int) -> None:
+        """Carry every migration of `out` to its end, then `complete_migrations(out)`: wait on its fence (fenced
+        source blocks become reusable only after their copy completed); a plan a failure kept from being issued
+        is issued now, and one that cannot be copied is failed through `Scheduler.fail_migration`."""
+        for plan in list(out.migrations):
+            if plan.plan_id in attempt.settled:
+                continue
+            fence = attempt.fences.get(plan.plan_id)
+            if fence is None:
+                fence = attempt.fences[plan.plan_id] = self._issue(plan, iteration)
+                if fence is None:
+                    self.scheduler.fail_migration(out, plan)
+                    continue
+            fence.wait()
+            if plan.direction == TO_HOST:
+                self._after_suspend(plan, iteration)
+            attempt.settled.add(plan.plan_id)
+        self.scheduler.complete_migrations(out)
+
+    def _settle_failed(self, attempt: _Attempt, err: BaseException) -> None:
+        """`err` interrupted a step: drain the copies, settle every migration, discard the forward pass, and
+        return (the caller re-raises `err`) if the state is consistent; otherwise raise `EngineBroken`."""
+        scheduler = self.scheduler
+        self.last_produced = []
+        iteration = scheduler.iteration
+        problem = None
+        try:
+            for fence in attempt.fences.values():
+                if fence is not None:
+                    fence.wait()
+            self.cache.drain()
+            out = attempt.out
+            if out is None and scheduler.pool.in_flight:  # schedule() planned copies, then failed
+                plans = list(scheduler.pool.in_flight.values())
+                owners = [scheduler.requests[p.request_id] for p in plans]
+                out = SchedulerOutput(migrations=plans,
+                                      suspended=[r for p, r in zip(plans, owners) if p.direction == TO_HOST],
+                                      resumed=[r for p, r in zip(plans, owners) if p.direction == TO_GPU])
+            if out is not None:
+                self._settle_migrations(out, attempt, iteration)
+            if attempt.progress is not None and attempt.phase == "complete step" \
+                    and attempt.progress != _progress(out):
+                problem = "complete_step had already applied part of the iteration"
+            scheduler.check_invariants()
+            if scheduler.pool.in_flight:
+                problem = problem or f"{len(scheduler.pool.in_flight)} migrations are still in flight"
+        except BaseException as settling:  # noqa: BLE001 - any failure here leaves the state unknown
+            problem = f"settling it failed too ({type(settling).__name__}: {settling})"
+        if self._trace_failure is not None and problem is None:
+            problem = f"the trace missed a transition ({type(self._trace_failure).__name__}: {self._trace_failure})"
+        if problem is not None:
+            self._break(f"step {iteration} failed in phase '{attempt.phase}' with {type(err).__name__}: {err}; "
+                        f"the engine could not restore a consistent state: {problem}", err)
+        err.add_note(f"kvstate: step {iteration} failed in phase '{attempt.phase}' and was settled: every copy "
+                     "completed or failed, nothing is in flight and the forward pass was discarded; the engine "
+                     "can keep stepping")
+
+    def _break(self, message: str, cause: BaseException) -> None:
+        """Mark the engine broken (every later driving call raises this error) and raise it."""
+        self._broken = EngineBroken(f"the engine is broken: {message}. Finished outputs can still be read "
+                                    "(outputs(), take_finished()); create a new Engine to continue")
+        self._broken.__cause__ = cause
+        raise EngineBroken(self._broken.args[0]) from cause
+
+    def _break_on_trace_failure(self, where: str) -> None:
+        """A trace write failed during `where` (the state is consistent, the trace is not): break the engine."""
+        if self._trace_failure is not None:
+            err = self._trace_failure
+            self._break(f"writing the trace {self.trace.path} failed during {where} ({type(err).__name__}: {err}); "
+                        "the trace now misses transitions, so the engine stopped", err)
 
     def _issue(self, plan: MigrationPlan, iteration: int) -> Fence | None:
         """Issue `plan`'s copies; None when they failed (or its host copy is corrupt) and it must be failed."""
@@ -351,7 +625,12 @@ class Engine:
         replayed, the host tensor is dropped, and the engine keeps serving GPU-only (`host_tier_fallback`).
         Returns the ids of the requests that lost their host copy. Raises `HostTierLossRefused` (nothing
         changed) when recompute-pause is disabled, since nothing could be evicted afterwards."""
-        self._check_open("lose_host_tier")
+        with self._exclusive("lose_host_tier"):
+            lost = self._lose_host_tier(reason)
+            self._break_on_trace_failure("lose_host_tier")
+            return lost
+
+    def _lose_host_tier(self, reason: str) -> list[Hashable]:
         if not self.scheduler.pool.has_host_tier:
             return []
         try:
@@ -383,25 +662,51 @@ class Engine:
         return dict(zip(ids, tokens))
 
     def run(self, max_steps: int | None = None) -> dict[Hashable, list[int]]:
-        """Step until every request is done (or `max_steps`); returns `outputs()`."""
-        self._check_open("run")
+        """Step until every request is done (or `max_steps`); returns `outputs()`. The lock is taken per step,
+        so other threads' `cancel` and `add_request` land between steps."""
         steps = 0
-        while self.scheduler.has_unfinished and (max_steps is None or steps < max_steps):
-            self.step()
+        while True:
+            with self._exclusive("run", steps=True):
+                if not self.scheduler.has_unfinished or (max_steps is not None and steps >= max_steps):
+                    return self._outputs()
+                self._step()
             steps += 1
-        return self.outputs()
 
     def stream(self) -> Iterator[tuple[Hashable, int]]:
         """Step until every request is done, yielding (request id, token) for each token as it is produced.
-        The consumer may `cancel` or `add_request` between items."""
-        self._check_open("stream")
-        while self.scheduler.has_unfinished:
-            self.step()
-            yield from list(self.last_produced)
+        The consumer may `cancel` or `add_request` between items; `step`, `run` or another `stream` while this
+        one is live raise `EngineBusy` (their tokens would never reach it)."""
+        with self._exclusive("stream", steps=True):
+            self._streaming = True
+        try:
+            while True:
+                with self._exclusive("stream"):
+                    if not self.scheduler.has_unfinished:
+                        return
+                    self._step()
+                    produced = list(self.last_produced)
+                yield from produced
+        finally:
+            self._streaming = False
 
     def outputs(self) -> dict[Hashable, list[int]]:
-        """{id: generated tokens} of every finished request (finished, cancelled or aborted)."""
+        """{id: generated tokens} of every finished request (finished, cancelled or aborted) not yet taken."""
+        with self._reading():
+            return self._outputs()
+
+    def _outputs(self) -> dict[Hashable, list[int]]:
         return {rid: list(r.generated) for rid, r in self.scheduler.finished.items()}
+
+    def take_finished(self) -> dict[Hashable, FinishedRequest]:
+        """Hand over every finished request (finished, cancelled or aborted) and forget it: it leaves
+        `outputs()`, the scheduler's `finished` and the engine's records, so a long-running engine's memory stays
+        bounded by its active requests; its id may be used again. Works on a closed or broken engine too."""
+        with self._exclusive("take_finished", drives=False):
+            taken = self.scheduler.forget_finished(list(self.scheduler.finished))
+            for request in taken:
+                self._submissions.pop(request.request_id, None)
+                self._checksums.pop(request.request_id, None)
+            return {r.request_id: FinishedRequest(list(r.generated), r.done_reason) for r in taken}
 
     def stats(self) -> IterationStats:
         """Statistics of the last iteration (`host_tier_fallback` reflects the engine even before any step)."""
@@ -430,10 +735,8 @@ class Engine:
 
     def reference_outputs(self, request_ids: Iterable[Hashable] | None = None) -> dict[Hashable, list[int]]:
         """`reference` of each submitted request (default: all), using the arguments it was submitted with."""
-        ids = list(self._submissions) if request_ids is None else list(request_ids)
         result = {}
-        for rid in ids:
-            sub = self._submissions[rid]
+        for rid, sub in self._submitted(request_ids):
             result[rid] = self.reference(sub.prompt, sub.max_new_tokens, stop_token_ids=sub.stop_token_ids,
                                          sampling=sub.sampling, request_id=rid)
         return result
@@ -446,11 +749,11 @@ class Engine:
         on (seed, request id, position) — the same property OUT-EQUIV rests on. For soaks of thousands."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        ids = list(self._submissions) if request_ids is None else list(request_ids)
+        submitted = self._submitted(request_ids)
         result: dict[Hashable, list[int]] = {}
         size = self.config.block_size
-        for start in range(0, len(ids), batch_size):
-            group = [(rid, self._submissions[rid]) for rid in ids[start:start + batch_size]]
+        for start in range(0, len(submitted), batch_size):
+            group = submitted[start:start + batch_size]
             blocks = sum(-(-(len(sub.prompt) + sub.max_new_tokens) // size) for _, sub in group)
             longest = max(len(sub.prompt) for _, sub in group)
             config = replace(
@@ -467,20 +770,45 @@ class Engine:
             result.update((rid, outputs[rid]) for rid, _ in group)
         return result
 
+    def _submitted(self, request_ids: Iterable[Hashable] | None) -> list[tuple[Hashable, _Submission]]:
+        """(id, submission) of these requests (default: every one not yet taken), in order."""
+        with self._reading():
+            ids = list(self._submissions) if request_ids is None else list(request_ids)
+            unknown = [rid for rid in ids if rid not in self._submissions]
+            if unknown:
+                raise EngineMisuse(f"no submission recorded for request ids {unknown[:5]}: they are unknown or were "
+                                   "handed over by take_finished(); compute references before taking them")
+            return [(rid, self._submissions[rid]) for rid in ids]
+
     # ---------------------------------------------------------------------------------------- lifecycle
     def _on_transition(self, request: Request, transition: Transition) -> None:
+        """The scheduler's hook: count the event, forget a dropped host copy's checksums, write the trace line.
+        A failed trace write is kept, not raised (raising inside the scheduler would leave its pass half done);
+        the call that fired the transition then breaks the engine once its state is consistent."""
         self.totals.events[transition.event] += 1
-        if transition.source == "suspended" and transition.event != "resume":
+        if self.scheduler.spec.residency(transition.source) == "host" and transition.event != "resume":
             self._checksums.pop(request.request_id, None)  # the host copy is gone (lost, promoted, cancelled)
-        if self.trace is not None:
-            self.trace(request, transition)
+        if self.trace is not None and self._trace_failure is None:
+            try:
+                self.trace(request, transition)
+            except Exception as err:  # noqa: BLE001 - OSError (disk full) or anything the writer raises
+                self._trace_failure = err
 
     def close(self) -> None:
-        """Close the trace file and refuse further driving (`EngineClosed`). The engine may still be inspected
-        afterwards (outputs, stats, totals). Closing twice is harmless."""
-        self._closed = True
-        if self.trace is not None:
-            self.trace.close()
+        """Drain the copy stream (every fence completes, so the device cache may then be freed), close the trace
+        file and refuse further driving (`EngineClosed`). The engine may still be inspected afterwards (outputs,
+        stats, totals, take_finished). Closing twice, or closing a broken engine, is harmless."""
+        with self._exclusive("close", drives=False):
+            if self._closed:
+                return
+            self._closed = True
+            self.cache.drain()
+            if self.trace is not None:
+                try:
+                    self.trace.close()
+                except OSError:
+                    if self._trace_failure is None:  # else already reported: the engine broke on it
+                        raise
 
     def __enter__(self) -> Engine:
         return self

@@ -122,6 +122,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
+def block_shape(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """The shape of one block: K and V of every layer (see the module docstring's layout)."""
+    return (num_layers, 2, block_size, num_kv_heads, head_dim)
+
+
 class PagedKVCache:
     """Device tier and (after `attach_host_tier`) host tier tensors, plus the copy machinery between them."""
 
@@ -142,7 +147,7 @@ class PagedKVCache:
         if num_gpu_blocks <= 0:
             raise ValueError(f"num_gpu_blocks must be positive, got {num_gpu_blocks}")
         self.device = resolve_device(device)
-        self.block_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
+        self.block_shape = block_shape(num_layers, block_size, num_kv_heads, head_dim)
         self.num_layers = num_layers
         self.block_size = block_size
         self.dtype = dtype
@@ -265,7 +270,7 @@ class PagedKVCache:
             try:
                 return self.execute(plan)
             except RuntimeError as err:
-                self._drain()
+                self.drain()
                 raise MigrationFailed(plan, 0, f"{type(err).__name__}: {err}") from err
         source, dest = (self.device_cache, self.host_cache) if plan.direction == TO_HOST else \
             (self.host_cache, self.device_cache)
@@ -274,8 +279,9 @@ class PagedKVCache:
             self._copy(dest, dst, source, src, n, non_blocking=False)
         raise MigrationFailed(plan, len(runs), "injected copy failure (fault injection)")
 
-    def _drain(self) -> None:
-        """Wait for every copy issued on the copy stream (CUDA); nothing to wait for on the CPU."""
+    def drain(self) -> None:
+        """Wait for every copy issued on the copy stream, so every fence is complete (CUDA; nothing to wait for
+        on the CPU). The engine calls it after a failed step and in `close()`, before the tensors may be freed."""
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
 

@@ -1,4 +1,9 @@
-"""The `kvstate` command line. Each subcommand lives in its own module under `kvstate.commands`."""
+"""The `kvstate` command line. Each subcommand lives in its own module under `kvstate.commands`.
+
+A bad command line never prints a traceback: argparse refuses malformed options with the subcommand's own usage,
+each command checks its values and paths before it starts work (and before torch is imported), and an expected
+error (`KVStateError`, an `OSError` on a path the user named) is one line on stderr. All of these exit with 2.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,9 @@ from collections.abc import Sequence
 from kvstate import commands
 from kvstate.errors import KVStateError
 
+USAGE_ERROR = 2
+INTERRUPTED = 130
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -18,17 +26,41 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in commands.ALL:
         module.register(subparsers)
+    for subparser in subparsers.choices.values():
+        subparser.set_defaults(subparser=subparser)  # unknown options are then reported with its usage
     return parser
 
 
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse `argv`; argparse errors raise `SystemExit(2)` after printing the right subcommand's usage."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        getattr(args, "subparser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one subcommand; returns its exit code. Expected errors print one clear line, not a traceback."""
-    args = build_parser().parse_args(argv)
+    """Run one subcommand; returns its exit code (2 for every usage error, with one line on stderr)."""
+    try:
+        args = parse(argv)
+    except SystemExit as exit_:  # --help (0) or a usage error (2), already printed by argparse
+        return exit_.code if isinstance(exit_.code, int) else USAGE_ERROR
     try:
         return int(args.run(args) or 0)
     except KVStateError as err:
-        print(f"kvstate {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return _error(args.command, str(err))
+    except OSError as err:  # a path named on the command line failed while the command was using it
+        where = f"{err.filename}: " if err.filename else ""
+        return _error(args.command, f"{where}{err.strerror or err}")
+    except KeyboardInterrupt:
+        print(f"kvstate {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _error(command: str, message: str) -> int:
+    print(f"kvstate {command}: error: {message}", file=sys.stderr)
+    return USAGE_ERROR
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from kvstate.errors import KVStateError
 
 CAPACITY_POLICIES = ("max_utilization", "guaranteed_no_evict")
+LIFECYCLES = ("machine", "compiled")  # kvstate.lifecycle.make_lifecycle
 
 
 class ConfigError(KVStateError, ValueError):
@@ -45,7 +46,8 @@ def normalize_stop_token_ids(stop_token_ids: object) -> tuple:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Pool sizes and budgets of one scheduler. `host_blocks=0` means no host tier."""
+    """Pool sizes and budgets of one scheduler. `host_blocks=0` means no host tier. `lifecycle` picks the
+    implementation that fires transitions: "machine" (the `transitions` machine, default) or "compiled"."""
 
     gpu_blocks: int
     host_blocks: int = 0
@@ -60,6 +62,7 @@ class SchedulerConfig:
     pipeline_stages: int = 1
     no_progress_limit: int = 64
     block_bytes: int = 0
+    lifecycle: str = "machine"
 
     def __post_init__(self) -> None:
         positive = ("gpu_blocks", "block_size", "max_batch_size", "max_num_tokens", "prefill_chunk_size",
@@ -78,6 +81,9 @@ class SchedulerConfig:
                 raise ConfigError(f"{name} must be a positive integer or None (no limit), got {value!r}")
         if not isinstance(self.enable_recompute_pause, bool):
             raise ConfigError(f"enable_recompute_pause must be True or False, got {self.enable_recompute_pause!r}")
+        if self.lifecycle not in LIFECYCLES:
+            raise ConfigError(f"lifecycle must be one of {LIFECYCLES} (the transitions machine, or the table compiled "
+                              f"from the same spec), got {self.lifecycle!r}")
         if self.capacity_policy not in CAPACITY_POLICIES:
             raise ConfigError(f"capacity_policy must be one of {CAPACITY_POLICIES}, got {self.capacity_policy!r}")
         if not self.enable_recompute_pause and self.host_blocks == 0 and self.capacity_policy == "max_utilization":

@@ -1,8 +1,13 @@
-"""The lifecycle machine: one class-level `transitions.Machine` built from the spec, and its compiled table.
+"""The lifecycle, two implementations of one interface: the `transitions` machine built from the spec (`Lifecycle`,
+what runs by default) and a table compiled from the same spec (`TransitionTable`, the opt-in fast path and the
+model checker's engine). `make_lifecycle(kind)` picks one by name (`LIFECYCLES`).
 
 Both drive request objects that keep their state in the attribute `STATE_ATTRIBUTE` (requests expose it
 read-only as `state`). Neither registers requests with the machine (`add_model` is quadratic): events are
-triggered on a request passed in, and requests compare by identity.
+triggered on a request passed in, and requests compare by identity. They share only the spec and the error
+wording: `Lifecycle` lets `transitions` find the edge (its conditions are the guards, its callbacks the effects,
+and an event with no edge from the state is its `MachineError`), `TransitionTable` looks the edge up itself. A
+differential test runs whole workloads through both and requires byte-identical traces.
 
 Invariants kept by both `Lifecycle` and `TransitionTable`:
 * a request's state changes only along an edge of the spec whose guard holds;
@@ -15,8 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from transitions import Machine
+from transitions import Machine, MachineError
 
+from kvstate.config import LIFECYCLES
 from kvstate.errors import GuardRejected, IllegalTransition
 from kvstate.semantics import GUARDS, EffectHooks, Guard, PoolView, RequestView
 from kvstate.spec import Spec, Transition, load_spec
@@ -99,12 +105,18 @@ class Lifecycle(_SpecRules):
         return run_effect
 
     def fire(self, request: RequestView, event: str, pool: PoolView, hooks: EffectHooks | None = None) -> Transition:
-        """Take `event` on `request`; returns the edge taken. Runs its effect on `hooks` when given."""
-        state = self.state_of(request)
-        if event not in self._allowed[state]:
+        """Take `event` on `request` through the `transitions` machine; returns the edge taken. Runs its effect on
+        `hooks` when given. The machine evaluates the guards once and raises for an event with no edge."""
+        trigger = self.machine.events.get(event)
+        if trigger is None:
             raise self._illegal(request, event)
         taken: list[Transition] = []
-        if not self.machine.events[event].trigger(request, pool=pool, hooks=hooks, taken=taken):
+        try:
+            fired = trigger.trigger(request, pool=pool, hooks=hooks, taken=taken)
+        except MachineError:
+            raise self._illegal(request, event) from None
+        if not fired:
+            state = self.state_of(request)
             edges = tuple(t for t in self.spec.event_by_name[event].transitions if t.source == state)
             raise self._rejected(request, event, edges)
         return taken[0]
@@ -146,3 +158,13 @@ class TransitionTable(_SpecRules):
         if hooks is not None and transition.effect is not None:
             getattr(hooks, transition.effect)(request, transition)
         return transition
+
+
+def make_lifecycle(kind: str = "machine", spec: Spec | None = None,
+                   guards: Mapping[str, Guard] = GUARDS) -> Lifecycle | TransitionTable:
+    """The lifecycle implementation named `kind`: "machine" (the `transitions` machine) or "compiled" (the table)."""
+    if kind == "machine":
+        return Lifecycle(spec, guards)
+    if kind == "compiled":
+        return TransitionTable(spec, guards)
+    raise ValueError(f"lifecycle must be one of {', '.join(LIFECYCLES)}, got {kind!r}")

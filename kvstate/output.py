@@ -10,23 +10,12 @@ from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from kvstate.errors import KVStateError
-from kvstate.pool import MigrationPlan, TieredBlockPool
+from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan, TieredBlockPool
 from kvstate.request import Request
 
-# list name -> the lifecycle states a request in it may be in once the pass is over (OUT-STATE)
-LIST_STATES: Mapping[str, tuple[str, ...]] = {
-    "context": ("running",),
-    "generation": ("running",),
-    "replay": ("replaying",),
-    "resumed": ("running",),
-    "suspended": ("suspended", "recompute_paused"),
-    "recompute_paused": ("recompute_paused", "awaiting_consensus"),
-    "aborted": ("done",),
-}
-# A request suspended in a pass may be promoted later in the same pass; it is then listed as recompute-paused.
-
-# states in which a request computes in a forward pass (it holds GPU blocks and is not awaiting consensus)
-COMPUTING_STATES = ("running", "replaying")
+# The request lists of an output, in serialization order. The spec's [[output_lists]] declare the same names and
+# the states a request in each may be in once the pass is over (OUT-STATE, `Spec.list_states`).
+LIST_NAMES: tuple[str, ...] = ("context", "generation", "replay", "resumed", "suspended", "recompute_paused", "aborted")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,16 +32,17 @@ class PlannedChunk:
 
 def planned_chunks(output: SchedulerOutput, pool: TieredBlockPool) -> list[PlannedChunk]:
     """The forward pass of `output`, in batch order: the rest of a prefill chunk (of the prompt, or of the replay
-    prompt) or the last generated token of a decode step. Requests ended since the output was planned drop out."""
+    prompt) or the last generated token of a decode step. Requests ended since the output was planned drop out: they
+    no longer hold the GPU blocks their chunk would write."""
     chunks = []
     for request in output.scheduled:
-        if request.state not in COMPUTING_STATES:
+        table = pool.gpu_blocks(request.request_id)
+        if not table:
             continue
         n = output.chunk_tokens[request.request_id]
         start = request.num_computed_tokens
         tokens = request.prefill_tokens[start:start + n] if request.is_prefilling else (request.generated[-1],)
-        chunks.append(PlannedChunk(request, start, tuple(tokens), pool.gpu_blocks(request.request_id),
-                                   start + n >= len(request.prefill_tokens)))
+        chunks.append(PlannedChunk(request, start, tuple(tokens), table, start + n >= len(request.prefill_tokens)))
     return chunks
 
 
@@ -78,12 +68,8 @@ class SchedulerOutput:
     num_fitting_requests: int = 0
     recompute_paused: list[Request] = field(default_factory=list)
 
-    @classmethod
-    def list_names(cls) -> tuple[str, ...]:
-        return tuple(LIST_STATES)
-
     def lists(self) -> Iterator[tuple[str, list[Request]]]:
-        for name in LIST_STATES:
+        for name in LIST_NAMES:
             yield name, getattr(self, name)
 
     @property
@@ -105,23 +91,53 @@ class SchedulerOutput:
 
     @classmethod
     def from_dict(cls, d: Mapping, requests_by_id: Mapping[Hashable, Request]) -> SchedulerOutput:
-        """Rebuild an output from `to_dict()`; every id must be in `requests_by_id` (the active requests)."""
+        """Rebuild an output from `to_dict()`; every id must be in `requests_by_id` (the active requests).
 
-        def lookup(rid: Hashable, where: str) -> Request:
-            try:
-                return requests_by_id[rid]
-            except KeyError:
-                raise UnknownRequest(
-                    f"scheduler output list {where!r} names request {rid!r}, which is not active here; "
-                    "send outputs only to ranks that know the same requests"
-                ) from None
-
-        lists = {name: [lookup(rid, name) for rid in d.get(name, [])] for name in LIST_STATES}
+        The dict comes from another rank, so it is checked as untrusted data before anything is built: an unknown
+        request id raises `UnknownRequest`; any other departure from the shape `to_dict()` writes (a non-mapping,
+        a string or number where a list belongs, an id in two lists (OUT-DISJOINT), a chunk count below 1 or for a
+        request not scheduled, a migration without `pairs`, in an unknown direction, with a negative block id or a
+        repeated plan id) raises `MalformedOutput` naming the key.
+        """
+        if not isinstance(d, Mapping):
+            raise MalformedOutput(f"a serialized scheduler output must be a mapping (from to_dict()), got "
+                                  f"{type(d).__name__}")
+        lists: dict[str, list[Request]] = {}
+        listed: dict[Hashable, str] = {}
+        for name in LIST_NAMES:
+            lists[name] = []
+            for rid in _sequence(d, name):
+                request = _lookup(requests_by_id, rid, name)
+                if rid in listed:
+                    raise MalformedOutput(f"request {_shown(rid)} is in lists {listed[rid]!r} and {name!r}; the lists "
+                                          "of an output are disjoint (OUT-DISJOINT)")
+                listed[rid] = name
+                lists[name].append(request)
+        scheduled = {r.request_id for name in ("context", "replay", "generation") for r in lists[name]}
+        chunk_tokens: dict[Hashable, int] = {}
+        for entry in _sequence(d, "chunk_tokens"):
+            if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+                raise MalformedOutput(f"'chunk_tokens' entries are [request id, tokens] pairs, got {_shown(entry)}")
+            rid, n = entry
+            if not isinstance(rid, (int, str)) or rid not in scheduled or rid in chunk_tokens:
+                why = ("twice" if isinstance(rid, (int, str)) and rid in chunk_tokens
+                       else "for a request not in context, replay or generation")
+                raise MalformedOutput(f"'chunk_tokens' gives request {_shown(rid)} a chunk {why}; each scheduled "
+                                      "request has exactly one")
+            chunk_tokens[rid] = _count(n, f"'chunk_tokens' of request {_shown(rid)}", minimum=1)
+        if scheduled - set(chunk_tokens):
+            rid = next(iter(scheduled - set(chunk_tokens)))
+            raise MalformedOutput(f"scheduled request {_shown(rid)} has no 'chunk_tokens' entry; each scheduled "
+                                  "request has exactly one")
+        migrations = [_migration(p, requests_by_id) for p in _sequence(d, "migrations")]
+        plan_ids = [p.plan_id for p in migrations]
+        if len(set(plan_ids)) != len(plan_ids):
+            raise MalformedOutput(f"'migrations' repeats a plan id ({sorted(plan_ids)}); each plan id is unique")
         return cls(
             **lists,
-            migrations=[MigrationPlan.from_dict(p) for p in d.get("migrations", [])],
-            chunk_tokens={rid: int(n) for rid, n in d.get("chunk_tokens", [])},
-            num_fitting_requests=int(d.get("num_fitting_requests", 0)),
+            migrations=migrations,
+            chunk_tokens=chunk_tokens,
+            num_fitting_requests=_count(d.get("num_fitting_requests", 0), "'num_fitting_requests'", minimum=0),
         )
 
     def __eq__(self, other: object) -> bool:
@@ -129,3 +145,58 @@ class SchedulerOutput:
         if not isinstance(other, SchedulerOutput):
             return NotImplemented
         return self.to_dict() == other.to_dict()
+
+
+class MalformedOutput(KVStateError, ValueError):
+    """A serialized scheduler output (`SchedulerOutput.from_dict`) is not in the shape `to_dict()` writes."""
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
+def _lookup(requests_by_id: Mapping[Hashable, Request], rid: object, where: str) -> Request:
+    if not isinstance(rid, (int, str)) or isinstance(rid, bool):
+        raise MalformedOutput(f"scheduler output list {where!r} holds {_shown(rid)}; request ids are integers or "
+                              "strings")
+    try:
+        return requests_by_id[rid]
+    except KeyError:
+        raise UnknownRequest(
+            f"scheduler output list {where!r} names request {rid!r}, which is not active here; "
+            "send outputs only to ranks that know the same requests"
+        ) from None
+
+
+def _sequence(d: Mapping, key: str) -> list | tuple:
+    value = d.get(key, [])
+    if not isinstance(value, (list, tuple)):
+        raise MalformedOutput(f"{key!r} must be a list, got {type(value).__name__} {_shown(value)}")
+    return value
+
+
+def _count(value: object, what: str, *, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise MalformedOutput(f"{what} must be an integer >= {minimum}, got {_shown(value)}")
+    return value
+
+
+def _migration(p: object, requests_by_id: Mapping[Hashable, Request]) -> MigrationPlan:
+    if not isinstance(p, Mapping):
+        raise MalformedOutput(f"'migrations' entries are mappings (MigrationPlan.to_dict()), got {_shown(p)}")
+    missing = [k for k in ("plan_id", "request_id", "direction", "pairs") if k not in p]
+    if missing:
+        raise MalformedOutput(f"a migration lacks {', '.join(map(repr, missing))}; got keys {sorted(map(str, p))}")
+    plan_id = _count(p["plan_id"], "a migration's 'plan_id'", minimum=0)
+    _lookup(requests_by_id, p["request_id"], f"migrations (plan {plan_id})")
+    if p["direction"] not in (TO_HOST, TO_GPU):
+        raise MalformedOutput(f"migration plan {plan_id} has direction {_shown(p['direction'])}; it is "
+                              f"{TO_HOST!r} or {TO_GPU!r}")
+    pairs = []
+    for pair in _sequence(p, "pairs"):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise MalformedOutput(f"migration plan {plan_id}: 'pairs' holds {_shown(pair)}; each pair is "
+                                  "[source block, destination block]")
+        pairs.append(tuple(_count(b, f"migration plan {plan_id}: a block id", minimum=0) for b in pair))
+    return MigrationPlan(plan_id, p["request_id"], p["direction"], tuple(pairs))

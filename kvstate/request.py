@@ -4,7 +4,10 @@ Invariants kept:
 * `state` is read-only here; it changes only through the lifecycle machine (`kvstate.lifecycle`);
 * `generated` is append-only (GEN-APPEND): `append_token` is its only writer;
 * after `reset_for_replay`, `prefill_tokens` = original prompt + every generated token, the remaining budget
-  is `max_new_tokens - len(generated)`, and every KV-derived counter is zero (RESET-*).
+  is `max_new_tokens - len(generated)`, and every KV-derived counter is zero (RESET-*); its admission number is
+  kept (a replay is not the newest admission, so it does not become the next tail victim);
+* `kv_high_water` only grows: the furthest KV position any computation of this request reached, across replays
+  (a pass that only recomputes below it makes no progress).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class Request:
     num_recomputed_tokens: int = 0
     termination_reason: str | None = None
     done_reason: str | None = None
+    suspended_in_pass: int | None = None
+    kv_high_water: int = 0
 
     def __post_init__(self) -> None:
         self.prompt = tuple(self.prompt)
@@ -82,6 +87,19 @@ class Request:
         """Its next decode step produces its final token by budget (never a victim, VICTIM-NOT-FINAL)."""
         return self.remaining_tokens <= 1 and not self.is_prefilling
 
+    @property
+    def kv_tokens(self) -> int:
+        """KV tokens it holds: what recomputing it would cost."""
+        return self.num_computed_tokens
+
+    def advance(self, tokens: int) -> bool:
+        """Count `tokens` more computed tokens; True when they reach a KV position never reached before (progress)."""
+        self.num_computed_tokens += tokens
+        if self.num_computed_tokens > self.kv_high_water:
+            self.kv_high_water = self.num_computed_tokens
+            return True
+        return False
+
     def append_token(self, token: int) -> None:
         self.generated.append(int(token))
 
@@ -105,7 +123,6 @@ class Request:
         self.prefill_tokens = self.all_tokens
         self.num_computed_tokens = 0
         self.planned_chunk = 0
-        self.admission = -1
         self.num_gpu_blocks = self.num_host_blocks = 0
         self.num_recompute_pauses += 1
 

@@ -1,14 +1,21 @@
 """The scheduler: one `schedule()` call per iteration decides who computes, who moves and who is preempted.
 
-Invariants kept (ids from the spec):
-* every state change goes through the compiled lifecycle table; effects run in `_Effects`;
+Invariants kept (ids from the spec; the policy's rules are the spec's `[policy]`, given meaning in
+`kvstate.policy`, which the model checker's step simulation holds every pass against):
+* every state change is fired through the lifecycle (by default the `transitions` machine built from the spec;
+  `SchedulerConfig(lifecycle="compiled")` takes the compiled table); guards read the pass under way
+  (`SchedulingPass`), effects run in `_Effects`; states are found by role (`kvstate.roles`), never by name;
 * victims are taken tail-first by admission order among requests not yet scheduled in the pass, never twice
   in a pass, never one about to produce its final token, never one awaiting consensus, never one past the
   preemption cap (VICTIM-TAIL, VICTIM-ONCE, VICTIM-NOT-FINAL, PP-HOLD);
-* a victim is suspended only when the host tier exists and has room, otherwise recompute-paused; a request
-  suspended earlier in the pass is promoted only with a host tier (PROMOTE-GATE);
-* no new request is admitted in a pass that preempted; output lists are disjoint (OUT-DISJOINT);
-* requests' block counts mirror the pool (RES-STATE), checked by `check_invariants`.
+* a victim is suspended when the host tier has room, else — promoting requests suspended earlier in the same pass,
+  most recent first, while their KV is worth less than the victim's (PROMOTE-GATE) — suspended after promotion,
+  else recompute-paused;
+* a requester that counts on room on its way (fenced blocks, blocks awaiting consensus) reserves it, so the next
+  requester takes a victim instead of counting the same blocks (WORK-CONSERVE);
+* admissions follow the policy's classes in order, each by arrival, stopping at the first misfit (ADMIT-ORDER);
+  no new request in a pass that chose a victim or left a requester waiting (ADMIT-HOLD); output lists are disjoint
+  (OUT-DISJOINT); requests' block counts mirror the pool (RES-STATE), checked by `check_invariants`.
 Steady-state decode costs O(1) per running request: no lifecycle event fires unless a state changes.
 """
 
@@ -19,12 +26,15 @@ import itertools
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 
 from kvstate.config import RequestRejected, SchedulerConfig, normalize_stop_token_ids
-from kvstate.errors import InvariantViolation, KVStateError, PoolError
-from kvstate.lifecycle import STATE_ATTRIBUTE, TransitionTable
-from kvstate.output import COMPUTING_STATES, LIST_STATES, SchedulerOutput
+from kvstate.errors import GuardRejected, InvariantViolation, KVStateError, PoolError
+from kvstate.lifecycle import STATE_ATTRIBUTE, make_lifecycle
+from kvstate.output import SchedulerOutput
+from kvstate.policy import PassRecord, Promotion, Victim, Wait
 from kvstate.pool import TO_HOST, MigrationPlan, TieredBlockPool
 from kvstate.request import Request, new_request
-from kvstate.spec import Spec, Transition
+from kvstate.roles import ACTIVE, DROPPED, ENDED, OFFLOADED, PENDING_RESET, QUEUED, RECOMPUTING
+from kvstate.semantics import promotion_saves_kv
+from kvstate.spec import Spec, Transition, default_spec
 from kvstate.stats import IterationStats
 
 
@@ -43,17 +53,66 @@ def _by_arrival(request: Request) -> int:
     return request.arrival
 
 
-class _Pass:
-    """Book-keeping of one scheduling pass."""
+def _by_admission(request: Request) -> int:
+    return request.admission
 
-    def __init__(self, config: SchedulerConfig) -> None:
+
+VICTIM_EXCLUSIONS: Mapping[str, Callable[[Scheduler, Request, SchedulingPass], bool]] = {
+    "the_requester": lambda s, candidate, step: candidate is step.requester,
+    "scheduled_this_pass": lambda s, candidate, step: id(candidate) in step.scheduled,
+    "waiting_this_pass": lambda s, candidate, step: id(candidate) in step.waiting,
+    "victim_this_pass": lambda s, candidate, step: id(candidate) in step.victims,
+    "about_to_finish": lambda s, candidate, step: candidate.about_to_finish,
+    "preemption_cap_reached": lambda s, candidate, step: s._capped(candidate),
+}  # the scheduler's reading of the spec's `victim_exclusions` (their meaning: kvstate.policy.VOCABULARY)
+
+
+class SchedulingPass:
+    """One scheduling pass: its output, budgets, victims and reservations, and the view its guards read.
+
+    It is the `PoolView` the lifecycle's guards get while the pass is under way (pool figures plus the pass number
+    and the worth a promotion may still throw away); `number` is None for the view used between passes.
+    Invariants: `tokens_left` and `slots_left` never go negative; `pending_free` is the room on its way that no
+    requester of this pass has reserved yet; `record` lists victims, promotions and waits in decision order.
+    """
+
+    def __init__(self, config: SchedulerConfig, pool: TieredBlockPool, number: int | None) -> None:
+        self.pool = pool
+        self.number = number
         self.output = SchedulerOutput()
         self.tokens_left = config.max_num_tokens
         self.slots_left = config.max_batch_size
         self.victims: set[int] = set()
         self.scheduled: set[int] = set()
+        self.waiting: set[int] = set()
+        self.suspended: list[Request] = []  # suspended in this pass and not promoted, in suspension order
         self.pending_free = 0
         self.preempted = False
+        self.waited = False
+        self.promotion_worth = 0
+        self.requester: Request | None = None  # the request the pass is making room for
+        self.record = PassRecord()
+
+    # ---- PoolView
+    @property
+    def gpu_free_blocks(self) -> int:
+        return self.pool.gpu_free_blocks
+
+    @property
+    def host_free_blocks(self) -> int:
+        return self.pool.host_free_blocks
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.pool.has_host_tier
+
+    @property
+    def pipeline_stages(self) -> int:
+        return self.pool.pipeline_stages
+
+    @property
+    def pass_number(self) -> int | None:
+        return self.number
 
 
 class Scheduler:
@@ -68,25 +127,46 @@ class Scheduler:
         """`on_transition(request, transition)` is called after every lifecycle transition (e.g. a tracer)."""
         self.config = config
         self.on_transition = on_transition
-        self.lifecycle = TransitionTable(spec)
-        self.spec = self.lifecycle.spec
+        self.lifecycle = make_lifecycle(config.lifecycle, spec)
+        self.spec = spec = self.lifecycle.spec
+        self.policy = spec.policy
         self.pool = TieredBlockPool(config.gpu_blocks, config.host_blocks, config.block_size, config.pipeline_stages)
         self.requests: dict[Hashable, Request] = {}
         self.finished: dict[Hashable, Request] = {}
         self.waiting: list[Request] = []
-        self.resident: list[Request] = []  # running, replaying, awaiting_consensus; arrival order
+        self.resident: list[Request] = []  # computing or awaiting consensus; arrival order
         self.suspended: list[Request] = []  # arrival order
-        self.paused: list[Request] = []  # recompute_paused; arrival order
-        self.admitted: list[Request] = []  # running and replaying, admission order (victims from the tail)
+        self.paused: list[Request] = []  # recompute-paused; arrival order
+        self.admitted: list[Request] = []  # computing, admission order (victims from the tail)
         self.iteration = 0
         self.host_tier_fallback = False
+        self._active, self._recomputing = spec.role(ACTIVE), spec.role(RECOMPUTING)
+        self._pending_reset, self._offloaded = spec.role(PENDING_RESET), spec.role(OFFLOADED)
+        self._dropped, self._ended = spec.role(DROPPED), spec.role(ENDED)
+        self._computing = spec.computing_states
+        self._victim_states = spec.victim_states
+        self._chunk_list = {s.name: dict(s.chunk_lists) for s in spec.states if s.computing}
+        self._exclusions = [VICTIM_EXCLUSIONS[name] for name in self.policy.victim_exclusions]
+        queues = {"waiting": self.waiting, "resident": self.resident, "suspended": self.suspended,
+                  "paused": self.paused}
+        self._containers = {s.name: queues.get(s.container) for s in spec.states}
+        self._admission_queues = [(event, self._containers[self._source_of(event)])
+                                  for event in self.policy.admission_classes]
         self._arrivals = itertools.count()
         self._admissions = itertools.count()
         self._auto_ids = itertools.count()
         self._effects = _Effects(self)
-        self._pass: _Pass | None = None
+        self._idle = SchedulingPass(config, self.pool, None)
+        self._pass = self._idle
+        self.last_pass: SchedulingPass | None = None
         self._idle_iterations = 0
         self._last_stats = IterationStats(iteration=0)
+
+    def _source_of(self, event: str) -> str:
+        sources = {t.source for t in self.spec.event_by_name[event].transitions}
+        if len(sources) != 1:
+            raise KVStateError(f"{self.spec.source}: admission class {event!r} must leave exactly one state")
+        return sources.pop()
 
     # ------------------------------------------------------------------------------------------ submission
     def submit(
@@ -148,45 +228,45 @@ class Scheduler:
 
     # -------------------------------------------------------------------------------------------- firing
     def _fire(self, request: Request, event: str) -> Transition:
+        """Fire `event` on `request` through the lifecycle, its guards reading the pass under way; raises
+        `GuardRejected` (nothing changed) when no guard holds."""
         before = request.state
-        transition = self.lifecycle.fire(request, event, self.pool, self._effects)
+        transition = self.lifecycle.fire(request, event, self._pass, self._effects)
         self._move(request, before, transition.dest)
         if self.on_transition is not None:
             self.on_transition(request, transition)
         return transition
 
+    def _try_fire(self, request: Request, event: str) -> bool:
+        """Fire `event` if one of its guards holds (each guard evaluated once); False when none does."""
+        try:
+            self._fire(request, event)
+        except GuardRejected:
+            return False
+        return True
+
     def _move(self, request: Request, old: str, new: str) -> None:
         """Keep the per-state containers in step with a transition."""
         if old == new:
             return
-        containers = self._containers()
-        source, target = containers.get(old), containers.get(new)
+        source, target = self._containers[old], self._containers[new]
         if source is not target:
             if source is not None:
                 source.remove(request)
             if target is not None:
                 bisect.insort(target, request, key=_by_arrival)
-        if old in COMPUTING_STATES and new not in COMPUTING_STATES:
+        if old in self._computing and new not in self._computing:
             self.admitted.remove(request)
-        if new == "done":
+        if new == self._ended:
             del self.requests[request.request_id]
             self.finished[request.request_id] = request
-
-    def _containers(self) -> dict[str, list[Request]]:
-        return {
-            "waiting": self.waiting,
-            "running": self.resident,
-            "replaying": self.resident,
-            "awaiting_consensus": self.resident,
-            "suspended": self.suspended,
-            "recompute_paused": self.paused,
-        }
 
     # -------------------------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         """Plan one iteration. Raises `SchedulerStalled` after `no_progress_limit` passes without progress."""
+        self._watch_progress()
         self.iteration += 1
-        self._pass = step = _Pass(self.config)
+        self._pass = step = SchedulingPass(self.config, self.pool, self.iteration)
         step.pending_free = self._room_on_its_way()
         try:
             decoding, continuing = [], []
@@ -196,36 +276,37 @@ class Scheduler:
             for request in continuing:  # then prompt and replay chunks, in arrival order
                 if step.slots_left == 0 or step.tokens_left == 0:
                     break
-                if id(request) not in step.victims and getattr(request, STATE_ATTRIBUTE) in COMPUTING_STATES:
+                if id(request) not in step.victims and getattr(request, STATE_ATTRIBUTE) in self._computing:
                     self._schedule_resident(request, step)
             if self.config.capacity_policy == "max_utilization":
-                self._admit_resumes(step)
-                self._admit_replays(step)
-            if not step.preempted:
-                self._admit_new(step)
+                self._admit(step)
+            else:
+                self._admit_class("admit", self.waiting, step)
         finally:
-            self._pass = None
+            self._pass = self._idle
+            self.last_pass = step
         out = step.output
         out.num_fitting_requests = len(out.scheduled)
-        self._watch_progress(out)
         return out
 
     def _room_on_its_way(self) -> int:
         """GPU blocks that free without further preemption: fenced by copies, or held awaiting consensus."""
-        held = sum(r.num_gpu_blocks for r in self.resident if getattr(r, STATE_ATTRIBUTE) == "awaiting_consensus")
+        pending = self._pending_reset
+        held = sum(r.num_gpu_blocks for r in self.resident if getattr(r, STATE_ATTRIBUTE) == pending)
         return len(self.pool.gpu.fenced) + held
 
-    def _schedule_decoding(self, decoding: list[Request], step: _Pass) -> None:
-        """Generation requests in arrival order. The steady state — a running request whose last block still
+    def _schedule_decoding(self, decoding: list[Request], step: SchedulingPass) -> None:
+        """Generation requests in arrival order. The steady state — an active request whose last block still
         has room — costs a few attribute reads: no lifecycle event, no pool call."""
-        out, block_size = step.output, self.config.block_size
+        out, block_size, active = step.output, self.config.block_size, self._active
+        decode_list = getattr(out, self._chunk_list[active]["decode"])
         for request in decoding:
             if step.slots_left == 0 or step.tokens_left == 0:
                 return
-            if id(request) in step.victims or getattr(request, STATE_ATTRIBUTE) != "running":
+            if id(request) in step.victims or getattr(request, STATE_ATTRIBUTE) != active:
                 continue
             if request.num_computed_tokens < request.num_gpu_blocks * block_size:
-                out.generation.append(request)
+                decode_list.append(request)
                 out.chunk_tokens[request.request_id] = 1
                 step.scheduled.add(id(request))
                 step.tokens_left -= 1
@@ -233,7 +314,7 @@ class Scheduler:
             else:
                 self._schedule_resident(request, step)
 
-    def _schedule_resident(self, request: Request, step: _Pass) -> None:
+    def _schedule_resident(self, request: Request, step: SchedulingPass) -> None:
         tokens = 1 if not request.is_prefilling else min(
             self.config.prefill_chunk_size, request.next_step_tokens, step.tokens_left
         )
@@ -241,145 +322,169 @@ class Scheduler:
         if need > self.pool.gpu_free_blocks:
             if self.config.capacity_policy == "guaranteed_no_evict":
                 return
-            self._make_room(request, need, step)
-            if request.state not in COMPUTING_STATES or need > self.pool.gpu_free_blocks:
-                return  # preempted itself, or the freed room is fenced until the copies complete
+            if not self._make_room(request, need, step):
+                return  # preempted itself, or waits for the room on its way
         if need:
             self.pool.allocate(request.request_id, need)
             request.num_gpu_blocks += need
         self._add_scheduled(request, tokens, step)
 
-    def _add_scheduled(self, request: Request, tokens: int, step: _Pass) -> None:
+    def _add_scheduled(self, request: Request, tokens: int, step: SchedulingPass) -> None:
         out = step.output
-        if request.state == "replaying":
-            out.replay.append(request)
-        elif request.is_prefilling:
-            out.context.append(request)
-        else:
-            out.generation.append(request)
+        lists = self._chunk_list[request.state]
+        getattr(out, lists["prefill" if request.is_prefilling else "decode"]).append(request)
         out.chunk_tokens[request.request_id] = tokens
         step.scheduled.add(id(request))
         step.tokens_left -= tokens
         step.slots_left -= 1
 
     # ------------------------------------------------------------------------------------------ preemption
-    def _make_room(self, request: Request, need: int, step: _Pass) -> None:
-        while self.pool.gpu_free_blocks + step.pending_free < need:
+    def _make_room(self, request: Request, need: int, step: SchedulingPass) -> bool:
+        """Free `need` GPU blocks for `request`: True when they are free now; False when it preempted itself or
+        waits for room on its way (which it then reserves: WORK-CONSERVE)."""
+        while self.pool.gpu_free_blocks < need:
+            short = need - self.pool.gpu_free_blocks
+            if step.pending_free >= short:
+                self._wait(request, short, step)
+                return False
+            step.requester = request
             victim = self._pick_victim(request, step)
             if victim is None:
                 protected = request.about_to_finish or self._capped(request)
                 if protected and (step.scheduled or step.pending_free):
-                    return  # wait: requests scheduled in this pass, or pending copies, will free room
+                    self._wait(request, min(short, step.pending_free), step)
+                    return False  # requests scheduled in this pass, or pending copies, will free room
                 self._preempt(request, step)
-                return
+                if request.state in self._computing:  # it could not even evict itself: it waits for nothing
+                    self._wait(request, 0, step)
+                return False
             self._preempt(victim, step)
+        return True
+
+    def _wait(self, request: Request, reserved: int, step: SchedulingPass) -> None:
+        """`request` waits for `reserved` blocks on their way; it is no victim for the rest of the pass."""
+        step.pending_free -= reserved
+        step.waited = True
+        step.waiting.add(id(request))
+        step.record.decisions.append(Wait(request.request_id, reserved))
 
     def _capped(self, request: Request) -> bool:
         cap = self.config.max_preemptions_per_request
         return cap is not None and request.num_suspensions + request.num_recompute_pauses >= cap
 
-    def _victim_eligible(self, candidate: Request, step: _Pass) -> bool:
-        return (
-            id(candidate) not in step.victims
-            and id(candidate) not in step.scheduled
-            and not candidate.about_to_finish
-            and not self._capped(candidate)
-        )
+    def _victim_eligible(self, candidate: Request, step: SchedulingPass) -> bool:
+        """No exclusion of the spec's policy (`victim_exclusions`) applies to `candidate` in this pass."""
+        return not any(excluded(self, candidate, step) for excluded in self._exclusions)
 
-    def _pick_victim(self, requester: Request, step: _Pass) -> Request | None:
-        """The most recently admitted eligible request other than `requester` (VICTIM-TAIL)."""
+    def _pick_victim(self, requester: Request, step: SchedulingPass) -> Request | None:
+        """The most recently admitted eligible request (VICTIM-TAIL), or None."""
         for candidate in reversed(self.admitted):
-            if candidate is not requester and self._victim_eligible(candidate, step):
+            if self._victim_eligible(candidate, step):
                 return candidate
         return None
 
-    def _preempt(self, victim: Request, step: _Pass) -> None:
+    def _preempt(self, victim: Request, step: SchedulingPass) -> None:
         """Suspend the victim if the host tier takes it (promoting if worth it), else recompute-pause it.
         Blocks that free only after a copy or a consensus count as `pending_free` for this pass."""
         step.victims.add(id(victim))
-        suspendable = victim.state == "running" and self.pool.has_host_tier
-        if self.lifecycle.can_fire(victim, "suspend", self.pool) or (suspendable and self._promote_for(victim, step)):
-            step.pending_free += victim.num_gpu_blocks
-            self._fire(victim, "suspend")
+        held = victim.num_gpu_blocks
+        suspendable = "suspend" in self.lifecycle.allowed_events(victim.state)
+        if suspendable and (self._try_fire(victim, "suspend")
+                            or (self._promote_for(victim, step) and self._try_fire(victim, "suspend"))):
+            step.pending_free += held
+            step.suspended.append(victim)
             step.output.suspended.append(victim)
+            event = "suspend"
         elif self.config.enable_recompute_pause:
-            held = victim.num_gpu_blocks
             self._fire(victim, "recompute_pause")
-            if victim.state == "awaiting_consensus":
+            if victim.state == self._pending_reset:
                 step.pending_free += held
             step.output.recompute_paused.append(victim)
+            event = "recompute_pause"
         else:
             return
         step.preempted = True
+        step.record.decisions.append(Victim(step.requester.request_id, victim.request_id, event))
 
-    def _promote_for(self, victim: Request, step: _Pass) -> bool:
-        """Promote requests suspended earlier in this pass to recompute-pause (tail-first) to make host room
-        for `victim`, when a host tier exists and the promoted KV is worth less than the victim's."""
-        if not self.pool.has_host_tier or not self.config.enable_recompute_pause:
+    def _promote_for(self, victim: Request, step: SchedulingPass) -> bool:
+        """Promote requests suspended earlier in this pass to recompute-pause, most recent first, to make host room
+        for `victim`: the shortest such group that makes room, and only while its KV is worth less than the
+        victim's (the spec's promotion gate decides each one; the group is checked against the same rule first)."""
+        if (not self.pool.has_host_tier or not self.config.enable_recompute_pause
+                or victim.num_gpu_blocks > self.pool.host.capacity):
             return False
         missing = victim.num_gpu_blocks - self.pool.host_free_blocks
-        chosen, freed, worth = [], 0, 0
-        for candidate in reversed(step.output.suspended):
+        group, freed = [], 0
+        for candidate in reversed(step.suspended):
             if freed >= missing:
                 break
-            chosen.append(candidate)
+            group.append(candidate)
             freed += candidate.num_host_blocks
-            worth += candidate.num_computed_tokens
-        if freed < missing or worth >= victim.num_computed_tokens or victim.num_gpu_blocks > self.pool.host.capacity:
+        if freed < missing or not promotion_saves_kv(sum(c.kv_tokens for c in group), victim.kv_tokens):
             return False
-        for candidate in chosen:
-            self._abandon_migration(candidate, step)
+        step.promotion_worth = victim.kv_tokens
+        for candidate in group:
+            plans = [p for p in step.output.migrations if p.request_id == candidate.request_id]
             self._fire(candidate, "recompute_pause")
+            step.promotion_worth -= candidate.kv_tokens
+            self._abandon_migrations(plans, step)
+            step.suspended.remove(candidate)
             step.output.suspended.remove(candidate)
             step.output.recompute_paused.append(candidate)
+            step.record.decisions.append(Promotion(victim.request_id, candidate.request_id))
         return True
 
-    def _abandon_migration(self, request: Request, step: _Pass) -> None:
-        """Drop the not-yet-issued copy plan of a request suspended in this pass; its GPU sources free at once."""
-        for plan in [p for p in step.output.migrations if p.request_id == request.request_id]:
+    def _abandon_migrations(self, plans: list[MigrationPlan], step: SchedulingPass) -> None:
+        """Drop not-yet-issued copy plans of a request promoted in this pass; their GPU sources free at once."""
+        for plan in plans:
             step.output.migrations.remove(plan)
             self.pool.complete(plan)
             step.pending_free -= plan.num_blocks
 
     # ------------------------------------------------------------------------------------------- admission
-    def _admit_resumes(self, step: _Pass) -> None:
-        for request in list(self.suspended):
-            if id(request) in step.victims:
-                continue  # never resume a victim of this very pass
-            if step.slots_left == 0 or self._in_flight(request):
-                break
-            if not self.lifecycle.can_fire(request, "resume", self.pool):
-                break
-            self._fire(request, "resume")
-            step.output.resumed.append(request)
+    def _admit(self, step: SchedulingPass) -> None:
+        """Readmissions and admissions in the policy's class order, each class in arrival order (ADMIT-ORDER);
+        new requests are held back in a pass that chose a victim or left a requester waiting (ADMIT-HOLD)."""
+        rules = self.policy.admission_rules
+        hold_new = "hold_new_after_preemption_or_wait" in rules and (step.preempted or step.waited)
+        for event, queue in self._admission_queues:
+            if event == "admit" and hold_new:
+                return
+            if not self._admit_class(event, queue, step) and "stop_at_first_misfit" in rules:
+                return
+
+    def _admit_class(self, event: str, queue: list[Request], step: SchedulingPass) -> bool:
+        """Admit from `queue` in arrival order; False when a candidate did not fit (admission stops there)."""
+        no_victims = "no_readmission_of_victims" in self.policy.admission_rules
+        for request in list(queue):
+            if no_victims and id(request) in step.victims:
+                continue  # never readmit a victim of this very pass
+            if self.config.capacity_policy == "guaranteed_no_evict" and not self._reservable(request):
+                return False
+            if not self._admit_one(request, event, step):
+                return False
+        return True
+
+    def _admit_one(self, request: Request, event: str, step: SchedulingPass) -> bool:
+        if step.slots_left == 0:
+            return False
+        out = step.output
+        if request.state == self._offloaded:  # a resume moves KV back and computes from the next pass
+            if self._in_flight(request) or not self._try_fire(request, event):
+                return False
+            out.resumed.append(request)
             step.slots_left -= 1
+            return True
+        if step.tokens_left == 0:
+            return False
+        request.planned_chunk = min(self.config.prefill_chunk_size, request.next_step_tokens, step.tokens_left)
+        if not self._try_fire(request, event):
+            return False
+        self._add_scheduled(request, request.planned_chunk, step)
+        return True
 
     def _in_flight(self, request: Request) -> bool:
         return any(plan.request_id == request.request_id for plan in self.pool.in_flight.values())
-
-    def _admit_replays(self, step: _Pass) -> None:
-        for request in list(self.paused):
-            if id(request) in step.victims:
-                continue  # never replay a victim of this very pass
-            if not self._admit_chunked(request, "replay", step):
-                break
-
-    def _admit_new(self, step: _Pass) -> None:
-        for request in list(self.waiting):
-            if self.config.capacity_policy == "guaranteed_no_evict" and not self._reservable(request):
-                break
-            if not self._admit_chunked(request, "admit", step):
-                break
-
-    def _admit_chunked(self, request: Request, event: str, step: _Pass) -> bool:
-        if step.slots_left == 0 or step.tokens_left == 0:
-            return False
-        request.planned_chunk = min(self.config.prefill_chunk_size, request.next_step_tokens, step.tokens_left)
-        if not self.lifecycle.can_fire(request, event, self.pool):
-            return False
-        self._fire(request, event)
-        self._add_scheduled(request, request.planned_chunk, step)
-        return True
 
     def _reservable(self, request: Request) -> bool:
         """guaranteed_no_evict: the request's worst case fits beside every resident request's worst case."""
@@ -399,12 +504,15 @@ class Scheduler:
         fire catch_up and finish. Returns the requests that produced a token."""
         produced = []
         recomputed = generated = 0
+        progress = False
+        computing, recomputing = self._computing, self._recomputing
         for request in output.scheduled:
-            if request.state not in COMPUTING_STATES:
+            state = getattr(request, STATE_ATTRIBUTE)
+            if state not in computing:
                 continue  # cancelled or aborted since the output was planned
             tokens = output.chunk_tokens[request.request_id]
-            request.num_computed_tokens += tokens
-            if request.state == "replaying":
+            progress |= request.advance(tokens)
+            if state == recomputing:
                 request.num_recomputed_tokens += tokens
                 recomputed += tokens
             if request.is_prefilling:
@@ -412,12 +520,12 @@ class Scheduler:
             request.append_token(sampled[request.request_id])
             generated += 1
             produced.append(request)
-            if request.state == "replaying":
+            if state == recomputing:
                 self._fire(request, "catch_up")
             if request.final_token_produced:
                 self._fire(request, "finish")
         self._last_stats = self._stats(output, recomputed, generated)
-        if produced or recomputed:
+        if progress:
             self._idle_iterations = 0
         return produced
 
@@ -425,7 +533,7 @@ class Scheduler:
     def reach_consensus(self, request_ids: Collection[Hashable] | None = None) -> list[Request]:
         """Every stage agreed on these pending recompute-pauses (default: all of them): reset them for replay,
         or terminate them if they finished or were cancelled while waiting."""
-        pending = [r for r in self.resident if r.state == "awaiting_consensus"
+        pending = [r for r in self.resident if r.state == self._pending_reset
                    and (request_ids is None or r.request_id in request_ids)]
         for request in pending:
             self._fire(request, "consensus")
@@ -484,7 +592,7 @@ class Scheduler:
         request = self.requests.get(plan.request_id)
         suspend = plan.direction == TO_HOST
         event, listed = ("lose_host_copy", output.suspended) if suspend else ("recompute_pause", output.resumed)
-        if request is None or request not in listed or not self.lifecycle.can_fire(request, event, self.pool):
+        if request is None or request not in listed or event not in self.lifecycle.allowed_events(request.state):
             state = "not active (done or unknown)" if request is None else request.state
             raise PoolError(
                 f"cannot fail migration plan {plan.plan_id}: request {plan.request_id!r} is {state} and "
@@ -500,10 +608,12 @@ class Scheduler:
         return request
 
     # -------------------------------------------------------------------------------------------- progress
-    def _watch_progress(self, out: SchedulerOutput) -> None:
-        if out.scheduled or out.migrations or not self.requests:
+    def _watch_progress(self) -> None:
+        """A4: count passes since the last progress (a KV position computed for the first time, or a request
+        ending); recomputing thrown-away replay work, copies and preemptions are not progress."""
+        if not self.requests:
+            self._idle_iterations = 0
             return
-        self._idle_iterations += 1
         if self._idle_iterations >= self.config.no_progress_limit:
             listing = ", ".join(f"{r.request_id!r}:{r.state}" for r in list(self.requests.values())[:20])
             raise SchedulerStalled(
@@ -511,6 +621,7 @@ class Scheduler:
                 f"pool {self.pool.usage()}; in-flight copies {len(self.pool.in_flight)} (complete them with "
                 "complete_migrations), or raise gpu_blocks / enable recompute-pause"
             )
+        self._idle_iterations += 1
 
     # ---------------------------------------------------------------------------------------- observation
     def stats(self) -> IterationStats:
@@ -519,15 +630,21 @@ class Scheduler:
 
     def _stats(self, out: SchedulerOutput, recomputed: int, generated: int) -> IterationStats:
         counts = {s.name: 0 for s in self.spec.states}
+        pending_kv = 0
         for request in self.requests.values():
             counts[request.state] += 1
-        counts["done"] = len(self.finished)
+            if request.state == self._pending_reset:
+                pending_kv += request.num_computed_tokens
+        counts[self._ended] = len(self.finished)
         blocks = sum(p.num_blocks for p in out.migrations)
         usage = self.pool.usage()
         return IterationStats(
             iteration=self.iteration,
             requests_per_state=counts,
+            num_suspended=counts[self._offloaded],
+            num_recompute_paused=counts[self._dropped] + counts[self._pending_reset],
             suspended_kv_tokens=sum(r.num_computed_tokens for r in self.suspended),
+            recompute_paused_kv_tokens=pending_kv,
             recompute_paused_tokens_to_replay=sum(len(r.prefill_tokens) for r in self.paused),
             suspended_this_iteration=len(out.suspended),
             recompute_paused_this_iteration=len(out.recompute_paused),
@@ -557,17 +674,29 @@ class Scheduler:
             if (residency != "gpu" and gpu) or (residency != "host" and host):
                 raise InvariantViolation("RES-STATE", f"request {request.request_id!r} in {request.state} holds "
                                          f"{gpu} GPU and {host} host blocks")
-            if request.state == "suspended" and not self.pool.has_host_tier:
+            if residency == "host" and not self.pool.has_host_tier:
                 raise InvariantViolation("NO-HOST-NO-SUSPEND", f"request {request.request_id!r} is suspended without a host tier")
         for request in self.finished.values():
             if self.pool.gpu_blocks(request.request_id) or self.pool.host_blocks(request.request_id):
                 raise InvariantViolation("RES-STATE", f"finished request {request.request_id!r} still holds blocks")
         if output is not None:
-            check_output(output)
+            check_output(output, self.spec)
+
+    def forget_finished(self, request_ids: Iterable[Hashable]) -> list[Request]:
+        """Drop these finished requests from `finished` and return them (their ids may be used again); the
+        caller has taken their outputs. Raises `UnknownRequestId` (nothing changed) for an id not in `finished`."""
+        ids = list(request_ids)
+        missing = [rid for rid in ids if rid not in self.finished]
+        if missing:
+            raise UnknownRequestId(f"cannot forget requests {missing[:5]!r}: they are not finished (active, unknown "
+                                   "or already forgotten); forget only ids from `finished`")
+        return [self.finished.pop(rid) for rid in ids]
 
 
-def check_output(output: SchedulerOutput) -> None:
-    """OUT-DISJOINT and OUT-STATE for one output, right after the pass that produced it."""
+def check_output(output: SchedulerOutput, spec: Spec | None = None) -> None:
+    """OUT-DISJOINT and OUT-STATE (the states `spec`, by default the packaged one, implies for each list) for one
+    output, right after the pass that produced it; a request ended since (a terminal state) is allowed in any list."""
+    spec = spec if spec is not None else default_spec()
     seen: dict[int, str] = {}
     for name, requests in output.lists():
         for request in requests:
@@ -575,9 +704,13 @@ def check_output(output: SchedulerOutput) -> None:
                 raise InvariantViolation("OUT-DISJOINT", f"request {request.request_id!r} is in both "
                                          f"{seen[id(request)]!r} and {name!r}")
             seen[id(request)] = name
-            if request.state not in LIST_STATES[name] and request.state != "done":
+    terminal = set(spec.terminal_states)
+    for name, requests in output.lists():
+        allowed = spec.list_states[name]
+        for request in requests:
+            if request.state not in allowed and request.state not in terminal:
                 raise InvariantViolation("OUT-STATE", f"request {request.request_id!r} in list {name!r} is "
-                                         f"{request.state}, expected one of {LIST_STATES[name]}")
+                                         f"{request.state}, expected one of {tuple(sorted(allowed))}")
 
 
 class _Effects:
@@ -588,29 +721,35 @@ class _Effects:
 
     def _migrations(self) -> list:
         step = self.s._pass
-        if step is None:
+        if step.number is None:
             raise KVStateError("migrations happen only inside schedule(); suspend and resume are scheduler decisions")
         return step.output.migrations
+
+    def _admit(self, request: Request, event: str) -> None:
+        """Put `request` among the computing requests in admission order; a fresh admission number unless the
+        policy says this readmission keeps its own (a replay keeps it: spec policy)."""
+        if request.admission < 0 or event not in self.s.policy.readmissions_keeping_admission:
+            request.admission = next(self.s._admissions)
+        bisect.insort(self.s.admitted, request, key=_by_admission)
 
     def allocate_first_chunk(self, request: Request, transition: Transition) -> None:
         blocks = request.blocks_for_first_chunk
         self.s.pool.allocate(request.request_id, blocks)
         request.num_gpu_blocks = blocks
-        request.admission = next(self.s._admissions)
-        self.s.admitted.append(request)
+        self._admit(request, transition.event)
 
     def migrate_to_host(self, request: Request, transition: Transition) -> None:
         plan = self.s.pool.suspend(request.request_id)
         self._migrations().append(plan)
         request.num_gpu_blocks, request.num_host_blocks = 0, plan.num_blocks
         request.num_suspensions += 1
+        request.suspended_in_pass = self.s._pass.number
 
     def migrate_to_gpu(self, request: Request, transition: Transition) -> None:
         plan = self.s.pool.resume(request.request_id)
         self._migrations().append(plan)
         request.num_gpu_blocks, request.num_host_blocks = plan.num_blocks, 0
-        request.admission = next(self.s._admissions)
-        self.s.admitted.append(request)
+        self._admit(request, transition.event)
 
     def release_kv_and_reset(self, request: Request, transition: Transition) -> None:
         self.s.pool.release(request.request_id)

@@ -44,6 +44,14 @@ class RequestView(Protocol):
     def termination_reason(self) -> str | None:
         """The reason of a finish, cancel or abort deferred while it awaits consensus; None otherwise."""
 
+    @property
+    def suspended_in_pass(self) -> int | None:
+        """The number of the scheduling pass that last suspended it (None: never suspended)."""
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV tokens it holds (computed tokens): what throwing its KV away costs to recompute."""
+
 
 class PoolView(Protocol):
     """What guards may read of the block pool."""
@@ -59,6 +67,14 @@ class PoolView(Protocol):
 
     @property
     def pipeline_stages(self) -> int: ...
+
+    @property
+    def pass_number(self) -> int | None:
+        """The scheduling pass under way (None between passes)."""
+
+    @property
+    def promotion_worth(self) -> int:
+        """KV tokens a promotion under way may still throw away: the victim's KV minus what was promoted for it."""
 
 
 Guard = Callable[[RequestView, PoolView], bool]
@@ -79,9 +95,20 @@ def host_room_for_all_blocks(request: RequestView, pool: PoolView) -> bool:
     return pool.has_host_tier and pool.host_free_blocks >= request.num_gpu_blocks
 
 
-def host_tier_present(request: RequestView, pool: PoolView) -> bool:
-    """A host tier exists: the promotion gate for recompute-pausing a suspended request."""
-    return pool.has_host_tier
+def promotion_saves_kv(promoted_kv_tokens: int, victim_kv_tokens: int) -> bool:
+    """The worth rule of promotion: throwing away the promoted KV costs less than recomputing the victim's."""
+    return promoted_kv_tokens < victim_kv_tokens
+
+
+def same_pass_promotion(request: RequestView, pool: PoolView) -> bool:
+    """The promotion gate: a host tier exists, the request was suspended earlier in the pass under way, and its KV
+    is worth less than what the promotion may still throw away (PROMOTE-GATE)."""
+    return (
+        pool.has_host_tier
+        and pool.pass_number is not None
+        and request.suspended_in_pass == pool.pass_number
+        and promotion_saves_kv(request.kv_tokens, pool.promotion_worth)
+    )
 
 
 def single_stage(request: RequestView, pool: PoolView) -> bool:
@@ -120,7 +147,7 @@ GUARDS: Mapping[str, Guard] = {
         gpu_room_for_first_chunk,
         gpu_room_for_all_blocks,
         host_room_for_all_blocks,
-        host_tier_present,
+        same_pass_promotion,
         single_stage,
         multi_stage,
         replay_complete,

@@ -5,9 +5,8 @@
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from importlib import resources
 from pathlib import Path
 
@@ -15,16 +14,33 @@ from kvstate.errors import SpecError
 
 RESIDENCIES = ("gpu", "host", "none")
 INVARIANT_SCOPES = ("state", "step", "pass", "run", "liveness")
+CONTAINERS = ("waiting", "resident", "suspended", "paused", "finished")
+ORIGINS = ("scheduler", "executor", "environment")
 
 
 @dataclass(frozen=True, slots=True)
 class State:
-    """A lifecycle state. `residency` names the only tier that may hold the request's KV in this state."""
+    """A lifecycle state. `residency` names the only tier that may hold the request's KV in this state.
+
+    `role` says what the state is for (`kvstate.roles.ROLES`; each role names exactly one state), so code finds
+    states by role, never by name. `computing`: a request in it computes in a forward pass; `victim`: it may be
+    chosen as a victim; `container`: the scheduler queue holding it; `chunk_lists`: for a computing state, the
+    output list of its prefill chunks and of its decode steps.
+    """
 
     name: str
     residency: str
     meaning: str
     terminal: bool = False
+    role: str = ""
+    computing: bool = False
+    victim: bool = False
+    container: str = ""
+    chunk_lists: tuple[tuple[str, str], ...] = ()
+
+    def chunk_list(self, kind: str) -> str:
+        """The output list of a `kind` ("prefill" or "decode") chunk of a request in this state."""
+        return dict(self.chunk_lists)[kind]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +71,36 @@ class Event:
     destructive: bool
     transitions: tuple[Transition, ...]
     done_reason: str | None = None
+    origin: str = "scheduler"
+    feeds: str | None = None
+    production_name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class OutputList:
+    """One request list of the scheduler output; a request in it is in one of `states` right after the pass."""
+
+    name: str
+    states: tuple[str, ...]
+    meaning: str
+    production_name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """The scheduling policy (SPEC.md section 7) as rule names; `kvstate.policy` gives each name its meaning."""
+
+    victim_order: str
+    victim_exclusions: tuple[str, ...]
+    promotion_candidates: str
+    promotion_order: str
+    promotion_worth: str
+    admission_classes: tuple[str, ...]
+    admission_rules: tuple[str, ...]
+    room_on_its_way: str
+    work_conservation: bool
+    readmissions_keeping_admission: tuple[str, ...]
+    progress: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +131,8 @@ class Spec:
     events: tuple[Event, ...]
     exclusive_guards: tuple[ExclusiveGuards, ...]
     invariants: tuple[Invariant, ...]
+    output_lists: tuple[OutputList, ...] = ()
+    policy: Policy | None = None
     source: str = "<memory>"
 
     @cached_property
@@ -114,6 +162,35 @@ class Spec:
     def residency(self, state: str) -> str:
         return self.state_by_name[state].residency
 
+    @cached_property
+    def state_by_role(self) -> dict[str, str]:
+        """Role -> the name of the state that plays it."""
+        return {s.role: s.name for s in self.states}
+
+    def role(self, role: str) -> str:
+        """The name of the state playing `role` (see `kvstate.roles.ROLES`)."""
+        return self.state_by_role[role]
+
+    @cached_property
+    def computing_states(self) -> frozenset[str]:
+        """States whose requests compute in a forward pass."""
+        return frozenset(s.name for s in self.states if s.computing)
+
+    @cached_property
+    def victim_states(self) -> frozenset[str]:
+        """States whose requests may be chosen as victims."""
+        return frozenset(s.name for s in self.states if s.victim)
+
+    @cached_property
+    def list_states(self) -> dict[str, frozenset[str]]:
+        """Output list name -> the states a request in it may be in right after the pass (OUT-STATE)."""
+        return {o.name: frozenset(o.states) for o in self.output_lists}
+
+    @cached_property
+    def environment_events(self) -> frozenset[str]:
+        """Events the environment decides (users, faults): no fairness, never progress."""
+        return frozenset(e.name for e in self.events if e.origin == "environment")
+
     def states_with_residency(self, residency: str) -> tuple[str, ...]:
         return tuple(s.name for s in self.states if s.residency == residency)
 
@@ -122,6 +199,12 @@ class Spec:
         if guard_a is None or guard_b is None or guard_a == guard_b:
             return False
         return any({guard_a, guard_b} <= group.guards for group in self.exclusive_guards)
+
+
+@cache
+def default_spec() -> Spec:
+    """The packaged specification, loaded and validated once per process."""
+    return load_spec()
 
 
 def packaged_spec_path() -> Path:
@@ -135,17 +218,13 @@ def load_spec(path: str | Path | None = None, *, validate: bool = True) -> Spec:
     Raises `SpecError` naming the file and the offending entry when the file cannot be parsed or fails
     a check of `kvstate.validate.validate_spec`.
     """
+    from kvstate.untrusted import Limits, UntrustedFileError, read_toml
+
     source = Path(path) if path is not None else packaged_spec_path()
-    try:
-        text = source.read_text(encoding="utf-8")
-    except OSError as err:
-        raise SpecError(f"cannot read spec file {source}: {err.strerror}; pass an existing TOML file") from err
-    except UnicodeDecodeError as err:
-        raise SpecError(f"spec file {source} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8") from err
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as err:
-        raise SpecError(f"{source} is not valid TOML: {err}") from err
+    try:  # a spec may come from anyone: bounded size, nesting and integers; every failure names the file
+        data = read_toml(source, Limits(max_bytes=1 << 20, max_depth=16), "spec file")
+    except UntrustedFileError as err:
+        raise SpecError(str(err)) from (err.__cause__ or err)
     spec = parse_spec(data, source=str(source))
     if validate:
         from kvstate.validate import validate_spec
@@ -168,6 +247,7 @@ def parse_spec(data: dict, *, source: str = "<memory>") -> Spec:
         for i, entry in enumerate(reader.array(data, "exclusive_guards", required=False))
     )
     invariants = tuple(reader.invariant(entry, i) for i, entry in enumerate(reader.array(data, "invariants")))
+    output_lists = tuple(reader.output_list(entry, i) for i, entry in enumerate(reader.array(data, "output_lists")))
     return Spec(
         name=reader.string(header, "name", "[spec]"),
         version=reader.integer(header, "version", "[spec]"),
@@ -176,6 +256,8 @@ def parse_spec(data: dict, *, source: str = "<memory>") -> Spec:
         events=events,
         exclusive_guards=groups,
         invariants=invariants,
+        output_lists=output_lists,
+        policy=reader.policy(reader.table(data, "policy", "[policy]")),
         source=source,
     )
 
@@ -192,7 +274,8 @@ class _Reader:
     def table(self, data: dict, key: str, where: str) -> dict:
         value = data.get(key)
         if not isinstance(value, dict):
-            raise self.fail(where, f"missing table [{key}]; add it with name, version and initial")
+            what = "name, version and initial" if key == "spec" else "the entries SPEC.md documents for it"
+            raise self.fail(where, f"missing table [{key}]; add it with {what}")
         return value
 
     def array(self, data: dict, key: str, *, required: bool = True) -> list[dict]:
@@ -217,6 +300,12 @@ class _Reader:
             raise self.fail(where, f"'{key}' must be a non-empty list of names, got {value!r}")
         return value
 
+    def choice(self, entry: dict, key: str, where: str, allowed: tuple[str, ...]) -> str:
+        value = self.string(entry, key, where)
+        if value not in allowed:
+            raise self.fail(where, f"{key} {value!r} is not one of {', '.join(allowed)}")
+        return value
+
     def integer(self, entry: dict, key: str, where: str) -> int:
         value = entry.get(key)
         if not isinstance(value, int) or isinstance(value, bool):
@@ -234,11 +323,19 @@ class _Reader:
         residency = self.string(entry, "residency", where)
         if residency not in RESIDENCIES:
             raise self.fail(where, f"residency {residency!r} is not one of {', '.join(RESIDENCIES)}")
+        lists = entry.get("chunk_lists", {})
+        if not isinstance(lists, dict) or not all(isinstance(v, str) and v for v in lists.values()):
+            raise self.fail(where, f"'chunk_lists' must be a table {{ prefill = LIST, decode = LIST }}, got {lists!r}")
         return State(
             name=self.string(entry, "name", where),
             residency=residency,
             meaning=self.string(entry, "meaning", where),
             terminal=self.boolean(entry, "terminal", where, False),
+            role=self.string(entry, "role", where),
+            computing=self.boolean(entry, "computing", where, False),
+            victim=self.boolean(entry, "victim", where, False),
+            container=self.choice(entry, "container", where, CONTAINERS),
+            chunk_lists=tuple(sorted(lists.items())),
         )
 
     def event(self, entry: dict, index: int) -> Event:
@@ -268,6 +365,35 @@ class _Reader:
             destructive=destructive,
             transitions=transitions,
             done_reason=done_reason,
+            origin=self.choice(entry, "origin", where, ORIGINS),
+            feeds=self.string(entry, "feeds", where, required=False),
+            production_name=self.string(entry, "production_name", where, required=False) or "",
+        )
+
+    def output_list(self, entry: dict, index: int) -> OutputList:
+        where = f"output_lists[{index}] ({entry.get('name', '?')})"
+        return OutputList(
+            name=self.string(entry, "name", where),
+            states=tuple(self.strings(entry, "states", where)),
+            meaning=self.string(entry, "meaning", where),
+            production_name=self.string(entry, "production_name", where, required=False) or "",
+        )
+
+    def policy(self, entry: dict) -> Policy:
+        where = "[policy]"
+        return Policy(
+            victim_order=self.string(entry, "victim_order", where),
+            victim_exclusions=tuple(self.strings(entry, "victim_exclusions", where)),
+            promotion_candidates=self.string(entry, "promotion_candidates", where),
+            promotion_order=self.string(entry, "promotion_order", where),
+            promotion_worth=self.string(entry, "promotion_worth", where),
+            admission_classes=tuple(self.strings(entry, "admission_classes", where)),
+            admission_rules=tuple(self.strings(entry, "admission_rules", where)),
+            room_on_its_way=self.string(entry, "room_on_its_way", where),
+            work_conservation=self.boolean(entry, "work_conservation", where, True),
+            readmissions_keeping_admission=tuple(entry.get("readmissions_keeping_admission") and
+                                                 self.strings(entry, "readmissions_keeping_admission", where) or ()),
+            progress=self.string(entry, "progress", where),
         )
 
     def invariant(self, entry: dict, index: int) -> Invariant:

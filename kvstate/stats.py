@@ -1,8 +1,11 @@
 """Per-iteration statistics (DESIGN §1.8).
 
-Invariant kept (STATS-COUNT): suspended and recompute-paused requests are counted with the KV tokens they
-hold or must recompute; tokens recomputed by replay are reported as `recomputed_tokens`, never as cache hits
-(this model has no prefix cache, so no token is ever a cache hit).
+Invariant kept (STATS-COUNT, names as in SPEC.md section 11): suspended and recompute-paused requests are
+counted (`num_suspended`; `num_recompute_paused` includes victims awaiting consensus) with the KV tokens they hold
+(`suspended_kv_tokens` in the host tier; `recompute_paused_kv_tokens`, still on the GPU while consensus is awaited)
+and the tokens their replays must recompute (`recompute_paused_tokens_to_replay`); tokens recomputed by replay are
+reported as `recomputed_tokens`, never as cache hits (this model has no prefix cache, so no token is ever a cache
+hit). `requests_per_state` is keyed by the spec's state names.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ class IterationStats:
 
     iteration: int
     requests_per_state: dict[str, int] = field(default_factory=dict)
+    num_suspended: int = 0
+    num_recompute_paused: int = 0
     suspended_kv_tokens: int = 0
+    recompute_paused_kv_tokens: int = 0
     recompute_paused_tokens_to_replay: int = 0
     suspended_this_iteration: int = 0
     recompute_paused_this_iteration: int = 0
@@ -31,14 +37,6 @@ class IterationStats:
     host_blocks_used: int = 0
     host_capacity: int = 0
     host_tier_fallback: bool = False
-
-    @property
-    def num_suspended(self) -> int:
-        return self.requests_per_state.get("suspended", 0)
-
-    @property
-    def num_recompute_paused(self) -> int:
-        return self.requests_per_state.get("recompute_paused", 0) + self.requests_per_state.get("awaiting_consensus", 0)
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -23,6 +23,13 @@ State names, the edge graph, terminal states, residencies and invariant statemen
 arguments as plain values (`Submission(...)`, state names, ints, booleans): the printed lines run as plain
 Python given the machine class and `Submission`.
 
+Hypothesis profiles: importing this module registers `ci` (bounded and derandomized: 200 examples, prints a
+replayable blob on failure), `dev` (100 examples) and `long` (5,000 examples, for soaks), none with a per-example
+deadline, and loads the one named by the environment variable KVSTATE_HYPOTHESIS_PROFILE (default: `ci` when CI is
+set, else `dev`), unless another profile than Hypothesis' default is already loaded and the variable is unset.
+Machines built here also run without a deadline whatever profile is loaded (a scheduler step may be slow), and draw
+token ids below the adapter's `vocab_size` when it has one.
+
 Usage::
 
     from kvstate.config import SchedulerConfig
@@ -36,12 +43,13 @@ Usage::
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from hypothesis import note
+from hypothesis import HealthCheck, note, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from hypothesis.errors import StopTest
@@ -54,6 +62,8 @@ from kvstate.sim import DEFAULT_VOCAB, SimExecutor, reference_output
 from kvstate.spec import Spec, load_spec
 
 __all__ = [
+    "PROFILE_ENV",
+    "PROFILES",
     "AdapterContractError",
     "KVStateAdapter",
     "LifecycleViolation",
@@ -62,6 +72,32 @@ __all__ = [
     "USAGE_KEYS",
     "conformance_machine",
 ]
+
+# ---------------------------------------------------------------------------------------------- profiles
+PROFILE_ENV = "KVSTATE_HYPOTHESIS_PROFILE"
+PROFILES = {
+    "ci": settings(derandomize=True, max_examples=200, deadline=None, print_blob=True,
+                   suppress_health_check=[HealthCheck.too_slow]),
+    "dev": settings(max_examples=100, deadline=None),
+    "long": settings(max_examples=5000, deadline=None),
+}
+
+
+def _load_profile() -> None:
+    """Register `PROFILES` and load the one `PROFILE_ENV` names (see the module docstring)."""
+    for name, profile in PROFILES.items():
+        settings.register_profile(name, profile)
+    chosen = os.environ.get(PROFILE_ENV)
+    if chosen is None and settings.get_current_profile_name() != "default":
+        return  # the caller loaded a profile of their own
+    chosen = chosen or ("ci" if os.environ.get("CI") else "dev")
+    if chosen not in PROFILES:
+        raise ValueError(f"{PROFILE_ENV}={chosen!r} names no kvstate Hypothesis profile; use one of "
+                         f"{', '.join(PROFILES)}")
+    settings.load_profile(chosen)
+
+
+_load_profile()
 
 # Keys every `block_usage()` mapping must have.
 USAGE_KEYS = ("gpu_capacity", "gpu_free", "gpu_held", "gpu_fenced", "host_capacity", "host_free", "host_held",
@@ -89,6 +125,8 @@ class SchedulerAdapter(Protocol):
         gpu_token_capacity: the most tokens (prompt + max_new_tokens) one request may need to fit the GPU tier
             alone; the machine submits requests up to exactly this size and expects larger ones refused.
         block_size: tokens per KV block (used for edge-size prompts and block bounds).
+        vocab_size (optional): token ids the scheduler accepts are below it; the machine draws prompt and stop
+            tokens from that range (default `kvstate.sim.DEFAULT_VOCAB`, or `conformance_machine(vocab_size=...)`).
 
     Every method is called between iterations, never during one. Request ids are any hashable values the
     adapter picks; they must stay unique for the adapter's lifetime.
@@ -162,6 +200,7 @@ class KVStateAdapter:
         self.executor = executor_factory(self.scheduler, vocab, check_invariants=deep_checks)
         self.gpu_token_capacity = config.gpu_token_capacity
         self.block_size = config.block_size
+        self.vocab_size = vocab
 
     def __repr__(self) -> str:
         return f"KVStateAdapter({self.config!r})"
@@ -222,7 +261,8 @@ def _valid_submissions(capacity: int, block_size: int, vocab: int, max_new: int,
                        reference: Callable[[Sequence[int], int, Sequence[int]], list[int]]) -> st.SearchStrategy:
     """Requests that fit the GPU tier alone, with edge sizes over-represented: one-token prompts, exactly one
     block, one block plus one token, and the largest prompt that fits; max_new_tokens 1 often; stop tokens
-    that are random or taken from the reference output (so requests stop early)."""
+    that are random or taken from the reference output (so requests stop early); prompts that begin with a stem
+    common to all requests (0, 1, 2, ... modulo the vocabulary), so that prefix caches get hits."""
 
     @st.composite
     def build(draw: st.DrawFn) -> Submission:
@@ -230,7 +270,9 @@ def _valid_submissions(capacity: int, block_size: int, vocab: int, max_new: int,
         longest = capacity - new
         edges = sorted({n for n in (1, block_size, block_size + 1, longest) if 1 <= n <= longest})
         length = draw(st.sampled_from(edges) | st.integers(1, longest) | st.integers(1, min(longest, 2 * block_size)))
-        prompt = tuple(draw(st.lists(st.integers(0, vocab - 1), min_size=length, max_size=length)))
+        stem = draw(st.just(0) | st.integers(0, length))
+        tail = draw(st.lists(st.integers(0, vocab - 1), min_size=length - stem, max_size=length - stem))
+        prompt = tuple(i % vocab for i in range(stem)) + tuple(tail)
         stops = draw(st.lists(st.integers(0, vocab - 1), max_size=max_stops, unique=True))
         stop_at = draw(st.none() | st.none() | st.integers(0, new - 1))
         if stop_at is not None:
@@ -337,7 +379,7 @@ def conformance_machine(
     *,
     spec: Spec | None = None,
     name: str | None = None,
-    vocab_size: int = DEFAULT_VOCAB,
+    vocab_size: int | None = None,
     max_new_tokens: int | None = None,
     max_stop_tokens: int = 2,
     max_steps_per_rule: int = 8,
@@ -350,7 +392,9 @@ def conformance_machine(
     `adapter_factory` is called once per test case (and once now, for a probe that supplies the capacity, the
     block size and reference outputs to the data strategies). `name` names the class in printed step lists
     (give it the name you bind the class to, so the list replays as written). `max_new_tokens` caps generated
-    tokens per request (default: half the GPU token capacity). Use `.TestCase` for unittest/pytest.
+    tokens per request (default: half the GPU token capacity). Token ids are drawn below `vocab_size` (default: the
+    adapter's `vocab_size` attribute, else `kvstate.sim.DEFAULT_VOCAB`). Use `.TestCase` for unittest/pytest; it runs
+    under the loaded profile with no per-example deadline (assign `.TestCase.settings` to change that).
     """
     model = _SpecModel(spec if spec is not None else _packaged_spec(), cancel_event)
     probe = adapter_factory()
@@ -365,6 +409,10 @@ def conformance_machine(
         raise ValueError(f"gpu_token_capacity={capacity} and block_size={block_size}: the GPU tier must fit at "
                          "least a one-token prompt plus one new token")
     initial_host = int(probe.block_usage()["host_capacity"])
+    if vocab_size is None:
+        vocab_size = int(getattr(probe, "vocab_size", DEFAULT_VOCAB))
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size={vocab_size}: token ids are drawn from range(vocab_size), so it must be >= 1")
     max_new = max(1, min(max_new_tokens or capacity // 2, capacity - 1))
     valid = _valid_submissions(capacity, block_size, vocab_size, max_new, max_stop_tokens, probe.reference)
     invalid = _invalid_submissions(capacity, vocab_size)
@@ -617,6 +665,7 @@ def conformance_machine(
 
     cls_name = name or f"{type(probe).__name__}Conformance"
     ConformanceMachine.__name__ = ConformanceMachine.__qualname__ = cls_name
+    ConformanceMachine.TestCase.settings = settings(deadline=None)  # the loaded profile, without a deadline
     caller = sys._getframe(1).f_globals.get("__name__")
     if caller:
         ConformanceMachine.__module__ = caller

@@ -45,7 +45,7 @@ def trace_record(scheduler: Scheduler, request: Request, transition: Transition)
         "host_capacity": pool.host.capacity,
         "generated": len(request.generated),
         "computed_tokens": request.num_computed_tokens,
-        "done_reason": request.done_reason if transition.dest == "done" else None,
+        "done_reason": request.done_reason if transition.dest in scheduler.spec.terminal_states else None,
     }
 
 
@@ -71,12 +71,11 @@ class TraceWriter:
 
 
 def read_trace(path: str | Path) -> Iterator[dict[str, Hashable]]:
-    """The objects of a trace file, one per non-empty line (raises `ValueError` naming a bad line)."""
-    with Path(path).open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: not a JSON object: {err}") from err
+    """The objects of a trace file, one per non-empty line, read within the untrusted-trace limits and checked
+    against the format above (raises `kvstate.checker.trace.TraceError`, a `ValueError`, naming the line and field)."""
+    from kvstate.checker.trace import open_trace, parse_line, trace_lines
+
+    with open_trace(path) as handle:
+        for number, raw in trace_lines(handle, path=path):
+            if raw.strip():
+                yield parse_line(raw, number, path=path)

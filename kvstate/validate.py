@@ -27,6 +27,10 @@ def validate_spec(spec: Spec, guards: Mapping[str, object] | None = None, effect
     if not problems:  # graph checks assume every named state exists
         problems += [*_terminal_edges(spec), *_unreachable(spec), *_no_way_out(spec), *_ambiguous(spec)]
     problems += _semantics(spec, guards, effects)
+    problems += _roles(spec) + _output_lists(spec)
+    from kvstate.policy import policy_problems
+
+    problems += policy_problems(spec)
     if problems:
         listing = "\n".join(f"  - {p}" for p in problems)
         raise SpecError(f"{spec.source}: the specification is not well formed:\n{listing}")
@@ -149,6 +153,51 @@ def _semantics(spec: Spec, guards: Mapping[str, object], effects: Collection[str
     for name in sorted(set(effects) - spec.effect_names):
         found.append(f"effect {name!r} has semantics but no transition uses it; use it in the spec or delete it")
     return _unique(found)
+
+
+def _roles(spec: Spec) -> list[str]:
+    from kvstate.roles import ROLES
+
+    found = []
+    for state in spec.states:
+        if state.role not in ROLES:
+            found.append(f"state {state.name!r}: role {state.role!r} is unknown; use one of {sorted(ROLES)}")
+    for role, count in Counter(s.role for s in spec.states).items():
+        if count > 1 and role in ROLES:
+            found.append(f"role {role!r} is given to {count} states; each role names exactly one state")
+    for role in sorted(set(ROLES) - {s.role for s in spec.states}):
+        found.append(f"no state has role {role!r} ({ROLES[role]}); give it to exactly one state")
+    for state in spec.states:
+        if state.computing != bool(state.chunk_lists):
+            found.append(f"state {state.name!r}: a computing state needs chunk_lists (prefill and decode) and only a "
+                         "computing state may have them")
+        if state.chunk_lists and {k for k, _ in state.chunk_lists} != {"prefill", "decode"}:
+            found.append(f"state {state.name!r}: chunk_lists must name exactly 'prefill' and 'decode'")
+        if state.terminal != (state.container == "finished"):
+            found.append(f"state {state.name!r}: terminal states, and only they, have container 'finished'")
+    return found
+
+
+def _output_lists(spec: Spec) -> list[str]:
+    from kvstate.output import LIST_NAMES
+
+    names = [o.name for o in spec.output_lists]
+    found = []
+    if sorted(names) != sorted(LIST_NAMES):
+        found.append(f"output_lists name {names}; the scheduler output has the lists {list(LIST_NAMES)}: declare "
+                     "each exactly once")
+    for o in spec.output_lists:
+        for state in o.states:
+            if state not in spec.state_by_name:
+                found.append(f"output list {o.name!r}: state {state!r} is unknown")
+    for state in spec.states:
+        for kind, name in state.chunk_lists:
+            if name not in names:
+                found.append(f"state {state.name!r}: chunk_lists {kind} = {name!r} is not an output list")
+    for event in spec.events:
+        if event.feeds is not None and event.feeds not in names:
+            found.append(f"event {event.name!r}: feeds {event.feeds!r} is not an output list; use one of {names}")
+    return found
 
 
 def _unique(items: list[str]) -> list[str]:

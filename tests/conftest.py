@@ -1,29 +1,15 @@
 """Shared test configuration: Hypothesis profiles and the `cuda` marker.
 
-Profiles (choose with KVSTATE_HYPOTHESIS_PROFILE; default "ci" when CI is set, else "dev"):
-  ci    bounded and derandomized, prints a replayable blob on failure
-  dev   quick local runs
-  long  soaks (5,000 examples)
+The Hypothesis profiles (`ci`, `dev`, `long`; choose with KVSTATE_HYPOTHESIS_PROFILE, default "ci" when CI is set,
+else "dev") are registered and loaded by `kvstate.testing` itself, so third parties get them too; importing it here
+loads them for every test, including those that never import it.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from hypothesis import HealthCheck, settings
 
-settings.register_profile(
-    "ci",
-    derandomize=True,
-    max_examples=200,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-settings.register_profile("dev", max_examples=100, deadline=None)
-settings.register_profile("long", max_examples=5000, deadline=None)
-settings.load_profile(os.environ.get("KVSTATE_HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
+import kvstate.testing  # noqa: F401  (registers and loads the Hypothesis profiles)
 
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection, so deselected cuda tests never import torch

@@ -26,7 +26,8 @@ from typing import Any
 from executor.sampler import SamplingParams
 from kvstate.errors import KVStateError
 from kvstate.lifecycle import STATE_ATTRIBUTE, TransitionTable
-from kvstate.output import LIST_STATES, SchedulerOutput, planned_chunks
+from kvstate.output import SchedulerOutput, planned_chunks
+from kvstate.roles import PENDING_RESET
 from kvstate.pool import TieredBlockPool
 from kvstate.request import Request, new_request
 from kvstate.spec import Spec
@@ -49,10 +50,10 @@ def batch_chunks(out: SchedulerOutput, pool: TieredBlockPool) -> list[list]:
             for c in planned_chunks(out, pool)]
 
 
-def held_blocks(out: SchedulerOutput, pool: TieredBlockPool) -> list[list]:
-    """``[id, gpu blocks]`` of each request `out` put in `awaiting_consensus` (it keeps them until consensus)."""
-    return [[r.request_id, list(pool.gpu_blocks(r.request_id))] for r in out.recompute_paused
-            if r.state == "awaiting_consensus"]
+def held_blocks(out: SchedulerOutput, pool: TieredBlockPool, spec: Spec) -> list[list]:
+    """``[id, gpu blocks]`` of each request `out` put in the state awaiting consensus (it keeps them until then)."""
+    pending = spec.role(PENDING_RESET)
+    return [[r.request_id, list(pool.gpu_blocks(r.request_id))] for r in out.recompute_paused if r.state == pending]
 
 
 class MirrorBook:
@@ -95,7 +96,7 @@ class MirrorBook:
         out = SchedulerOutput.from_dict(d, self.requests)
         for name, requests in out.lists():
             for request in requests:
-                if request.state not in self.spec.terminal_states and request.state not in LIST_STATES[name]:
+                if request.state not in self.spec.terminal_states and request.state not in self.spec.list_states[name]:
                     raise MirrorDiverged(f"output list {name!r} names {request.request_id!r}, which is "
                                          f"{request.state} on this rank")
         return out

@@ -46,6 +46,7 @@ from kvstate.config import SchedulerConfig
 from kvstate.errors import KVStateError
 from kvstate.pool import TO_GPU
 from kvstate.scheduler import Scheduler
+from kvstate.roles import PENDING_RESET
 from kvstate.spec import load_spec
 
 
@@ -120,6 +121,7 @@ class PipelineRank:
         self.host = agree_host_tier(self.cache, e.host_blocks, comm,
                                     simulate_failure=rank in config.fail_host_tier_on_ranks)
         self.spec = load_spec()
+        self._pending_reset = self.spec.role(PENDING_RESET)
         self.book = ConsensusBook(rank, config.delay_of(rank))
         self.trace = _TraceSink(config.trace_path_for(rank))
         self.sampling: dict[Hashable, Any] = {}
@@ -139,6 +141,7 @@ class PipelineRank:
             max_batch_size=e.max_batch_size, max_num_tokens=e.max_num_tokens, prefill_chunk_size=e.prefill_chunk_size,
             enable_recompute_pause=e.enable_recompute_pause, max_preemptions_per_request=e.max_preemptions_per_request,
             no_progress_limit=e.no_progress_limit, block_bytes=block_bytes, pipeline_stages=self.world_size,
+            lifecycle=e.lifecycle,
         )
         self.scheduler = Scheduler(sc, spec=self.spec, on_transition=self._on_transition)
         self.scheduler.host_tier_fallback = self.host.fallback
@@ -177,7 +180,7 @@ class PipelineRank:
         if not self._cancels_left:
             return
         for request in list(self.scheduler.resident):
-            if self._cancels_left and request.state == "awaiting_consensus" and request.termination_reason is None:
+            if self._cancels_left and request.state == self._pending_reset and request.termination_reason is None:
                 self.scheduler.cancel(request.request_id)
                 self._cancels_left -= 1
 
@@ -196,7 +199,7 @@ class PipelineRank:
             if self.config.engine.check_invariants:
                 s.check_invariants(out)
             message.update(iteration=s.iteration, output=out.to_dict(), chunks=batch_chunks(out, s.pool),
-                           held=held_blocks(out, s.pool))
+                           held=held_blocks(out, s.pool, self.spec))
         message["new"], self._unsent_new = self._unsent_new, []
         message["transitions"], self._unsent_records = self._unsent_records, []
         return message, out
@@ -232,7 +235,7 @@ class PipelineRank:
         out = self.mirrors.output(message["output"]) if self.rank else None
         plans = (out.migrations if out is not None else None)
         for rid, blocks in message["held"]:
-            if self.rank and self.mirrors.requests[rid].state != "awaiting_consensus":
+            if self.rank and self.mirrors.requests[rid].state != self._pending_reset:
                 raise KVStateError(f"rank {self.rank}: {rid!r} is announced as awaiting consensus but is "
                                    f"{self.mirrors.requests[rid].state} here")
             self.book.announce(rid, message["iteration"], blocks)

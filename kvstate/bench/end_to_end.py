@@ -7,6 +7,8 @@
   the last token, so both rates are (batch x (new tokens - 1)) / decode seconds.
 * Tokens/s and tokens recomputed on one pressured workload (the demo's shape) with host tiers of 0, a few
   and enough blocks for every victim: what suspension saves over recompute-pause.
+* Tokens/s of the engine on the demo's workload with the lifecycle fired through the `transitions` machine (the
+  default) beside the compiled table, under pressure and with a GPU tier large enough for every request.
 torch and transformers are imported inside the run functions.
 """
 
@@ -137,6 +139,46 @@ def host_tier_section(*, quick: bool, device: str = "cpu", seed: int = 0) -> Sec
                                 value=s["recomputed"], unit="tokens", baseline_name="no host tier (recompute only)",
                                 baseline=base["recomputed"], better="lower",
                                 note=f"baseline: {base['recompute_pauses']} recompute-pauses"))
+    return section
+
+
+def lifecycle_section(*, quick: bool, device: str = "cpu", seed: int = 0) -> Section:
+    import torch
+
+    from executor import Engine, EngineConfig, LlamaModel, ModelConfig
+    from executor.checks import DEMO_MAX_NEW_TOKENS, DEMO_PROMPT_LEN, random_workload
+
+    requests, repeats = (16, 1) if quick else (48, 3)
+    dev = torch.device("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
+    model = LlamaModel.from_seed(ModelConfig(), seed, dtype=torch.float32, device=dev)
+    regimes = {"pressure": (32, 16), "steady": (requests * 20, 0)}  # (gpu blocks of 8 tokens, host blocks)
+    work = random_workload(requests, seed, DEMO_PROMPT_LEN, DEMO_MAX_NEW_TOKENS, vocab=model.config.vocab_size,
+                           max_tokens=32 * 8)
+    rates: dict[str, list[float]] = {}
+
+    def variant(regime: str, lifecycle: str):
+        def call() -> None:
+            gpu, host = regimes[regime]
+            config = EngineConfig(device=dev.type, dtype="float32", gpu_blocks=gpu, host_blocks=host, block_size=8,
+                                  prefill_chunk_size=64, max_num_tokens=256, seed=seed, lifecycle=lifecycle)
+            with Engine(config, model=model) as engine:
+                for prompt, new in work:
+                    engine.add_request(prompt, new)
+                start = time.perf_counter()
+                engine.run()
+                rates.setdefault(f"{regime} {lifecycle}", []).append(
+                    engine.totals.generated_tokens / (time.perf_counter() - start))
+        return call
+
+    variants = {f"{r} {k}": variant(r, k) for r in regimes for k in ("machine", "compiled")}
+    interleaved(variants, repeats=repeats, warmup=0, seed=seed)
+    tokens_per_s = {name: median(values) for name, values in rates.items()}
+    section = Section("lifecycle_engine", data={"requests": requests, "tokens_per_s": tokens_per_s})
+    for regime in regimes:
+        machine, compiled = tokens_per_s[f"{regime} machine"], tokens_per_s[f"{regime} compiled"]
+        section.rows.append(Row(group="end-to-end", name=f"engine tokens/s, demo workload, {regime}: transitions "
+                                "machine (default)", value=machine, unit="tok/s", baseline_name="compiled table",
+                                baseline=compiled, target="ratio >= 0.97", met=machine / compiled >= 0.97))
     return section
 
 

@@ -6,6 +6,11 @@
   changes state) and under pressure (the GPU tier holds about two thirds of what the requests want, so passes
   suspend, resume, recompute-pause and replay), beside the nano-vllm-style `PeerScheduler` on the same
   workload. Every size and variant takes turns in one loop; `complete_step` runs untimed between calls.
+* `schedule()` with the lifecycle fired through the `transitions` machine (the default) beside the compiled
+  table, steady and under pressure.
+* Requests scheduled per step under host-tier pressure beside a recompute-only configuration of the same
+  scheduler (WORK-CONSERVE: room on its way is reserved, so one suspension does not make every later requester
+  of the pass wait).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from kvstate.config import SchedulerConfig
 from kvstate.lifecycle import STATE_ATTRIBUTE, Lifecycle, TransitionTable
 from kvstate.pool import TieredBlockPool
 from kvstate.request import new_request
+from kvstate.roles import ACTIVE
 from kvstate.scheduler import Scheduler
 
 SIZES = (256, 1024, 4096)
@@ -33,7 +39,7 @@ def transition_section(*, repeats: int, seed: int = 0) -> Section:
     variants = {}
     for name, lifecycle in implementations.items():
         request = new_request(name, [1], 4)
-        setattr(request, STATE_ATTRIBUTE, "running")
+        setattr(request, STATE_ATTRIBUTE, lifecycle.spec.role(ACTIVE))
 
         def call(fire=lifecycle.fire, request=request) -> None:
             for _ in range(TRANSITIONS_PER_CALL // 2):
@@ -52,7 +58,8 @@ def transition_section(*, repeats: int, seed: int = 0) -> Section:
 class _Driver:
     """One scheduler kept stepping: `prepare()` (untimed) completes the last output, `call()` schedules."""
 
-    def __init__(self, size: int, pressure: bool, peer: bool) -> None:
+    def __init__(self, size: int, pressure: bool, peer: bool, lifecycle: str = "machine",
+                 host_tier: bool = True) -> None:
         self.peer = peer
         prompts = [1 + i % BLOCK_SIZE for i in range(size)]  # staggered block boundaries
         blocks = size * 3 if not pressure else size * 2 // 3 * 2
@@ -61,9 +68,10 @@ class _Driver:
             for n in prompts:
                 self.s.add(PeerSeq(n))
         else:
-            config = SchedulerConfig(gpu_blocks=blocks, host_blocks=size // 2 if pressure else 0,
+            config = SchedulerConfig(gpu_blocks=blocks, host_blocks=size // 2 if pressure and host_tier else 0,
                                      block_size=BLOCK_SIZE, max_batch_size=size, max_num_tokens=size * BLOCK_SIZE,
-                                     prefill_chunk_size=BLOCK_SIZE, no_progress_limit=1_000_000)
+                                     prefill_chunk_size=BLOCK_SIZE, no_progress_limit=1_000_000,
+                                     lifecycle=lifecycle)
             self.s = Scheduler(config)
             new_tokens = min(MAX_NEW_TOKENS, (blocks - 1) * BLOCK_SIZE - BLOCK_SIZE)
             for n in prompts:
@@ -112,6 +120,46 @@ def scheduler_section(*, sizes=SIZES, repeats: int, seed: int = 0) -> Section:
                 group="overhead", name=f"schedule() growth, {regime}: per-request µs at 4096 / at 1024",
                 value=big, unit="µs/req", baseline_name="per-request µs at 1024", baseline=small, better="lower",
                 target="ratio <= 1.25", met=big / small <= 1.25, note="1.0 = linear"))
+    return section
+
+
+def lifecycle_section(*, size: int = TARGET_SIZE, repeats: int, seed: int = 0) -> Section:
+    """Median µs per `schedule()` call with the transitions machine beside the compiled table."""
+    drivers = {f"{regime} {kind}": _Driver(size, regime == "pressure", False, lifecycle=kind)
+               for regime in ("steady", "pressure") for kind in ("machine", "compiled")}
+    times = medians(interleaved({k: d.call for k, d in drivers.items()}, repeats=repeats, warmup=2, seed=seed,
+                                setup={k: d.prepare for k, d in drivers.items()}))
+    us = {k: t * 1e6 for k, t in times.items()}
+    section = Section("lifecycle", data={"size": size, "us_per_call": us})
+    for regime in ("steady", "pressure"):
+        machine, compiled = us[f"{regime} machine"], us[f"{regime} compiled"]
+        section.rows.append(Row(
+            group="overhead", name=f"schedule(), {size} requests, {regime}: transitions machine (default)",
+            value=machine, unit="µs", baseline_name="compiled table", baseline=compiled, better="lower",
+            note=f"machine share {max(0.0, machine - compiled) / machine:.0%} of the call"))
+    return section
+
+
+def pressure_section(*, sizes=SIZES, steps: int = 12) -> Section:
+    """Requests scheduled per step under pressure, with a host tier (size/2 blocks) beside recompute only."""
+    section = Section("host_pressure", data={"sizes": list(sizes), "steps": steps, "scheduled_per_step": {}})
+    for size in sizes:
+        per_step = {}
+        for name, host_tier in (("host tier", True), ("recompute only", False)):
+            driver = _Driver(size, True, False, host_tier=host_tier)
+            counts = []
+            for _ in range(steps):
+                driver.call()
+                counts.append(len(driver.out.scheduled))
+                driver.prepare()
+            per_step[name] = sum(counts) / steps
+        section.data["scheduled_per_step"][size] = per_step
+        ratio = per_step["host tier"] / per_step["recompute only"]
+        section.rows.append(Row(
+            group="overhead", name=f"requests scheduled per step under pressure, {size} requests, host tier {size // 2}",
+            value=per_step["host tier"], unit="req/step", baseline_name="recompute only (no host tier)",
+            baseline=per_step["recompute only"], target="ratio >= 0.95", met=ratio >= 0.95,
+            note=f"GPU tier {size * 2 // 3 * 2} blocks of {BLOCK_SIZE}"))
     return section
 
 

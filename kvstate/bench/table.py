@@ -34,19 +34,28 @@ def _num(x: float) -> str:
 
 
 def render_table(sections: list[Section], title: str):
-    """One row per figure: measured value, baseline measured beside it, ratio, target and verdict."""
+    """One row per figure: measured value over the baseline measured beside it, ratio, target and verdict.
+
+    Four columns whose cells take two lines (figure over its note, ours over the baseline), folded rather than
+    cut, so the table reads in an 80-column terminal and widens with it.
+    """
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title=title, show_lines=False)
-    for name, justify in (("group", "left"), ("figure", "left"), ("ours", "right"), ("baseline (same run)", "right"),
-                          ("ratio", "right"), ("target", "left"), ("met", "center"), ("note", "left")):
+    for name, justify in (("figure", "left"), ("ours vs baseline", "right"), ("ratio", "right"),
+                          ("target", "left")):
         table.add_column(name, justify=justify, overflow="fold")
     for section in sections:
         for row in section.rows:
-            verdict = "" if row.met is None else ("[green]yes[/green]" if row.met else "[red]no[/red]")
+            figure = Text(f"{row.group}: {row.name}")
+            if row.note:
+                figure.append(f"\n{row.note}", style="dim")
+            target = Text(row.target)
+            if row.met is not None:
+                target.append("\nmet" if row.met else "\nnot met", style="green" if row.met else "red")
             arrow = "↑" if row.better == "higher" else "↓"
-            table.add_row(row.group, row.name, f"{_num(row.value)} {row.unit}",
-                          f"{_num(row.baseline)} {row.unit}  {row.baseline_name}", f"{_num(row.ratio)} {arrow}",
-                          row.target, verdict, row.note)
+            table.add_row(figure, Text(f"{_num(row.value)} {row.unit}\nvs {_num(row.baseline)} {row.unit} "
+                                       f"{row.baseline_name}"), Text(f"{_num(row.ratio)} {arrow}"), target)
         table.add_section()
     return table

@@ -2,7 +2,11 @@
 
 A bound fixes everything that makes the state space finite: the requests (prompt length, max new tokens), the
 GPU and host tiers (host 0 = no host tier), the block size, the prefill chunk, the pipeline depth, and how much
-environment nondeterminism the scheduler refinement injects (cancellations, lost host copies).
+environment nondeterminism the scheduler refinement injects (cancellations, lost host copies), and optionally the
+scheduler's batch budgets (`max_batch_size`, `max_num_tokens`; left out: the `SchedulerConfig` defaults).
+`abstract_model = false` marks a bound whose abstract model is too large to enumerate (the pipeline livelock
+bound: five requests): `kvstate check` runs only its scheduler refinement there, which checks every state
+predicate and LIVE-DONE on the real scheduler but cannot match its states against the model's (REFINES).
 
 Invariant kept: every request of a bound fits the GPU tier alone (LIVE-REFUSE: a request that cannot is refused
 at submission, so it never belongs to a bound; the loader refuses such a bound with a clear message).
@@ -39,6 +43,9 @@ class Bound:
     env_cancels: int = 1  # refinement: cancellations the environment may inject in one run
     env_host_losses: int = 0  # refinement: host copies the environment may lose in one run
     recompute_pause: bool = True  # scheduler config enable_recompute_pause
+    max_batch_size: int | None = None  # refinement: SchedulerConfig.max_batch_size (None: the config's default)
+    max_num_tokens: int | None = None  # refinement: SchedulerConfig.max_num_tokens (None: the config's default)
+    abstract_model: bool = True  # False: too large to enumerate; only the scheduler refinement runs (no REFINES)
     description: str = ""
     groups: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
 
@@ -53,6 +60,11 @@ class Bound:
                 raise BoundsError(f"{where}: {name} must be a positive integer, got {getattr(self, name)}")
         if self.host_blocks < 0 or self.env_cancels < 0 or self.env_host_losses < 0:
             raise BoundsError(f"{where}: host_blocks, env_cancels and env_host_losses must be >= 0")
+        for name in ("max_batch_size", "max_num_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise BoundsError(f"{where}: {name} must be a positive integer (or left out for the scheduler's "
+                                  f"default), got {value!r}")
         for prompt, new in self.requests:
             if prompt <= 0 or new <= 0:
                 raise BoundsError(f"{where}: request [{prompt}, {new}] needs prompt_len >= 1 and max_new_tokens >= 1")
@@ -73,6 +85,8 @@ class Bound:
             "host_blocks": self.host_blocks, "block_size": self.block_size, "chunk_size": self.chunk_size,
             "pipeline_stages": self.pipeline_stages, "cancel": self.cancel, "env_cancels": self.env_cancels,
             "env_host_losses": self.env_host_losses, "recompute_pause": self.recompute_pause,
+            "max_batch_size": self.max_batch_size, "max_num_tokens": self.max_num_tokens,
+            "abstract_model": self.abstract_model,
             "description": self.description,
         }
 
@@ -103,6 +117,8 @@ def load_bounds(path: str | Path | None = None) -> tuple[dict[str, Bound], tuple
         data = tomllib.loads(source.read_text(encoding="utf-8"))
     except OSError as err:
         raise BoundsError(f"cannot read bounds file {source}: {err.strerror}") from err
+    except UnicodeDecodeError as err:
+        raise BoundsError(f"bounds file {source} is not UTF-8 text ({err.reason} at byte {err.start})") from err
     except tomllib.TOMLDecodeError as err:
         raise BoundsError(f"{source} is not valid TOML: {err}") from err
     tables = data.get("bounds")

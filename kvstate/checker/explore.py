@@ -1,18 +1,22 @@
 """Breadth-first exploration of the abstract model, SCC-based liveness, coverage, counterexamples.
 
 Fairness assumption (LIVE-DONE on the abstract model). Arrivals stop: each request of the bound arrives at most
-once. Cancel, abort and lose_host_copy are environment choices with no fairness: they may never happen. Every
-other action - compute steps, fence completion (`complete`), consensus and the scheduler's decisions (admit,
-suspend, resume, recompute-pause, replay) - is *strongly fair*: a transition enabled infinitely often is taken
-infinitely often. Under this assumption the states a fair run visits infinitely often form a bottom SCC of the
-state graph (every edge leaving such a state is taken, so the set is closed); LIVE-DONE therefore holds iff every
-reachable bottom SCC consists of final states (every request done). Weak fairness alone is not enough in the
-pure spec: the spec lets a scheduler suspend and resume a request forever (a suspend/resume ping-pong cycle)
-while compute is enabled only intermittently. Such progress-free cycles are reported as information
-(`progress_free_sccs`): ruling them out is the scheduling policy's job, and the scheduler refinement checks that
-the real policy has none (no cycle of scheduler steps with an unfinished request once arrivals stop).
+once. The spec's environment events (`origin = "environment"`: cancel, abort, lose_host_copy) are choices with no
+fairness: they may never happen, so they are never a way out of a loop - a loop whose only exits are
+environment events is a livelock, exactly as one with no exit. Every other action - compute steps, fence
+completion (`complete`), consensus and the scheduler's decisions (admit, suspend, resume, recompute-pause,
+replay) - is *strongly fair*: a transition enabled infinitely often is taken infinitely often. Under this
+assumption the states a fair run visits infinitely often form a bottom SCC of the *fair graph* (the state graph
+without environment edges: every fair edge leaving such a set is taken, so the set is closed); LIVE-DONE
+therefore holds iff every reachable bottom SCC of the fair graph consists of final states (every request done).
+Reachability itself uses every edge: a state the environment leads to must be live too. Weak fairness alone is
+not enough in the pure spec: the spec lets a scheduler suspend and resume a request forever (a suspend/resume
+ping-pong cycle) while compute is enabled only intermittently. Such progress-free cycles are reported as
+information (`progress_free_sccs`): ruling them out is the scheduling policy's job, and the scheduler refinement
+checks that the real policy has none (no cycle of scheduler steps with an unfinished request once arrivals stop).
 
-Deadlock freedom: every reachable state that is not final has an enabled action leading to another state.
+Deadlock freedom (DEADLOCK): every reachable state that is not final has an enabled action other than an
+environment event leading to another state (a state only a cancellation could leave is stuck).
 
 A search stopped by `max_states` or `time_limit` is `incomplete`, never `holds`: liveness and coverage need the
 whole graph and are not judged then.
@@ -31,6 +35,7 @@ from kvstate.checker.model import AbstractModel, Action, AState
 from kvstate.spec import Transition
 
 HOLDS, VIOLATED, INCOMPLETE = "holds", "violated", "incomplete"
+SKIPPED = "not run"  # the abstract model of a bound with `abstract_model = false`: no verdict of its own
 
 
 @dataclass
@@ -124,6 +129,7 @@ def explore(model: AbstractModel, *, max_states: int | None = None, time_limit: 
     via: list[Action | None] = [None]
     succ: list[list[int]] = []
     taken: dict[Transition, int] = {}
+    environment = model.spec.environment_events
 
     def path_to(j: int) -> list[tuple[Action, AState]]:
         return [(via[i], states[i]) for i in path_indices(parent, j)]
@@ -152,7 +158,7 @@ def explore(model: AbstractModel, *, max_states: int | None = None, time_limit: 
             result.stop_reason = reason
             return finish(INCOMPLETE)
         state = states[i]
-        outs: list[int] = []
+        outs: list[int] = []  # fair successors: environment edges are no way out (module docstring)
         for step in model.successors(state):
             result.edges += 1
             for t in step.taken:
@@ -175,45 +181,82 @@ def explore(model: AbstractModel, *, max_states: int | None = None, time_limit: 
                 if bad:
                     result.violation = Violation(*bad, path_to(j))
                     return finish(VIOLATED)
-            if j != i and j not in outs:
+            if j != i and j not in outs and not is_environment(step.action, environment):
                 outs.append(j)
-        if not outs and not model.is_final(state):
-            result.violation = Violation("DEADLOCK", "no enabled action leads anywhere from a state that is not final",
-                                         path_to(i))
+        if (message := deadlock(model, state, outs)) is not None:
+            result.violation = Violation("DEADLOCK", message, path_to(i))
             return finish(VIOLATED)
         succ.append(outs)
         i += 1
     if progress is not None:
         progress(len(states), result.edges)
-    # liveness: bottom SCCs must be final; count progress-free cycles for information
+    # liveness: bottom SCCs of the fair graph must be final; count progress-free cycles for information
     comp = tarjan(len(states), succ)
-    ncomp = max(comp) + 1
-    size = [0] * ncomp
-    leaves = [False] * ncomp
-    final = [True] * ncomp
-    for v, c in enumerate(comp):
-        size[c] += 1
-        if not model.is_final(states[v]):
-            final[c] = False
-        if any(comp[w] != c for w in succ[v]):
-            leaves[c] = True
-    result.progress_free_sccs = sum(1 for c in range(ncomp) if size[c] > 1 and not final[c])
-    for v, c in enumerate(comp):  # BFS order: the first hit has the shortest prefix
-        if not leaves[c] and not final[c]:
-            loop = _cycle_in(v, c, comp, succ)
-            path = path_to(v)
-            result.violation = Violation(
-                "LIVE-DONE",
-                "a reachable set of states from which no request can ever finish (bottom SCC of "
-                f"{size[c]} states that are not final): a fair run loops here forever",
-                path + _lasso_actions(model, states, v, [w for _, w in loop]), loop_start=len(path),
-            )
-            return finish(VIOLATED)
+    sccs = SccSummary(model, states, succ, comp)
+    result.progress_free_sccs = sccs.progress_free
+    v = non_final_bottom_scc(sccs)
+    if v is not None:
+        c = comp[v]
+        loop = _cycle_in(v, c, comp, succ)
+        path = path_to(v)
+        result.violation = Violation(
+            "LIVE-DONE",
+            f"a reachable set of {sccs.size[c]} states that are not final, from which no request can ever finish: "
+            "no action leaves it other than environment events (" + ", ".join(sorted(environment)) + "), which "
+            "fairness does not assume; a fair run loops here forever",
+            path + _lasso_actions(model, states, v, [w for _, w in loop], environment), loop_start=len(path),
+        )
+        return finish(VIOLATED)
     all_edges = model.spec.transitions
     result.never_enabled = [t for t in all_edges if t not in taken]
     if keep_states:
         result.reachable = set(states)
     return finish(HOLDS)
+
+
+def is_environment(action: Action, environment: frozenset[str]) -> bool:
+    """True when `action` is a spec event the environment decides (no fairness: never a way out of a loop)."""
+    return action[0] == "event" and action[2] in environment
+
+
+def deadlock(model: AbstractModel, state: AState, fair_successors: list) -> str | None:
+    """The DEADLOCK check: why `state` is stuck (not final, and no action but environment events leaves it).
+    `fair_successors`: the other states that actions other than environment events lead to from `state`."""
+    if fair_successors or model.is_final(state):
+        return None
+    return ("no enabled action leads anywhere from a state that is not final (environment events such as a "
+            "cancellation may never come, so they do not count)")
+
+
+class SccSummary:
+    """Per SCC of the fair graph (`comp[v]` = SCC of state v): its size, whether every state in it is final, and
+    whether a fair edge leaves it (`leaves`; a bottom SCC has none)."""
+
+    __slots__ = ("comp", "size", "final", "leaves")
+
+    def __init__(self, model: AbstractModel, states: list[AState], succ: list[list[int]], comp: list[int]) -> None:
+        ncomp = max(comp) + 1
+        self.comp, self.size, self.final, self.leaves = comp, [0] * ncomp, [True] * ncomp, [False] * ncomp
+        for v, c in enumerate(comp):
+            self.size[c] += 1
+            if not model.is_final(states[v]):
+                self.final[c] = False
+            if any(comp[w] != c for w in succ[v]):
+                self.leaves[c] = True
+
+    @property
+    def progress_free(self) -> int:
+        """Non-trivial SCCs with an unfinished request (information: strong fairness excludes those that leave)."""
+        return sum(1 for c, n in enumerate(self.size) if n > 1 and not self.final[c])
+
+
+def non_final_bottom_scc(sccs: SccSummary) -> int | None:
+    """The bottom-SCC check (LIVE-DONE): the first state in BFS order (so the shortest prefix) that lies in a
+    bottom SCC of the fair graph with an unfinished request; None when every bottom SCC is final."""
+    for v, c in enumerate(sccs.comp):
+        if not sccs.leaves[c] and not sccs.final[c]:
+            return v
+    return None
 
 
 def _cycle_in(v: int, c: int, comp: list[int], succ: list[list[int]]) -> list[tuple[Action, int]]:
@@ -242,13 +285,15 @@ def _cycle_in(v: int, c: int, comp: list[int], succ: list[list[int]]) -> list[tu
     return []
 
 
-def _lasso_actions(model: AbstractModel, states: list[AState], start: int, nodes: list[int]) -> list[tuple[Action, AState]]:
-    """Name the action of every edge of the loop start -> nodes[0] -> ... (recomputed: edges keep no labels)."""
+def _lasso_actions(model: AbstractModel, states: list[AState], start: int, nodes: list[int],
+                   environment: frozenset[str]) -> list[tuple[Action, AState]]:
+    """Name the fair action of every edge of the loop start -> nodes[0] -> ... (recomputed: edges keep no labels)."""
     out, current = [], states[start]
     for node in nodes:
         target = states[node]
         for step in model.successors(current):
-            if model.canonical(step.after_requests, step.after_pool) == target:
+            if (not is_environment(step.action, environment)
+                    and model.canonical(step.after_requests, step.after_pool) == target):
                 out.append((step.action, target))
                 break
         current = target

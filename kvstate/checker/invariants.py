@@ -74,21 +74,22 @@ def res_state(model: AbstractModel, state: AState) -> str | None:
 
 
 def host_cap(model: AbstractModel, state: AState) -> str | None:
-    held = sum(r[HOST] for r in state[0] if r[STATE] == "suspended")
+    held = sum(r[HOST] for r in state[0] if r[STATE] != ABSENT and model.spec.residency(r[STATE]) == "host")
     if held > model.bound.host_blocks:
         return f"suspended requests hold {held} host blocks, capacity {model.bound.host_blocks}"
     return None
 
 
 def no_host_no_suspend(model: AbstractModel, state: AState) -> str | None:
-    if model.bound.host_blocks == 0 and any(r[STATE] == "suspended" for r in state[0]):
+    if model.bound.host_blocks == 0 and any(r[STATE] != ABSENT and model.spec.residency(r[STATE]) == "host"
+                                            for r in state[0]):
         return "a request is suspended but there is no host tier"
     return None
 
 
 def pp_hold(model: AbstractModel, state: AState) -> str | None:
     for k, r in enumerate(state[0]):
-        if r[STATE] == "awaiting_consensus" and (r[GPU] == 0 or r[GPU] < blocks_for(r[COMPUTED], model.bound.block_size)):
+        if r[STATE] == model.pending_reset and (r[GPU] == 0 or r[GPU] < blocks_for(r[COMPUTED], model.bound.block_size)):
             return f"request {_who(model, r)} awaits consensus with {r[GPU]} GPU blocks for {r[COMPUTED]} computed tokens"
     return None
 
@@ -186,7 +187,7 @@ def reset_terminated(model: AbstractModel, step: Step) -> str | None:
 
 def promote_gate(model: AbstractModel, step: Step) -> str | None:
     for t in step.taken:
-        if t.event == "recompute_pause" and t.source == "suspended" and model.bound.host_blocks == 0:
+        if t.event == "recompute_pause" and model.spec.residency(t.source) == "host" and model.bound.host_blocks == 0:
             return "a suspended request was promoted to recompute-pause without a host tier"
     return None
 
@@ -225,7 +226,9 @@ REFINEMENT_CHECKS: dict[str, str] = {
     "LIVE-REFUSE": "a request that cannot fit alone is refused at submission",
 }
 LIVENESS_CHECKS: dict[str, str] = {
-    "LIVE-DONE": "abstract model: every reachable bottom SCC is all-done (strong fairness); scheduler: no livelock",
+    "LIVE-DONE": "abstract model: every reachable bottom SCC of the fair graph (environment events are no way out) "
+                 "is all-done (strong fairness); scheduler: no livelock",
+    "DEADLOCK": "abstract model: every reachable non-final state has an action other than an environment event",
 }
 
 

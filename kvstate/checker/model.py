@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from kvstate.checker.bounds import Bound
 from kvstate.lifecycle import STATE_ATTRIBUTE, TransitionTable
-from kvstate.output import COMPUTING_STATES
+from kvstate.roles import ACTIVE, PENDING_RESET, RECOMPUTING
 from kvstate.semantics import GUARDS, Guard
 from kvstate.spec import Spec, Transition
 
@@ -58,6 +58,11 @@ class RequestState:
     __slots__ = ("request_id", STATE_ATTRIBUTE, "group", "computed", "generated", "gpu", "host", "deferred",
                  "prefill", "in_flight", "prompt_len", "max_new_tokens", "chunk_size", "block_size")
 
+    # The abstract model has no scheduling passes: every suspended request counts as suspended in the pass under
+    # way (`PoolState.pass_number`), an over-approximation of the promotion gate; the scheduler refinement's step
+    # simulation checks the real same-pass and worth clauses (PROMOTE-GATE).
+    suspended_in_pass = 0
+
     def __init__(self, req: Req, slot: int, bound: Bound) -> None:
         self.request_id = slot
         (self.group, state, self.computed, self.generated, self.gpu, self.host, deferred, self.prefill,
@@ -72,9 +77,9 @@ class RequestState:
     def state(self) -> str:
         return getattr(self, STATE_ATTRIBUTE)
 
-    def to_tuple(self) -> Req:
+    def to_tuple(self, terminal: frozenset[str]) -> Req:
         state = self.state
-        if state == "done":  # a finished request's history no longer matters; its block counts still do
+        if state in terminal:  # a finished request's history no longer matters; its block counts still do
             return (self.group, state, 0, 0, self.gpu, self.host, NONE, 0, 0)
         return (self.group, state, self.computed, self.generated, self.gpu, self.host, self.deferred or NONE,
                 self.prefill, self.in_flight)
@@ -91,6 +96,10 @@ class RequestState:
     @property
     def num_gpu_blocks(self) -> int:
         return self.gpu
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.computed
 
     @property
     def num_host_blocks(self) -> int:
@@ -117,6 +126,10 @@ class PoolState:
     """A mutable view of the abstract pool; satisfies `kvstate.PoolView`."""
 
     __slots__ = ("gpu_free", "host_free", "gpu_fenced", "host_fenced", "gpu_capacity", "host_capacity", "stages")
+
+    # no passes in the abstract model (see RequestState.suspended_in_pass): any promotion's worth is allowed
+    pass_number = 0
+    promotion_worth = float("inf")
 
     def __init__(self, state: AState, bound: Bound) -> None:
         _, self.gpu_free, self.host_free, self.gpu_fenced, self.host_fenced = state
@@ -214,9 +227,13 @@ class AbstractModel:
         self.spec = self.table.spec
         self.effects = effects
         self.terminal = frozenset(self.spec.terminal_states)
+        self.computing = self.spec.computing_states
+        self.active, self.recomputing = self.spec.role(ACTIVE), self.spec.role(RECOMPUTING)
+        self.pending_reset = self.spec.role(PENDING_RESET)
         self.events_from = {s.name: self.table.allowed_events(s.name) for s in self.spec.states}
-        if not bound.cancel:
-            self.events_from = {s: tuple(e for e in evs if e not in ("cancel", "abort")) for s, evs in self.events_from.items()}
+        if not bound.cancel:  # keep out the environment's events that end requests (cancel, abort)
+            ending = {e.name for e in self.spec.events if e.name in self.spec.environment_events and e.done_reason}
+            self.events_from = {s: tuple(e for e in evs if e not in ending) for s, evs in self.events_from.items()}
 
     # ---- states
     def initial(self) -> AState:
@@ -247,7 +264,7 @@ class AbstractModel:
             if st == ABSENT:
                 yield ("arrive", k, None)
                 continue
-            if st in COMPUTING_STATES or r[IN_FLIGHT]:
+            if st in self.computing or r[IN_FLIGHT]:
                 yield ("compute", k, None)
             for event in self.events_from[st]:
                 yield ("event", k, event)
@@ -282,15 +299,15 @@ class AbstractModel:
                 return None
             taken.append(table.fire(request, name, pool, self.effects(pool)))
         elif kind == "compute":
-            landing = request.state == "awaiting_consensus" and request.in_flight
-            if request.state not in COMPUTING_STATES and not landing:
+            landing = request.state == self.pending_reset and request.in_flight
+            if request.state not in self.computing and not landing:
                 return None
             if landing:
                 tokens = 1
                 request.in_flight = 0
             elif request.is_prefilling:
                 tokens = request.next_chunk
-            elif request.state == "running":
+            elif request.state == self.active:
                 tokens = 1
             else:
                 return None  # a caught-up replay is running by now
@@ -304,13 +321,13 @@ class AbstractModel:
             if not request.is_prefilling:
                 request.generated += 1
                 hooks = self.effects(pool)
-                if request.state == "replaying" and table.resolve(request, "catch_up", pool) is not None:
+                if request.state == self.recomputing and table.resolve(request, "catch_up", pool) is not None:
                     taken.append(table.fire(request, "catch_up", pool, hooks))
                 if table.resolve(request, "finish", pool) is not None:
                     taken.append(table.fire(request, "finish", pool, hooks))
         else:
             raise ValueError(f"unknown action kind {kind!r}")
-        reqs[slot] = request.to_tuple()
+        reqs[slot] = request.to_tuple(self.terminal)
         return Step(action, state, tuple(reqs), pool.to_tuple(), tuple(taken))
 
     def successors(self, state: AState) -> Iterator[Step]:

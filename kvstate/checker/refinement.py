@@ -33,7 +33,8 @@ from kvstate.checker.bounds import Bound
 from kvstate.checker.explore import HOLDS, INCOMPLETE, VIOLATED
 from kvstate.checker.invariants import STATE_PREDICATES
 from kvstate.checker.search import SearchBudget, path_indices
-from kvstate.checker.model import ABSENT, NONE, AbstractModel, AState
+from kvstate import policy
+from kvstate.checker.model import ABSENT, COMPUTED, IN_FLIGHT, NONE, PREFILL, STATE, AbstractModel, AState
 from kvstate.config import RequestRejected, SchedulerConfig
 from kvstate.errors import InvariantViolation, KVStateError
 from kvstate.lifecycle import TransitionTable
@@ -61,8 +62,13 @@ class ObservedScheduler(Scheduler):
         self.transition_log.append((request.request_id, transition.source, transition.event, transition.dest))
 
     def schedule(self):
+        """The real pass, then its step simulation: the pass must be one the spec's policy allows from the
+        state it started in (VICTIM-*, PROMOTE-GATE, ADMIT-ORDER, ADMIT-HOLD, WORK-CONSERVE; `kvstate.policy`)."""
         self.victims_this_pass = set()
-        return super().schedule()
+        before = policy.snapshot(self)
+        out = super().schedule()
+        policy.check_pass(self.spec, before, self.last_pass.record, out)
+        return out
 
     def _preempt(self, victim, step) -> None:
         if victim.request_id in self.victims_this_pass:
@@ -72,7 +78,7 @@ class ObservedScheduler(Scheduler):
         return super()._preempt(victim, step)
 
     def _fire(self, request, event):
-        expected = self.checker_table.resolve(request, event, self.pool)
+        expected = self.checker_table.resolve(request, event, self._pass)
         before = request.state
         transition = super()._fire(request, event)
         if expected is None or (expected.source, expected.dest) != (transition.source, transition.dest):
@@ -122,10 +128,12 @@ class Refinement:
         self.model = AbstractModel(bound, self.spec)
         self.reachable = reachable
         self.scheduler_class = scheduler_class
+        budgets = {name: getattr(bound, name) for name in ("max_batch_size", "max_num_tokens")
+                   if getattr(bound, name) is not None}  # left out of the bound: the config's defaults
         self.config = SchedulerConfig(
             gpu_blocks=bound.gpu_blocks, host_blocks=bound.host_blocks, block_size=bound.block_size,
             prefill_chunk_size=bound.chunk_size, pipeline_stages=bound.pipeline_stages,
-            enable_recompute_pause=bound.recompute_pause,
+            enable_recompute_pause=bound.recompute_pause, **budgets,
         )
         self.prompts = [prompt_of(i, p) for i, (p, _) in enumerate(bound.requests)]
         self.references = [reference_output(self.prompts[i], m) for i, (_, m) in enumerate(bound.requests)]
@@ -211,8 +219,8 @@ class Refinement:
             r = s.requests.get(i) or s.finished.get(i)
             if r is None:
                 reqs.append((group, ABSENT, 0, 0, 0, 0, NONE, self.bound.requests[i][0], 0))
-            elif r.state == "done":
-                reqs.append((group, "done", 0, 0, r.num_gpu_blocks, r.num_host_blocks, NONE, 0, 0))
+            elif r.state in self.model.terminal:
+                reqs.append((group, r.state, 0, 0, r.num_gpu_blocks, r.num_host_blocks, NONE, 0, 0))
             else:
                 reqs.append((group, r.state, r.num_computed_tokens, len(r.generated), r.num_gpu_blocks,
                              r.num_host_blocks, r.termination_reason or NONE, len(r.prefill_tokens), 0))
@@ -220,12 +228,12 @@ class Refinement:
         return (tuple(sorted(reqs)), pool.gpu_free_blocks, pool.host_free_blocks, len(pool.gpu.fenced),
                 len(pool.host.fenced))
 
-    @staticmethod
-    def _variants(state: AState) -> list[AState]:
+    def _variants(self, state: AState) -> list[AState]:
         """The abstract states a world may stand for: a request awaiting consensus after a decode step may or may
         not still have that step in the pipeline (`in_flight`); the synchronous sim never has, the model allows both."""
         reqs, rest = state[0], state[1:]
-        options = [[r] if r[1] != "awaiting_consensus" or r[2] < r[7] else [r, r[:8] + (1,)] for r in reqs]
+        pending = self.model.pending_reset
+        options = [[r] if r[STATE] != pending or r[COMPUTED] < r[PREFILL] else [r, r[:IN_FLIGHT] + (1,)] for r in reqs]
         out = [()]
         for choice in options:
             out = [prefix + (r,) for prefix in out for r in choice]

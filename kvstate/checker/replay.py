@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 
 from kvstate.checker.bounds import Bound
-from kvstate.checker.explore import Violation
+from kvstate.checker.explore import Violation, deadlock, is_environment
 from kvstate.checker.invariants import STATE_PREDICATES, STEP_PREDICATES
 from kvstate.checker.model import AbstractModel, AState
 from kvstate.errors import InvariantViolation
@@ -39,12 +39,20 @@ def replay_abstract(bound: Bound | dict, steps: list[tuple], *, invariant: str |
                 raise InvariantViolation(inv_id, message)
         state = model.canonical(step.after_requests, step.after_pool)
         _check_state(model, state)
-    if invariant == "DEADLOCK" and not model.is_final(state):
-        if not any(model.canonical(s.after_requests, s.after_pool) != state for s in model.successors(state)):
-            raise InvariantViolation("DEADLOCK", "no enabled action leads anywhere from a state that is not final")
+    if invariant == "DEADLOCK":
+        after = (model.canonical(s.after_requests, s.after_pool) for s in _fair_successors(model, state))
+        others = [n for n in after if n != state]
+        if (message := deadlock(model, state, others)) is not None:
+            raise InvariantViolation("DEADLOCK", message)
     if invariant == "LIVE-DONE" and not _final_reachable(model, state):
         raise InvariantViolation("LIVE-DONE", "no final state is reachable from the end of the counterexample")
     return True
+
+
+def _fair_successors(model: AbstractModel, state: AState):
+    """The steps out of `state` other than environment events (never a way out under fairness: explore.py)."""
+    environment = model.spec.environment_events
+    return (s for s in model.successors(state) if not is_environment(s.action, environment))
 
 
 def _final_reachable(model: AbstractModel, start: AState) -> bool:
@@ -53,7 +61,7 @@ def _final_reachable(model: AbstractModel, start: AState) -> bool:
         state = queue.popleft()
         if model.is_final(state):
             return True
-        for step in model.successors(state):
+        for step in _fair_successors(model, state):
             nxt = model.canonical(step.after_requests, step.after_pool)
             if nxt not in seen:
                 seen.add(nxt)

@@ -6,7 +6,7 @@ invariant ids all come from the `Spec`; nothing is re-typed here except the inva
 which a test checks against the packaged spec):
 
 * ``format``: the line is a UTF-8 JSON object with exactly the keys of `TRACE_FIELDS`, in that order, each of
-  its documented type;
+  its documented type, read within `TRACE_LIMITS` (line length, file size, nesting, integer digits);
 * ``iteration``: `iteration` never decreases down the file;
 * ``capacity``: `gpu_capacity` is the same on every line (it is constant for a run);
 * ``stutter`` / ``edge``: `(event, from, to)` is an edge of the spec (``stutter`` when `from == to` and the spec
@@ -15,29 +15,35 @@ which a test checks against the packaged spec):
   validator holds for it (its previous `to`); a request in a terminal state takes no further line;
 * ``residency`` (RES-STATE): a request holds no block outside the tier its `to` state's residency names;
 * ``no-host-no-suspend`` (NO-HOST-NO-SUSPEND): with `host_capacity == 0`, no request is in a host-residency state;
-* ``conservation`` (CONS-GPU / CONS-HOST): per tier, `free + fenced + the line's request's blocks <= capacity`;
+* ``conservation`` (CONS-HOST / CONS-GPU), over all requests, from the trace alone: a request's host blocks change
+  only on its own lines, so the validator knows every request's count and checks the host law exactly,
+  `host_free + host_fenced + (host blocks of all requests) == host_capacity`; a request's GPU blocks grow between
+  its lines (decode steps allocate) and shrink only on its own lines, so its last count is a lower bound and the
+  GPU law is checked as `gpu_free + gpu_fenced + (GPU blocks of all requests, as last seen) <= gpu_capacity`;
 * ``generated`` (GEN-APPEND): a request's `generated` never decreases;
 * ``done-reason``: `done_reason` is non-null exactly when `to` is terminal, and is the reason the event records;
 * ``terminal`` (end of file, with `require_done`): every request ends in a terminal state.
 
 A report is a frozen value: `TraceReport.ok` is True when no rule was broken; otherwise `divergence` names the
-first broken rule with its line number. Unreadable input raises `TraceError` (exit code 2 in the CLI).
+first broken rule with its line number. A ``format`` divergence means the input is not a usable trace (the CLI
+exits 2 for it, as for a file it cannot open, which raises `TraceError`); every other rule means a well-formed
+trace departs from the spec (exit 1). An empty trace is vacuously valid here (`lines == 0`); the CLI refuses it.
 """
 
 from __future__ import annotations
 
-import json
 from collections import Counter
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from kvstate.errors import KVStateError
 from kvstate.spec import Spec, load_spec
 from kvstate.trace import TRACE_FIELDS
+from kvstate.untrusted import Limits, UntrustedFileError, iter_lines, open_binary, parse_json, shown
 
-
+# a trace line is about 300 bytes; request ids are the only free-form text
+TRACE_LIMITS = Limits(max_bytes=1 << 30, max_line_bytes=1 << 16, max_depth=2, max_int_digits=19)
 
 # rule names (stable: tests and tools match on them)
 FORMAT, ITERATION, CAPACITY, STUTTER, EDGE, FROM = "format", "iteration", "capacity", "stutter", "edge", "from"
@@ -50,8 +56,12 @@ RULES = (FORMAT, ITERATION, CAPACITY, STUTTER, EDGE, FROM, RESIDENCY, NO_HOST, C
 INVARIANT_IDS = ("RES-STATE", "NO-HOST-NO-SUSPEND", "CONS-GPU", "CONS-HOST", "GEN-APPEND")
 
 
-class TraceError(KVStateError):
-    """The trace cannot be read at all (missing file, a directory, no permission); nothing was validated."""
+class TraceError(UntrustedFileError):
+    """The trace cannot be used: it cannot be opened or read, is over a limit of `TRACE_LIMITS`, or a line is not
+    in the format of spec/TRACE.md. `line` and `field` locate the problem; `record` is the line's object when it
+    parsed as one."""
+
+    record: dict | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +86,12 @@ class Divergence:
         rule = f"{self.rule} ({self.invariant})" if self.invariant else self.rule
         lines = [f"line {self.line}: rule {rule} broken"]
         if self.request_id is not None:
-            lines.append(f"  request:  {self.request_id!r}")
+            lines.append(f"  request:  {shown(self.request_id)}")
         if self.expected is not None:
-            lines.append(f"  expected: state {self.expected!r}")
+            lines.append(f"  expected: state {shown(self.expected)}")
         if self.observed is not None:
-            event, source, dest = self.observed
-            lines.append(f"  observed: event {event!r}, from {source!r} to {dest!r}")
+            event, source, dest = map(shown, self.observed)
+            lines.append(f"  observed: event {event}, from {source} to {dest}")
         lines.append(f"  {self.message}")
         return "\n".join(lines)
 
@@ -102,22 +112,69 @@ class TraceReport:
         return self.divergence is None
 
 
-def validate_trace(source: str | Path | Iterable[str], spec: Spec | None = None, *,
-                   require_done: bool = True) -> TraceReport:
-    """Validate a trace file (a path) or its lines (an iterable of str) against `spec` (default: packaged).
+def validate_trace(source: str | Path | Iterable[str | bytes], spec: Spec | None = None, *,
+                   require_done: bool = True, limits: Limits = TRACE_LIMITS) -> TraceReport:
+    """Validate a trace file (a path) or its lines (an iterable of str or bytes) against `spec` (default: packaged).
 
-    Stops at the first divergence. Raises `TraceError` when a path cannot be opened or read.
+    Stops at the first divergence; a line over `limits` is a ``format`` divergence at that line. Raises
+    `TraceError` when a path cannot be opened.
     """
     spec = spec if spec is not None else load_spec()
     if isinstance(source, (str, Path)):
-        path = Path(source)
-        try:
-            with path.open("rb") as handle:
-                return _Validator(spec, str(path)).run(handle, require_done)
-        except OSError as err:
-            raise TraceError(f"cannot read trace file {path}: {err.strerror or err}; pass the path of an NDJSON "
-                             "trace written with EngineConfig(trace_path=...) or `kvstate demo --trace`") from err
-    return _Validator(spec, "<lines>").run(source, require_done)
+        with open_trace(source) as handle:
+            return _Validator(spec, str(source), limits).run(trace_lines(handle, limits, path=source), require_done)
+    return _Validator(spec, "<lines>", limits).run(enumerate(source, 1), require_done)
+
+
+def open_trace(path: str | Path):
+    """`path` opened for `trace_lines`; raises `TraceError` (missing, a directory, no permission)."""
+    return open_binary(path, "trace file", TraceError)
+
+
+def trace_lines(handle, limits: Limits = TRACE_LIMITS, *, path: str | Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of each line of an open trace, within `limits` (else `TraceError` naming the line)."""
+    return iter_lines(handle, limits, "trace", path=path, error=TraceError)
+
+
+def parse_line(raw: str | bytes, number: int, *, path: str | Path | None = None,
+               limits: Limits = TRACE_LIMITS) -> dict:
+    """One trace line as an object with exactly the fields of spec/TRACE.md, in order, each of its type.
+
+    Raises `TraceError` naming the line and the field (with `record` set once the line parsed as an object).
+    """
+    if len(raw) > limits.max_line_bytes:
+        raise TraceError(f"the line is longer than {limits.max_line_bytes} bytes; a trace line is far shorter",
+                         path=path, line=number)
+    line = parse_json(raw, limits, "trace line", path=path, line=number, error=TraceError)
+
+    def refuse(message: str, field: str | None = None) -> TraceError:
+        err = TraceError(message, path=path, line=number, field=field)
+        err.record = line if isinstance(line, dict) else None
+        return err
+
+    if not isinstance(line, dict):
+        raise refuse(f"the line is a JSON {type(line).__name__}, not an object; each line must be one object with "
+                     "the fields of spec/TRACE.md")
+    missing = [f for f in TRACE_FIELDS if f not in line]
+    if missing:
+        raise refuse(f"is missing (missing fields: {', '.join(missing)}); every line has all the fields of "
+                     "spec/TRACE.md", missing[0])
+    extra = [f for f in line if f not in TRACE_FIELDS]
+    if extra:
+        raise refuse("is not a trace field; remove it or update spec/TRACE.md and the validator together",
+                     extra[0] if len(extra[0]) <= 40 else extra[0][:40] + "...")
+    if tuple(line) != TRACE_FIELDS:
+        first = next(f for f, want in zip(line, TRACE_FIELDS) if f != want)
+        raise refuse(f"is out of order; keys come in the order {', '.join(TRACE_FIELDS)}", first)
+    for field in TRACE_FIELDS:
+        types, what, minimum = _TYPES.get(field, _COUNT)
+        value = line[field]
+        bad = isinstance(value, bool) or not isinstance(value, types)
+        if not bad and minimum is not None and value < minimum:
+            bad = True
+        if bad:
+            raise refuse(f"is {shown(value)}; it must be {what}", field)
+    return line
 
 
 _NULL = type(None)
@@ -142,9 +199,10 @@ class _Stop(Exception):
 class _Validator:
     """Holds per-request state while reading one trace; see the module docstring for the rules."""
 
-    def __init__(self, spec: Spec, source: str) -> None:
+    def __init__(self, spec: Spec, source: str, limits: Limits) -> None:
         self.spec = spec
         self.source = source
+        self.limits = limits
         self.edges = {(t.event, t.source, t.dest): t for t in spec.transitions}
         self.terminal = frozenset(spec.terminal_states)
         self.host_states = frozenset(spec.states_with_residency("host"))
@@ -155,19 +213,26 @@ class _Validator:
         self.last_line: dict[Hashable, int] = {}
         self.generated: dict[Hashable, int] = {}
         self.host_held: set[Hashable] = set()
+        # per tier: request id -> its blocks as of its last line (requests holding none are left out), and the sum
+        self.blocks: dict[str, dict[Hashable, int]] = {"gpu": {}, "host": {}}
+        self.total = {"gpu": 0, "host": 0}
         self.counts: Counter[str] = Counter()
         self.iteration = 0
         self.gpu_capacity: int | None = None
         self.lines = 0
 
-    def run(self, lines: Iterable[str | bytes], require_done: bool) -> TraceReport:
+    def run(self, lines: Iterable[tuple[int, str | bytes]], require_done: bool) -> TraceReport:
         divergence = None
         try:
-            for number, raw in enumerate(lines, 1):
-                if not raw.strip():
-                    continue
-                self.lines += 1
-                self.check_line(number, raw)
+            try:
+                for number, raw in lines:
+                    if not raw.strip():
+                        continue
+                    self.lines += 1
+                    self.check_line(number, raw)
+            except TraceError as err:  # a line over the limits or not in the trace format
+                where = f"field {err.field!r} " if err.field else ""
+                raise self.fail(err.line or self.lines, FORMAT, where + err.detail, line=err.record) from None
             if require_done:
                 self.check_end()
         except _Stop as stop:
@@ -189,44 +254,8 @@ class _Validator:
                 expected = self.state.get(rid, self.spec.initial)
         return _Stop(Divergence(number, rid, rule, invariant, expected, observed, message))
 
-    def parse(self, number: int, raw: str | bytes) -> dict:
-        try:
-            text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-            line = json.loads(text)
-        except UnicodeDecodeError as err:
-            raise self.fail(number, FORMAT, f"the line is not UTF-8 ({err.reason} at byte {err.start}); "
-                            "a trace is UTF-8 NDJSON, check what wrote this file") from None
-        except json.JSONDecodeError as err:
-            raise self.fail(number, FORMAT, f"the line is not JSON ({err.msg} at column {err.colno}); each line "
-                            "must be one JSON object ending in a newline — was the file truncated or two writers "
-                            "interleaved?") from None
-        if not isinstance(line, dict):
-            raise self.fail(number, FORMAT, f"the line is a JSON {type(line).__name__}, not an object; each line "
-                            "must be one object with the fields of spec/TRACE.md")
-        missing = [f for f in TRACE_FIELDS if f not in line]
-        if missing:
-            raise self.fail(number, FORMAT, f"field {missing[0]!r} is missing (missing: {', '.join(missing)}); "
-                            "every line has all the fields of spec/TRACE.md", line=line)
-        extra = [f for f in line if f not in TRACE_FIELDS]
-        if extra:
-            raise self.fail(number, FORMAT, f"field {extra[0]!r} is not a trace field; remove it or update "
-                            "spec/TRACE.md and the validator together", line=line)
-        if tuple(line) != TRACE_FIELDS:
-            first = next(f for f, want in zip(line, TRACE_FIELDS) if f != want)
-            raise self.fail(number, FORMAT, f"field {first!r} is out of order; keys come in the order "
-                            f"{', '.join(TRACE_FIELDS)}", line=line)
-        for field in TRACE_FIELDS:
-            types, what, minimum = _TYPES.get(field, _COUNT)
-            value = line[field]
-            bad = isinstance(value, bool) or not isinstance(value, types)
-            if not bad and minimum is not None and value < minimum:
-                bad = True
-            if bad:
-                raise self.fail(number, FORMAT, f"field {field!r} is {value!r}; it must be {what}", line=line)
-        return line
-
     def check_line(self, number: int, raw: str | bytes) -> None:
-        line = self.parse(number, raw)
+        line = parse_line(raw, number, path=None if self.source == "<lines>" else self.source, limits=self.limits)
         rid, event, source, dest = line["request_id"], line["event"], line["from"], line["to"]
         spec = self.spec
         held = self.state.get(rid, spec.initial)
@@ -265,18 +294,24 @@ class _Validator:
         host_held = (self.host_held | {rid}) if dest in self.host_states else (self.host_held - {rid})
         if line["host_capacity"] == 0 and host_held:
             who = rid if rid in host_held else min(host_held, key=repr)
-            raise self.fail(number, NO_HOST, f"host_capacity is 0 (no host tier) but request {who!r} is in a host "
+            raise self.fail(number, NO_HOST, f"host_capacity is 0 (no host tier) but request {shown(who)} is in a host "
                             "state; without a host tier every eviction must be a recompute-pause, and a tier that "
                             "goes away must first drop its copies (lose_host_copy)",
                             line=line, invariant=self.invariant["NO-HOST-NO-SUSPEND"])
 
-        for tier, inv in (("gpu", "CONS-GPU"), ("host", "CONS-HOST")):
-            free, fenced, held_blocks, cap = (line[f"{tier}_{k}"] for k in ("free", "fenced", "blocks", "capacity"))
-            if free + fenced + held_blocks > cap:
-                raise self.fail(number, CONSERVATION, f"{tier} tier: free {free} + fenced {fenced} + this "
-                                f"request's {held_blocks} = {free + fenced + held_blocks} > capacity {cap}; a block "
-                                "is counted twice (leaked fence or double free?)", line=line,
-                                invariant=self.invariant[inv])
+        totals = {}
+        for tier, inv in (("host", "CONS-HOST"), ("gpu", "CONS-GPU")):
+            free, fenced, mine, cap = (line[f"{tier}_{k}"] for k in ("free", "fenced", "blocks", "capacity"))
+            held = totals[tier] = self.total[tier] - self.blocks[tier].get(rid, 0) + mine
+            counted = free + fenced + held
+            if counted > cap or (tier == "host" and counted != cap):
+                exact = tier == "host"
+                raise self.fail(number, CONSERVATION, f"{tier} tier: free {free} + fenced {fenced} + blocks held by "
+                                f"all requests {held}{'' if exact else ' (at least)'} (this request's {mine}) = "
+                                f"{counted} {'!=' if exact else '>'} capacity {cap}; "
+                                + ("a block is counted twice (leaked fence or double free?)" if counted > cap else
+                                   "blocks went missing (a leak, or a request's block count is wrong)"),
+                                line=line, invariant=self.invariant[inv])
 
         before = self.generated.get(rid, 0)
         if line["generated"] < before:
@@ -287,11 +322,11 @@ class _Validator:
         reason = line["done_reason"]
         if (reason is not None) != (dest in self.terminal):
             where = "a terminal" if dest in self.terminal else "a non-terminal"
-            raise self.fail(number, DONE_REASON, f"done_reason is {reason!r} on a line into {where} state "
+            raise self.fail(number, DONE_REASON, f"done_reason is {shown(reason)} on a line into {where} state "
                             f"{dest!r}; it is non-null exactly when the request ends", line=line)
         allowed = {transition.done_reason} if transition.done_reason else self.reasons
         if reason is not None and reason not in allowed:
-            raise self.fail(number, DONE_REASON, f"done_reason {reason!r} cannot end a request by {event!r}; "
+            raise self.fail(number, DONE_REASON, f"done_reason {shown(reason)} cannot end a request by {event!r}; "
                             f"expected one of {', '.join(sorted(allowed))}", line=line)
 
         self.iteration = line["iteration"]
@@ -300,15 +335,21 @@ class _Validator:
         self.last_line[rid] = number
         self.generated[rid] = line["generated"]
         self.host_held = host_held
+        for tier, held in totals.items():
+            self.total[tier] = held
+            if line[f"{tier}_blocks"]:
+                self.blocks[tier][rid] = line[f"{tier}_blocks"]
+            else:
+                self.blocks[tier].pop(rid, None)
         self.counts[event] += 1
 
     def _edge_message(self, event: str, source: str, dest: str) -> str:
         spec = self.spec
         if event not in spec.event_by_name:
-            return f"event {event!r} is not in the spec; events are {', '.join(spec.event_by_name)}"
+            return f"event {shown(event)} is not in the spec; events are {', '.join(spec.event_by_name)}"
         for name in (source, dest):
             if name not in spec.state_by_name:
-                return f"state {name!r} is not in the spec; states are {', '.join(spec.state_by_name)}"
+                return f"state {shown(name)} is not in the spec; states are {', '.join(spec.state_by_name)}"
         allowed = [f"{t.source} -> {t.dest}" for t in spec.event_by_name[event].transitions]
         kind = "declares no self-loop" if source == dest else "has no edge"
         return (f"the spec {kind} {source} -> {dest} on {event!r}; its edges for {event!r} are "
@@ -323,7 +364,7 @@ class _Validator:
         state = self.state[rid]
         raise _Stop(Divergence(
             self.last_line[rid], rid, TERMINAL, None, state, None,
-            f"the trace ends with request {rid!r} in {state!r} (its last line; {len(open_requests)} request(s) not "
+            f"the trace ends with request {shown(rid)} in {state!r} (its last line; {len(open_requests)} request(s) not "
             f"in a terminal state {', '.join(sorted(self.terminal))}); the run was cut short or lines are missing — "
             "pass --no-require-done to validate a partial trace",
         ))

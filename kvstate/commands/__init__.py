@@ -3,6 +3,6 @@
 A registered subparser sets `run=<callable(args) -> int>` as its default.
 """
 
-from kvstate.commands import bench, check, demo, diagram, report, soak, spec_summary, validate
+from kvstate.commands import bench, check, demo, diagram, generate, report, soak, spec_summary, validate
 
-ALL = (bench, check, demo, diagram, report, soak, spec_summary, validate)
+ALL = (bench, check, demo, diagram, generate, report, soak, spec_summary, validate)

@@ -1,8 +1,9 @@
 """`kvstate bench`: measure migration bandwidth, lifecycle/scheduler overhead and end-to-end throughput, each as
 a ratio to a baseline measured side by side in the same run; print a table, optionally write JSON and PNGs.
 
-torch, transformers and matplotlib are imported inside `_run` (via `kvstate.bench`), so `import kvstate` never
-imports them.
+Options and output paths are checked first; torch, transformers and matplotlib are imported only then (via
+`kvstate.bench`), so `import kvstate` never imports them and a usage error takes well under a second. The
+groups run one after another under a progress display; the table fits the terminal's width.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ import platform
 import sys
 import time
 
-TABLE_WIDTH = 180
+from kvstate.bench import GROUPS
+from kvstate.commands.args import UsageError, device_name, non_negative_int, output_dir, output_file
+
+TORCH_GROUPS = ("migration", "end-to-end", "lifecycle")  # the groups of `kvstate.bench.run_all` that run on a torch device
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,46 +30,76 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--quick", action="store_true", help="CI-sized runs (seconds, not minutes; noisier)")
     p.add_argument("--json", metavar="PATH", help="write every figure and its raw data as JSON")
-    p.add_argument("--plots", metavar="DIR", help="write PNG plots (needs matplotlib)")
-    p.add_argument("--only", action="append", choices=("migration", "overhead", "end-to-end"),
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots")
+    p.add_argument("--only", action="append", choices=GROUPS,
                    help="run only this group (repeatable; default: all)")
-    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu or cuda (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of every workload and shuffle (default %(default)s)")
+    p.add_argument("--device", type=device_name, default=None,
+                   help="auto (CUDA if available), cpu, cuda or cuda:N for the migration and end-to-end groups "
+                        "(default auto)")
+    p.add_argument("--seed", type=non_negative_int("seed"), default=0,
+                   help="seed of every workload and shuffle (default %(default)s)")
     p.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    groups = tuple(g for g in GROUPS if g in args.only) if args.only else GROUPS
+    if args.device is not None and not set(groups) & set(TORCH_GROUPS):
+        raise UsageError(f"--device does not apply to --only {' '.join(groups)} (pure Python); drop --device")
+    json_path = output_file(args.json, "--json") if args.json else None
+    plots_dir = output_dir(args.plots, "--plots") if args.plots else None
+
     from rich.console import Console
 
-    from kvstate.bench import GROUPS, run_all
+    from kvstate.bench import run_all
     from kvstate.bench.table import document, render_table, write_json
 
+    device = _resolve(args.device or "auto") if set(groups) & set(TORCH_GROUPS) else "none (pure Python)"
     console = Console(file=sys.stdout)
-    if console.width < TABLE_WIDTH:
-        console = Console(file=sys.stdout, width=TABLE_WIDTH)  # a pipe or a narrow terminal: keep rows on one line
-    groups = tuple(args.only) if args.only else GROUPS
     started = time.perf_counter()
-    try:
-        sections = run_all(quick=args.quick, device=args.device, seed=args.seed, groups=groups)
-    except ValueError as err:
-        print(f"kvstate bench: error: {err}", file=sys.stderr)
-        return 2
+    sections = _run_groups(console, groups, quick=args.quick, device=device, seed=args.seed, run_all=run_all)
     wall = time.perf_counter() - started
     meta = {"command": "kvstate bench" + (" --quick" if args.quick else ""), "quick": args.quick, "seed": args.seed,
-            "device": args.device, "groups": list(groups), "python": platform.python_version(),
+            "device": device, "groups": list(groups), "python": platform.python_version(),
             "machine": platform.machine(), "wall_s": round(wall, 1), **_versions()}
-    console.print(render_table(sections, f"kvstate bench{' --quick' if args.quick else ''}: ratios measured side "
-                                         "by side in one run (medians of interleaved repeats)"))
+    console.print(render_table(sections, f"kvstate bench{' --quick' if args.quick else ''} on {device}: ratios "
+                                         "measured side by side in one run (medians of interleaved repeats)"))
     console.print(f"{meta['torch']}, {meta['cpu_threads']} cpu threads for torch = 1; wall time {wall:.1f} s; "
                   "↑/↓: which direction of the ratio is better")
-    if args.json:
-        console.print(f"json: {write_json(document(sections, meta), args.json)}", soft_wrap=True)
-    if args.plots:
+    if json_path is not None:
+        console.print(f"json: {write_json(document(sections, meta), json_path)}", soft_wrap=True)
+    if plots_dir is not None:
         from kvstate.bench.plots import write_plots
 
-        for path in write_plots(sections, args.plots):
+        for path in write_plots(sections, plots_dir):
             console.print(f"plot: {path}", soft_wrap=True)
     return 0
+
+
+def _resolve(device: str) -> str:
+    """The device the torch groups will run on (`cpu`, `cuda`, `cuda:N`); a usage error when it is not usable."""
+    from executor import resolve_device
+
+    try:
+        return str(resolve_device(device))
+    except ValueError as err:
+        raise UsageError(f"--device {device}: {err}") from None
+
+
+def _run_groups(console, groups: tuple[str, ...], *, run_all, **options) -> list:
+    """Run each group in turn (`kvstate.bench.run_all`) under a spinner that names it and shows elapsed time."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    sections = []
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        for n, group in enumerate(groups, 1):
+            task = progress.add_task(f"group {n}/{len(groups)}: {group} on {options['device']}", total=None)
+            try:
+                sections += run_all(groups=(group,), **options)
+            except ValueError as err:
+                raise UsageError(str(err)) from None
+            progress.remove_task(task)
+    return sections
 
 
 def _versions() -> dict:

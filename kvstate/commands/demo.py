@@ -10,7 +10,8 @@ also writes a visual run report of the trace (`kvstate report`).
 `--inject KIND[:RATE]` (repeatable) injects seeded faults (`executor.faults`): failed copies, corrupt host copies
 (caught by checksums, on unless `--no-checksums`), host-tier allocation failure or loss. The run must still pass.
 
-torch and `executor` are imported inside `_run`, so `import kvstate` never imports torch.
+Every option and output path is checked before torch and `executor` are imported (inside `_run`, so `import
+kvstate` never imports torch): a usage error is one line, exit status 2, in well under a second.
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ import sys
 import time
 from pathlib import Path
 
+from kvstate.commands.args import UsageError, device_name, non_negative_int, output_dir, output_file, positive_int
+from kvstate.commands.inject import check_fault_plan
+
 DEFAULTS = {"requests": 48, "gpu_blocks": 32, "host_blocks": 16, "block_size": 8, "chunk_size": 64, "seed": 0,
             "trace": "kvstate-trace.ndjson", "device": "auto", "dtype": "float64"}
+MIN_REQUEST_TOKENS = 2  # the smallest demo request: a 1-token prompt and 1 new token
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,16 +36,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Run a seeded workload through the real executor (paged KV cache, tiny Llama model) with a GPU "
                     "tier small enough to force suspensions and a host tier too small to take every victim, so some "
                     "are recompute-paused and replayed; then check every output against its unpressured reference. "
-                    "Exit status 1 if any output differs or a block leaked.",
+                    "Exit status 1 if any output differs or a block leaked, 2 on a usage error.",
     )
     options = [
         ("--requests", int, "number of requests"),
-        ("--gpu-blocks", int, "GPU tier blocks"),
-        ("--host-blocks", int, "host tier blocks, 0 = no host tier"),
-        ("--block-size", int, "tokens per block"),
-        ("--chunk-size", int, "prefill chunk size in tokens"),
-        ("--device", str, "auto (CUDA if available), cpu or cuda"),
-        ("--seed", int, "workload, weights and sampling seed"),
+        ("--gpu-blocks", positive_int("gpu_blocks"), "GPU tier blocks"),
+        ("--host-blocks", non_negative_int("host_blocks"), "host tier blocks, 0 = no host tier"),
+        ("--block-size", positive_int("block_size"), "tokens per block"),
+        ("--chunk-size", positive_int("chunk_size"), "prefill chunk size in tokens"),
+        ("--device", device_name, "auto (CUDA if available), cpu, cuda or cuda:N"),
+        ("--seed", non_negative_int("seed"), "workload, weights and sampling seed"),
         ("--trace", str, "lifecycle trace file, NDJSON (spec/TRACE.md)"),
     ]
     for flag, kind, text in options:
@@ -48,26 +53,54 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument(flag, type=kind, default=DEFAULTS[key], help=f"{text} (default %(default)s)")
     p.add_argument("--inject", action="append", default=[], metavar="KIND[:RATE]",
                    help="inject a fault (host_alloc, copy_to_host, copy_to_gpu, corrupt_host, host_loss) with a "
-                        "probability per opportunity, or as KIND@ITERATION,...; repeat for several kinds")
+                        "probability per opportunity, or as KIND@ITERATION,...; repeat for several kinds "
+                        "(single process only: refused with --pp)")
     p.add_argument("--no-checksums", action="store_true",
                    help="do not checksum suspended blocks (an injected corrupt_host then garbles outputs)")
     p.add_argument("--dtype", default=DEFAULTS["dtype"], choices=("float64", "float32"),
                    help="model and cache dtype; float64 keeps greedy argmax immune to batching rounding "
                         "(default %(default)s)")
-    p.add_argument("--pp", type=int, default=1, metavar="N",
+    p.add_argument("--pp", type=positive_int("pp"), default=1, metavar="N",
                    help="pipeline stages, run as N spawned local ranks; 1 = single process (default %(default)s)")
     p.add_argument("--report", metavar="DIR", default=None,
                    help="also write a visual run report of the trace (timeline, occupancy, diagram, HTML) into DIR")
     p.set_defaults(run=_run)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse what cannot apply, and every unwritable output path, before torch is imported."""
+    if args.requests <= 0:
+        raise UsageError(f"--requests must be positive, got {args.requests}")  # the wording of `kvstate soak`
+    if args.pp > 1 and args.inject:
+        raise UsageError(f"--inject is not supported with --pp {args.pp}: faults are injected by the "
+                         "single-process engine only; drop --pp to inject faults, or drop --inject")
+    if args.pp > 1 and args.no_checksums:
+        raise UsageError(f"--no-checksums is not supported with --pp {args.pp}: pipeline stages do not "
+                         "checksum host copies; drop one of the two options")
+    capacity = args.gpu_blocks * args.block_size
+    if capacity < MIN_REQUEST_TOKENS:
+        raise UsageError(f"the GPU tier holds {capacity} token(s) (--gpu-blocks {args.gpu_blocks} x --block-size "
+                         f"{args.block_size}); the smallest request needs {MIN_REQUEST_TOKENS}: raise either")
+    check_fault_plan(args.inject, args.seed)
+    output_file(args.trace, "--trace")
+    if args.report is not None:
+        output_dir(args.report, "--report")
+
+
 def _run(args: argparse.Namespace) -> int:
+    check_args(args)
     import torch
 
+    from executor import resolve_device
+
+    try:
+        device = resolve_device(args.device)
+    except ValueError as err:
+        raise UsageError(f"--device {args.device}: {err}") from None
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model's ops are microseconds long: intra-op threads only add barriers
     try:
-        return _demo(args)
+        return _pipeline_demo(args, device.type) if args.pp > 1 else _demo(args)
     finally:
         torch.set_num_threads(threads)
 
@@ -80,14 +113,6 @@ def _demo(args: argparse.Namespace) -> int:
 
     console = Console(file=sys.stdout)
     errors = Console(file=sys.stderr)
-    if args.requests <= 0:
-        errors.print(f"kvstate demo: error: --requests must be positive, got {args.requests}")
-        return 2
-    if args.pp < 1:
-        errors.print(f"kvstate demo: error: --pp must be at least 1 stage, got {args.pp}")
-        return 2
-    if args.pp > 1:
-        return _pipeline_demo(args, console, errors)
     try:
         faults = FaultPlan.parse(args.inject, seed=args.seed) if args.inject else None
         config = EngineConfig(device=args.device, dtype=args.dtype, gpu_blocks=args.gpu_blocks,
@@ -97,11 +122,11 @@ def _demo(args: argparse.Namespace) -> int:
                               verify_host_checksums=not args.no_checksums)
         engine = Engine(config)
     except (ValueError, OSError) as err:
-        errors.print(f"kvstate demo: error: {err}", markup=False)
-        return 2
+        raise UsageError(str(err)) from None
     with engine:
+        capacity = args.gpu_blocks * args.block_size
         work = random_workload(args.requests, args.seed, DEMO_PROMPT_LEN, DEMO_MAX_NEW_TOKENS,
-                               vocab=engine.model.config.vocab_size, max_tokens=args.gpu_blocks * args.block_size)
+                               vocab=engine.model.config.vocab_size, max_tokens=capacity)
         for prompt, new in work:
             engine.add_request(prompt, new)
         host = "none" if not args.host_blocks else f"{args.host_blocks} blocks"
@@ -110,6 +135,7 @@ def _demo(args: argparse.Namespace) -> int:
         console.print(f"[bold]kvstate demo[/bold]: {args.requests} requests on {engine.device} "
                       f"({str(engine.model.dtype).removeprefix('torch.')}), GPU tier {args.gpu_blocks} blocks x "
                       f"{args.block_size} tokens, host tier {host}")
+        _note_capped(console, capacity)
         started = time.perf_counter()
         peak = _run_with_progress(engine, console)
         wall = time.perf_counter() - started
@@ -123,22 +149,55 @@ def _demo(args: argparse.Namespace) -> int:
     console.print(_table("Requests per state", ("state", "peak", "final"),
                          [(state, peak[state], final.get(state, 0)) for state in peak]))
     console.print(_table("Summary", ("metric", "value"), _summary_rows(engine, wall, check_time)))
+    _note_no_pressure(console, engine.totals.suspensions + engine.totals.recompute_pauses)
     traces = [(engine.trace.path, engine.trace.lines)] if engine.trace is not None else []
     return _verdict(console, errors, args, traces, leaked, differ, len(outputs))
 
 
-def _pipeline_demo(args: argparse.Namespace, console, errors) -> int:
+def _note_capped(console, capacity: int) -> None:
+    """Say so when the demo's requests are clipped to fit the GPU tier alone (`random_workload(max_tokens=)`)."""
+    from executor.checks import DEMO_MAX_NEW_TOKENS, DEMO_PROMPT_LEN
+
+    largest = DEMO_PROMPT_LEN[1] + DEMO_MAX_NEW_TOKENS[1]
+    if capacity < largest:
+        console.print(f"[yellow]note[/yellow]: the GPU tier holds {capacity} tokens, so each request is capped "
+                      f"at {capacity} tokens (prompt + new; up to {largest} otherwise) to fit it alone")
+
+
+def _note_no_pressure(console, preemptions: int) -> None:
+    if not preemptions:
+        console.print("[yellow]note[/yellow]: no request was suspended or recompute-paused, so this run did not "
+                      "exercise preemption; use more --requests or a GPU tier that holds several requests but "
+                      "not all of them")
+
+
+def _pipeline_demo(args: argparse.Namespace, device: str) -> int:
     """`--pp N`: the same workload on N spawned pipeline stages (`executor.pipeline`), same tables and verdict."""
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from executor import EngineConfig
     from executor.pipeline.demo import run_pp_demo
 
-    try:
-        summary = run_pp_demo(stages=args.pp, requests=args.requests, gpu_blocks=args.gpu_blocks,
-                              host_blocks=args.host_blocks, block_size=args.block_size, chunk_size=args.chunk_size,
-                              seed=args.seed, device=args.device, dtype=args.dtype, trace=args.trace)
-    except (ValueError, OSError) as err:
-        errors.print(f"kvstate demo: error: {err}", markup=False)
-        return 2
+    console = Console(file=sys.stdout)
+    errors = Console(file=sys.stderr)
+    layers = EngineConfig().model.num_layers
+    if args.pp > layers:
+        raise UsageError(f"--pp {args.pp}: the demo model has {layers} layers and every pipeline stage needs at "
+                         f"least one; use --pp between 1 and {layers}")
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        progress.add_task(f"{args.requests} requests on {args.pp} pipeline stages ({device}): starting ranks, "
+                          "running, then checking every output against the oracle", total=None)
+        try:
+            summary = run_pp_demo(stages=args.pp, requests=args.requests, gpu_blocks=args.gpu_blocks,
+                                  host_blocks=args.host_blocks, block_size=args.block_size,
+                                  chunk_size=args.chunk_size, seed=args.seed, device=device, dtype=args.dtype,
+                                  trace=args.trace)
+        except (ValueError, OSError) as err:
+            raise UsageError(str(err)) from None
     console.print(summary.header)
+    _note_capped(console, args.gpu_blocks * args.block_size)
     console.print(_table("Requests per state", ("state", "peak", "final"), summary.state_rows))
     console.print(_table("Summary", ("metric", "value"), summary.summary_rows))
     return _verdict(console, errors, args, summary.traces, summary.leaked_blocks, list(summary.differ),

@@ -1,8 +1,10 @@
 """`kvstate diagram`: write the diagrams generated from the spec, or check the committed ones.
 
-Writes `lifecycle.dot`, `lifecycle.mmd`, `transitions.md` and, where Graphviz `dot` is installed,
-`lifecycle.svg`. `--check` compares only the byte-stable text sources: it writes nothing, prints a unified
-diff per file that differs (a missing file differs) and exits 1 when any does, 0 when all match.
+Writes `lifecycle.dot`, `lifecycle.mmd`, `transitions.md`, `lifecycle-review.dot` (the reviewer view: who
+decides each edge, which output list it feeds) and, where Graphviz `dot` is installed, `lifecycle.svg` and
+`lifecycle-review.svg` (`dot` is stopped after --dot-timeout seconds). `--check` compares only the byte-stable
+text sources: it writes nothing, prints a unified diff per file that differs (a missing file differs) and exits 1
+when any does, 0 when all match.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import argparse
 import difflib
 from pathlib import Path
 
-from kvstate.diagrams import DOT_FILE, DOT_MISSING, SVG_FILE, render_sources, render_svg
+from kvstate.commands.args import input_file, output_dir, positive_float
+from kvstate.diagrams import DOT_MISSING, DOT_TIMEOUT_S, SVG_FILES, render_sources, render_svg
 from kvstate.errors import KVStateError
 from kvstate.spec import load_spec
 
@@ -32,26 +35,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="write nothing; diff the text sources in --out against the spec and exit 1 if any differ",
     )
+    parser.add_argument("--all-edges", action="store_true",
+                        help="draw every transition as its own arrow (default: a broadcast event such as cancel is "
+                             "one arrow from 'any state'); the committed diagrams use the default")
+    parser.add_argument("--dot-timeout", type=positive_float, default=DOT_TIMEOUT_S, metavar="SECONDS",
+                        help="stop Graphviz `dot` after this long (default %(default)g s)")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    sources = render_sources(load_spec(args.spec))
+    spec_path = input_file(args.spec, "--spec") if args.spec is not None else None
+    if not args.check:
+        output_dir(args.out, "--out")
+    sources = render_sources(load_spec(spec_path), all_edges=args.all_edges)
     if args.check:
         return check(sources, args.out)
-    write(sources, args.out)
+    write(sources, args.out, args.dot_timeout)
     return 0
 
 
-def write(sources: dict[str, str], out: Path) -> None:
-    """Write every text source, then the SVG where `dot` is installed; one line per file written."""
+def write(sources: dict[str, str], out: Path, dot_timeout: float = DOT_TIMEOUT_S) -> None:
+    """Write every text source, then each DOT source's SVG where `dot` is installed; one line per file."""
     for name, text in sources.items():
         write_file(out / name, text.encode("utf-8"))
-    svg = render_svg(sources[DOT_FILE])
-    if svg is None:
-        print(f"skipped {out / SVG_FILE}: {DOT_MISSING}")
-    else:
-        write_file(out / SVG_FILE, svg)
+    for dot_file, svg_file in SVG_FILES.items():
+        svg = render_svg(sources[dot_file], timeout=dot_timeout)
+        if svg is None:
+            print(f"skipped {out / svg_file}: {DOT_MISSING}")
+        else:
+            write_file(out / svg_file, svg)
 
 
 def write_file(path: Path, content: bytes) -> None:

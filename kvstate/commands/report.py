@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvstate.commands.args import input_file, output_dir
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -20,15 +22,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("trace", help="trace file (NDJSON)")
     p.add_argument("--out", default="kvstate-report", help="output directory (default %(default)s)")
     p.add_argument("--spec", default=None, help="specification file the trace was produced with (default: bundled)")
+    p.add_argument("--all-edges", action="store_true",
+                   help="draw every transition as its own arrow (default: a broadcast event is one arrow)")
     p.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    trace = input_file(args.trace, "TRACE")
+    out = output_dir(args.out, "--out")
+    spec_path = input_file(args.spec, "--spec") if args.spec is not None else None
+
+    from rich.console import Console
+
     from kvstate.report import write_report
     from kvstate.spec import load_spec
 
-    spec = load_spec(args.spec) if args.spec else None
-    result = write_report(args.trace, args.out, spec=spec)
+    spec = load_spec(spec_path) if spec_path is not None else None
+    with Console(stderr=True).status(f"drawing the report of {trace} into {out}"):  # a spinner on a terminal only
+        result = write_report(trace, out, spec=spec, all_edges=args.all_edges)
     s = result.summary
     print(f"kvstate report: {len(s.requests)} requests, {s.lines} transitions, iterations "
           f"{s.first_iteration}-{s.last_iteration}")

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
+from kvstate.commands.args import device_name
+from kvstate.commands.inject import check_fault_plan
 from kvstate.errors import KVStateError
 
 DEFAULT_FAULTS = ("copy_to_host:0.05", "copy_to_gpu:0.05", "corrupt_host:0.05")
@@ -228,7 +230,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ("--chunk-size", int, "prefill chunk size in tokens"),
         ("--arrival-rate", float, "mean request arrivals per iteration"),
         ("--cancel-rate", float, "share of requests cancelled at a random time after arrival"),
-        ("--device", str, "cpu, cuda or auto"),
+        ("--device", device_name, "cpu, cuda, cuda:N or auto"),
     ]
     for flag, kind, text in options:
         key = flag[2:].replace("-", "_")
@@ -251,17 +253,16 @@ def settings_from_args(args: argparse.Namespace) -> SoakSettings:
 
 
 def _run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)  # every setting and --inject checked before torch is imported
+    check_fault_plan(settings.faults, settings.seed)
     import torch
 
-    from executor import FaultPlan
+    from executor import resolve_device
 
-    errors = sys.stderr
     try:
-        settings = settings_from_args(args)
-        FaultPlan.parse(settings.faults, seed=settings.seed)  # refuse a bad --inject before building anything
+        resolve_device(settings.device)
     except ValueError as err:
-        print(f"kvstate soak: error: {err}", file=errors)
-        return 2
+        raise SoakError(f"--device {settings.device}: {err}") from None
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model's ops are microseconds long: intra-op threads only add barriers
     try:

@@ -1,19 +1,21 @@
 """`kvstate validate TRACE`: check a lifecycle trace (spec/TRACE.md) against the specification.
 
-Exit codes: 0 the trace is valid, 1 it diverges from the spec (the first divergent line is printed: line number,
-request, expected vs observed state, the rule and its invariant id), 2 the trace or spec cannot be read.
+Exit codes: 0 the trace is valid; 1 it diverges from the spec (the first divergent line is printed: line number,
+request, expected vs observed state, the rule and its invariant id); 2 the input is unusable: the trace cannot be
+read, is empty, or a line is not a trace line (malformed JSON, a missing or mistyped field, a line or file over the
+reader's limits: rule `format`, printed as UNUSABLE with its line), or the spec cannot be read.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.table import Table
+if TYPE_CHECKING:  # the checker and rich are imported when the command runs: `kvstate --help` stays fast
+    from rich.table import Table
 
-from kvstate.checker.trace import TraceReport, validate_trace
-from kvstate.spec import load_spec
+    from kvstate.checker.trace import TraceReport
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,19 +31,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+
+    from kvstate.checker.trace import FORMAT, TraceError, validate_trace
+    from kvstate.spec import load_spec
+
     spec = load_spec(args.spec)
     report = validate_trace(args.trace, spec, require_done=args.require_done)
     console = Console(highlight=False, soft_wrap=True)
     if report.divergence is not None:
-        console.print(f"[bold red]INVALID[/] {report.source}")
+        unusable = report.divergence.rule == FORMAT
+        console.print("[bold red]UNUSABLE[/] (not a trace in the format of spec/TRACE.md)" if unusable
+                      else "[bold red]INVALID[/]", escape(report.source))
         console.print(report.divergence.describe(), markup=False)
-        return 1
+        return 2 if unusable else 1
+    if report.lines == 0:
+        raise TraceError("the trace is empty, so nothing was validated; pass a trace written by a run that had at "
+                         "least one request", path=report.source)
     console.print(summary(report))
     return 0
 
 
 def summary(report: TraceReport) -> Table:
     """A short table: lines, requests and transitions per event of a valid trace."""
+    from rich.table import Table
+
     table = Table(title=f"VALID {report.source}: {report.lines} lines, {report.requests} requests",
                   title_justify="left", show_edge=False)
     table.add_column("event")

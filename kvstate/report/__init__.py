@@ -1,10 +1,12 @@
 """`kvstate report`: a visual run report from a lifecycle trace (spec/TRACE.md).
 
 `write_report(trace, out_dir)` writes `timeline.png/.svg` (one row per request, coloured by state over
-iterations), `occupancy.png/.svg` (GPU and host tier blocks over iterations), `lifecycle.dot` and, where
-Graphviz `dot` is installed, `lifecycle.svg/.png` (the spec's diagram with each edge's firing count), and
-`report.html`, one self-contained page holding all of them. Modules: `model` (trace -> spans, occupancy,
-counts; pure), `colors`, `figures` (matplotlib, imported lazily), `diagram`, `html`.
+iterations), `occupancy.png/.svg` (GPU and host tier blocks over iterations), `lifecycle.dot` and
+`lifecycle-review.dot` and, where Graphviz `dot` is installed, `lifecycle.svg/.png` (the spec's diagram with
+each edge's firing count) and `lifecycle-review.svg` (who decides each edge, which output list it feeds), and
+`report.html`, one self-contained page holding all of them (diagrams inline at natural size, sanitized).
+Modules: `model` (trace -> spans, occupancy, counts; pure), `colors`, `figures` (matplotlib, imported
+lazily), `diagram`, `html`.
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ class ReportFiles:
     note: str = ""
 
 
-def write_report(trace: str | Path, out_dir: str | Path, *, spec: Spec | None = None) -> ReportFiles:
-    """Read `trace`, write every report file into `out_dir` (created), and return what was written."""
-    from kvstate.report.diagram import annotated_diagram, render
+def write_report(trace: str | Path, out_dir: str | Path, *, spec: Spec | None = None,
+                 all_edges: bool = False) -> ReportFiles:
+    """Read `trace`, write every report file into `out_dir` (created), and return what was written.
+
+    `all_edges` draws every transition as its own arrow (default: broadcast events bundled)."""
+    from kvstate.report.diagram import annotated_diagram, render, review_dot
     from kvstate.report.figures import write_figures
     from kvstate.report.html import render_html
 
@@ -46,20 +51,26 @@ def write_report(trace: str | Path, out_dir: str | Path, *, spec: Spec | None = 
     figures = write_figures(summary, spec, out)
     for paths in figures.values():
         result.files += paths
-    _, dot = annotated_diagram(spec, summary.edge_counts)
-    (out / "lifecycle.dot").write_text(dot, encoding="utf-8")
-    result.files.append(out / "lifecycle.dot")
+    diagram, dot = annotated_diagram(spec, summary.edge_counts, all_edges=all_edges)
+    review = review_dot(spec, all_edges=all_edges)
+    for name, text in (("lifecycle.dot", dot), ("lifecycle-review.dot", review)):
+        (out / name).write_text(text, encoding="utf-8")
+        result.files.append(out / name)
     svg = render(dot, "svg")
+    review_svg = None
     if svg is None:
-        result.note = f"lifecycle diagram image skipped: {DOT_MISSING}"
+        result.note = f"lifecycle diagram images skipped: {DOT_MISSING}"
     else:
-        png = render(dot, "png")
-        for name, data in (("lifecycle.svg", svg), ("lifecycle.png", png)):
+        review_svg = render(review, "svg")
+        for name, data in (("lifecycle.svg", svg), ("lifecycle.png", render(dot, "png")),
+                           ("lifecycle-review.svg", review_svg)):
             (out / name).write_bytes(data)
             result.files.append(out / name)
     pngs = {name: paths[0] for name, paths in figures.items()}
     result.html = out / "report.html"
-    result.html.write_text(render_html(summary, Path(trace).name, pngs, svg, result.note), encoding="utf-8")
+    page = render_html(summary, Path(trace).name, pngs, {"lifecycle": svg, "review": review_svg}, diagram,
+                       result.note)
+    result.html.write_text(page, encoding="utf-8")
     result.files.append(result.html)
     return result
 

@@ -1,40 +1,35 @@
 """The lifecycle diagram annotated with how often each edge fired, built from the spec's diagram IR.
 
-Each edge's event label gains ``×N`` (N = times fired in the trace); edges that fired get a pen width growing
-with log N, edges that never fired are drawn dotted and light. Rendered with Graphviz `dot` when installed.
+Each event in an edge label gains ``×N`` (N = times fired in the trace, summed over the transitions an arrow
+bundles); arrows that fired get a pen width growing with log N, arrows that never fired are drawn dotted and
+light, and the legend says so (`kvstate.diagrams.dot`). Drawn with Graphviz `dot`, within a time limit, when
+installed.
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import replace
 
-from kvstate.diagrams.dot import edge_line, render_dot
+from kvstate.diagrams.dot import render_dot
 from kvstate.diagrams.ir import Diagram, build_diagram
+from kvstate.diagrams.review import render_review_dot
+from kvstate.diagrams.svg import DOT_TIMEOUT_S, render_image
 from kvstate.spec import Spec
 
 
-def annotated_diagram(spec: Spec, counts: Counter) -> tuple[Diagram, str]:
-    """(diagram with counted labels, its DOT source with pen widths by count)."""
-    base = build_diagram(spec)
-    edges = tuple(replace(e, event_label=f"{e.event_label} ×{counts.get((e.event, e.source, e.dest), 0)}")
-                  for e in base.edges)
-    diagram = replace(base, title=f"{base.title}: transitions fired in this trace", edges=edges)
-    dot = render_dot(diagram)
-    for edge, original in zip(edges, base.edges):
-        n = counts.get((original.event, original.source, original.dest), 0)
-        line = edge_line(edge)
-        extra = f", penwidth={1 + math.log10(n) * 1.5:.2f}" if n else ', style=dotted, color="#bdbdbd", fontcolor="#9e9e9e"'
-        dot = dot.replace(line, line[:-2] + extra + "];", 1)
-    return diagram, dot
+def annotated_diagram(spec: Spec, counts: Counter, *, all_edges: bool = False) -> tuple[Diagram, str]:
+    """(diagram with the trace's firing counts, its DOT source)."""
+    base = build_diagram(spec, all_edges=all_edges)
+    diagram = replace(base, title=f"{base.title}: transitions fired in this trace", fired=dict(counts))
+    return diagram, render_dot(diagram)
 
 
-def render(dot_source: str, fmt: str) -> bytes | None:
-    """`dot_source` drawn as `fmt` ("svg" or "png"), or None when Graphviz `dot` is not installed."""
-    import graphviz
+def review_dot(spec: Spec, *, all_edges: bool = False) -> str:
+    """The DOT source of the reviewer view (who decides each edge, which output list it feeds)."""
+    return render_review_dot(build_diagram(spec, all_edges=all_edges))
 
-    try:
-        return graphviz.pipe("dot", fmt, dot_source.encode("utf-8"))
-    except graphviz.ExecutableNotFound:
-        return None
+
+def render(dot_source: str, fmt: str, timeout: float = DOT_TIMEOUT_S) -> bytes | None:
+    """`dot_source` drawn as `fmt` ("svg", sanitized, or "png"), or None when Graphviz `dot` is not installed."""
+    return render_image(dot_source, fmt, timeout=timeout)

@@ -1,39 +1,97 @@
-"""One self-contained HTML page: PNG figures embedded as base64, the lifecycle diagram as inline SVG."""
+"""One self-contained HTML page: PNG figures embedded as base64, the lifecycle diagrams as inline SVG.
+
+Invariants kept:
+* every text from the trace or the spec is written through `kvstate.diagrams.escape.html_text`; every SVG
+  through `safe_svg` (no link, script or event handler survives);
+* a diagram is shown at its natural size (Graphviz points, `PX_PER_PT` px each, so an edge label of
+  `kvstate.diagrams.dot.EDGE_FONT_SIZE` pt is at least `MIN_LABEL_PX` px) inside a scrollable box, with zoom
+  buttons; the page's only script is that zoom, inline (nothing is fetched);
+* the colour key in the header is `kvstate.report.colors.COLOR_KEY`, the same words the timeline prints.
+"""
 
 from __future__ import annotations
 
 import base64
-from html import escape
 from pathlib import Path
 
+from kvstate.diagrams.escape import html_text, safe_svg
+from kvstate.diagrams.ir import Diagram
+from kvstate.report.colors import COLOR_KEY
 from kvstate.report.model import TraceSummary
 
-STYLE = """body{font-family:Helvetica,Arial,sans-serif;max-width:1200px;margin:2em auto;color:#212121}
+PX_PER_PT = 4 / 3
+MIN_LABEL_PX = 11
+
+STYLE = """body{font-family:Helvetica,Arial,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#212121}
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em}table{border-collapse:collapse;margin:.5em 0}
-td,th{border:1px solid #ccc;padding:3px 10px;text-align:left}td.n{text-align:right}
-img,svg{max-width:100%;height:auto}.note{color:#555;font-size:.9em}"""
+td,th{border:1px solid #ccc;padding:3px 10px;text-align:left;vertical-align:top}td.n{text-align:right}
+img.figure{max-width:100%;height:auto}.note{color:#555;font-size:.9em}
+.diagram{overflow:auto;max-height:85vh;border:1px solid #ccc;background:#fff;
+ width:calc(100vw - 3em);position:relative;left:50%;transform:translateX(-50%)}
+.diagram svg{display:block;max-width:none}
+.zoom{margin:.4em 0}.zoom button{font-size:.9em;margin-right:.3em;padding:2px 10px}"""
+
+ZOOM_SCRIPT = """document.querySelectorAll('.zoom').forEach(function (bar) {
+  var box = document.getElementById(bar.getAttribute('data-target'));
+  var svg = box.querySelector('svg');
+  var box0 = svg.viewBox.baseVal, scale = 1;
+  function apply() {
+    svg.setAttribute('width', (box0.width * scale).toFixed(1) + 'pt');
+    svg.setAttribute('height', (box0.height * scale).toFixed(1) + 'pt');
+  }
+  bar.addEventListener('click', function (event) {
+    var action = event.target.getAttribute('data-zoom');
+    if (!action) { return; }
+    if (action === 'fit') { scale = box.clientWidth / (box0.width * 4 / 3); }
+    else if (action === 'natural') { scale = 1; }
+    else { scale *= parseFloat(action); }
+    apply();
+  });
+});"""
 
 
 def _img(path: Path, alt: str) -> str:
     data = base64.b64encode(path.read_bytes()).decode("ascii")
-    return f'<img alt="{escape(alt)}" src="data:image/png;base64,{data}">'
+    return f'<img class="figure" alt="{html_text(alt)}" src="data:image/png;base64,{data}">'
+
+
+def _cell(value) -> str:
+    if isinstance(value, int):
+        return f'<td class="n">{value}</td>'
+    return f"<td>{html_text(str(value))}</td>"
 
 
 def _table(header: tuple[str, ...], rows: list[tuple]) -> str:
-    head = "".join(f"<th>{escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f'<td class="n">{v}</td>' if isinstance(v, int) else f"<td>{escape(str(v))}</td>"
-                                    for v in row) + "</tr>" for row in rows)
+    head = "".join(f"<th>{html_text(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(_cell(v) for v in row) + "</tr>" for row in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def _svg_body(svg: bytes) -> str:
-    text = svg.decode("utf-8")
-    start = text.find("<svg")
-    return text[start:] if start >= 0 else text
+def _diagram(svg: bytes, name: str, title: str) -> str:
+    """`svg` sanitized, at natural size in a scroll box, with zoom buttons."""
+    buttons = "".join(f'<button type="button" data-zoom="{z}">{label}</button>'
+                      for z, label in (("0.8", "−"), ("1.25", "+"), ("natural", "100 %"), ("fit", "fit width")))
+    return (f'<div class="zoom" data-target="diagram-{name}">zoom: {buttons}'
+            '<span class="note"> (scroll the box to pan)</span></div>'
+            f'<div class="diagram" id="diagram-{name}" role="img" aria-label="{html_text(title)}">'
+            f"{safe_svg(svg)}</div>")
 
 
-def render_html(summary: TraceSummary, trace_name: str, pngs: dict[str, Path], diagram_svg: bytes | None,
-                note: str = "") -> str:
+def reviewer_rows(diagram: Diagram) -> list[tuple]:
+    """Per event: who decides it, its edges, the output list it feeds and the production engine's terms."""
+    rows = []
+    for first in diagram.event_edges:
+        edges = [e for e in diagram.edges if e.event == first.event]
+        moves = "; ".join(f"{e.source} → {e.dest}" + (f" [{e.guard}]" if e.guard else "") for e in edges)
+        feeds = f"{first.feeds} ({first.feeds_production_name})" if first.feeds_production_name else (
+            first.feeds or "—")
+        rows.append((first.event_label, first.origin, moves, feeds, first.production_name or "—"))
+    return rows
+
+
+def render_html(summary: TraceSummary, trace_name: str, pngs: dict[str, Path], svgs: dict[str, bytes | None],
+                diagram: Diagram, note: str = "") -> str:
+    """The page. `svgs` holds the drawings "lifecycle" (annotated with counts) and "review" (None: skipped)."""
     peak_gpu = max(r["gpu_held"] + r["gpu_fenced"] for r in summary.occupancy)
     peak_host = max(r["host_held"] + r["host_fenced"] for r in summary.occupancy)
     last = summary.occupancy[-1]
@@ -44,18 +102,24 @@ def render_html(summary: TraceSummary, trace_name: str, pngs: dict[str, Path], d
                  else "none")]
     overview += [(f"done: {reason}", n) for reason, n in sorted(summary.done_reasons.items())]
     events = sorted(summary.edge_counts.items(), key=lambda kv: -kv[1])
+    skipped = f'<p class="note">{html_text(note)}</p>'
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>kvstate report: {escape(trace_name)}</title><style>{STYLE}</style></head><body>",
-        f"<h1>kvstate run report: {escape(trace_name)}</h1>",
+        f"<title>kvstate report: {html_text(trace_name)}</title><style>{STYLE}</style></head><body>",
+        f"<h1>kvstate run report: {html_text(trace_name)}</h1>",
         '<p class="note">Generated by <code>kvstate report</code> from a lifecycle trace (spec/TRACE.md). '
-        "State colours follow the lifecycle diagram: green = KV on GPU, blue = KV on host, grey = no KV.</p>",
+        f"State colours follow the lifecycle diagram: {html_text(COLOR_KEY)}.</p>",
         "<h2>Overview</h2>", _table(("", ""), overview),
         "<h2>Timeline</h2>", _img(pngs["timeline"], "request timeline"),
         "<h2>Tier occupancy</h2>", _img(pngs["occupancy"], "tier occupancy"),
         "<h2>Lifecycle diagram, edges annotated with how often they fired</h2>",
-        _svg_body(diagram_svg) if diagram_svg is not None else f'<p class="note">{escape(note)}</p>',
+        _diagram(svgs["lifecycle"], "lifecycle", "lifecycle diagram") if svgs.get("lifecycle") else skipped,
+        "<h2>Reviewer view: who decides each edge, which output list it feeds</h2>",
+        _diagram(svgs["review"], "review", "reviewer view") if svgs.get("review") else skipped,
+        _table(("event", "decided by", "edges", "feeds output list (production name)", "production engine's term"),
+               reviewer_rows(diagram)),
         "<h2>Transitions fired</h2>", _table(("event", "from", "to", "count"), [(*k, n) for k, n in events]),
+        f"<script>{ZOOM_SCRIPT}</script>",
         "</body></html>",
     ]
     return "\n".join(parts) + "\n"

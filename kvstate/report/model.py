@@ -4,28 +4,27 @@
   ``[start, end)``; a transition fired within the iteration it happened in; a state entered and left in the
   same iteration has no width and is kept only in the edge counts);
 * `occupancy`: per iteration, each tier's held, fenced and free blocks after the last transition of that
-  iteration (iterations without a transition carry the previous value);
+  iteration (iterations without a transition carry the previous value). When the trace spans more than
+  `MAX_OCCUPANCY_ROWS` iterations, only the iterations with a transition get a row (each holds until the next
+  row: the same step plot), so memory is bounded by the trace's lines, not by its iteration numbers;
 * `edge_counts`: how often each spec edge ``(event, from, to)`` fired.
 A trace records transitions only, not submissions, so a request's first span (normally `waiting`) is drawn
-from the trace's first iteration.
+from the trace's first iteration. Lines are read one at a time by the trace validator's bounded reader
+(`kvstate.checker.trace`: line and file size limits, every field of its documented type), so a hostile trace is a
+`TraceError` naming the file, line and field.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstate.errors import KVStateError
+from kvstate.checker.trace import TraceError
+from kvstate.trace import read_trace
 
-
-class TraceError(KVStateError, ValueError):
-    """The trace file is missing, empty or malformed; the message names the line and what to fix."""
-
-
-REQUIRED = ("iteration", "request_id", "event", "from", "to", "gpu_free", "host_free", "gpu_fenced",
-            "host_fenced", "gpu_capacity", "host_capacity")
+MAX_OCCUPANCY_ROWS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,43 +48,32 @@ class TraceSummary:
     lines: int = 0
 
 
-def load_lines(path: str | Path) -> list[dict]:
-    """The trace's objects; raises `TraceError` for a missing file, an empty trace or a bad line."""
-    import json
-
-    path = Path(path)
-    if not path.is_file():
-        raise TraceError(f"trace {path} does not exist; write one with `kvstate demo --trace {path}`")
-    lines = []
-    with path.open(encoding="utf-8") as f:
-        for number, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise TraceError(f"{path}:{number}: not a JSON object ({err}); is this an NDJSON trace "
-                                 "(spec/TRACE.md)?") from err
-            missing = [k for k in REQUIRED if not isinstance(obj, dict) or k not in obj]
-            if missing:
-                raise TraceError(f"{path}:{number}: missing fields {missing}; the format is in spec/TRACE.md")
-            lines.append(obj)
-    if not lines:
-        raise TraceError(f"trace {path} has no lines; run an engine with a trace_path first")
-    return lines
+def load_lines(path: str | Path) -> Iterator[dict]:
+    """The trace's objects, read lazily (`kvstate.trace.read_trace`); raises `TraceError` for a missing file, an
+    empty trace or a bad line."""
+    empty = True
+    for line in read_trace(path):
+        empty = False
+        yield line
+    if empty:
+        raise TraceError("the trace has no lines; run an engine with a trace_path first", path=path)
 
 
 def summarize(lines: Iterable[dict]) -> TraceSummary:
-    """Spans, occupancy and edge counts of the trace lines (in file order)."""
+    """Spans, occupancy and edge counts of the trace lines (in file order; read once, so a generator will do)."""
     s = TraceSummary()
-    lines = list(lines)
-    s.lines = len(lines)
-    s.first_iteration = lines[0]["iteration"]
-    s.last_iteration = lines[-1]["iteration"]
     current: dict[Hashable, tuple[str, int]] = {}
     by_iteration: dict[int, dict[str, int]] = {}
     for line in lines:
         rid, it = line["request_id"], line["iteration"]
+        if not s.lines:
+            s.first_iteration = it
+        elif it < s.last_iteration:
+            raise TraceError(f"transition {s.lines + 1}: iteration {it} is below {s.last_iteration} of the line "
+                             "before; lines must be in the order the transitions happened (`kvstate validate` "
+                             "checks a trace)")
+        s.lines += 1
+        s.last_iteration = it
         if rid not in current:
             s.requests.append(rid)
             s.spans[rid] = []
@@ -98,12 +86,15 @@ def summarize(lines: Iterable[dict]) -> TraceSummary:
         if line["to"] == "done" and line.get("done_reason"):
             s.done_reasons[line["done_reason"]] += 1
         by_iteration[it] = _occupancy(line)
+    if not s.lines:
+        raise TraceError("the trace has no lines; nothing to summarize")
     end = s.last_iteration + 1
     for rid, (state, since) in current.items():
         if state != "done" and end > since:
             s.spans[rid].append(Span(state, since, end))  # still active when the trace ends
+    dense = s.last_iteration - s.first_iteration < MAX_OCCUPANCY_ROWS
     previous = None
-    for it in range(s.first_iteration, s.last_iteration + 1):
+    for it in range(s.first_iteration, s.last_iteration + 1) if dense else sorted(by_iteration):
         previous = by_iteration.get(it, previous)
         s.occupancy.append({"iteration": it, **previous})
     return s

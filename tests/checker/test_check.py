@@ -28,7 +28,10 @@ def test_default_bounds_hold(default_reports):
     assert {r.bound.name for r in reports} >= {"default", "no_host", "pipeline2"}
     for report in reports:
         assert report.verdict == HOLDS, report.counterexample
-        assert report.abstract.verdict == HOLDS and report.refinement.verdict == HOLDS
+        assert report.refinement.verdict == HOLDS
+        if not report.bound.abstract_model:  # too large to enumerate (pipeline_livelock): refinement only
+            continue
+        assert report.abstract.verdict == HOLDS
         assert report.refinement.abstract_checked  # every scheduler state mapped into the model's reachable set
         assert report.abstract.states > 100 and report.abstract.edges > report.abstract.states
 
@@ -36,7 +39,7 @@ def test_default_bounds_hold(default_reports):
 def test_coverage_lists_every_transition(default_reports):
     _, reports = default_reports
     taken_anywhere = set()
-    for report in reports:
+    for report in (r for r in reports if r.bound.abstract_model):
         taken = set(report.abstract.taken)
         never = set(report.abstract.never_enabled)
         assert taken | never == set(SPEC.transitions) and not taken & never
@@ -57,7 +60,7 @@ def test_cli_exit_code_holds(capsys, tmp_path):
 
 
 def test_cli_incomplete_with_tiny_max_states(capsys, tmp_path):
-    assert main(["check", "--max-states", "10", "--counterexample-dir", str(tmp_path)]) == 2
+    assert main(["check", "--max-states", "10", "--counterexample-dir", str(tmp_path)]) == 3
     out = capsys.readouterr().out
     assert "incomplete" in out and "verdict: holds" not in out
 

@@ -388,3 +388,63 @@ def _walk(path: list, request_id: int = 7) -> list[dict]:
             "done_reason": (t.done_reason or "finished") if t.dest in TERMINAL else None,
         })
     return records
+
+
+# ------------------------------------------------------------------------- exact conservation (issue 11 item 6)
+
+
+def held_by_all(records: list[dict], tier: str) -> list[int]:
+    """Per line: the blocks of `tier` every request holds as of its last line (this line included)."""
+    last: dict = {}
+    totals = []
+    for r in records:
+        last[r["request_id"]] = r[f"{tier}_blocks"]
+        totals.append(sum(last.values()))
+    return totals
+
+
+def per_line_bound_holds(r: dict, tier: str) -> bool:
+    """The old check, which saw only the line's own request."""
+    return r[f"{tier}_free"] + r[f"{tier}_fenced"] + r[f"{tier}_blocks"] <= r[f"{tier}_capacity"]
+
+
+def test_host_conservation_is_exact_on_real_traces(pressured):
+    totals = held_by_all(pressured, "host")
+    assert all(r["host_free"] + r["host_fenced"] + h == r["host_capacity"] for r, h in zip(pressured, totals))
+    assert max(totals) > 0 and any(h > r["host_blocks"] for r, h in zip(pressured, totals)), \
+        "the trace must have lines where other requests hold host blocks"
+
+
+@pytest.mark.parametrize("delta", [-1, +1])
+def test_a_host_block_count_off_by_one_is_rejected_at_its_line(pressured, delta):
+    totals = held_by_all(pressured, "host")
+    # a line whose request holds host blocks, where the per-line bound still has room for the corruption
+    i = next(i for i, r in enumerate(pressured) if r["host_blocks"] > 0 and totals[i] - r["host_blocks"] >= delta)
+    corrupted = [dict(r) for r in pressured]
+    corrupted[i]["host_blocks"] += delta
+    assert per_line_bound_holds(corrupted[i], "host"), "the old per-line bound would have missed it"
+    d = assert_rejected(corrupted, i + 1, vt.CONSERVATION, "CONS-HOST")
+    assert f"capacity {pressured[i]['host_capacity']}" in d.message and "!=" in d.message
+
+
+@pytest.mark.parametrize("field, delta", [("host_fenced", +1), ("host_free", -1)])
+def test_a_host_count_off_by_one_on_another_request_line_is_rejected(pressured, field, delta):
+    """On a line whose own request holds no host block, while others do: a block counted twice, or leaked."""
+    totals = held_by_all(pressured, "host")
+    i = next(i for i, r in enumerate(pressured) if r["host_blocks"] == 0 and totals[i] > 0 and r[field] + delta >= 0)
+    corrupted = [dict(r) for r in pressured]
+    corrupted[i][field] += delta
+    assert per_line_bound_holds(corrupted[i], "host"), "the old per-line bound would have missed it"
+    assert_rejected(corrupted, i + 1, vt.CONSERVATION, "CONS-HOST")
+
+
+def test_gpu_blocks_counted_over_all_requests_catch_what_the_per_line_bound_missed(pressured):
+    totals = held_by_all(pressured, "gpu")
+    slack = [r["gpu_capacity"] - r["gpu_free"] - r["gpu_fenced"] - t for r, t in zip(pressured, totals)]
+    assert min(slack) >= 0  # the GPU law holds on the real trace, with last-seen counts as lower bounds
+    i = next(i for i, r in enumerate(pressured)
+             if r["gpu_free"] + r["gpu_fenced"] + r["gpu_blocks"] + slack[i] + 1 <= r["gpu_capacity"])
+    corrupted = [dict(r) for r in pressured]
+    corrupted[i]["gpu_free"] += slack[i] + 1  # one more free block than there can be
+    assert per_line_bound_holds(corrupted[i], "gpu"), "the old per-line bound would have missed it"
+    assert_rejected(corrupted, i + 1, vt.CONSERVATION, "CONS-GPU")

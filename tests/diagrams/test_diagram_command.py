@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvstate.cli import main
-from kvstate.diagrams import SVG_FILE, TEXT_FILES
+from kvstate.diagrams import SVG_FILE, SVG_FILES, TEXT_FILES
 from kvstate.spec import load_spec, packaged_spec_path
 
 DIAGRAMS = Path(__file__).parents[2] / "diagrams"
@@ -21,7 +21,7 @@ def test_out_writes_files_identical_to_the_committed_ones(tmp_path: Path, capsys
     for name in TEXT_FILES:
         assert (tmp_path / name).read_bytes() == (DIAGRAMS / name).read_bytes()
         assert f"wrote {tmp_path / name}" in printed
-    assert len(printed) == len(TEXT_FILES) + 1, "one line per file written, plus the SVG line"
+    assert len(printed) == len(TEXT_FILES) + len(SVG_FILES), "one line per file written, plus one per SVG"
 
 
 def test_check_passes_on_the_committed_files(capsys: pytest.CaptureFixture[str]) -> None:
@@ -56,7 +56,7 @@ def test_check_counts_missing_files_as_differing(tmp_path: Path, capsys: pytest.
 def test_unreadable_spec_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "absent.toml"
     assert main(["diagram", "--spec", str(missing), "--out", str(tmp_path / "out")]) == 2
-    assert f"cannot read spec file {missing}" in capsys.readouterr().err
+    assert f"--spec {missing} does not exist" in capsys.readouterr().err  # checked before any work (issue 15)
     assert not (tmp_path / "out").exists()
 
 
@@ -79,3 +79,26 @@ def test_svg_parses_and_names_every_state(tmp_path: Path, capsys: pytest.Capture
     texts = {element.text for element in root.iter() if element.text}
     for state in load_spec().states:
         assert state.name in texts, f"state {state.name} is not drawn in the SVG"
+
+
+def test_all_edges_draws_every_transition_and_the_default_bundles(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = load_spec()
+    assert main(["diagram", "--all-edges", "--out", str(tmp_path / "all")]) == 0
+    assert main(["diagram", "--out", str(tmp_path / "bundled")]) == 0
+    capsys.readouterr()
+
+    def arrows(directory: Path) -> int:
+        return sum(" -> " in line for line in (directory / "lifecycle.dot").read_text().splitlines()) - 1
+
+    assert arrows(tmp_path / "all") == len(spec.transitions)
+    assert arrows(tmp_path / "bundled") < len(spec.transitions)
+    assert main(["diagram", "--all-edges", "--check", "--out", str(DIAGRAMS)]) == 1, "committed files are bundled"
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf"])
+def test_bad_dot_timeout_is_a_usage_error(value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["diagram", "--dot-timeout", value, "--out", str(tmp_path)]) == 2
+    assert "--dot-timeout" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

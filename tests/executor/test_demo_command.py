@@ -70,3 +70,31 @@ def test_demo_on_cuda(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "on cuda" in out and "PASS" in out
+
+
+def test_demo_on_cuda_without_cuda_is_one_error_line(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    for pp in ("1", "2"):
+        code = main(["demo", "--pp", pp, "--device", "cuda", "--trace", str(tmp_path / "t.ndjson")])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err
+        assert err.count("\n") == 1 and "--device cuda" in err and "use 'cpu' or 'auto'" in err
+
+
+def test_demo_with_more_stages_than_layers_says_what_to_pass(tmp_path, capsys):
+    code = main(["demo", "--pp", "3", "--device", "cpu", "--trace", str(tmp_path / "t.ndjson")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "--pp 3" in err and "use --pp between 1 and 2" in err
+    assert "world_size" not in err and "num_layers" not in err and not (tmp_path / "t.ndjson").exists()
+
+
+def test_demo_says_when_requests_are_capped_to_fit_the_gpu_tier(tmp_path, capsys):
+    code = main(["demo", "--requests", "3", "--gpu-blocks", "2", "--block-size", "8", "--host-blocks", "0",
+                 "--device", "cpu", "--trace", str(tmp_path / "t.ndjson")])
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 0 and "PASS" in out
+    assert "each request is capped at 16 tokens" in out

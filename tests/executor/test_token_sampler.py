@@ -85,3 +85,30 @@ def test_params_validation():
     for bad in ({"temperature": -1.0}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5}):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+def test_the_engine_samples_token_i_at_position_prompt_len_plus_i():
+    """Pins the engine's sampler key: the i-th generated token of a request with a P-token prompt is drawn at
+    position P + i. With a zeroed output head every logit is 0, so a draw depends only on (seed, request id,
+    position); the expected tokens come from `sample_token` alone, without the engine. A prompt that is
+    prefilled in chunks and a seed of the engine's config make the position the only thing left to get wrong."""
+    from executor.engine import Engine, EngineConfig
+    from executor.model import LlamaModel, ModelConfig
+
+    config = ModelConfig()
+    model = LlamaModel.from_seed(config, 0, dtype=torch.float64, device="cpu")
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    prompt, max_new, seed, rid = list(range(1, 11)), 12, 1234, "pinned"
+    params = SamplingParams(temperature=1.0)
+    uniform = torch.zeros(config.vocab_size, dtype=torch.float64)
+    expected = [sample_token(uniform, params, seed=seed, request_id=rid, position=len(prompt) + i)
+                for i in range(max_new)]
+    assert len(set(expected)) > max_new // 2  # the draws differ from position to position
+    engine = Engine(EngineConfig(device="cpu", seed=seed, gpu_blocks=16, block_size=4, prefill_chunk_size=4,
+                                 check_invariants=True), model=model)
+    try:
+        engine.add_request(prompt, max_new, sampling=params, request_id=rid)
+        assert engine.run()[rid] == expected
+    finally:
+        engine.close()

@@ -51,8 +51,11 @@ class FakeRequest:
 
     def __init__(self, request_id: object, *, blocks_for_first_chunk: int = 1, num_gpu_blocks: int = 0,
                  num_host_blocks: int = 0, final_token_produced: bool = False, replay_complete: bool = False,
-                 termination_reason: str | None = None) -> None:
+                 termination_reason: str | None = None, suspended_in_pass: int | None = None,
+                 kv_tokens: int = 0) -> None:
         self.request_id = request_id
+        self.suspended_in_pass = suspended_in_pass
+        self.kv_tokens = kv_tokens
         self.blocks_for_first_chunk = blocks_for_first_chunk
         self.num_gpu_blocks = num_gpu_blocks
         self.num_host_blocks = num_host_blocks
@@ -75,6 +78,8 @@ class EqualFieldsRequest:
     final_token_produced: bool = False
     replay_complete: bool = False
     termination_reason: str | None = None
+    suspended_in_pass: int | None = None
+    kv_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,8 @@ class FakePool:
     host_free_blocks: int = 0
     has_host_tier: bool = False
     pipeline_stages: int = 1
+    pass_number: int | None = None
+    promotion_worth: int = 0
 
 
 @dataclass(frozen=True)
@@ -315,10 +322,18 @@ REAL_GUARD_CASES = {
     "pause-single-stage": ("running", "recompute_pause", {}, FakePool(pipeline_stages=1), "single_stage"),
     "pause-multi-stage": ("running", "recompute_pause", {}, FakePool(pipeline_stages=4), "multi_stage"),
     "pause-replaying-multi-stage": ("replaying", "recompute_pause", {}, FakePool(pipeline_stages=2), "multi_stage"),
-    "promote-with-host-tier": ("suspended", "recompute_pause", {"num_host_blocks": 3},
-                               FakePool(has_host_tier=True), "host_tier_present"),
-    "promote-without-host-tier": ("suspended", "recompute_pause", {"num_host_blocks": 3},
-                                  FakePool(has_host_tier=False, gpu_free_blocks=100), None),
+    "promote-with-host-tier": ("suspended", "recompute_pause", {"num_host_blocks": 3, "suspended_in_pass": 7,
+                                                                "kv_tokens": 3},
+                               FakePool(has_host_tier=True, pass_number=7, promotion_worth=4), "same_pass_promotion"),
+    "promote-without-host-tier": ("suspended", "recompute_pause", {"num_host_blocks": 3, "suspended_in_pass": 7},
+                                  FakePool(has_host_tier=False, gpu_free_blocks=100, pass_number=7,
+                                           promotion_worth=4), None),
+    "promote-suspended-in-an-earlier-pass": ("suspended", "recompute_pause", {"suspended_in_pass": 6, "kv_tokens": 3},
+                                             FakePool(has_host_tier=True, pass_number=7, promotion_worth=4), None),
+    "promote-between-passes": ("suspended", "recompute_pause", {"suspended_in_pass": 7, "kv_tokens": 3},
+                               FakePool(has_host_tier=True, pass_number=None, promotion_worth=4), None),
+    "promote-worth-as-much-as-the-victim": ("suspended", "recompute_pause", {"suspended_in_pass": 7, "kv_tokens": 4},
+                                            FakePool(has_host_tier=True, pass_number=7, promotion_worth=4), None),
     "replay-fits": ("recompute_paused", "replay", {"blocks_for_first_chunk": 2}, FakePool(gpu_free_blocks=2),
                     "gpu_room_for_first_chunk"),
     "replay-short-one": ("recompute_paused", "replay", {"blocks_for_first_chunk": 2}, FakePool(gpu_free_blocks=1), None),

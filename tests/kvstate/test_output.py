@@ -11,7 +11,7 @@ import pytest
 
 from kvstate.config import SchedulerConfig
 from kvstate.errors import InvariantViolation
-from kvstate.output import LIST_STATES, SchedulerOutput, UnknownRequest
+from kvstate.output import LIST_NAMES, SchedulerOutput, UnknownRequest
 from kvstate.scheduler import Scheduler, check_output
 from kvstate.sim import SimExecutor
 
@@ -107,8 +107,8 @@ def test_from_dict_naming_an_unknown_id_raises_unknown_request() -> None:
 
 def test_every_list_is_serialized_even_when_empty() -> None:
     d = SchedulerOutput().to_dict()
-    assert set(LIST_STATES) <= set(d) and "recompute_paused" in d
-    assert all(d[name] == [] for name in LIST_STATES)
+    assert set(LIST_NAMES) <= set(d) and "recompute_paused" in d
+    assert all(d[name] == [] for name in LIST_NAMES)
     assert SchedulerOutput.from_dict(d, {}) == SchedulerOutput()
 
 
@@ -144,3 +144,83 @@ def test_check_output_detects_a_request_in_the_wrong_state_for_its_list() -> Non
     with pytest.raises(InvariantViolation) as info:
         check_output(SchedulerOutput(generation=[x]))
     assert info.value.invariant_id == "OUT-STATE"
+
+
+# ------------------------------------------------------------------ from_dict on untrusted data (issue 14)
+def wire(host_blocks: int = 6) -> tuple[Scheduler, dict]:
+    sched, out = pressured_pass(host_blocks)
+    return sched, json.loads(json.dumps(out.to_dict()))
+
+
+def refused(d: object, sched: Scheduler, *needles: str) -> None:
+    from kvstate.output import MalformedOutput
+
+    with pytest.raises(MalformedOutput) as info:
+        SchedulerOutput.from_dict(d, sched.requests)
+    assert isinstance(info.value, ValueError)
+    for needle in needles:
+        assert needle in str(info.value), str(info.value)
+
+
+def test_from_dict_refuses_an_id_in_several_lists() -> None:
+    sched, d = wire()
+    rid = d["suspended"][0]
+    d["context"].append(rid)
+    d["chunk_tokens"].append([rid, 1])
+    d["aborted"].append(rid)
+    refused(d, sched, "OUT-DISJOINT", repr(rid))
+
+
+@pytest.mark.parametrize("n", [-1, 0, "3", 2.5, True, None])
+def test_from_dict_refuses_chunk_counts_that_are_not_positive_integers(n) -> None:
+    sched, d = wire(0)
+    d["chunk_tokens"][0][1] = n
+    refused(d, sched, "'chunk_tokens'", ">= 1")
+
+
+def test_from_dict_refuses_chunks_for_unscheduled_requests_and_scheduled_requests_without_one() -> None:
+    sched, d = wire(0)
+    rid = d["recompute_paused"][0]
+    d["chunk_tokens"].append([rid, 2])
+    refused(d, sched, "not in context, replay or generation")
+    sched, d = wire(0)
+    d["chunk_tokens"] = []
+    refused(d, sched, "no 'chunk_tokens' entry")
+
+
+@pytest.mark.parametrize("change, needles", [
+    (lambda m: m.update(direction="sideways"), ("'sideways'", "'to_host' or 'to_gpu'")),
+    (lambda m: m["pairs"][0].__setitem__(0, -1), ("a block id", ">= 0")),
+    (lambda m: m.update(pairs=[[1, 2, 3]]), ("[source block, destination block]",)),
+    (lambda m: m.update(pairs="12"), ("'pairs' must be a list",)),
+    (lambda m: m.pop("pairs"), ("lacks 'pairs'",)),
+    (lambda m: m.update(plan_id=-3), ("'plan_id'", ">= 0")),
+])
+def test_from_dict_refuses_malformed_migrations(change, needles) -> None:
+    sched, d = wire(6)
+    assert d["migrations"]
+    change(d["migrations"][0])
+    refused(d, sched, *needles)
+
+
+def test_from_dict_refuses_a_migration_of_an_unknown_request_and_repeated_plan_ids() -> None:
+    sched, d = wire(6)
+    d["migrations"][0]["request_id"] = "nobody"
+    with pytest.raises(UnknownRequest, match="nobody"):
+        SchedulerOutput.from_dict(d, sched.requests)
+    sched, d = wire(6)
+    d["migrations"].append(dict(d["migrations"][0]))
+    refused(d, sched, "repeats a plan id")
+
+
+def test_from_dict_refuses_strings_where_lists_belong_and_non_mappings() -> None:
+    sched, d = wire(6)
+    d["suspended"] = "xy"  # would be iterated per character
+    refused(d, sched, "'suspended' must be a list", "str")
+    refused(["context"], sched, "must be a mapping", "list")
+    sched, d = wire(6)
+    d["context"] = [[1]]
+    refused(d, sched, "request ids are integers or strings")
+    sched, d = wire(6)
+    d["num_fitting_requests"] = -2
+    refused(d, sched, "'num_fitting_requests'", ">= 0")

@@ -264,3 +264,35 @@ def test_check_invariants_detects_owner_tables_naming_different_owners() -> None
     with pytest.raises(InvariantViolation) as info:
         pool.check_invariants()
     assert info.value.invariant_id == "OWN-EXCL"
+
+
+# ------------------------------------------------------------------------------- release during a copy (FENCE)
+
+
+@pytest.mark.parametrize("direction", [TO_HOST, TO_GPU])
+def test_release_during_an_in_flight_copy_keeps_its_destinations_fenced_until_complete(direction) -> None:
+    """A request released (cancelled, paused) while its suspend or resume copy is in flight: the copy still writes
+    its destination blocks, so they stay fenced by that plan and nobody can take them until `complete` (FENCE)."""
+    pool = TieredBlockPool(gpu_blocks=4, host_blocks=4)
+    pool.allocate("a", 2)
+    if direction == TO_HOST:
+        plan = pool.suspend("a")
+    else:
+        pool.complete(pool.suspend("a"))
+        plan = pool.resume("a")
+    dest = pool.host if direction == TO_HOST else pool.gpu
+    destinations = [d for _, d in plan.pairs]
+    free_before = dest.num_free
+    assert pool.release("a") == 0  # nothing is free yet: sources and destinations are fenced by the copy
+    assert pool.gpu_blocks("a") == () and pool.host_blocks("a") == ()
+    assert sorted(dest.fenced_by(plan.plan_id)) == sorted(destinations)
+    assert dest.num_free == free_before
+    assert_conserved(pool)
+    # another request cannot be given a block the copy still writes
+    taken = dest.take("b", dest.num_free)
+    assert set(taken).isdisjoint(destinations)
+    dest.release("b")
+    pool.complete(plan)
+    assert pool.usage()["gpu_fenced"] == pool.usage()["host_fenced"] == 0
+    assert pool.gpu_free_blocks == 4 and pool.host_free_blocks == 4
+    assert_conserved(pool)

@@ -137,13 +137,14 @@ def test_decoding_victim_is_the_tail_not_the_requester() -> None:
 
 
 def test_tail_first_follows_admission_order_not_arrival_order() -> None:
-    sched = make(7, 7)
-    for rid, prompt, m in [("a", [24, 39], 4), ("b", [4, 26, 30], 3), ("c", [1], 4), ("d", [38, 28], 5)]:
+    sched = make(9, 7, prefill_chunk_size=1)
+    for rid, prompt, m in [("b", [18, 7, 13], 3), ("c", [17, 35, 43, 37], 1), ("a", [21, 27], 4), ("d", [22], 7),
+                           ("e", [17, 2, 22], 1)]:
         sched.submit(prompt, m, request_id=rid)
     ex = SimExecutor(sched)
-    for _ in range(5):
+    for _ in range(6):
         ex.step()
-    # c and b were suspended and resumed after d was admitted: admission order d, b, c; arrival order b, c, d
+    # b and c were suspended and resumed after d was admitted: admission order d, b, c; arrival order b, c, d
     assert ids(sched.admitted) == ["d", "b", "c"]
     assert sched.get("d").arrival > sched.get("c").arrival
     assert sched.pool.gpu_free_blocks == 0 and not sched.get("d").about_to_finish  # d is an eligible victim too
@@ -352,6 +353,8 @@ def test_no_new_admission_in_a_pass_that_preempted() -> None:
     assert out.recompute_paused  # this pass preempted
     assert d.state == "waiting" and d not in out.context
     assert sched.pool.gpu_free_blocks >= 1  # room for d existed: it was the rule, not the room
+    for victim in out.recompute_paused:  # their replays come before d (ADMIT-ORDER); take them out of its way
+        sched.cancel(victim.request_id)
     out = ex.step()
     assert not (out.suspended or out.recompute_paused)
     assert d in out.context  # the next, quiet pass admits it
@@ -537,10 +540,10 @@ def test_removing_the_host_tier_mid_run_replays_every_suspended_request(seed: in
 
 def test_refused_host_tier_removal_changes_nothing() -> None:
     sched = make(6, 8)
-    for rid, prompt, m in [("a", [21], 5), ("b", [7, 38], 4), ("c", [11, 0, 30], 3), ("d", [36, 32], 3)]:
+    for rid, prompt, m in [("a", [21, 9, 36], 3), ("b", [20, 33, 13], 3), ("c", [11, 10], 3), ("d", [32], 3)]:
         sched.submit(prompt, m, request_id=rid)
     ex = SimExecutor(sched)
-    for _ in range(7):
+    for _ in range(6):
         ex.step()
     out = sched.schedule()  # plans a resume (host -> GPU copy in flight) while d stays suspended
     assert any(p.direction == "to_gpu" for p in out.migrations) and ids(sched.suspended) == ["d"]

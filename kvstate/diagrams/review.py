@@ -1,0 +1,84 @@
+"""The reviewer view of the lifecycle: who decides each edge, which output list it feeds, the production terms.
+
+Drawn from the same `Diagram` as the lifecycle view (same nodes, same bundling) but each edge is styled by its
+event's `origin` as the spec states it (a scheduler decision, an executor report, an environment event) instead
+of by what it does to the KV, and labelled with the scheduler-output list it feeds and that list's production
+name. Two places a reviewer of a preemption change looks for are called out on their edges, derived from the
+spec's structure, never from names: the promotion gate (a scheduler decision that drops a host copy) and the
+consensus point (the edges out of a state that keeps its KV after a preemption decision).
+
+Invariants kept: every text from the spec goes through `kvstate.diagrams.escape` (via `render_dot`); the output
+is a pure function of the diagram and ends with a newline.
+"""
+
+from __future__ import annotations
+
+from kvstate.diagrams.dot import View, common_legend_rows, dot_html, key, render_dot
+from kvstate.diagrams.ir import Diagram, DrawnEdge, EdgeKind
+
+ORIGIN_STYLES = {  # origin -> (colour, DOT style, legend sample, meaning)
+    "scheduler": ("#1565c0", "bold", "——— blue, bold",
+                  "scheduler decision: a policy choice in a scheduling pass"),
+    "executor": ("#2e7d32", "solid", "——— green",
+                 "executor report: a forward pass produced a token, or every pipeline stage agreed"),
+    "environment": ("#e65100", "dashed", "- - - orange dashed",
+                    "environment event: client cancel, engine abort, host copy lost (no fairness, not progress)"),
+}
+OTHER_ORIGIN = ("#37474f", "solid", "——— grey", "other origin")
+PROMOTION_GATE = "promotion gate"
+CONSENSUS_POINT = "consensus point"
+
+
+def callouts(diagram: Diagram) -> dict[DrawnEdge, tuple[str, ...]]:
+    """Per drawn edge: `PROMOTION_GATE` on a scheduler decision that drops a host copy; `CONSENSUS_POINT` on an
+    edge (not a self-loop) leaving a state that keeps its KV after a preemption decision."""
+    host = {node.name for node in diagram.nodes if node.residency == "host"}
+    holders = {e.dest for e in diagram.edges if e.kind is EdgeKind.HOLD}
+    marks: dict[DrawnEdge, tuple[str, ...]] = {}
+    for edge in diagram.drawn_edges:
+        gate = edge.origin == "scheduler" and edge.kind is EdgeKind.DROP and edge.source in host
+        consensus = edge.source in holders and edge.kind is not EdgeKind.DEFER
+        marks[edge] = (PROMOTION_GATE,) * gate + (CONSENSUS_POINT,) * consensus
+    return marks
+
+
+def feeds_part(edge: DrawnEdge) -> tuple[str, ...]:
+    """`⇒ list`, then `(production name)` on its own line, for each output list the members feed."""
+    fed = dict.fromkeys((e.feeds, e.feeds_production_name) for e in edge.members if e.feeds)
+    return tuple(part for name, production in fed for part in (f"⇒ {name}", f"({production})" if production else "")
+                 if part)
+
+
+def review_edge_labels(diagram: Diagram, drawn: tuple[DrawnEdge, ...]) -> list[tuple[str, ...]]:
+    marks = callouts(diagram)
+    return [tuple(f"[{mark}]" for mark in marks[edge]) + edge.head_parts(diagram.fired) + feeds_part(edge)
+            for edge in drawn]
+
+
+def review_edge_attributes(diagram: Diagram, edge: DrawnEdge) -> list[str]:
+    color, style, _, _ = ORIGIN_STYLES.get(edge.origin, OTHER_ORIGIN)
+    return [f'color="{color}", fontcolor="{color}", style={style}']
+
+
+def review_legend_rows(diagram: Diagram) -> list[tuple[str, str]]:
+    origins = dict.fromkeys(edge.origin for edge in diagram.drawn_edges)
+    rows = [(key(color, sample), dot_html(meaning))
+            for color, _, sample, meaning in (ORIGIN_STYLES.get(origin, OTHER_ORIGIN) for origin in origins)]
+    rows += [
+        ("<b>⇒ list (production name)</b>", "the scheduler-output list a request taking the edge is listed in, "
+                                            "and the production engine's name for that list"),
+        (f"<b>[{PROMOTION_GATE}]</b>", "a suspended request's host copy given up to make room for a victim"),
+        (f"<b>[{CONSENSUS_POINT}]</b>", "the deferred reset of a multi-stage recompute-pause, once every stage "
+                                        "agrees"),
+        ("<b>event [guard]</b>", "edge label; each edge's effect is in the lifecycle view and transitions.md"),
+    ]
+    return rows + common_legend_rows(diagram)
+
+
+REVIEW_VIEW = View(": who decides each edge, which output list it feeds", review_edge_labels,
+                   review_edge_attributes, review_legend_rows)
+
+
+def render_review_dot(diagram: Diagram) -> str:
+    """The DOT source of the reviewer view of `diagram`."""
+    return render_dot(diagram, REVIEW_VIEW)

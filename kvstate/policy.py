@@ -1,0 +1,326 @@
+"""The scheduling policy's rule names and their meaning as checks of one real scheduling pass.
+
+`spec/lifecycle.toml` states the policy as rule names (`[policy]`); `policy_problems` holds them against the names
+given meaning here, and `check_pass` checks one pass of a scheduler against them: from a `PassSnapshot` taken just
+before `schedule()` and the pass's `PassRecord` (victims, promotions and waits in decision order), it computes what
+the policy allows and raises `InvariantViolation` with the invariant id of the first rule the pass broke. It does
+not trust the scheduler's bookkeeping: eligibility, admission order and the room on its way are recomputed from the
+snapshot and the output, so a scheduler that picks the wrong victim, promotes the wrong request, skips a request
+that fits or admits out of order fails here (the model checker's step simulation runs it on every pass).
+
+The rules (SPEC.md section 7) apply to the `max_utilization` capacity policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+
+from kvstate.errors import InvariantViolation
+from kvstate.roles import DROPPED, OFFLOADED, PENDING_RESET, QUEUED
+from kvstate.spec import Spec
+
+# rule vocabulary: every name the spec's [policy] may use, with its meaning
+VOCABULARY: Mapping[str, Mapping[str, str]] = {
+    "victim_order": {"latest_admission_first": "the eligible request with the greatest admission number"},
+    "victim_exclusions": {
+        "the_requester": "a requester is not its own victim while another is eligible",
+        "scheduled_this_pass": "a request already scheduled in the pass (its output list is never revised)",
+        "waiting_this_pass": "a requester already waiting in the pass for room on its way it reserved (otherwise a "
+                             "later, younger requester could take the older one's place: livelock)",
+        "victim_this_pass": "a request already chosen in the pass (VICTIM-ONCE)",
+        "about_to_finish": "a request whose next decode step produces its final token (VICTIM-NOT-FINAL)",
+        "preemption_cap_reached": "a request preempted max_preemptions_per_request times (A3)",
+    },
+    "promotion_candidates": {"suspended_this_pass": "requests suspended earlier in the same pass"},
+    "promotion_order": {"latest_suspension_first": "the most recently suspended candidate first"},
+    "promotion_worth": {"fewer_kv_tokens_than_victim": "the promoted requests hold fewer KV tokens than the victim"},
+    "admission_rules": {
+        "stop_at_first_misfit": "admissions stop at the first candidate that does not fit (A2)",
+        "no_readmission_of_victims": "a victim of the pass is not readmitted in it",
+        "hold_new_after_preemption_or_wait": "no new request in a pass with a victim or a waiting requester (A1)",
+    },
+    "room_on_its_way": {"reserved_per_requester": "a waiting requester reserves the pending blocks it counts on"},
+    "progress": {"new_kv_position_or_end": "a pass progresses when it computes a KV position beyond every earlier "
+                                          "computation of that request, or ends a request"},
+}
+_LISTED = ("victim_exclusions", "admission_rules")
+
+
+def policy_problems(spec: Spec) -> list[str]:
+    """Every policy entry of `spec` that names no known rule or event (for `kvstate.validate`)."""
+    policy = spec.policy
+    if policy is None:
+        return ["[policy] is missing; state the scheduling policy (SPEC.md section 7)"]
+    found = []
+    for key, meanings in VOCABULARY.items():
+        values = getattr(policy, key)
+        for value in (values if key in _LISTED else (values,)):
+            if value not in meanings:
+                found.append(f"[policy] {key}: {value!r} has no meaning in kvstate.policy; use one of {sorted(meanings)}")
+    events = spec.event_by_name
+    for key in ("admission_classes", "readmissions_keeping_admission"):
+        for name in getattr(policy, key):
+            if name not in events:
+                found.append(f"[policy] {key}: {name!r} is not an event of the spec; use one of {sorted(events)}")
+    return found
+
+
+# ---------------------------------------------------------------------------------------------- recording
+@dataclass(frozen=True, slots=True)
+class Victim:
+    """`requester` needed blocks and `victim` gave them up by `event` (suspend or recompute_pause)."""
+
+    requester: Hashable
+    victim: Hashable
+    event: str
+
+
+@dataclass(frozen=True, slots=True)
+class Promotion:
+    """`promoted`, suspended earlier in the pass, was recompute-paused to make host room for `victim`."""
+
+    victim: Hashable
+    promoted: Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """`requester` was not scheduled because `reserved` blocks on their way (fenced, awaiting consensus) will free."""
+
+    requester: Hashable
+    reserved: int
+
+
+@dataclass
+class PassRecord:
+    """The decisions of one pass that its output does not show, in the order they were taken."""
+
+    decisions: list[Victim | Promotion | Wait] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSnapshot:
+    """What the policy reads of one active request just before a pass."""
+
+    request_id: Hashable
+    state: str
+    arrival: int
+    admission: int
+    prefilling: bool
+    about_to_finish: bool
+    capped: bool
+    kv_tokens: int
+    gpu_blocks: int
+    next_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PassSnapshot:
+    """Every active request and the GPU blocks fenced by copies, just before a pass."""
+
+    requests: tuple[RequestSnapshot, ...]
+    gpu_fenced: int
+    has_host_tier: bool
+    max_batch_size: int
+    max_num_tokens: int
+
+
+def snapshot(scheduler) -> PassSnapshot:
+    """A `PassSnapshot` of `scheduler` (a `kvstate.Scheduler`) now."""
+    cap = scheduler.config.max_preemptions_per_request
+    requests = tuple(
+        RequestSnapshot(
+            r.request_id, r.state, r.arrival, r.admission, r.is_prefilling, r.about_to_finish,
+            cap is not None and r.num_suspensions + r.num_recompute_pauses >= cap, r.num_computed_tokens,
+            r.num_gpu_blocks, r.next_step_tokens,
+        )
+        for r in scheduler.requests.values()
+    )
+    return PassSnapshot(requests, len(scheduler.pool.gpu.fenced), scheduler.pool.has_host_tier,
+                        scheduler.config.max_batch_size, scheduler.config.max_num_tokens)
+
+
+# ---------------------------------------------------------------------------------------------- checking
+def check_pass(spec: Spec, before: PassSnapshot, record: PassRecord, output) -> None:
+    """Raise `InvariantViolation` unless the pass that produced `output` (a `SchedulerOutput`) follows `spec`'s policy."""
+    _PassCheck(spec, before, record, output).run()
+
+
+class _PassCheck:
+    def __init__(self, spec: Spec, before: PassSnapshot, record: PassRecord, output) -> None:
+        self.spec, self.policy, self.before, self.record, self.out = spec, spec.policy, before, record, output
+        self.by_id = {r.request_id: r for r in before.requests}
+        self.scheduled = [r.request_id for r in output.scheduled]
+        self.victims = [d.victim for d in record.decisions if isinstance(d, Victim)]
+        # requesters in the order the pass serves them (SPEC.md 7.2): decode steps, then chunks, each by arrival
+        computing = [r for r in before.requests if r.state in spec.computing_states]
+        self.order = [r.request_id for r in sorted(computing, key=lambda r: (r.prefilling, r.arrival))]
+
+    def run(self) -> None:
+        self.check_victims()
+        self.check_promotions()
+        self.check_admissions()
+        if self.policy.work_conservation:
+            self.check_work_conservation()
+
+    def fail(self, invariant: str, message: str) -> None:
+        raise InvariantViolation(invariant, message)
+
+    # ---- victims
+    def served_before(self, requester: Hashable) -> set[Hashable]:
+        """Requests scheduled by the pass before it served `requester`."""
+        if requester not in self.order:
+            return set(self.scheduled)
+        earlier = set(self.order[:self.order.index(requester)])
+        return {rid for rid in self.scheduled if rid in earlier}
+
+    def eligible(self, requester: Hashable, chosen: set[Hashable], waiting: set[Hashable]) -> list[RequestSnapshot]:
+        excluded = set(self.policy.victim_exclusions)
+        scheduled = self.served_before(requester) if "scheduled_this_pass" in excluded else set()
+        if "waiting_this_pass" in excluded:
+            scheduled |= waiting
+        return [
+            r for r in self.before.requests
+            if r.state in self.spec.victim_states
+            and not ("the_requester" in excluded and r.request_id == requester)
+            and r.request_id not in scheduled
+            and not ("victim_this_pass" in excluded and r.request_id in chosen)
+            and not ("about_to_finish" in excluded and r.about_to_finish)
+            and not ("preemption_cap_reached" in excluded and r.capped)
+        ]
+
+    def check_victims(self) -> None:
+        chosen: set[Hashable] = set()
+        waiting: set[Hashable] = set()
+        for d in self.record.decisions:
+            if isinstance(d, Wait):
+                waiting.add(d.requester)
+            if not isinstance(d, Victim):
+                continue
+            if d.victim in chosen:
+                self.fail("VICTIM-ONCE", f"request {d.victim!r} was chosen as a victim twice in one pass")
+            eligible = self.eligible(d.requester, chosen, waiting)
+            chosen.add(d.victim)
+            if d.victim == d.requester:
+                if eligible:
+                    self.fail("VICTIM-TAIL", f"requester {d.requester!r} preempted itself although "
+                              f"{[r.request_id for r in eligible]!r} were eligible victims")
+                continue
+            victim = self.by_id.get(d.victim)
+            if victim is not None and victim.about_to_finish:
+                self.fail("VICTIM-NOT-FINAL", f"request {d.victim!r} was chosen as a victim although its next step "
+                          "produces its final token")
+            if victim not in eligible:
+                self.fail("VICTIM-TAIL", f"request {d.victim!r} was chosen as {d.requester!r}'s victim but is not an "
+                          f"eligible victim ({', '.join(self.policy.victim_exclusions)} exclude it)")
+            tail = max(eligible, key=lambda r: r.admission)
+            if tail.request_id != d.victim:
+                self.fail("VICTIM-TAIL", f"request {d.victim!r} (admission {victim.admission}) was chosen as "
+                          f"{d.requester!r}'s victim, but {tail.request_id!r} (admission {tail.admission}) was admitted "
+                          "later and is eligible: victims are taken tail-first")
+
+    # ---- promotions
+    def check_promotions(self) -> None:
+        suspended: list[Hashable] = []  # suspended in this pass and not yet promoted, in suspension order
+        groups: dict[Hashable, list[Hashable]] = {}
+        for d in self.record.decisions:
+            if isinstance(d, Victim) and d.event == "suspend":
+                suspended.append(d.victim)
+            elif isinstance(d, Promotion):
+                if not self.before.has_host_tier:
+                    self.fail("PROMOTE-GATE", f"request {d.promoted!r} was promoted without a host tier")
+                if not suspended or suspended[-1] != d.promoted:
+                    self.fail("PROMOTE-GATE", f"request {d.promoted!r} was promoted, but the most recent request "
+                              f"suspended earlier in this pass and not yet promoted is "
+                              f"{suspended[-1] if suspended else 'none'!r}: only requests suspended earlier in the "
+                              "same pass are promoted, most recent first")
+                suspended.pop()
+                groups.setdefault(d.victim, []).append(d.promoted)
+        for victim, promoted in groups.items():
+            worth = sum(self.by_id[p].kv_tokens for p in promoted)
+            if worth >= self.by_id[victim].kv_tokens:
+                self.fail("PROMOTE-GATE", f"requests {promoted!r} (KV worth {worth} tokens) were promoted to make host "
+                          f"room for {victim!r}, whose KV is worth only {self.by_id[victim].kv_tokens}: promotion must "
+                          "throw away less KV than it saves")
+
+    # ---- admissions
+    def admitted(self) -> list[Hashable]:
+        """Requests readmitted or admitted by the pass, in candidate order."""
+        role = self.spec.role
+        came_from = {"resumed": role(OFFLOADED), "replay": role(DROPPED), "context": role(QUEUED)}
+        found = set()
+        for name, source in came_from.items():
+            found |= {r.request_id for r in getattr(self.out, name)
+                      if r.request_id in self.by_id and self.by_id[r.request_id].state == source}
+        return [rid for rid in self.candidates() if rid in found]
+
+    def candidates(self) -> list[Hashable]:
+        """Admission candidates in the policy's order: classes in order, each in arrival order."""
+        sources = {t.event: t.source for t in self.spec.transitions}
+        out = []
+        for event in self.policy.admission_classes:
+            pool = [r for r in self.before.requests if r.state == sources[event]]
+            out += [r.request_id for r in sorted(pool, key=lambda r: r.arrival)]
+        return out
+
+    def check_admissions(self) -> None:
+        rules = set(self.policy.admission_rules)
+        admitted = self.admitted()
+        victims = set(self.victims)
+        if "no_readmission_of_victims" in rules:
+            for rid in admitted:
+                if rid in victims:
+                    self.fail("ADMIT-ORDER", f"request {rid!r} was readmitted in the pass that chose it as a victim")
+        candidates = [rid for rid in self.candidates() if rid not in victims]
+        if "stop_at_first_misfit" in rules and admitted != candidates[:len(admitted)]:
+            skipped = next(rid for rid in candidates if rid not in admitted)
+            later = next(rid for rid in admitted if candidates.index(rid) > candidates.index(skipped))
+            self.fail("ADMIT-ORDER", f"request {later!r} was admitted although {skipped!r}, ahead of it in the "
+                      f"policy's order ({' > '.join(self.policy.admission_classes)}, each by arrival), was not: "
+                      "admission stops at the first request that does not fit")
+        if "hold_new_after_preemption_or_wait" in rules:
+            new = [rid for rid in admitted if self.by_id[rid].state == self.spec.role(QUEUED)]
+            held = self.victims or self.left_waiting()
+            if new and held:
+                why = f"it chose victims {self.victims!r}" if self.victims else f"{self.left_waiting()!r} waited"
+                self.fail("ADMIT-HOLD", f"new request(s) {new!r} were admitted in a pass in which {why}: no new "
+                          "request may take the room a preempted or waiting request needs (A1)")
+
+    def left_waiting(self) -> list[Hashable]:
+        """Computing requests the pass neither served nor preempted."""
+        served = set(self.scheduled) | set(self.victims)
+        return [rid for rid in self.order if rid not in served]
+
+    # ---- work conservation
+    def room_on_its_way(self) -> int:
+        pending = self.spec.role(PENDING_RESET)
+        room = self.before.gpu_fenced + sum(r.gpu_blocks for r in self.before.requests if r.state == pending)
+        for r in self.out.suspended:
+            room += self.by_id[r.request_id].gpu_blocks if r.request_id in self.by_id else 0
+        for r in self.out.recompute_paused:
+            if r.state == pending and r.request_id in self.by_id and self.by_id[r.request_id].state != pending:
+                room += self.by_id[r.request_id].gpu_blocks
+        return room
+
+    def check_work_conservation(self) -> None:
+        waits = [d for d in self.record.decisions if isinstance(d, Wait)]
+        reserved = sum(w.reserved for w in waits)
+        room = self.room_on_its_way()
+        if reserved > room:
+            self.fail("WORK-CONSERVE", f"waiting requesters {[w.requester for w in waits]!r} counted on {reserved} "
+                      f"blocks on their way, but only {room} are (fenced or awaiting consensus): room on its way "
+                      "must be reserved by one requester, not counted by each")
+        waiting = {w.requester for w in waits}
+        slots, tokens = self.before.max_batch_size, self.before.max_num_tokens
+        chunk = dict(self.out.chunk_tokens)
+        for rid in self.order:
+            if rid in self.scheduled:
+                slots, tokens = slots - 1, tokens - chunk.get(rid, 0)
+                continue
+            if rid in self.victims or rid in waiting:
+                continue
+            if slots > 0 and tokens > 0:
+                self.fail("WORK-CONSERVE", f"request {rid!r} was neither scheduled, preempted nor waiting for room on "
+                          f"its way although {slots} batch slots and {tokens} tokens were left when its turn came")
+

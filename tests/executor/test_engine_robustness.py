@@ -1,0 +1,536 @@
+"""The engine survives its own exceptions, refuses re-entrant and concurrent misuse, forgets what it handed over,
+and refuses configurations it cannot run.
+
+* one transient exception injected at every point of a pressured step (suspends, resumes, recompute-pauses): the
+  step is settled (nothing in flight, the scheduler's invariants hold) and the run then finishes with every
+  output equal to its reference and no block held — or, where the step cannot be undone, the engine is cleanly
+  broken: every later driving call raises the same `EngineBroken`;
+* calls from inside the `on_transition` hook or a `stream()` consumer raise `EngineBusy` and change nothing;
+* two threads on one engine are serialized: outputs equal the references and the trace follows the spec;
+* `take_finished` leaves no record of the requests it handed over; `close()` drains the copy stream;
+* `EngineConfig` refuses unsupported dtypes, wrong types and pool sizes the machine cannot hold.
+"""
+
+from __future__ import annotations
+
+import errno
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import executor.engine as engine_module
+from executor import Engine, EngineConfig
+from executor.checks import leaked_blocks, random_workload
+from executor.engine import EngineBroken, EngineBusy, FinishedRequest
+from kvstate import load_spec
+from kvstate.checker import validate_trace
+from kvstate.config import ConfigError
+from kvstate.scheduler import UnknownRequestId
+from kvstate.trace import TraceWriter
+
+SPEC = load_spec()
+PRESSURED = {"gpu_blocks": 16, "host_blocks": 6, "block_size": 4, "prefill_chunk_size": 64}
+WORK = random_workload(12, 1, (4, 30), (4, 24))
+
+
+class Injected(Exception):
+    """The transient failure the tests inject."""
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model) -> dict:
+    """{id: reference output} of WORK (ids = positions), on the shared tiny model."""
+    with Engine(EngineConfig(device="cpu", **PRESSURED), model=tiny_model) as engine:
+        for prompt, new in WORK:
+            engine.add_request(prompt, new)
+        return engine.batched_reference_outputs()
+
+
+def pressured(make_engine, tmp_path: Path, **overrides) -> Engine:
+    engine = make_engine(**{**PRESSURED, "trace_path": tmp_path / "trace.ndjson", **overrides})
+    for prompt, new in WORK:
+        engine.add_request(prompt, new)
+    return engine
+
+
+def assert_trace_follows_the_spec(engine: Engine) -> None:
+    engine.close()
+    lines = Path(engine.trace.path).read_text().splitlines()
+    report = validate_trace(lines, SPEC)
+    assert report.ok, report.divergence.describe()
+
+
+def assert_settled(engine: Engine) -> None:
+    """Nothing in flight and every invariant holds (between two calls)."""
+    engine.scheduler.check_invariants()
+    assert not engine.scheduler.pool.in_flight
+
+
+def assert_finishes_like_the_references(engine: Engine, references: dict) -> None:
+    outputs = engine.run()
+    assert outputs == references
+    assert leaked_blocks(engine) == 0, engine.scheduler.pool.usage()
+
+
+# ------------------------------------------------------------------------------------------ injection
+def once(original, when=lambda: True, exc: BaseException | None = None, after: bool = False):
+    """`original`, except that the first call for which `when()` holds raises `exc` (before the call, or after
+    it with `after`); `calls.fired` tells whether it did."""
+
+    def wrapper(*args, **kwargs):
+        if not wrapper.fired and when():
+            wrapper.fired = True
+            if after:
+                original(*args, **kwargs)
+            raise exc if exc is not None else Injected("injected transient failure")
+        return original(*args, **kwargs)
+
+    wrapper.fired = False
+    return wrapper
+
+
+def in_flight(engine):
+    return lambda: bool(engine.scheduler.pool.in_flight)
+
+
+def hook_raising_on(engine, event: str):
+    """Wrap the scheduler's hook so that the first `event` transition raises after it was recorded."""
+    original = engine.scheduler.on_transition
+
+    def hook(request, transition):
+        original(request, transition)
+        if transition.event == event and not hook.fired:
+            hook.fired = True
+            raise Injected(f"injected failure in the on_transition hook after {event}")
+
+    hook.fired = False
+    engine.scheduler.on_transition = hook
+    return hook
+
+
+class FlakyFence:
+    """A completed copy whose first `wait()` raises."""
+
+    def __init__(self, fence) -> None:
+        self.fence, self.failed = fence, False
+
+    def wait(self):
+        if not self.failed:
+            self.failed = True
+            raise Injected("injected failure waiting on a fence")
+        self.fence.wait()
+
+    def done(self):
+        return self.fence.done()
+
+    def order_before(self, stream):
+        self.fence.order_before(stream)
+
+
+def _flaky_fences(engine, monkeypatch):
+    original = engine.cache.migrate
+    state = {"fired": False}
+
+    def migrate(plan, **kwargs):
+        fence = original(plan, **kwargs)
+        if state["fired"]:
+            return fence
+        state["fired"] = True
+        return FlakyFence(fence)
+
+    monkeypatch.setattr(engine.cache, "migrate", migrate)
+    return lambda: state["fired"]
+
+
+def _patch(engine, monkeypatch, obj, name, **kwargs):
+    wrapper = once(getattr(obj, name), **kwargs)
+    monkeypatch.setattr(obj, name, wrapper)
+    return lambda: wrapper.fired
+
+
+def _trace_disk_full(engine, monkeypatch):
+    """The trace file is /dev/full from the 20th transition on: writes fail with ENOSPC, as on a full disk."""
+    original = TraceWriter.__call__
+
+    def call(self, request, transition):
+        if self.lines >= 20 and self._file is not None and self._file.name != "/dev/full":
+            self._file.close()
+            self._file = open("/dev/full", "w", buffering=1)  # noqa: SIM115 - the writer closes it
+        return original(self, request, transition)
+
+    monkeypatch.setattr(TraceWriter, "__call__", call)
+    return lambda: engine.trace.lines >= 20
+
+
+# point -> (install(engine, monkeypatch) -> fired(), expected outcome)
+POINTS = {
+    "schedule (before planning)": (lambda e, m: _patch(e, m, e.scheduler, "schedule",
+                                                       when=lambda: e.scheduler.iteration >= 6), "settled"),
+    "schedule (mid-pass, after a suspend)": (lambda e, m: (lambda h: lambda: h.fired)(hook_raising_on(e, "suspend")),
+                                             "settled"),
+    "schedule (mid-pass, after a resume)": (lambda e, m: (lambda h: lambda: h.fired)(hook_raising_on(e, "resume")),
+                                            "settled"),
+    "schedule (mid-pass, after a recompute-pause)": (
+        lambda e, m: (lambda h: lambda: h.fired)(hook_raising_on(e, "recompute_pause")), "settled"),
+    "invariant check": (lambda e, m: _patch(e, m, e.scheduler, "check_invariants", when=in_flight(e)), "settled"),
+    "issue copies": (lambda e, m: _patch(e, m, e.cache, "migrate"), "settled"),
+    "forward": (lambda e, m: _patch(e, m, e.model, "forward_paged", when=in_flight(e)), "settled"),
+    "forward (KeyboardInterrupt)": (lambda e, m: _patch(e, m, e.model, "forward_paged", when=in_flight(e),
+                                                        exc=KeyboardInterrupt()), "settled"),
+    "sampling": (lambda e, m: _patch(e, m, engine_module, "sample_batch", when=in_flight(e)), "settled"),
+    "wait on a fence": (_flaky_fences, "settled"),
+    "record a suspend": (lambda e, m: _patch(e, m, e, "_after_suspend"), "settled"),
+    "complete_migrations": (lambda e, m: _patch(e, m, e.scheduler, "complete_migrations", when=in_flight(e)),
+                            "settled"),
+    "complete_step (before applying)": (lambda e, m: _patch(e, m, e.scheduler, "complete_step",
+                                                            when=lambda: e.scheduler.iteration >= 6), "settled"),
+    "complete_step (part applied)": (lambda e, m: (lambda h: lambda: h.fired)(hook_raising_on(e, "finish")),
+                                     "broken"),
+    "statistics after the step": (lambda e, m: _patch(e, m, e, "stats", when=lambda: e.scheduler.iteration >= 6),
+                                  "settled"),
+    "trace write": (lambda e, m: _patch(e, m, TraceWriter, "__call__", when=lambda: e.scheduler.iteration >= 6,
+                                        exc=OSError(errno.ENOSPC, "No space left on device")), "broken"),
+    "trace write (/dev/full)": (_trace_disk_full, "broken"),
+}
+
+
+@pytest.mark.parametrize("point", list(POINTS))
+def test_one_exception_at_any_point_of_a_step_is_settled_or_breaks_cleanly(point, make_engine, references,
+                                                                            tmp_path, monkeypatch):
+    engine = pressured(make_engine, tmp_path)
+    install, expected = POINTS[point]
+    fired = install(engine, monkeypatch)
+    with pytest.raises((Injected, KeyboardInterrupt, OSError, EngineBroken)) as info:
+        engine.run()
+    assert fired(), f"the failure at {point!r} was never injected: the workload no longer reaches it"
+    assert_settled(engine)  # nothing in flight, no leaked or double-owned block, residency matches state
+    if expected == "settled":
+        assert not isinstance(info.value, EngineBroken), info.value
+        assert any("was settled" in note for note in getattr(info.value, "__notes__", []))
+        assert_finishes_like_the_references(engine, references)
+        assert engine.totals.suspensions > 0 and engine.totals.events["resume"] > 0  # the workload is pressured
+        assert_trace_follows_the_spec(engine)
+        return
+    assert isinstance(info.value, EngineBroken)
+    message = str(info.value)
+    assert message.startswith("the engine is broken: ") and "create a new Engine" in message
+    assert isinstance(info.value.__cause__, (Injected, OSError))
+    calls = {
+        "step": engine.step, "run": engine.run, "add_request": lambda: engine.add_request([1, 2], 2),
+        "cancel": lambda: engine.cancel(next(iter(engine.scheduler.requests), 0)),
+        "lose_host_tier": engine.lose_host_tier, "stream": lambda: list(engine.stream()),
+    }
+    for name, call in calls.items():
+        with pytest.raises(EngineBroken) as again:
+            call()
+        assert str(again.value) == message, name
+    finished = {rid: r.generated for rid, r in engine.scheduler.finished.items() if r.done_reason == "finished"}
+    assert finished and all(tokens == references[rid] for rid, tokens in finished.items())
+    assert set(engine.take_finished()) >= set(finished)  # finished results can still be handed over
+    engine.close()
+    engine.close()
+
+
+def test_a_failed_step_waits_on_every_fence_and_close_drains_the_copy_stream(make_engine, tmp_path, monkeypatch):
+    engine = pressured(make_engine, tmp_path)
+    fences, waited = [], []
+    original = engine.cache.migrate
+
+    class Recording:
+        def __init__(self, fence):
+            self.fence = fence
+
+        def wait(self):
+            waited.append(self)
+            self.fence.wait()
+
+        def done(self):
+            return self.fence.done()
+
+        def order_before(self, stream):
+            self.fence.order_before(stream)
+
+    def migrate(plan, **kwargs):
+        fences.append(Recording(original(plan, **kwargs)))
+        return fences[-1]
+
+    monkeypatch.setattr(engine.cache, "migrate", migrate)
+    monkeypatch.setattr(engine.model, "forward_paged", once(engine.model.forward_paged, when=in_flight(engine)))
+    with pytest.raises(Injected):
+        engine.run()
+    assert fences and set(map(id, fences)) <= set(map(id, waited))
+    drains = []
+    monkeypatch.setattr(engine.cache, "drain", lambda: drains.append(1))
+    engine.close()
+    assert drains == [1]
+
+
+# ------------------------------------------------------------------------------------------ re-entrancy
+@pytest.mark.parametrize("call", ["step", "run", "cancel", "add_request", "take_finished", "lose_host_tier", "close"])
+def test_calls_from_inside_the_on_transition_hook_are_refused(call, make_engine, references, tmp_path):
+    engine = pressured(make_engine, tmp_path)
+    original, refused, read = engine.scheduler.on_transition, [], []
+    calls = {"step": engine.step, "run": engine.run, "cancel": lambda: engine.cancel(0),
+             "add_request": lambda: engine.add_request([1, 2], 2), "take_finished": engine.take_finished,
+             "lose_host_tier": engine.lose_host_tier, "close": engine.close}
+
+    def hook(request, transition):
+        original(request, transition)
+        try:
+            calls[call]()
+        except EngineBusy as err:
+            refused.append(str(err))
+        read.append(len(engine.outputs()))  # reading from the hook is allowed
+
+    engine.scheduler.on_transition = hook
+    assert_finishes_like_the_references(engine, references)
+    assert refused and len(refused) == len(read)
+    assert f"{call}() was called from inside" in refused[0] and "nothing changed" in refused[0]
+    engine.scheduler.on_transition = original
+    assert_trace_follows_the_spec(engine)
+
+
+def test_a_stream_consumer_may_not_step_run_or_stream(make_engine, references, tmp_path):
+    engine = pressured(make_engine, tmp_path)
+    produced: dict = {}
+    stream = engine.stream()
+    for rid, token in stream:
+        produced.setdefault(rid, []).append(token)
+        for call in (engine.step, engine.run, lambda: list(engine.stream())):
+            with pytest.raises(EngineBusy, match="while a stream\\(\\) is being consumed"):
+                call()
+    assert produced == references and engine.outputs() == references
+    assert engine.run() == references  # the finished stream released the engine
+    assert_trace_follows_the_spec(engine)
+
+
+def test_a_stream_closed_early_releases_the_engine(make_engine, references, tmp_path):
+    engine = pressured(make_engine, tmp_path)
+    stream = engine.stream()
+    next(stream)
+    stream.close()
+    assert_finishes_like_the_references(engine, references)
+
+
+# --------------------------------------------------------------------------------------------- threads
+@pytest.fixture
+def fast_switching():
+    """Switch threads every 10 µs so that unserialized access would interleave inside a step."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    yield
+    sys.setswitchinterval(before)
+
+
+def _in_threads(*targets):
+    errors = []
+
+    def guarded(target):
+        try:
+            target()
+        except BaseException as err:  # noqa: BLE001 - reported by the test
+            errors.append(err)
+
+    threads = [threading.Thread(target=guarded, args=(t,)) for t in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(t.is_alive() for t in threads), "a thread is stuck"
+    assert not errors, errors
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_two_threads_stepping_one_engine_are_serialized(trial, make_engine, references, tmp_path, fast_switching):
+    engine = pressured(make_engine, tmp_path)
+    start = threading.Barrier(2)
+    steps = []
+
+    def stepper():
+        start.wait()
+        while engine.scheduler.has_unfinished:
+            engine.step()
+            steps.append(1)
+
+    _in_threads(stepper, stepper)
+    assert engine.outputs() == references and leaked_blocks(engine) == 0
+    assert engine.totals.steps == len(steps)
+    assert_trace_follows_the_spec(engine)
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_cancel_from_a_second_thread_during_run(trial, make_engine, references, tmp_path, fast_switching):
+    engine = pressured(make_engine, tmp_path)
+    cancelled = []
+
+    def canceller():
+        while engine.totals.steps < 3 + trial:
+            pass
+        for rid in list(engine.scheduler.requests)[::2]:
+            try:
+                engine.cancel(rid)
+                cancelled.append(rid)
+            except ValueError:  # finished in the meantime
+                pass
+
+    _in_threads(engine.run, canceller)
+    assert cancelled
+    reasons = {rid: r.done_reason for rid, r in engine.scheduler.finished.items()}
+    assert all(reasons[rid] == "cancelled" for rid in cancelled)
+    outputs = engine.outputs()
+    assert all(outputs[rid] == references[rid] for rid, reason in reasons.items() if reason == "finished")
+    assert leaked_blocks(engine) == 0
+    assert_trace_follows_the_spec(engine)
+
+
+# ------------------------------------------------------------------------------------- take_finished
+def test_take_finished_hands_over_and_forgets(make_engine, references, tmp_path):
+    engine = pressured(make_engine, tmp_path)
+    for _ in range(12):
+        engine.step()
+    first = engine.take_finished()
+    assert first and all(isinstance(f, FinishedRequest) and f.reason == "finished" for f in first.values())
+    assert {rid: f.tokens for rid, f in first.items()} == {rid: references[rid] for rid in first}
+    engine.run()
+    rest = engine.take_finished()
+    assert set(first) | set(rest) == set(range(len(WORK))) and not set(first) & set(rest)
+    assert {rid: f.tokens for rid, f in rest.items()} == {rid: references[rid] for rid in rest}
+    # no record of a taken request is left anywhere in the engine
+    assert not engine.scheduler.finished and not engine.scheduler.requests and not engine._submissions
+    assert not engine._checksums and engine.outputs() == {} and engine.take_finished() == {}
+    for rid in first:
+        with pytest.raises(UnknownRequestId):
+            engine.scheduler.get(rid)
+    report = validate_trace(Path(engine.trace.path).read_text().splitlines(), SPEC)  # line-buffered: all there
+    assert report.ok, report.divergence.describe()
+    # a taken id may be used again (the trace then names it twice, which `kvstate validate` refuses)
+    prompt, new = WORK[3]
+    assert engine.add_request(prompt, new, request_id=3) == 3
+    assert engine.run() == {3: references[3]}
+    assert engine.take_finished() == {3: FinishedRequest(references[3], "finished")}
+    engine.close()
+    assert engine.take_finished() == {}  # also on a closed engine
+
+
+def test_take_finished_reports_cancelled_requests(make_engine, tmp_path):
+    engine = pressured(make_engine, tmp_path)
+    engine.step()
+    engine.cancel(5)
+    taken = engine.take_finished()
+    assert taken[5].reason == "cancelled" and 5 not in engine._submissions
+    with pytest.raises(ValueError, match="take_finished"):
+        engine.reference_outputs([5])
+
+
+# ------------------------------------------------------------------------------------------------ config
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.complex64, torch.int64, "int8", "float8_e5m2", 3])
+def test_unsupported_dtypes_are_refused_at_construction(dtype):
+    with pytest.raises(ConfigError, match=r"dtype must be one of \['bfloat16', 'float16', 'float32', 'float64'\]"):
+        EngineConfig(device="cpu", dtype=dtype)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("seed", "x", "EngineConfig.seed must be an int, got str 'x'"),
+    ("weights_seed", 1.5, "weights_seed must be an int"),
+    ("gpu_blocks", True, "gpu_blocks must be an int"),
+    ("check_invariants", "yes", "check_invariants must be True or False, got 'yes'"),
+    ("verify_host_checksums", 1, "verify_host_checksums must be True or False"),
+    ("max_preemptions_per_request", "3", "max_preemptions_per_request must be an int or None"),
+    ("trace_path", 7, "trace_path must be a path"),
+    ("model", {}, "model must be an executor.ModelConfig"),
+    ("device", 0, "device must be 'auto'"),
+])
+def test_config_types_are_checked_at_construction(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**{field: value})
+
+
+@pytest.mark.parametrize(("sizes", "message"), [
+    ({"gpu_blocks": 10**9}, r"gpu_blocks=1000000000 \+ host_blocks=0 needs .* GiB of host memory"),
+    ({"host_blocks": 10**12}, r"host_blocks=1000000000000 needs .* GiB of host memory"),
+])
+def test_pool_sizes_beyond_the_machine_are_refused_before_allocating(sizes, message, tiny_model):
+    with pytest.raises(ConfigError, match=message):
+        Engine(EngineConfig(device="cpu", **sizes), model=tiny_model)
+
+
+# ------------------------------------------------------------------------------------ every step, every event
+CHUNKED = {"gpu_blocks": 20, "host_blocks": 6, "block_size": 4, "prefill_chunk_size": 5, "max_num_tokens": 12}
+CHUNKED_WORK = random_workload(10, 4, (12, 40), (4, 16))
+
+
+def _sweep(make_engine, monkeypatch, inject, occasions) -> dict:
+    """Run CHUNKED_WORK once per k of `occasions` (increasing) with `inject(engine, monkeypatch, k)` arming one
+    failure at the k-th occasion, until k passes the end of the run; a settled run must then finish like the
+    references, a broken one must say that complete_step had applied part of the iteration."""
+    reference = make_engine(**CHUNKED)
+    for prompt, new in CHUNKED_WORK:
+        reference.add_request(prompt, new)
+    refs = reference.batched_reference_outputs()
+    outcomes = {"settled": 0, "broken": 0}
+    for k in (*occasions, 10_000):
+        engine = make_engine(**CHUNKED)
+        for prompt, new in CHUNKED_WORK:
+            engine.add_request(prompt, new)
+        with monkeypatch.context() as patch:
+            inject(engine, patch, k)
+            try:
+                engine.run()
+            except Injected:
+                assert_settled(engine)
+                assert engine.run() == refs, f"occasion {k}"
+                assert leaked_blocks(engine) == 0
+                outcomes["settled"] += 1
+            except EngineBroken as err:
+                assert isinstance(err.__cause__, Injected) and "complete_step" in str(err), err
+                assert_settled(engine)
+                outcomes["broken"] += 1
+            else:
+                assert engine.outputs() == refs
+                return outcomes
+        engine.close()
+    raise AssertionError("the sweep never reached the end of the run")
+
+
+def _fail_forward_at(engine, patch, k):
+    original, calls = engine.model.forward_paged, iter(range(10_000))
+
+    def forward(*args, **kwargs):
+        if next(calls) == k:
+            raise Injected(f"forward {k}")
+        return original(*args, **kwargs)
+
+    patch.setattr(engine.model, "forward_paged", forward)
+
+
+def _fail_hook_at(engine, patch, k):
+    original, calls = engine.scheduler.on_transition, iter(range(10_000))
+
+    def hook(request, transition):
+        original(request, transition)
+        if next(calls) == k:
+            raise Injected(f"transition {k} ({transition.event})")
+
+    patch.setattr(engine.scheduler, "on_transition", hook)
+
+
+@pytest.mark.parametrize("occasions", [pytest.param(range(80), marks=pytest.mark.slow, id="every"),
+                                       pytest.param((0, 14, 36, 50), id="regressions")])
+def test_a_forward_failure_at_any_step_is_settled(make_engine, monkeypatch, occasions):
+    """Regression (forward calls 14, 36 and 50): a discarded step left a prefilling request holding blocks for a
+    larger chunk than the one planned next, which the scheduler then subtracted from its block count
+    (RES-STATE two steps later)."""
+    outcomes = _sweep(make_engine, monkeypatch, _fail_forward_at, occasions)
+    assert outcomes["settled"] == len(occasions) and outcomes["broken"] == 0
+
+
+@pytest.mark.parametrize("occasions", [pytest.param(range(100), marks=pytest.mark.slow, id="every"),
+                                       pytest.param(range(0, 100, 10), id="every-10th")])
+def test_a_hook_failure_at_any_transition_is_settled_or_breaks_cleanly(make_engine, monkeypatch, occasions):
+    """Inside schedule() (admit, suspend, resume, recompute-pause, replay) the pass is settled; inside
+    complete_step (catch-up, finish) part of the iteration was applied, so the engine breaks cleanly."""
+    outcomes = _sweep(make_engine, monkeypatch, _fail_hook_at, occasions)
+    assert outcomes["settled"] >= 4 and outcomes["broken"] >= 1
