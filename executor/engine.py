@@ -575,9 +575,10 @@ class Engine:
         if problem is not None:
             self._break(f"step {iteration} failed in phase '{attempt.phase}' with {type(err).__name__}: {err}; "
                         f"the engine could not restore a consistent state: {problem}", err)
+        done = "the iteration itself had completed" if attempt.phase == "after the step" else \
+            "the forward pass was discarded (the next step computes it again)"
         err.add_note(f"kvstate: step {iteration} failed in phase '{attempt.phase}' and was settled: every copy "
-                     "completed or failed, nothing is in flight and the forward pass was discarded; the engine "
-                     "can keep stepping")
+                     f"completed or failed and nothing is in flight; {done}; the engine can keep stepping")
 
     def _break(self, message: str, cause: BaseException) -> None:
         """Mark the engine broken (every later driving call raises this error) and raise it."""
@@ -641,7 +642,7 @@ class Engine:
         self._checksums.clear()
         self.totals.host_tier_losses += 1
         warnings.warn(f"{reason}; {len(lost)} suspended requests will be replayed and the engine runs GPU-only "
-                      "from now on (every eviction is a recompute-pause)", HostTierFallbackWarning, stacklevel=2)
+                      "from now on (every eviction is a recompute-pause)", HostTierFallbackWarning, stacklevel=3)
         return [r.request_id for r in lost]
 
     def _compute(self, out: SchedulerOutput) -> dict[Hashable, int]:

@@ -41,8 +41,9 @@ VOCABULARY: Mapping[str, Mapping[str, str]] = {
         "hold_new_after_preemption_or_wait": "no new request in a pass with a victim or a waiting requester (A1)",
     },
     "room_on_its_way": {"reserved_per_requester": "a waiting requester reserves the pending blocks it counts on"},
-    "progress": {"new_kv_position_or_end": "a pass progresses when it computes a KV position beyond every earlier "
-                                          "computation of that request, or ends a request"},
+    "progress": {"new_kv_position_or_end": "a pass progresses when it computes a prompt chunk or a decode step, a "
+                                          "replay chunk beyond every earlier replay of the same replay prompt, or "
+                                          "ends a request"},
 }
 _LISTED = ("victim_exclusions", "admission_rules")
 

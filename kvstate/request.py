@@ -6,8 +6,9 @@ Invariants kept:
 * after `reset_for_replay`, `prefill_tokens` = original prompt + every generated token, the remaining budget
   is `max_new_tokens - len(generated)`, and every KV-derived counter is zero (RESET-*); its admission number is
   kept (a replay is not the newest admission, so it does not become the next tail victim);
-* `kv_high_water` only grows: the furthest KV position any computation of this request reached, across replays
-  (a pass that only recomputes below it makes no progress).
+* `replay_high_water` is the furthest position any replay of the current replay prompt reached (0 until a replay
+  computes, and again whenever a reset makes a longer replay prompt): a replay chunk that does not pass it recomputes
+  work an earlier pause threw away, which is no progress (A4).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class Request:
     termination_reason: str | None = None
     done_reason: str | None = None
     suspended_in_pass: int | None = None
-    kv_high_water: int = 0
+    replay_high_water: int = 0
 
     def __post_init__(self) -> None:
         self.prompt = tuple(self.prompt)
@@ -92,13 +93,16 @@ class Request:
         """KV tokens it holds: what recomputing it would cost."""
         return self.num_computed_tokens
 
-    def advance(self, tokens: int) -> bool:
-        """Count `tokens` more computed tokens; True when they reach a KV position never reached before (progress)."""
+    def advance(self, tokens: int, replaying: bool) -> bool:
+        """Count `tokens` more computed tokens; True when that is progress (A4): not a replay chunk, or a replay
+        chunk that reaches further than every earlier replay of the same replay prompt."""
         self.num_computed_tokens += tokens
-        if self.num_computed_tokens > self.kv_high_water:
-            self.kv_high_water = self.num_computed_tokens
+        if not replaying:
             return True
-        return False
+        if self.num_computed_tokens <= self.replay_high_water:
+            return False
+        self.replay_high_water = self.num_computed_tokens
+        return True
 
     def append_token(self, token: int) -> None:
         self.generated.append(int(token))
@@ -120,6 +124,8 @@ class Request:
 
     def reset_for_replay(self) -> None:
         """Make the replay prompt prompt + generated and clear every KV-derived counter (RESET-*)."""
+        if len(self.all_tokens) != len(self.prefill_tokens):
+            self.replay_high_water = 0  # tokens were generated since the last reset: a new replay prompt
         self.prefill_tokens = self.all_tokens
         self.num_computed_tokens = 0
         self.planned_chunk = 0

@@ -318,7 +318,7 @@ class Scheduler:
         tokens = 1 if not request.is_prefilling else min(
             self.config.prefill_chunk_size, request.next_step_tokens, step.tokens_left
         )
-        need = self.pool.blocks_for_tokens(request.num_computed_tokens + tokens) - request.num_gpu_blocks
+        need = max(0, self.pool.blocks_for_tokens(request.num_computed_tokens + tokens) - request.num_gpu_blocks)
         if need > self.pool.gpu_free_blocks:
             if self.config.capacity_policy == "guaranteed_no_evict":
                 return
@@ -348,7 +348,7 @@ class Scheduler:
                 self._wait(request, short, step)
                 return False
             step.requester = request
-            victim = self._pick_victim(request, step)
+            victim = self._pick_victim(step)
             if victim is None:
                 protected = request.about_to_finish or self._capped(request)
                 if protected and (step.scheduled or step.pending_free):
@@ -373,10 +373,11 @@ class Scheduler:
         return cap is not None and request.num_suspensions + request.num_recompute_pauses >= cap
 
     def _victim_eligible(self, candidate: Request, step: SchedulingPass) -> bool:
-        """No exclusion of the spec's policy (`victim_exclusions`) applies to `candidate` in this pass."""
-        return not any(excluded(self, candidate, step) for excluded in self._exclusions)
+        """`candidate` is in a victim state and no exclusion of the spec's policy (`victim_exclusions`) applies."""
+        return candidate.state in self._victim_states and not any(
+            excluded(self, candidate, step) for excluded in self._exclusions)
 
-    def _pick_victim(self, requester: Request, step: SchedulingPass) -> Request | None:
+    def _pick_victim(self, step: SchedulingPass) -> Request | None:
         """The most recently admitted eligible request (VICTIM-TAIL), or None."""
         for candidate in reversed(self.admitted):
             if self._victim_eligible(candidate, step):
@@ -511,7 +512,7 @@ class Scheduler:
             if state not in computing:
                 continue  # cancelled or aborted since the output was planned
             tokens = output.chunk_tokens[request.request_id]
-            progress |= request.advance(tokens)
+            progress |= request.advance(tokens, state == recomputing)
             if state == recomputing:
                 request.num_recomputed_tokens += tokens
                 recomputed += tokens
@@ -609,12 +610,14 @@ class Scheduler:
 
     # -------------------------------------------------------------------------------------------- progress
     def _watch_progress(self) -> None:
-        """A4: count passes since the last progress (a KV position computed for the first time, or a request
-        ending); recomputing thrown-away replay work, copies and preemptions are not progress."""
+        """A4: count passes since the last progress (a prompt chunk, a decode step, a replay chunk beyond every
+        earlier replay of the same replay prompt). Recomputing thrown-away replay work, copies and preemptions are
+        not progress; a replay that redoes an earlier attempt's work legitimately takes up to its replay prompt's
+        chunks, so the limit is `no_progress_limit` plus the chunks of the longest replay prompt."""
         if not self.requests:
             self._idle_iterations = 0
             return
-        if self._idle_iterations >= self.config.no_progress_limit:
+        if self._idle_iterations >= self.config.no_progress_limit + self._replay_allowance():
             listing = ", ".join(f"{r.request_id!r}:{r.state}" for r in list(self.requests.values())[:20])
             raise SchedulerStalled(
                 f"no request made progress for {self._idle_iterations} iterations; requests {listing}; "
@@ -622,6 +625,13 @@ class Scheduler:
                 "complete_migrations), or raise gpu_blocks / enable recompute-pause"
             )
         self._idle_iterations += 1
+
+    def _replay_allowance(self) -> int:
+        """Passes the longest pending replay prompt needs to be recomputed once (0 when nothing replays)."""
+        if self._idle_iterations < self.config.no_progress_limit:
+            return 0  # not needed yet: only computed once the detector would otherwise fire
+        replays = [len(r.prefill_tokens) for r in self.requests.values() if r.num_recompute_pauses]
+        return -(-max(replays, default=0) // self.config.prefill_chunk_size)
 
     # ---------------------------------------------------------------------------------------- observation
     def stats(self) -> IterationStats:

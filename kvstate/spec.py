@@ -22,8 +22,8 @@ ORIGINS = ("scheduler", "executor", "environment")
 class State:
     """A lifecycle state. `residency` names the only tier that may hold the request's KV in this state.
 
-    `role` says what the state is for (`kvstate.roles.ROLES`; each role names exactly one state), so code finds
-    states by role, never by name. `computing`: a request in it computes in a forward pass; `victim`: it may be
+    `role` says what the state is for (`kvstate.roles.ROLES`; each role names exactly one state; "" for a state
+    that plays none), so code finds states by role, never by name. `computing`: a request in it computes in a forward pass; `victim`: it may be
     chosen as a victim; `container`: the scheduler queue holding it; `chunk_lists`: for a computing state, the
     output list of its prefill chunks and of its decode steps.
     """
@@ -331,10 +331,11 @@ class _Reader:
             residency=residency,
             meaning=self.string(entry, "meaning", where),
             terminal=self.boolean(entry, "terminal", where, False),
-            role=self.string(entry, "role", where),
+            role=self.string(entry, "role", where, required=False) or "",
             computing=self.boolean(entry, "computing", where, False),
             victim=self.boolean(entry, "victim", where, False),
-            container=self.choice(entry, "container", where, CONTAINERS),
+            container=(self.choice(entry, "container", where, CONTAINERS) if "container" in entry
+                       else "finished" if entry.get("terminal") is True else ""),
             chunk_lists=tuple(sorted(lists.items())),
         )
 
@@ -365,7 +366,7 @@ class _Reader:
             destructive=destructive,
             transitions=transitions,
             done_reason=done_reason,
-            origin=self.choice(entry, "origin", where, ORIGINS),
+            origin=self.choice(entry, "origin", where, ORIGINS) if "origin" in entry else "scheduler",
             feeds=self.string(entry, "feeds", where, required=False),
             production_name=self.string(entry, "production_name", where, required=False) or "",
         )

@@ -160,9 +160,10 @@ def _roles(spec: Spec) -> list[str]:
 
     found = []
     for state in spec.states:
-        if state.role not in ROLES:
+        if state.role and state.role not in ROLES:
             found.append(f"state {state.name!r}: role {state.role!r} is unknown; use one of {sorted(ROLES)}")
-    for role, count in Counter(s.role for s in spec.states).items():
+    roles = {s.name: s.role for s in spec.states}  # a duplicated state is reported once, as a duplicate
+    for role, count in Counter(roles.values()).items():
         if count > 1 and role in ROLES:
             found.append(f"role {role!r} is given to {count} states; each role names exactly one state")
     for role in sorted(set(ROLES) - {s.role for s in spec.states}):

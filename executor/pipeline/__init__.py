@@ -9,7 +9,7 @@ processes) or `torchrun --nproc-per-node N -m executor.pipeline ...`.
 from executor.pipeline.config import PipelineConfig, PipelineConfigError, PipelineRequest, stage_layers
 from executor.pipeline.consensus import ConsensusBook, PauseRecord
 from executor.pipeline.hosttier import HostTierDecision, agree_host_tier
-from executor.pipeline.launch import PipelineResult, run_pipeline, torchrun_main
+from executor.pipeline.launch import PipelineResult, RankFailed, RankLost, run_pipeline, torchrun_main
 from executor.pipeline.protocol import MirrorBook, MirrorDiverged
 from executor.pipeline.runtime import PipelineFailed, RankResult, run_rank
 from executor.pipeline.stage import StageCache, StageModel
@@ -25,6 +25,8 @@ __all__ = [
     "PipelineFailed",
     "PipelineRequest",
     "PipelineResult",
+    "RankFailed",
+    "RankLost",
     "RankResult",
     "StageCache",
     "StageModel",

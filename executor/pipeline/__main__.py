@@ -12,6 +12,8 @@ import argparse
 import os
 import sys
 
+from executor.pipeline.demo import DEMO_TIMEOUT_S
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m executor.pipeline", description=__doc__,
@@ -28,7 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, help="rank 0's trace file; rank r writes <stem>.rank<r><suffix>")
     p.add_argument("--fail-host-tier-on-rank", type=int, action="append", default=[],
                    help="force this rank's host-tier allocation to fail (repeatable; tests the fallback)")
-    p.add_argument("--timeout", type=float, default=600.0, help="bound of every collective, seconds")
+    p.add_argument("--timeout", type=float, default=DEMO_TIMEOUT_S,
+                   help="bound of every wait on a peer rank, seconds (default %(default)s)")
     return p
 
 
@@ -53,11 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _torchrun(args)
     from executor.pipeline.demo import run_pp_demo
+    from executor.pipeline.launch import RankFailed, RankLost
 
-    summary = run_pp_demo(stages=args.pp, requests=args.requests, gpu_blocks=args.gpu_blocks,
-                          host_blocks=args.host_blocks, block_size=args.block_size, chunk_size=args.chunk_size,
-                          seed=args.seed, device=args.device, dtype=args.dtype, trace=args.trace,
-                          fail_host_tier_on_ranks=frozenset(args.fail_host_tier_on_rank), timeout_s=args.timeout)
+    try:
+        summary = run_pp_demo(stages=args.pp, requests=args.requests, gpu_blocks=args.gpu_blocks,
+                              host_blocks=args.host_blocks, block_size=args.block_size, chunk_size=args.chunk_size,
+                              seed=args.seed, device=args.device, dtype=args.dtype, trace=args.trace,
+                              fail_host_tier_on_ranks=frozenset(args.fail_host_tier_on_rank), timeout_s=args.timeout)
+    except (RankLost, RankFailed) as err:
+        print(f"python -m executor.pipeline: error: {err}", file=sys.stderr)
+        return 2
     _print(summary)
     return summary.exit_code
 

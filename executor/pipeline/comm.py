@@ -20,12 +20,13 @@ def pick_backend(requested: str, device: torch.device) -> str:
 
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout_s: float,
-                       init_method: str = "env://") -> None:
-    """Join the default process group (env:// reads MASTER_ADDR/MASTER_PORT, as torchrun sets them)."""
+                       init_method: str = "env://", store: Any = None) -> None:
+    """Join the default process group at `store` (a `torch.distributed.Store`), or else at `init_method`
+    (env:// reads MASTER_ADDR/MASTER_PORT, as torchrun sets them)."""
     import torch.distributed as dist
 
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    where = {"store": store} if store is not None else {"init_method": init_method}
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), **where)
 
 
 class Comm:

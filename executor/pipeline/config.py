@@ -58,7 +58,8 @@ class PipelineConfig:
     * `engine`: model, weights seed, dtype, device, pool sizes, budgets and sampling seed (as for `Engine`);
       its `trace_path`, if set, is rank 0's trace; rank r > 0 writes `trace_path_for(r)`.
     * `backend`: "auto" (NCCL on CUDA, gloo on the CPU), "gloo" or "nccl".
-    * `timeout_s`: bound of every collective and of `run_pipeline`'s wait, so a hang fails instead of blocking.
+    * `timeout_s`: bound of every wait on a peer (each collective, joining the group; `run_pipeline` also
+      fails a rank stopped that long), so a dead or stopped rank fails the run instead of hanging it.
     * `fail_host_tier_on_ranks`: ranks whose host-tier allocation is forced to fail (tests; PP-FALLBACK).
     * `ack_delay`: ((rank, iterations), ...): that rank acknowledges a pause this many iterations late (a slow
       stage; tests that nothing resets before every stage acknowledged).

@@ -3,6 +3,9 @@ single-process oracle. `run_pp_demo` returns the data `kvstate demo` prints (so 
 
 Invariant kept: `differ` lists every finished request whose output is not `Engine.reference` of it; `ok` is true
 only when nothing differs and no block is held at the end (rank 0's pool).
+
+The demo runs locally: its ranks meet over loopback only (`executor.pipeline.launch`), and a rank that dies or
+stops ends it within `timeout_s` (default `DEMO_TIMEOUT_S`) with a one-line `RankLost`, a `ConnectionError`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 from executor.pipeline.config import PipelineConfig
 from executor.pipeline.launch import PipelineResult, run_pipeline
 
+DEMO_TIMEOUT_S = 60.0  # bound of every wait on a peer rank: a dead or stopped rank fails the demo this fast
 
 
 @dataclass(frozen=True)
@@ -41,8 +45,9 @@ class PipelineDemoSummary:
 
 def run_pp_demo(*, stages: int = 2, requests: int = 48, gpu_blocks: int = 32, host_blocks: int = 16,
                 block_size: int = 8, chunk_size: int = 64, seed: int = 0, device: str = "cpu",
-                dtype: str = "float64", trace: str | Path | None = None,
-                fail_host_tier_on_ranks: frozenset[int] = frozenset(), timeout_s: float = 600.0) -> PipelineDemoSummary:
+                dtype: str = "float64", trace: str | Path | None = None, lifecycle: str = "machine",
+                fail_host_tier_on_ranks: frozenset[int] = frozenset(),
+                timeout_s: float = DEMO_TIMEOUT_S) -> PipelineDemoSummary:
     """Run the demo workload on `stages` spawned ranks and check every output against the oracle."""
     import torch
 
@@ -51,7 +56,8 @@ def run_pp_demo(*, stages: int = 2, requests: int = 48, gpu_blocks: int = 32, ho
 
     engine_config = EngineConfig(device=device, dtype=dtype, gpu_blocks=gpu_blocks, host_blocks=host_blocks,
                                  block_size=block_size, prefill_chunk_size=chunk_size,
-                                 max_num_tokens=max(256, chunk_size), seed=seed, weights_seed=seed, trace_path=trace)
+                                 max_num_tokens=max(256, chunk_size), seed=seed, weights_seed=seed, trace_path=trace,
+                                 lifecycle=lifecycle)
     config = PipelineConfig(engine=engine_config, fail_host_tier_on_ranks=fail_host_tier_on_ranks,
                             timeout_s=timeout_s)
     work = random_workload(requests, seed, DEMO_PROMPT_LEN, DEMO_MAX_NEW_TOKENS, vocab=engine_config.model.vocab_size,

@@ -1,29 +1,69 @@
 """Entry points: `run_pipeline` spawns N ranks on this machine; `torchrun_main` runs one rank under torchrun.
 
 `run_pipeline(config, requests, world_size)` starts `world_size` processes with `torch.multiprocessing` (spawn),
-each joining a gloo (CPU) or NCCL (CUDA) process group at MASTER_ADDR=127.0.0.1 on a free port, runs the
-pipeline and returns rank 0's outputs and every rank's result.
+each joining a gloo (CPU) or NCCL (CUDA) process group, runs the pipeline and returns rank 0's outputs and every
+rank's result. The ranks meet at a TCPStore that this process hosts on the loopback interface only (127.0.0.1,
+on a socket bound before any rank starts, so no other process can take the port), and gloo and NCCL are told to
+use the loopback interface (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME): nothing a local run opens listens on
+another interface.
 
-Invariants kept: the requests are validated in the caller's process before any rank starts (a bad request is a
-clear error, never a hung group); the wait is bounded by `config.timeout_s` (plus start-up), after which every
-rank is killed and `TimeoutError` is raised; a rank's exception is re-raised here with its traceback.
+Trusted cluster: the ranks exchange pickled Python objects (`broadcast_object_list` and `all_gather_object` in
+`executor.pipeline.comm`), and unpickling runs code chosen by the sender. Run a pipeline only among processes and
+machines you trust, on a private network, and never expose its store or its ports: anyone who can connect to
+them can run code in every rank.
+
+Invariants kept:
+* the requests are validated in the caller's process before any rank starts (a bad request is a clear error,
+  never a hung group);
+* every wait on a peer is bounded by `config.timeout_s` (each collective, and joining the group), a rank that
+  stays stopped (SIGSTOP) for `min(timeout_s, STOPPED_GRACE_S)` fails the run, and a livelock is stopped by
+  `max_iterations`; so a run never hangs;
+* a rank that dies (exits or is killed) or stops ends the run with `RankLost` (a `ConnectionError`), a rank's
+  exception with `RankFailed` (a `ProcessRaisedException`); both carry a one-line message naming the rank, and
+  every other rank is killed before they are raised.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import socket
 import tempfile
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+
+from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from executor.pipeline.config import PipelineConfig, PipelineRequest, as_requests
 from executor.pipeline.runtime import RankResult
+from kvstate.errors import KVStateError
 
-STARTUP_GRACE_S = 60.0  # importing torch in each spawned process on a busy two-core machine
+LOOPBACK = "127.0.0.1"
+STOPPED_GRACE_S = 10.0  # a rank stopped this long (or timeout_s, if shorter) fails the run
+KILL_GRACE_S = 2.0  # after a rank failed, the others get this long to exit before they are killed
+PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out", "timeout")
+
+
+class RankLost(KVStateError, ConnectionError):
+    """A rank died (exited or was killed), stayed stopped, or a rank lost its peer; every rank was stopped.
+    The message is one line naming the rank."""
+
+
+class RankFailed(KVStateError, ProcessRaisedException):
+    """A rank raised an exception; every rank was stopped. The message is one line (the rank and the last line
+    of its traceback); `rank_traceback` holds the whole traceback."""
+
+    def __init__(self, message: str, error_index: int, error_pid: int, rank_traceback: str) -> None:
+        super().__init__(message, error_index, error_pid)
+        self.rank_traceback = rank_traceback
+
+    def __reduce__(self):
+        return type(self), (self.msg, self.error_index, self.error_pid, self.rank_traceback)
 
 
 @dataclass(frozen=True)
@@ -36,12 +76,6 @@ class PipelineResult:
     @property
     def driver(self) -> RankResult:
         return self.ranks[0]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def validate_requests(config: PipelineConfig, requests: Sequence[PipelineRequest]) -> None:
@@ -66,22 +100,46 @@ def validate_requests(config: PipelineConfig, requests: Sequence[PipelineRequest
                                   f"max_position_embeddings={limit}")
 
 
+@contextmanager
+def loopback_store(world_size: int, timeout_s: float) -> Iterator[int]:
+    """Host a TCPStore listening on 127.0.0.1 only for the duration; yields its port. The socket is bound and
+    listening before the store starts, so the port cannot be taken in between."""
+    import torch.distributed as dist
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind((LOOPBACK, 0))
+        listener.listen(max(world_size, 1) * 4)
+        port = listener.getsockname()[1]
+        store = dist.TCPStore(LOOPBACK, port, world_size, is_master=True, master_listen_fd=listener.fileno(),
+                              wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+        listener.detach()  # the store owns the descriptor now and closes it
+    try:
+        yield port
+    finally:
+        del store
+
+
+def loopback_interface() -> str:
+    """The name of the loopback network interface ("lo" on Linux)."""
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    return next((name for name in names if name == "lo" or name.startswith("lo")), "lo")
+
+
 def _spawned(rank: int, world_size: int, config: PipelineConfig, requests: tuple, port: int, out_dir: str) -> None:
-    """Body of one spawned rank: one torch thread, join the group, run, pickle the result for the parent."""
+    """Body of one spawned rank: one torch thread, join the group over loopback, run, pickle the result."""
     import torch
+    import torch.distributed as dist
 
     from executor.pipeline.comm import init_process_group, pick_backend
     from executor.pipeline.runtime import run_rank, stage_device
 
     torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+    os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = loopback_interface()
     device = stage_device(config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    init_process_group(pick_backend(config.backend, device), rank, world_size, config.timeout_s)
-    import torch.distributed as dist
-
+    store = dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=timedelta(seconds=config.timeout_s))
+    init_process_group(pick_backend(config.backend, device), rank, world_size, config.timeout_s, store=store)
     try:
         result = run_rank(rank, world_size, config, requests)
         with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
@@ -90,28 +148,78 @@ def _spawned(rank: int, world_size: int, config: PipelineConfig, requests: tuple
         dist.destroy_process_group()
 
 
+def _stopped(pid: int) -> bool:
+    """The process is stopped by a signal (state T in /proc; False where /proc cannot be read)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].startswith("T")
+
+
+@contextmanager
+def _quiet_spawn_log() -> Iterator[None]:
+    """torch logs a warning per rank it terminates after a failure; the error raised here says it in one line."""
+    logger = logging.getLogger("torch.multiprocessing.spawn")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _wait(context, world_size: int, timeout_s: float) -> None:
+    """Join the ranks; raise `RankLost` or `RankFailed` (one line each) when one dies, stops or fails."""
+    grace = min(timeout_s, STOPPED_GRACE_S)
+    stopped_since: dict[int, float] = {}
+    try:
+        with _quiet_spawn_log():
+            while not context.join(timeout=1.0, grace_period=KILL_GRACE_S):
+                now = time.monotonic()
+                for rank, process in enumerate(context.processes):
+                    if process.is_alive() and _stopped(process.pid):
+                        since = stopped_since.setdefault(rank, now)
+                        if now - since >= grace:
+                            raise RankLost(f"pipeline rank {rank} (pid {process.pid}) has been stopped (SIGSTOP) for "
+                                           f"{now - since:.0f} s, so every other rank waits on it; every rank was "
+                                           "killed. Continue a stopped rank sooner (SIGCONT)")
+                    else:
+                        stopped_since.pop(rank, None)
+    except ProcessExitedException as err:
+        how = f"was killed by signal {err.signal_name}" if err.signal_name else f"exited with code {err.exit_code}"
+        raise RankLost(f"pipeline rank {err.error_index} (pid {err.error_pid}) {how} before the run finished; every "
+                       f"other of the {world_size} ranks was stopped") from None
+    except ProcessRaisedException as err:
+        trace = err.args[0].split("terminated with the following error:\n", 1)[-1]
+        last = next((line.strip() for line in reversed(trace.splitlines()) if line.strip()), "unknown error")
+        if stopped_since:
+            raise RankLost(f"pipeline rank {min(stopped_since)} was stopped (SIGSTOP), and rank {err.error_index} "
+                           f"gave up waiting for it: {last}; every rank was killed") from None
+        if any(marker in last.lower() for marker in PEER_LOST):
+            raise RankLost(f"pipeline rank {err.error_index} lost a peer rank ({last}); a rank died, stopped or "
+                           "was too slow for PipelineConfig.timeout_s; every rank was stopped") from None
+        raise RankFailed(f"pipeline rank {err.error_index} failed: {last} (every rank was stopped; the rank's "
+                         "traceback is in this error's rank_traceback)", err.error_index, err.error_pid, trace) from None
+
+
 def run_pipeline(config: PipelineConfig, requests: Sequence[PipelineRequest | tuple],
                  world_size: int) -> PipelineResult:
     """Run `requests` on a `world_size`-stage pipeline of spawned local processes; returns their results.
 
-    `requests` are `PipelineRequest`s or `(prompt, max_new_tokens)` pairs (ids = positions). Raises
-    `TimeoutError` if the ranks do not finish within `config.timeout_s` after start-up, and
-    `torch.multiprocessing.ProcessRaisedException` (with the rank's traceback) if a rank failed."""
+    `requests` are `PipelineRequest`s or `(prompt, max_new_tokens)` pairs (ids = positions). Raises `RankLost`
+    when a rank dies, stays stopped or loses its peer, and `RankFailed` when a rank raised (module docstring)."""
     import torch.multiprocessing as mp
 
     normalised = as_requests(requests)
     config.check_world(world_size)
     validate_requests(config, normalised)
-    with tempfile.TemporaryDirectory(prefix="kvstate-pp-") as out_dir:
-        context = mp.start_processes(_spawned, args=(world_size, config, normalised, free_port(), out_dir),
+    with tempfile.TemporaryDirectory(prefix="kvstate-pp-") as out_dir, \
+            loopback_store(world_size, config.timeout_s) as port:
+        context = mp.start_processes(_spawned, args=(world_size, config, normalised, port, out_dir),
                                      nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + config.timeout_s + STARTUP_GRACE_S
         try:
-            while not context.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the {world_size}-rank pipeline did not finish within {config.timeout_s} s "
-                                       f"(+{STARTUP_GRACE_S} s start-up); every rank was killed. A rank is stuck in a "
-                                       "collective: see its stderr")
+            _wait(context, world_size, config.timeout_s)
         finally:
             for process in context.processes:
                 if process.is_alive():

@@ -1,10 +1,11 @@
 """A `kvstate.testing.SchedulerAdapter` around vLLM 0.33.0's real v1 `Scheduler` and its real KV cache manager.
 
 Importing this module needs vLLM (`scripts/install-peers` installs it without touching torch); without it the
-import fails with an `ImportError` that says so. It selects vLLM's CPU platform (unless a platform is already
-selected; import it before other `vllm` modules, which would otherwise try to detect a device) and sets `HF_HUB_OFFLINE=1` (unless set): the "model" is a tiny Llama `config.json` written to a
-temporary directory, nothing is downloaded and no weights exist. Only the scheduler runs; the model runner is
-replaced by a slot-level KV simulation (below), so a step costs about a millisecond.
+import fails with an `ImportError` that says so. It selects vLLM's CPU platform unless a platform is already
+selected (import it before other `vllm` modules, which would otherwise try to detect a device), and sets
+`HF_HUB_OFFLINE=1` unless set: the "model" is a tiny Llama `config.json` written to a temporary directory, nothing
+is downloaded and no weights exist. Only the scheduler runs; the model runner is replaced by a slot-level KV
+simulation (below), so a step costs milliseconds.
 
 How a step runs: `Scheduler.schedule()`; every scheduled chunk writes its tokens (the request's own token ids, as
 vLLM's model runner feeds them) into the slots of the GPU blocks its block table names; a request whose every
@@ -220,11 +221,11 @@ class VLLMAdapter:
                                   f"max_model_len={self.gpu_token_capacity}; vLLM would stop it there with a shorter "
                                   "output, so it is refused: shorten the prompt or lower max_new_tokens")
         request_id = str(len(self._requests))
-        # ignore_eos: the tiny model's config would make token 2 (Llama's default EOS) a stop; the reference
-        # stops only at `stop_token_ids` and `max_new_tokens`.
-        params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, stop_token_ids=list(stop_token_ids),
-                                ignore_eos=True)
         try:
+            # ignore_eos: the tiny model's config would make token 2 (Llama's default EOS) a stop; the reference
+            # stops only at `stop_token_ids` and `max_new_tokens`.
+            params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, stop_token_ids=list(stop_token_ids),
+                                    ignore_eos=True)
             core_request = self._inputs.process_inputs(request_id, {"prompt_token_ids": list(prompt)}, params,
                                                        ("generate",))
         except VLLMValidationError as err:

@@ -12,7 +12,8 @@ from kvstate.bench.results import Row, Section
 GROUPS = ("migration", "overhead", "end-to-end", "lifecycle", "pressure")
 
 
-def run_all(*, quick: bool = False, device: str = "auto", seed: int = 0, groups=GROUPS) -> list[Section]:
+def run_all(*, quick: bool = False, device: str = "auto", seed: int = 0, groups=GROUPS,
+            lifecycle: str = "machine") -> list[Section]:
     """Every benchmark of `groups`, in order, with torch single-threaded (2-core machines; see DESIGN §6)."""
     unknown = set(groups) - set(GROUPS)
     if unknown:
@@ -22,7 +23,7 @@ def run_all(*, quick: bool = False, device: str = "auto", seed: int = 0, groups=
         from kvstate.bench import overhead
 
         if "overhead" in groups:
-            sections += overhead.run(quick=quick, seed=seed)
+            sections += overhead.run(quick=quick, seed=seed, lifecycle=lifecycle)
         if "lifecycle" in groups:
             sections.append(overhead.lifecycle_section(repeats=10 if quick else 40, seed=seed))
         if "pressure" in groups:
@@ -41,7 +42,7 @@ def run_all(*, quick: bool = False, device: str = "auto", seed: int = 0, groups=
             if "end-to-end" in groups:
                 from kvstate.bench import end_to_end
 
-                sections += end_to_end.run(quick=quick, device=device, seed=seed)
+                sections += end_to_end.run(quick=quick, device=device, seed=seed, lifecycle=lifecycle)
             if "lifecycle" in groups:
                 from kvstate.bench import end_to_end
 

@@ -24,7 +24,7 @@ from kvstate.bench.timing import interleaved, median
 HOST_SIZES = {"none": 0, "small": 8, "large": 256}
 
 
-def decode_section(*, quick: bool, device: str = "cpu", seed: int = 0) -> Section:
+def decode_section(*, quick: bool, device: str = "cpu", seed: int = 0, lifecycle: str = "machine") -> Section:
     import torch
     import transformers
 
@@ -46,7 +46,8 @@ def decode_section(*, quick: bool, device: str = "cpu", seed: int = 0) -> Sectio
     def engine_run() -> None:
         blocks = batch * -(-(prompt_len + new_tokens) // 16)
         config = EngineConfig(device=dev.type, dtype="float32", gpu_blocks=blocks, block_size=16,
-                              max_batch_size=batch, max_num_tokens=batch * prompt_len, prefill_chunk_size=prompt_len)
+                              max_batch_size=batch, max_num_tokens=batch * prompt_len, prefill_chunk_size=prompt_len,
+                              lifecycle=lifecycle)
         with Engine(config, model=model) as engine:
             ids = [engine.add_request(p, new_tokens) for p in prompts]
             engine.step()  # prefill and the first token of every request
@@ -91,7 +92,7 @@ def decode_section(*, quick: bool, device: str = "cpu", seed: int = 0) -> Sectio
                                      "outputs_equal": agree})
 
 
-def host_tier_section(*, quick: bool, device: str = "cpu", seed: int = 0) -> Section:
+def host_tier_section(*, quick: bool, device: str = "cpu", seed: int = 0, lifecycle: str = "machine") -> Section:
     import torch
 
     from executor import Engine, EngineConfig, LlamaModel, ModelConfig
@@ -108,7 +109,8 @@ def host_tier_section(*, quick: bool, device: str = "cpu", seed: int = 0) -> Sec
     def variant(name: str):
         def call() -> None:
             config = EngineConfig(device=dev.type, dtype="float32", gpu_blocks=gpu_blocks, block_size=block_size,
-                                  host_blocks=HOST_SIZES[name], prefill_chunk_size=64, max_num_tokens=256, seed=seed)
+                                  host_blocks=HOST_SIZES[name], prefill_chunk_size=64, max_num_tokens=256, seed=seed,
+                                  lifecycle=lifecycle)
             with Engine(config, model=model) as engine:
                 for prompt, new in work:
                     engine.add_request(prompt, new)
@@ -182,6 +184,6 @@ def lifecycle_section(*, quick: bool, device: str = "cpu", seed: int = 0) -> Sec
     return section
 
 
-def run(*, quick: bool = False, device: str = "cpu", seed: int = 0) -> list[Section]:
-    return [decode_section(quick=quick, device=device, seed=seed),
-            host_tier_section(quick=quick, device=device, seed=seed)]
+def run(*, quick: bool = False, device: str = "cpu", seed: int = 0, lifecycle: str = "machine") -> list[Section]:
+    return [decode_section(quick=quick, device=device, seed=seed, lifecycle=lifecycle),
+            host_tier_section(quick=quick, device=device, seed=seed, lifecycle=lifecycle)]

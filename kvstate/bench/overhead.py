@@ -96,9 +96,9 @@ class _Driver:
         self.out = self.s.schedule()
 
 
-def scheduler_section(*, sizes=SIZES, repeats: int, seed: int = 0) -> Section:
+def scheduler_section(*, sizes=SIZES, repeats: int, seed: int = 0, lifecycle: str = "machine") -> Section:
     """Median µs per `schedule()` call for every size, steady and under pressure, ours beside the peer."""
-    drivers = {(size, regime, who): _Driver(size, regime == "pressure", who == "peer")
+    drivers = {(size, regime, who): _Driver(size, regime == "pressure", who == "peer", lifecycle=lifecycle)
                for size in sizes for regime in ("steady", "pressure") for who in ("ours", "peer")}
     keys = {f"{size} {regime} {who}": d for (size, regime, who), d in drivers.items()}
     times = medians(interleaved({k: d.call for k, d in keys.items()}, repeats=repeats, warmup=2, seed=seed,
@@ -163,6 +163,6 @@ def pressure_section(*, sizes=SIZES, steps: int = 12) -> Section:
     return section
 
 
-def run(*, quick: bool = False, seed: int = 0) -> list[Section]:
+def run(*, quick: bool = False, seed: int = 0, lifecycle: str = "machine") -> list[Section]:
     return [transition_section(repeats=5 if quick else 15, seed=seed),
-            scheduler_section(repeats=10 if quick else 40, seed=seed)]
+            scheduler_section(repeats=10 if quick else 40, seed=seed, lifecycle=lifecycle)]

@@ -20,6 +20,16 @@ from kvstate.errors import KVStateError
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
+def add_lifecycle_option(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--lifecycle {machine,compiled}`: which implementation fires the lifecycle's transitions in `what`."""
+    from kvstate.config import LIFECYCLES
+
+    parser.add_argument("--lifecycle", choices=LIFECYCLES, default=LIFECYCLES[0],
+                        help=f"what fires the lifecycle's transitions in {what}: the transitions machine built from "
+                             "the spec (default) or the table compiled from the same spec; a differential test "
+                             "proves both give byte-identical traces")
+
+
 class UsageError(KVStateError, ValueError):
     """A command-line value cannot be used; the message names the option and says what to pass instead."""
 

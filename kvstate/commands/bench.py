@@ -14,7 +14,9 @@ import sys
 import time
 
 from kvstate.bench import GROUPS
-from kvstate.commands.args import UsageError, device_name, non_negative_int, output_dir, output_file
+from kvstate.commands.args import (
+    UsageError, add_lifecycle_option, device_name, non_negative_int, output_dir, output_file,
+)
 
 TORCH_GROUPS = ("migration", "end-to-end", "lifecycle")  # the groups of `kvstate.bench.run_all` that run on a torch device
 
@@ -36,6 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", type=device_name, default=None,
                    help="auto (CUDA if available), cpu, cuda or cuda:N for the migration and end-to-end groups "
                         "(default auto)")
+    add_lifecycle_option(p, "every group but `lifecycle` (which runs both side by side)")
     p.add_argument("--seed", type=non_negative_int("seed"), default=0,
                    help="seed of every workload and shuffle (default %(default)s)")
     p.set_defaults(run=_run)
@@ -56,7 +59,8 @@ def _run(args: argparse.Namespace) -> int:
     device = _resolve(args.device or "auto") if set(groups) & set(TORCH_GROUPS) else "none (pure Python)"
     console = Console(file=sys.stdout)
     started = time.perf_counter()
-    sections = _run_groups(console, groups, quick=args.quick, device=device, seed=args.seed, run_all=run_all)
+    sections = _run_groups(console, groups, quick=args.quick, device=device, seed=args.seed, run_all=run_all,
+                           lifecycle=args.lifecycle)
     wall = time.perf_counter() - started
     meta = {"command": "kvstate bench" + (" --quick" if args.quick else ""), "quick": args.quick, "seed": args.seed,
             "device": device, "groups": list(groups), "python": platform.python_version(),

@@ -21,7 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from kvstate.commands.args import UsageError, device_name, non_negative_int, output_dir, output_file, positive_int
+from kvstate.commands.args import (
+    UsageError, add_lifecycle_option, device_name, non_negative_int, output_dir, output_file, positive_int,
+)
 from kvstate.commands.inject import check_fault_plan
 
 DEFAULTS = {"requests": 48, "gpu_blocks": 32, "host_blocks": 16, "block_size": 8, "chunk_size": 64, "seed": 0,
@@ -62,6 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default %(default)s)")
     p.add_argument("--pp", type=positive_int("pp"), default=1, metavar="N",
                    help="pipeline stages, run as N spawned local ranks; 1 = single process (default %(default)s)")
+    add_lifecycle_option(p, "the engine")
     p.add_argument("--report", metavar="DIR", default=None,
                    help="also write a visual run report of the trace (timeline, occupancy, diagram, HTML) into DIR")
     p.set_defaults(run=_run)
@@ -119,7 +122,7 @@ def _demo(args: argparse.Namespace) -> int:
                               host_blocks=args.host_blocks, block_size=args.block_size,
                               prefill_chunk_size=args.chunk_size, max_num_tokens=max(256, args.chunk_size),
                               seed=args.seed, weights_seed=args.seed, trace_path=args.trace, faults=faults,
-                              verify_host_checksums=not args.no_checksums)
+                              verify_host_checksums=not args.no_checksums, lifecycle=args.lifecycle)
         engine = Engine(config)
     except (ValueError, OSError) as err:
         raise UsageError(str(err)) from None
@@ -193,7 +196,7 @@ def _pipeline_demo(args: argparse.Namespace, device: str) -> int:
             summary = run_pp_demo(stages=args.pp, requests=args.requests, gpu_blocks=args.gpu_blocks,
                                   host_blocks=args.host_blocks, block_size=args.block_size,
                                   chunk_size=args.chunk_size, seed=args.seed, device=device, dtype=args.dtype,
-                                  trace=args.trace)
+                                  trace=args.trace, lifecycle=args.lifecycle)
         except (ValueError, OSError) as err:
             raise UsageError(str(err)) from None
     console.print(summary.header)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
-from kvstate.commands.args import device_name
+from kvstate.commands.args import add_lifecycle_option, device_name
 from kvstate.commands.inject import check_fault_plan
 from kvstate.errors import KVStateError
 
@@ -52,6 +52,7 @@ class SoakSettings:
     device: str = "cpu"
     dtype: str = "float64"
     reference_batch: int = 256
+    lifecycle: str = "machine"
 
     def __post_init__(self) -> None:
         for name in ("requests", "gpu_blocks", "block_size", "chunk_size", "max_num_tokens", "reference_batch"):
@@ -152,6 +153,7 @@ def run_soak(settings: SoakSettings, on_progress: Callable[[int, int, object], N
         host_blocks=settings.host_blocks, block_size=settings.block_size, prefill_chunk_size=settings.chunk_size,
         max_num_tokens=max(settings.max_num_tokens, settings.chunk_size), seed=settings.seed,
         weights_seed=settings.seed, check_invariants=True, faults=plan, verify_host_checksums=settings.checksums,
+        lifecycle=settings.lifecycle,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", HostTierFallbackWarning)  # counted in the report instead
@@ -242,6 +244,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-checksums", action="store_true",
                    help="do not checksum suspended blocks (corrupt_host faults then garble outputs)")
     p.add_argument("--dtype", default=defaults.dtype, choices=("float64", "float32"), help="model and cache dtype")
+    add_lifecycle_option(p, "the engine")
     p.set_defaults(run=_run)
 
 

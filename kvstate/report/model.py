@@ -64,6 +64,7 @@ def summarize(lines: Iterable[dict]) -> TraceSummary:
     s = TraceSummary()
     current: dict[Hashable, tuple[str, int]] = {}
     by_iteration: dict[int, dict[str, int]] = {}
+    ended: set[Hashable] = set()
     for line in lines:
         rid, it = line["request_id"], line["iteration"]
         if not s.lines:
@@ -83,14 +84,15 @@ def summarize(lines: Iterable[dict]) -> TraceSummary:
             s.spans[rid].append(Span(state, since, it))
         current[rid] = (line["to"], max(it, since))
         s.edge_counts[(line["event"], line["from"], line["to"])] += 1
-        if line["to"] == "done" and line.get("done_reason"):
+        if line.get("done_reason"):  # written only on entering the terminal state (spec/TRACE.md)
             s.done_reasons[line["done_reason"]] += 1
+            ended.add(rid)
         by_iteration[it] = _occupancy(line)
     if not s.lines:
         raise TraceError("the trace has no lines; nothing to summarize")
     end = s.last_iteration + 1
     for rid, (state, since) in current.items():
-        if state != "done" and end > since:
+        if rid not in ended and end > since:
             s.spans[rid].append(Span(state, since, end))  # still active when the trace ends
     dense = s.last_iteration - s.first_iteration < MAX_OCCUPANCY_ROWS
     previous = None

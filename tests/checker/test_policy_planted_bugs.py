@@ -37,7 +37,7 @@ def test_the_unpatched_scheduler_follows_the_policy(bound: str) -> None:
 
 
 def test_head_first_victims_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    def head_first(self, requester, step):
+    def head_first(self, step):
         return next((c for c in self.admitted if self._victim_eligible(c, step)), None)
 
     monkeypatch.setattr(Scheduler, "_pick_victim", head_first)

@@ -45,7 +45,7 @@ def test_config_errors_are_clear(tiny_model):
 
 
 def test_no_leak_after_run(make_engine):
-    engine = make_engine(gpu_blocks=16, host_blocks=6, block_size=4)
+    engine = make_engine(gpu_blocks=16, host_blocks=8, block_size=4)
     submit_all(engine, random_workload(10, 8, (4, 30), (4, 20)))
     engine.run()
     assert len(engine.scheduler.finished) == 10 and not engine.scheduler.has_unfinished

@@ -236,8 +236,8 @@ def test_failed_copies_to_host_become_lost_host_copies(make_engine):
 
 
 def test_failed_copies_to_gpu_become_recompute_pauses(make_engine):
-    clean, _ = _run_faulty(make_engine, FaultPlan.of(1))
-    engine, outputs = _run_faulty(make_engine, FaultPlan.of(1, copy_to_gpu=0.4))
+    clean, _ = _run_faulty(make_engine, FaultPlan.of(1), seed=2)
+    engine, outputs = _run_faulty(make_engine, FaultPlan.of(1, copy_to_gpu=0.4), seed=2)
     injected = engine.totals.faults["copy_to_gpu"]
     assert injected > 0 and engine.totals.failed_copies == injected
     assert engine.totals.events["lose_host_copy"] == 0

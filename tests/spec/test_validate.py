@@ -107,13 +107,13 @@ def ambiguous_guards(data: dict) -> list[list[str]]:
     # a second edge from suspended on resume, with a guard not declared exclusive with the first one
     resume = event_entry(data, "resume")["transitions"]
     first = resume[0]
-    resume.append({"source": first["source"], "dest": "recompute_paused", "guard": "host_tier_present",
+    resume.append({"source": first["source"], "dest": "recompute_paused", "guard": "same_pass_promotion",
                    "effect": "release_kv_and_reset"})
     (source,) = first["source"]
     return [[
         f"event 'resume' from state {source!r} has two transitions",
         f"to {first['dest']!r} guarded by {first['guard']}",
-        "to 'recompute_paused' guarded by host_tier_present",
+        "to 'recompute_paused' guarded by same_pass_promotion",
         "are not declared mutually exclusive",
     ]]
 

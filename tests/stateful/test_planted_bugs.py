@@ -118,8 +118,8 @@ def test_blocks_kept_after_finish_are_caught_as_a_leak() -> None:
 class NeverReplays(Scheduler):
     """Recompute-paused requests are never readmitted (starvation of a preempted request)."""
 
-    def _admit_replays(self, step) -> None:
-        return None
+    def _admit_class(self, event, queue, step) -> bool:
+        return True if event == "replay" else super()._admit_class(event, queue, step)
 
 
 def test_starving_recompute_paused_requests_breaks_liveness() -> None:
