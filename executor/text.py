@@ -13,14 +13,14 @@ the whole decoding at the end when decoding is prefix-stable (as byte-level BPE 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from executor.engine import Engine
-from executor.hf import CheckpointError
+from executor.hf import CONFIG_LIMITS, CheckpointError
 from executor.sampler import GREEDY, SamplingParams
+from kvstate.untrusted import read_json
 
 TOKENIZER_FILE = "tokenizer.json"
 INCOMPLETE = "\ufffd"  # what a decoder yields for the first bytes of a character split across tokens
@@ -68,10 +68,8 @@ def _eos_token_ids(directory: Path) -> tuple[int, ...]:
         path = directory / name
         if not path.is_file():
             continue
-        try:
-            value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-        except (OSError, ValueError, AttributeError) as err:
-            raise CheckpointError(f"{path}: cannot read eos_token_id ({err}); fix or remove the file") from None
+        config = read_json(path, CONFIG_LIMITS, "checkpoint config", CheckpointError)
+        value = config.get("eos_token_id") if isinstance(config, dict) else None
         ids = value if isinstance(value, list) else [value]
         if value is not None:
             if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):

@@ -14,12 +14,12 @@ at submission, so it never belongs to a bound; the loader refuses such a bound w
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 from kvstate.errors import KVStateError
+from kvstate.untrusted import Limits, UntrustedFileError, read_toml
 
 DEFAULT_SET_KEY = "default_set"
 
@@ -113,14 +113,10 @@ def packaged_bounds_path() -> Path:
 def load_bounds(path: str | Path | None = None) -> tuple[dict[str, Bound], tuple[str, ...]]:
     """All bounds of the file (in file order) and the names of the default set."""
     source = Path(path) if path is not None else packaged_bounds_path()
-    try:
-        data = tomllib.loads(source.read_text(encoding="utf-8"))
-    except OSError as err:
-        raise BoundsError(f"cannot read bounds file {source}: {err.strerror}") from err
-    except UnicodeDecodeError as err:
-        raise BoundsError(f"bounds file {source} is not UTF-8 text ({err.reason} at byte {err.start})") from err
-    except tomllib.TOMLDecodeError as err:
-        raise BoundsError(f"{source} is not valid TOML: {err}") from err
+    try:  # a bounds file may come from anyone: bounded size, nesting and integers; failures name the file
+        data = read_toml(source, Limits(max_bytes=1 << 20, max_depth=8), "bounds file")
+    except UntrustedFileError as err:
+        raise BoundsError(str(err)) from (err.__cause__ or err)
     tables = data.get("bounds")
     if not isinstance(tables, dict) or not tables:
         raise BoundsError(f"{source}: expected tables [bounds.NAME]")

@@ -224,6 +224,15 @@ REFINEMENT_CHECKS: dict[str, str] = {
     "OUT-STATE": "Scheduler.check_invariants(output) after every pass",
     "LIVE-DONE": "no cycle of scheduler steps with an unfinished request (arrivals stopped)",
     "LIVE-REFUSE": "a request that cannot fit alone is refused at submission",
+    "SPEC-EDGE": "the checker's own table, with the real guards reading the same pass, resolves every edge fired",
+    "REFINES": "every scheduler state abstracts to a state the abstract model reaches",
+    # the step simulation: kvstate.policy.check_pass on every real pass, against the spec's [policy]
+    "VICTIM-TAIL": "step simulation: each victim is the latest-admitted eligible request at its choice",
+    "VICTIM-NOT-FINAL": "step simulation: no victim was about to produce its final token",
+    "PROMOTE-GATE": "step simulation: promotions only of this pass's suspensions, most recent first, worth less",
+    "ADMIT-ORDER": "step simulation: admissions are a prefix of the candidates in the policy's class order",
+    "ADMIT-HOLD": "step simulation: no new request in a pass with a victim or a waiting requester",
+    "WORK-CONSERVE": "step simulation: reserved room within what is on its way; nobody left while budget remained",
 }
 LIVENESS_CHECKS: dict[str, str] = {
     "LIVE-DONE": "abstract model: every reachable bottom SCC of the fair graph (environment events are no way out) "
