@@ -23,9 +23,9 @@ State names, the edge graph, terminal states, residencies and invariant statemen
 arguments as plain values (`Submission(...)`, state names, ints, booleans): the printed lines run as plain
 Python given the machine class and `Submission`.
 
-Hypothesis profiles: importing this module registers `ci` (bounded and derandomized: 50 examples, prints a
+Hypothesis profiles: importing this module registers `ci` (bounded and derandomized: 40 examples, prints a
 replayable blob on failure; the default test run), `thorough` (the same with 200 examples; CI runs the stateful
-suite with it after the default run), `dev` (50 examples) and `long` (5,000 examples, for soaks), none with a per-example
+suite with it after the default run), `dev` (40 examples) and `long` (5,000 examples, for soaks), none with a per-example
 deadline, and loads the one named by the environment variable KVSTATE_HYPOTHESIS_PROFILE (default: `ci` when CI is
 set, else `dev`), unless another profile than Hypothesis' default is already loaded and the variable is unset.
 Machines built here also run without a deadline whatever profile is loaded (a scheduler step may be slow), and draw
@@ -77,11 +77,11 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------- profiles
 PROFILE_ENV = "KVSTATE_HYPOTHESIS_PROFILE"
 PROFILES = {
-    "ci": settings(derandomize=True, max_examples=50, deadline=None, print_blob=True,
+    "ci": settings(derandomize=True, max_examples=40, deadline=None, print_blob=True,
                    suppress_health_check=[HealthCheck.too_slow]),
     "thorough": settings(derandomize=True, max_examples=200, deadline=None, print_blob=True,
                          suppress_health_check=[HealthCheck.too_slow]),
-    "dev": settings(max_examples=50, deadline=None),
+    "dev": settings(max_examples=40, deadline=None),
     "long": settings(max_examples=5000, deadline=None),
 }
 

@@ -552,3 +552,19 @@ def test_refused_host_tier_removal_changes_nothing() -> None:
         sched.set_host_capacity(0)
     after = {r.request_id: r.state for r in sched.requests.values()}
     assert after == before, f"refused, yet states changed from {before} to {after}"
+
+
+def test_a_victim_of_the_pass_is_skipped_not_a_stop_for_later_resumes() -> None:
+    """Request 2 is suspended in pass 4 and its copy is in flight; request 3, suspended earlier and arriving later,
+    fits and is resumed in the same pass: the victim is left out of the candidates (no readmission of victims),
+    it does not end the admissions as a misfit would."""
+    sched = make(8, 6, prefill_chunk_size=4)
+    for rid, (prompt, m) in enumerate([([22], 7), ([9, 3, 0, 64], 4), ([70], 5), ([79, 22], 6), ([2, 97], 4)]):
+        sched.submit(prompt, m, request_id=rid)
+    ex = SimExecutor(sched)
+    for _ in range(3):
+        ex.step()
+    out = ex.step()
+    assert ids(out.suspended) == [2] and 3 in ids(out.resumed)
+    assert sched.get(3).arrival > sched.get(2).arrival
+    run_and_check(ex)

@@ -18,7 +18,7 @@ SMALL = SchedulerConfig(gpu_blocks=8, host_blocks=8, block_size=4, prefill_chunk
 
 def test_the_profiles_keep_their_values_and_none_has_a_deadline() -> None:
     assert {name: (p.max_examples, p.deadline) for name, p in PROFILES.items()} == {
-        "ci": (50, None), "thorough": (200, None), "dev": (50, None), "long": (5000, None)}
+        "ci": (40, None), "thorough": (200, None), "dev": (40, None), "long": (5000, None)}
     assert all(PROFILES[name].derandomize and PROFILES[name].print_blob for name in ("ci", "thorough"))
     for name in PROFILES:
         assert settings.get_profile(name).max_examples == PROFILES[name].max_examples
