@@ -133,3 +133,17 @@ def test_end_to_end_quick_structure():
     assert runs["large"]["recompute_pauses"] == 0 and runs["large"]["recomputed"] == 0
     assert len({r["generated"] for r in runs.values()}) == 1  # same workload, same tokens out
     assert all(row.value >= 0 and row.baseline > 0 for row in host.rows)
+
+
+def test_lifecycle_and_pressure_sections_compare_side_by_side():
+    from kvstate.bench.overhead import lifecycle_section, pressure_section
+
+    lifecycle = lifecycle_section(size=32, repeats=1)
+    assert set(lifecycle.data["us_per_call"]) == {f"{r} {k}" for r in ("steady", "pressure")
+                                                  for k in ("machine", "compiled")}
+    assert all(row.baseline > 0 and row.value > 0 for row in lifecycle.rows)
+    pressure = pressure_section(sizes=(32,), steps=3)
+    (row,) = pressure.rows
+    per_step = pressure.data["scheduled_per_step"][32]
+    assert row.value == per_step["host tier"] and row.baseline == per_step["recompute only"] > 0
+    assert row.met == (row.value / row.baseline >= 0.95)
