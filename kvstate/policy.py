@@ -113,7 +113,6 @@ class RequestSnapshot:
     capped: bool
     kv_tokens: int
     gpu_blocks: int
-    next_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +133,7 @@ def snapshot(scheduler) -> PassSnapshot:
         RequestSnapshot(
             r.request_id, r.state, r.arrival, r.admission, r.is_prefilling, r.about_to_finish,
             cap is not None and r.num_suspensions + r.num_recompute_pauses >= cap, r.num_computed_tokens,
-            r.num_gpu_blocks, r.next_step_tokens,
+            r.num_gpu_blocks,
         )
         for r in scheduler.requests.values()
     )
