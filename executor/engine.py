@@ -1,13 +1,16 @@
 """The engine loop: carries out each `SchedulerOutput` on the real paged KV cache and model.
 
-One `step()` mirrors `kvstate.sim.SimExecutor.step` with tensors:
+One `step()` runs the phases of a `kvstate.step.Step` (as `kvstate.sim.SimExecutor` does) with tensors:
 
 1. ``out = scheduler.schedule()``;
-2. issue every migration plan of ``out`` (suspend: GPU -> host; resume: host -> GPU) on the copy stream, one
-   slice copy per run of consecutive block ids, and make the compute stream wait on their fences;
-3. one forward pass over every scheduled request's chunk (prefill or replay: ``prefill_tokens[computed:
+2. issue every migration plan of ``out`` (suspend: GPU -> host; resume: host -> GPU) on the copy stream
+   (`PagedKVCache.execute`), and make the compute stream wait on the resumes' fences (only they write blocks the
+   forward reads); a plan that cannot be copied is failed, and the step carries on with the amended output;
+3. one forward pass (its `PagedBatch` from `BatchPlanner`, which reuses the decode plan while the batch is
+   unchanged) over every scheduled request's chunk (prefill or replay: ``prefill_tokens[computed:
    computed + n]``; decode: the last generated token), writing K/V into its GPU block table, then sample a token
-   for each request whose chunk completes its prefill or decodes;
+   for each request whose chunk completes its prefill or decodes (the model reads `kvstate.output.PlannedChunk`s
+   as they are);
 4. wait on the fences, then ``complete_migrations(out)`` (only now may fenced source blocks be reused);
 5. ``complete_step(out, sampled)``.
 
@@ -16,7 +19,8 @@ is an ordinary chunked prefill of prompt + generated tokens.
 
 Faults (`EngineConfig.faults`, a seeded `executor.faults.FaultPlan`; spec/SPEC.md "Faults"): a failed copy is
 reported with `Scheduler.fail_migration` before the forward pass (a failed suspend takes `lose_host_copy`, a failed
-resume `recompute_pause`; either replays), a host copy whose checksum no longer matches (`verify_host_checksums`)
+resume `recompute_pause`; either replays), and the step carries on with ``out.amended(failure)`` (the output
+`schedule()` returned is never changed), a host copy whose checksum no longer matches (`verify_host_checksums`)
 is treated as a failed resume, and a lost host tier (`lose_host_tier`) replays every suspended request and leaves
 the engine GPU-only. The engine keeps serving through all of them and every output still equals its reference.
 
@@ -56,9 +60,8 @@ import torch
 
 from executor.faults import FaultInjector, FaultPlan
 from executor.hf import load_hf_llama
-from executor.kv_cache import (Fence, HostTierAllocationError, MigrationFailed, PagedKVCache, block_shape,
-                               resolve_device)
-from executor.model import LlamaModel, ModelConfig, PagedBatch, SeqChunk
+from executor.kv_cache import Fence, HostTierAllocationError, MigrationFailed, PagedKVCache, block_shape, resolve_device
+from executor.model import BatchPlanner, LlamaModel, ModelConfig
 from executor.sampler import GREEDY, SamplingParams, sample_batch
 from executor.trace import TraceWriter
 from kvstate.config import ConfigError, RequestRejected, SchedulerConfig, normalize_stop_token_ids
@@ -69,6 +72,7 @@ from kvstate.request import Request
 from kvstate.scheduler import Scheduler, UnknownRequestId
 from kvstate.spec import Transition
 from kvstate.stats import IterationStats
+from kvstate.step import Step
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -127,8 +131,10 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
         return torch.float64 if device.type == "cpu" else torch.float32
     name = str(dtype).removeprefix("torch.") if isinstance(dtype, (str, torch.dtype)) else None
     if name not in _DTYPES:
-        raise ConfigError(f"dtype must be one of {sorted(_DTYPES)} (a name or the torch.dtype), got {dtype!r}; "
-                          "float8, complex and integer dtypes are not supported")
+        raise ConfigError(
+            f"dtype must be one of {sorted(_DTYPES)} (a name or the torch.dtype), got {dtype!r}; "
+            "float8, complex and integer dtypes are not supported"
+        )
     return _DTYPES[name]
 
 
@@ -143,58 +149,69 @@ def _physical_memory() -> int | None:
 def check_memory(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
     """Refuse (`ConfigError`) pool sizes that cannot fit: the device tier against the CUDA device's free memory
     (or, on the CPU, both tiers against physical memory), the host tier against physical memory."""
-    mc = model_config
+    mc, sc = model_config, config.scheduler
     per_block = dtype.itemsize
-    for n in block_shape(mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim):
+    for n in block_shape(mc.num_layers, sc.block_size, mc.num_kv_heads, mc.head_dim):
         per_block *= n
-    gpu, host, ram = config.gpu_blocks * per_block, config.host_blocks * per_block, _physical_memory()
-    gib = 1024 ** 3
+    gpu, host, ram = sc.gpu_blocks * per_block, sc.host_blocks * per_block, _physical_memory()
+    gib = 1024**3
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         if gpu > free:
-            raise ConfigError(f"gpu_blocks={config.gpu_blocks} needs {gpu / gib:.2f} GiB of device memory "
-                              f"({per_block} bytes per block) but {device} has {free / gib:.2f} GiB free; "
-                              "lower gpu_blocks or block_size")
-        needed, what = host, f"host_blocks={config.host_blocks}"
+            raise ConfigError(
+                f"gpu_blocks={sc.gpu_blocks} needs {gpu / gib:.2f} GiB of device memory "
+                f"({per_block} bytes per block) but {device} has {free / gib:.2f} GiB free; "
+                "lower gpu_blocks or block_size"
+            )
+        needed, what = host, f"host_blocks={sc.host_blocks}"
     else:
-        needed, what = gpu + host, f"gpu_blocks={config.gpu_blocks} + host_blocks={config.host_blocks}"
+        needed, what = gpu + host, f"gpu_blocks={sc.gpu_blocks} + host_blocks={sc.host_blocks}"
     if ram is not None and needed > ram:
-        raise ConfigError(f"{what} needs {needed / gib:.2f} GiB of host memory ({per_block} bytes per block) but "
-                          f"this machine has {ram / gib:.2f} GiB; lower them")
+        raise ConfigError(
+            f"{what} needs {needed / gib:.2f} GiB of host memory ({per_block} bytes per block) but "
+            f"this machine has {ram / gib:.2f} GiB; lower them"
+        )
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything an `Engine` is built from. `checkpoint` (a Hugging Face Llama directory) overrides `model`."""
+    """Everything an `Engine` is built from: the scheduler's pool sizes, budgets and policies (`scheduler`; its
+    `host_blocks` is the host tier to allocate, 0 = none, and its `block_bytes` is set by the engine from the
+    model), plus the model, device, dtype, sampling seed, trace and fault settings. `checkpoint` (a Hugging Face
+    Llama directory) overrides `model`."""
 
+    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(gpu_blocks=256))
     model: ModelConfig = field(default_factory=ModelConfig)
     checkpoint: str | None = None
     weights_seed: int = 0
     device: str = "auto"
     dtype: torch.dtype | str | None = None
-    gpu_blocks: int = 256
-    host_blocks: int = 0  # 0 = no host tier
-    block_size: int = 16
-    max_batch_size: int = 64
-    max_num_tokens: int = 2048
-    prefill_chunk_size: int = 512
-    enable_recompute_pause: bool = True
-    max_preemptions_per_request: int | None = None
-    no_progress_limit: int = 64
     seed: int = 0  # sampling seed (SamplingParams.seed overrides it per request)
     trace_path: str | Path | None = None
     simulate_host_alloc_failure: bool = False  # tests: behave as if the host tier could not be allocated
     check_invariants: bool = False  # run Scheduler.check_invariants around every step (slow; for tests)
     faults: FaultPlan | None = None  # fault injection (executor.faults); None = no injected faults
     verify_host_checksums: bool = False  # CRC-32 every suspended block; a mismatch on resume replays the request
-    lifecycle: str = "machine"  # "machine": the transitions machine fires every transition; "compiled": the table
 
     def __post_init__(self) -> None:
         """Refuse wrong types and unsupported dtypes here; pool sizes and budgets are checked by `SchedulerConfig`
         and against the device's memory when the `Engine` is built, before anything is allocated."""
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise ConfigError(
+                f"EngineConfig.scheduler must be a kvstate.SchedulerConfig (pool sizes, budgets and "
+                f"policies), got {type(self.scheduler).__name__}; build one with "
+                "SchedulerConfig(gpu_blocks=..., host_blocks=..., block_size=...)"
+            )
+        if self.scheduler.pipeline_stages != 1:
+            raise ConfigError(
+                f"EngineConfig.scheduler.pipeline_stages is {self.scheduler.pipeline_stages}; keep it 1: "
+                "an Engine is one stage, and executor.pipeline sets it to the number of stages it runs"
+            )
         if self.faults is not None and not isinstance(self.faults, FaultPlan):
-            raise ConfigError(f"EngineConfig.faults must be an executor.FaultPlan or None, got "
-                              f"{type(self.faults).__name__}; build one with FaultPlan.parse or FaultPlan.of")
+            raise ConfigError(
+                f"EngineConfig.faults must be an executor.FaultPlan or None, got "
+                f"{type(self.faults).__name__}; build one with FaultPlan.parse or FaultPlan.of"
+            )
         for f in fields(self):
             value, kind = getattr(self, f.name), _FIELD_KINDS.get(f.name)
             if kind is bool and not isinstance(value, bool):
@@ -206,25 +223,22 @@ class EngineConfig:
         for name in ("checkpoint", "trace_path"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
-                raise ConfigError(f"EngineConfig.{name} must be a path (str or os.PathLike) or None, got "
-                                  f"{type(value).__name__}")
+                raise ConfigError(
+                    f"EngineConfig.{name} must be a path (str or os.PathLike) or None, got {type(value).__name__}"
+                )
         if not isinstance(self.device, (str, torch.device)):
-            raise ConfigError(f"EngineConfig.device must be 'auto', 'cpu', 'cuda', 'cuda:N' or a torch.device, got "
-                              f"{type(self.device).__name__}")
-        if self.max_preemptions_per_request is not None and (isinstance(self.max_preemptions_per_request, bool)
-                                                             or not isinstance(self.max_preemptions_per_request, int)):
-            raise ConfigError(f"EngineConfig.max_preemptions_per_request must be an int or None, got "
-                              f"{self.max_preemptions_per_request!r}")
+            raise ConfigError(
+                f"EngineConfig.device must be 'auto', 'cpu', 'cuda', 'cuda:N' or a torch.device, got "
+                f"{type(self.device).__name__}"
+            )
         if self.dtype is not None:
             resolve_dtype(self.dtype, torch.device("cpu"))
 
 
 _FIELD_KINDS = {
-    **dict.fromkeys(("weights_seed", "seed", "gpu_blocks", "host_blocks", "block_size", "max_batch_size",
-                     "max_num_tokens", "prefill_chunk_size", "no_progress_limit"), int),
-    **dict.fromkeys(("enable_recompute_pause", "simulate_host_alloc_failure", "check_invariants",
-                     "verify_host_checksums"), bool),
-}  # EngineConfig fields checked by type in __post_init__ (ranges: SchedulerConfig)
+    **dict.fromkeys(("weights_seed", "seed"), int),
+    **dict.fromkeys(("simulate_host_alloc_failure", "check_invariants", "verify_host_checksums"), bool),
+}  # EngineConfig fields checked by type in __post_init__ (the scheduler's: SchedulerConfig)
 
 
 @dataclass
@@ -261,17 +275,15 @@ class _Submission:
 
 
 class _Attempt:
-    """How far one step got, so that a failure can settle it: the phase, the scheduler output, the fence of each
-    issued migration plan, the plans already waited on, and the scheduled requests' progress before
-    `complete_step` (None until then)."""
+    """How far one step got, so that a failure can settle it: the phase, the `Step` (its output, the fence of each
+    issued plan, the plans already waited on; None before `schedule()` returned), and the scheduled requests'
+    progress before `complete_step` (None until then)."""
 
-    __slots__ = ("phase", "out", "fences", "settled", "progress")
+    __slots__ = ("phase", "progress", "step")
 
     def __init__(self) -> None:
         self.phase = "start"
-        self.out: SchedulerOutput | None = None
-        self.fences: dict[int, Fence] = {}
-        self.settled: set[int] = set()
+        self.step: Step[Fence] | None = None
         self.progress: list[tuple[int, int, str]] | None = None
 
 
@@ -296,7 +308,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, *, model: LlamaModel | None = None) -> None:
         """`model` shares existing weights (it must already be on the configured device and dtype)."""
         self.config = config = config or EngineConfig()
-        self._scheduler_config(config.host_blocks, 0)  # refuse bad sizes before allocating anything
+        sc = config.scheduler
         self.device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cuda":
@@ -308,37 +320,34 @@ class Engine:
             else:
                 model = LlamaModel.from_seed(config.model, config.weights_seed, dtype=dtype, device=self.device)
         elif model.device.type != self.device.type or model.dtype != dtype:
-            raise ValueError(f"the shared model is {model.dtype} on {model.device}, the engine is configured for "
-                             f"{dtype} on {self.device}; move the model or change EngineConfig.device/dtype")
+            raise ValueError(
+                f"the shared model is {model.dtype} on {model.device}, the engine is configured for "
+                f"{dtype} on {self.device}; move the model or change EngineConfig.device/dtype"
+            )
         self.model = model
         mc = model.config
         check_memory(config, mc, dtype, self.device)
         try:
-            self.cache = PagedKVCache(config.gpu_blocks, num_layers=mc.num_layers, block_size=config.block_size,
-                                      num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=dtype,
-                                      device=self.device)
+            self.cache = PagedKVCache(
+                sc.gpu_blocks,
+                num_layers=mc.num_layers,
+                block_size=sc.block_size,
+                num_kv_heads=mc.num_kv_heads,
+                head_dim=mc.head_dim,
+                dtype=dtype,
+                device=self.device,
+            )
         except (RuntimeError, MemoryError) as err:  # torch's out-of-memory errors are RuntimeErrors
-            raise ConfigError(f"could not allocate the device tier of gpu_blocks={config.gpu_blocks} on "
-                              f"{self.device}: {err}; lower gpu_blocks") from err
+            raise ConfigError(
+                f"could not allocate the device tier of gpu_blocks={sc.gpu_blocks} on "
+                f"{self.device}: {err}; lower gpu_blocks"
+            ) from err
         self.faults = FaultInjector(config.faults) if config.faults is not None else None
-        host_blocks, fallback = config.host_blocks, False
-        if host_blocks:
-            simulate = config.simulate_host_alloc_failure or (
-                self.faults is not None and self.faults.fire("host_alloc", 0))
-            try:
-                self.cache.attach_host_tier(host_blocks, simulate_failure=simulate)
-            except HostTierAllocationError as err:
-                if not config.enable_recompute_pause:
-                    raise ConfigError(
-                        f"{err}, and enable_recompute_pause=False: without a host tier no victim could be evicted; "
-                        "enable recompute-pause so the engine can fall back to GPU-only operation"
-                    ) from err
-                warnings.warn(f"{err}; falling back to GPU-only operation (every eviction is a recompute-pause)",
-                              HostTierFallbackWarning, stacklevel=2)
-                host_blocks, fallback = 0, True
-        scheduler_config = self._scheduler_config(host_blocks, self.cache.block_bytes)
-        self.scheduler = Scheduler(scheduler_config, on_transition=self._on_transition)
-        self.scheduler.host_tier_fallback = fallback
+        host_blocks = self._attach_host_tier()
+        self.scheduler = Scheduler(
+            replace(sc, host_blocks=host_blocks, block_bytes=self.cache.block_bytes), on_transition=self._on_transition
+        )
+        self.scheduler.host_tier_fallback = host_blocks < sc.host_blocks
         self.trace = TraceWriter(config.trace_path, self.scheduler) if config.trace_path is not None else None
         self.totals = RunTotals()
         self.last_produced: list[tuple[Hashable, int]] = []
@@ -351,18 +360,33 @@ class Engine:
         self._owner: int | None = None  # the thread inside a call that holds the lock, and the call's name
         self._owner_call = ""
         self._streaming = False  # a stream() generator is live
+        self._planner = BatchPlanner(sc.block_size, self.device)  # reuses the decode plan across steps
         if self.faults is not None:
             self.totals.faults = self.faults.injected  # one counter: what the injector fired, by kind
 
-    def _scheduler_config(self, host_blocks: int, block_bytes: int) -> SchedulerConfig:
-        c = self.config
-        return SchedulerConfig(
-            gpu_blocks=c.gpu_blocks, host_blocks=host_blocks, block_size=c.block_size,
-            max_batch_size=c.max_batch_size, max_num_tokens=c.max_num_tokens,
-            prefill_chunk_size=c.prefill_chunk_size, enable_recompute_pause=c.enable_recompute_pause,
-            max_preemptions_per_request=c.max_preemptions_per_request,
-            no_progress_limit=c.no_progress_limit, block_bytes=block_bytes, lifecycle=c.lifecycle,
-        )
+    def _attach_host_tier(self) -> int:
+        """Allocate the configured host tier; returns its size in blocks, 0 when its allocation failed (the engine
+        then falls back to GPU-only, with a `HostTierFallbackWarning`) or none is configured."""
+        config = self.config
+        host_blocks = config.scheduler.host_blocks
+        if not host_blocks:
+            return 0
+        simulate = config.simulate_host_alloc_failure or (self.faults is not None and self.faults.fire("host_alloc", 0))
+        try:
+            self.cache.attach_host_tier(host_blocks, simulate_failure=simulate)
+        except HostTierAllocationError as err:
+            if not config.scheduler.enable_recompute_pause:
+                raise ConfigError(
+                    f"{err}, and enable_recompute_pause=False: without a host tier no victim could be evicted; "
+                    "enable recompute-pause so the engine can fall back to GPU-only operation"
+                ) from err
+            warnings.warn(
+                f"{err}; falling back to GPU-only operation (every eviction is a recompute-pause)",
+                HostTierFallbackWarning,
+                stacklevel=3,
+            )
+            return 0
+        return host_blocks
 
     # ------------------------------------------------------------------------------------------- requests
     def add_request(
@@ -379,8 +403,14 @@ class Engine:
         with self._exclusive("add_request"):
             return self._add_request(prompt_token_ids, max_new_tokens, stop_token_ids, sampling, request_id)
 
-    def _add_request(self, prompt_token_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Iterable[int],
-                     sampling: SamplingParams, request_id: Hashable | None) -> Hashable:
+    def _add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_new_tokens: int,
+        stop_token_ids: Iterable[int],
+        sampling: SamplingParams,
+        request_id: Hashable | None,
+    ) -> Hashable:
         if hasattr(prompt_token_ids, "tolist"):
             prompt_token_ids = prompt_token_ids.tolist()
         if hasattr(stop_token_ids, "tolist"):
@@ -391,15 +421,23 @@ class Engine:
             if isinstance(ids, (list, tuple)):
                 bad = [t for t in ids if isinstance(t, int) and not isinstance(t, bool) and t >= vocab]
                 if bad:
-                    raise InvalidTokenId(f"{what} has token id {bad[0]} but the model's vocabulary has {vocab} ids "
-                                         f"(0..{vocab - 1}); tokenize with the model's tokenizer")
+                    raise InvalidTokenId(
+                        f"{what} has token id {bad[0]} but the model's vocabulary has {vocab} ids "
+                        f"(0..{vocab - 1}); tokenize with the model's tokenizer"
+                    )
         if not isinstance(sampling, SamplingParams):
             raise RequestRejected(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         limit = self.model.config.max_position_embeddings
-        if isinstance(prompt_token_ids, (list, tuple)) and isinstance(max_new_tokens, int) \
-                and not isinstance(max_new_tokens, bool) and len(prompt_token_ids) + max_new_tokens > limit:
-            raise RequestRejected(f"prompt ({len(prompt_token_ids)}) + max_new_tokens ({max_new_tokens}) exceeds the "
-                                  f"model's max_position_embeddings={limit}; shorten the request")
+        if (
+            isinstance(prompt_token_ids, (list, tuple))
+            and isinstance(max_new_tokens, int)
+            and not isinstance(max_new_tokens, bool)
+            and len(prompt_token_ids) + max_new_tokens > limit
+        ):
+            raise RequestRejected(
+                f"prompt ({len(prompt_token_ids)}) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"model's max_position_embeddings={limit}; shorten the request"
+            )
         request = self.scheduler.submit(prompt_token_ids, max_new_tokens, stop_token_ids=stop, request_id=request_id)
         self._submissions[request.request_id] = _Submission(request.prompt, max_new_tokens, stop, sampling)
         return request.request_id
@@ -410,8 +448,10 @@ class Engine:
         unknown or already done. Safe from another thread during `run()` (it lands between two steps)."""
         with self._exclusive("cancel"):
             if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
-                raise RequestNotActive(f"cannot cancel {request_id!r}: request ids are str or int, got "
-                                       f"{type(request_id).__name__}; pass the id add_request returned")
+                raise RequestNotActive(
+                    f"cannot cancel {request_id!r}: request ids are str or int, got "
+                    f"{type(request_id).__name__}; pass the id add_request returned"
+                )
             try:
                 self.scheduler.cancel(request_id)
             except UnknownRequestId as err:
@@ -426,18 +466,22 @@ class Engine:
         or broken engine; `steps`: also refused while a `stream()` is live."""
         me = threading.get_ident()
         if self._owner == me:
-            raise EngineBusy(f"{what}() was called from inside {self._owner_call}() on the same thread (from an "
-                             "on_transition hook); the engine cannot serve it there and nothing changed: note what "
-                             f"you need in the hook and call {what}() after {self._owner_call}() has returned")
+            raise EngineBusy(
+                f"{what}() was called from inside {self._owner_call}() on the same thread (from an "
+                "on_transition hook); the engine cannot serve it there and nothing changed: note what "
+                f"you need in the hook and call {what}() after {self._owner_call}() has returned"
+            )
         with self._lock:
             self._owner, self._owner_call = me, what
             try:
                 if drives:
                     self._check_usable(what)
                 if steps and self._streaming:
-                    raise EngineBusy(f"{what}() was called while a stream() is being consumed; the stream drives the "
-                                     "engine (tokens of other steps would never reach it) and nothing changed: "
-                                     "consume the stream to its end or close it (generator.close()) first")
+                    raise EngineBusy(
+                        f"{what}() was called while a stream() is being consumed; the stream drives the "
+                        "engine (tokens of other steps would never reach it) and nothing changed: "
+                        "consume the stream to its end or close it (generator.close()) first"
+                    )
                 yield
             finally:
                 self._owner, self._owner_call = None, ""
@@ -455,8 +499,10 @@ class Engine:
         if self._broken is not None:
             raise EngineBroken(self._broken.args[0]) from self._broken.__cause__
         if self._closed:
-            raise EngineClosed(f"{what}() was called after close(); the engine can still be inspected (outputs(), "
-                               "stats(), totals) but not driven: create a new Engine to serve more requests")
+            raise EngineClosed(
+                f"{what}() was called after close(); the engine can still be inspected (outputs(), "
+                "stats(), totals) but not driven: create a new Engine to serve more requests"
+            )
 
     # ------------------------------------------------------------------------------------------- stepping
     def step(self) -> IterationStats:
@@ -477,37 +523,29 @@ class Engine:
         return stats
 
     def _carry_out(self, attempt: _Attempt) -> IterationStats:
-        """The iteration itself (module docstring, 1-5); `attempt` records how far it got."""
+        """The iteration itself (module docstring, 1-5: the phases of a `kvstate.step.Step`); `attempt` records how
+        far it got."""
         scheduler, check = self.scheduler, self.config.check_invariants
         iteration = scheduler.iteration + 1
         if self.faults is not None and scheduler.pool.has_host_tier and self.faults.fire("host_loss", iteration):
             attempt.phase = "host tier loss"
             self._lose_host_tier(f"injected fault host_loss at iteration {iteration}")
         attempt.phase = "schedule"
-        out = attempt.out = scheduler.schedule()
+        step = attempt.step = Step.begin(scheduler)
         if check:
-            scheduler.check_invariants(out)
+            scheduler.check_invariants(step.output)
         attempt.phase = "issue copies"
-        failed = 0
-        for plan in list(out.migrations):
-            fence = self._issue(plan, iteration)
-            if fence is None:
-                scheduler.fail_migration(out, plan)
-                failed += 1
-            else:
-                attempt.fences[plan.plan_id] = fence
-        if failed and check:
-            scheduler.check_invariants(out)
-        compute_stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        for fence in attempt.fences.values():
-            fence.order_before(compute_stream)  # resumed blocks are in place before attention reads them
+        for plan in step.to_issue():
+            step.issued(plan, self._issue(plan))
+        if step.failures and check:
+            scheduler.check_invariants(step.output)
         attempt.phase = "forward"
-        sampled = self._compute(out)
+        sampled = self._compute(step.output)
         attempt.phase = "complete migrations"
-        self._settle_migrations(out, attempt, iteration)
+        self._settle(step)
         attempt.phase = "complete step"
-        attempt.progress = _progress(out)
-        produced = scheduler.complete_step(out, sampled)
+        attempt.progress = _progress(step.output)
+        produced = step.finish(sampled)
         attempt.phase = "after the step"
         self.last_produced = [(r.request_id, r.generated[-1]) for r in produced]
         if check:
@@ -522,24 +560,16 @@ class Engine:
         totals.bytes_migrated += stats.bytes_migrated
         return stats
 
-    def _settle_migrations(self, out: SchedulerOutput, attempt: _Attempt, iteration: int) -> None:
-        """Carry every migration of `out` to its end, then `complete_migrations(out)`: wait on its fence (fenced
-        source blocks become reusable only after their copy completed); a plan a failure kept from being issued
-        is issued now, and one that cannot be copied is failed through `Scheduler.fail_migration`."""
-        for plan in list(out.migrations):
-            if plan.plan_id in attempt.settled:
-                continue
-            fence = attempt.fences.get(plan.plan_id)
-            if fence is None:
-                fence = attempt.fences[plan.plan_id] = self._issue(plan, iteration)
-                if fence is None:
-                    self.scheduler.fail_migration(out, plan)
-                    continue
-            fence.wait()
-            if plan.direction == TO_HOST:
-                self._after_suspend(plan, iteration)
-            attempt.settled.add(plan.plan_id)
-        self.scheduler.complete_migrations(out)
+    def _settle(self, step: Step[Fence]) -> None:
+        """Carry every migration of `step` to its end, then complete them: a plan a failure kept from being issued
+        is issued now (or failed), and every fence is waited on (fenced source blocks become reusable only after
+        their copy completed). Safe to call again: what was done is skipped."""
+        for plan in step.to_issue():
+            step.issued(plan, self._issue(plan))
+        for plan, fence in step.to_wait():
+            self._wait(plan, fence)
+            step.waited(plan)
+        step.complete_migrations()
 
     def _settle_failed(self, attempt: _Attempt, err: BaseException) -> None:
         """`err` interrupted a step: drain the copies, settle every migration, discard the forward pass, and
@@ -549,41 +579,59 @@ class Engine:
         iteration = scheduler.iteration
         problem = None
         try:
-            for fence in attempt.fences.values():
-                if fence is not None:
-                    fence.wait()
+            step = attempt.step
+            for fence in step.fences.values() if step is not None else ():
+                fence.wait()
             self.cache.drain()
-            out = attempt.out
-            if out is None and scheduler.pool.in_flight:  # schedule() planned copies, then failed
+            if step is None and scheduler.pool.in_flight:  # schedule() planned copies, then failed
                 plans = list(scheduler.pool.in_flight.values())
                 owners = [scheduler.requests[p.request_id] for p in plans]
-                out = SchedulerOutput(migrations=plans,
-                                      suspended=[r for p, r in zip(plans, owners) if p.direction == TO_HOST],
-                                      resumed=[r for p, r in zip(plans, owners) if p.direction == TO_GPU])
-            if out is not None:
-                self._settle_migrations(out, attempt, iteration)
-            if attempt.progress is not None and attempt.phase == "complete step" \
-                    and attempt.progress != _progress(out):
+                step = attempt.step = Step(
+                    scheduler,
+                    SchedulerOutput(
+                        migrations=plans,
+                        suspended=[r for p, r in zip(plans, owners, strict=True) if p.direction == TO_HOST],
+                        resumed=[r for p, r in zip(plans, owners, strict=True) if p.direction == TO_GPU],
+                    ),
+                )
+            if step is not None:
+                self._settle(step)
+            if (
+                step is not None
+                and attempt.progress is not None
+                and attempt.phase == "complete step"
+                and attempt.progress != _progress(step.output)
+            ):
                 problem = "complete_step had already applied part of the iteration"
             scheduler.check_invariants()
             if scheduler.pool.in_flight:
                 problem = problem or f"{len(scheduler.pool.in_flight)} migrations are still in flight"
-        except BaseException as settling:  # noqa: BLE001 - any failure here leaves the state unknown
+        except BaseException as settling:
             problem = f"settling it failed too ({type(settling).__name__}: {settling})"
         if self._trace_failure is not None and problem is None:
             problem = f"the trace missed a transition ({type(self._trace_failure).__name__}: {self._trace_failure})"
         if problem is not None:
-            self._break(f"step {iteration} failed in phase '{attempt.phase}' with {type(err).__name__}: {err}; "
-                        f"the engine could not restore a consistent state: {problem}", err)
-        done = "the iteration itself had completed" if attempt.phase == "after the step" else \
-            "the forward pass was discarded (the next step computes it again)"
-        err.add_note(f"kvstate: step {iteration} failed in phase '{attempt.phase}' and was settled: every copy "
-                     f"completed or failed and nothing is in flight; {done}; the engine can keep stepping")
+            self._break(
+                f"step {iteration} failed in phase '{attempt.phase}' with {type(err).__name__}: {err}; "
+                f"the engine could not restore a consistent state: {problem}",
+                err,
+            )
+        done = (
+            "the iteration itself had completed"
+            if attempt.phase == "after the step"
+            else "the forward pass was discarded (the next step computes it again)"
+        )
+        err.add_note(
+            f"kvstate: step {iteration} failed in phase '{attempt.phase}' and was settled: every copy "
+            f"completed or failed and nothing is in flight; {done}; the engine can keep stepping"
+        )
 
     def _break(self, message: str, cause: BaseException) -> None:
         """Mark the engine broken (every later driving call raises this error) and raise it."""
-        self._broken = EngineBroken(f"the engine is broken: {message}. Finished outputs can still be read "
-                                    "(outputs(), take_finished()); create a new Engine to continue")
+        self._broken = EngineBroken(
+            f"the engine is broken: {message}. Finished outputs can still be read "
+            "(outputs(), take_finished()); create a new Engine to continue"
+        )
         self._broken.__cause__ = cause
         raise EngineBroken(self._broken.args[0]) from cause
 
@@ -591,21 +639,38 @@ class Engine:
         """A trace write failed during `where` (the state is consistent, the trace is not): break the engine."""
         if self._trace_failure is not None:
             err = self._trace_failure
-            self._break(f"writing the trace {self.trace.path} failed during {where} ({type(err).__name__}: {err}); "
-                        "the trace now misses transitions, so the engine stopped", err)
+            path = None if self.trace is None else self.trace.path
+            self._break(
+                f"writing the trace {path} failed during {where} ({type(err).__name__}: {err}); "
+                "the trace now misses transitions, so the engine stopped",
+                err,
+            )
 
-    def _issue(self, plan: MigrationPlan, iteration: int) -> Fence | None:
-        """Issue `plan`'s copies; None when they failed (or its host copy is corrupt) and it must be failed."""
+    def _issue(self, plan: MigrationPlan) -> Fence | None:
+        """Issue `plan`'s copies; None when they failed (or its host copy is corrupt) and it must be failed. A
+        resume's fence orders the compute stream after its copies: resumed blocks are in place before attention
+        reads them (a suspend's copies are not waited for there: the forward never reads host blocks, and their
+        sources are freed only after `_wait`)."""
+        iteration = self.scheduler.iteration
         if plan.direction == TO_GPU and self.config.verify_host_checksums and not self._host_copy_intact(plan):
             self.totals.checksum_mismatches += 1
             return None
         kind = "copy_to_host" if plan.direction == TO_HOST else "copy_to_gpu"
         inject = self.faults is not None and self.faults.fire(kind, iteration, plan.request_id)
         try:
-            return self.cache.migrate(plan, fail_after=len(plan.runs()) // 2 if inject else None)
+            fence = self.cache.migrate(plan, fail_after=len(plan.runs()) // 2 if inject else None)
         except MigrationFailed:
             self.totals.failed_copies += 1
             return None
+        if plan.direction == TO_GPU:
+            fence.order_before(torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
+        return fence
+
+    def _wait(self, plan: MigrationPlan, fence: Fence) -> None:
+        """`plan`'s copies completed (its fenced sources may be reused once the scheduler is told)."""
+        fence.wait()
+        if plan.direction == TO_HOST:
+            self._after_suspend(plan, self.scheduler.iteration)
 
     def _after_suspend(self, plan: MigrationPlan, iteration: int) -> None:
         """A suspend's copies completed: record its checksums, then let a `corrupt_host` fault hit the copy."""
@@ -641,26 +706,33 @@ class Engine:
         self.cache.detach_host_tier()
         self._checksums.clear()
         self.totals.host_tier_losses += 1
-        warnings.warn(f"{reason}; {len(lost)} suspended requests will be replayed and the engine runs GPU-only "
-                      "from now on (every eviction is a recompute-pause)", HostTierFallbackWarning, stacklevel=3)
+        warnings.warn(
+            f"{reason}; {len(lost)} suspended requests will be replayed and the engine runs GPU-only "
+            "from now on (every eviction is a recompute-pause)",
+            HostTierFallbackWarning,
+            stacklevel=3,
+        )
         return [r.request_id for r in lost]
 
     def _compute(self, out: SchedulerOutput) -> dict[Hashable, int]:
-        """The forward pass of `out` and the tokens sampled by the requests that produce one."""
-        planned = planned_chunks(out, self.scheduler.pool)
-        chunks = [SeqChunk(c.tokens, c.start, c.block_table, c.produces_token) for c in planned]
-        samplers = [c.request for c in planned if c.produces_token]
-        positions = [c.start + len(c.tokens) for c in planned if c.produces_token]
+        """The forward pass of `out` (the model reads the planned chunks as they are) and the tokens sampled by
+        the requests whose chunk produces one."""
+        chunks = planned_chunks(out, self.scheduler.pool)
         if not chunks:
             return {}
-        batch = PagedBatch.build(chunks, self.cache.block_size, self.device)
-        logits = self.model.forward_paged(batch, self.cache)
-        if not samplers:
+        logits = self.model.forward_paged(self._planner.plan(chunks), self.cache)
+        ids, params, positions = [], [], []
+        submissions = self._submissions
+        for c in chunks:
+            if c.produces_token:
+                rid = c.request.request_id
+                ids.append(rid)
+                params.append(submissions[rid].sampling)
+                positions.append(c.start + len(c.tokens))
+        if not ids:
             return {}
-        ids = [r.request_id for r in samplers]
-        tokens = sample_batch(logits, [self._submissions[rid].sampling for rid in ids], seed=self.config.seed,
-                              request_ids=ids, positions=positions)
-        return dict(zip(ids, tokens))
+        tokens = sample_batch(logits, params, seed=self.config.seed, request_ids=ids, positions=positions)
+        return dict(zip(ids, tokens, strict=True))
 
     def run(self, max_steps: int | None = None) -> dict[Hashable, list[int]]:
         """Step until every request is done (or `max_steps`); returns `outputs()`. The lock is taken per step,
@@ -707,7 +779,7 @@ class Engine:
             for request in taken:
                 self._submissions.pop(request.request_id, None)
                 self._checksums.pop(request.request_id, None)
-            return {r.request_id: FinishedRequest(list(r.generated), r.done_reason) for r in taken}
+            return {r.request_id: FinishedRequest(list(r.generated), r.end_reason) for r in taken}
 
     def stats(self) -> IterationStats:
         """Statistics of the last iteration (`host_tier_fallback` reflects the engine even before any step)."""
@@ -717,33 +789,43 @@ class Engine:
         return stats
 
     # ------------------------------------------------------------------------------------------ reference
-    def reference(self, prompt_token_ids: Sequence[int], max_new_tokens: int, *, stop_token_ids: Iterable[int] = (),
-                  sampling: SamplingParams = GREEDY, request_id: Hashable = 0) -> list[int]:
+    def reference(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        stop_token_ids: Iterable[int] = (),
+        sampling: SamplingParams = GREEDY,
+        request_id: Hashable = 0,
+    ) -> list[int]:
         """The oracle: the output of this one request run alone on the same weights, with GPU blocks for all its
         tokens, no host tier and its whole prompt in one chunk. Pass the request's id when it samples."""
         prompt = list(prompt_token_ids.tolist() if hasattr(prompt_token_ids, "tolist") else prompt_token_ids)
-        blocks = -(-(len(prompt) + max_new_tokens) // self.config.block_size)
-        config = replace(
-            self.config, gpu_blocks=max(blocks, 1), host_blocks=0, max_batch_size=1,
-            prefill_chunk_size=max(len(prompt), 1), max_num_tokens=max(len(prompt), 1),
-            trace_path=None, simulate_host_alloc_failure=False, check_invariants=False, faults=None,
-            verify_host_checksums=False, enable_recompute_pause=True,  # never preempts; keeps the config valid
+        blocks = -(-(len(prompt) + max_new_tokens) // self.config.scheduler.block_size)
+        config = self._unpressured(
+            gpu_blocks=max(blocks, 1),
+            max_batch_size=1,
+            prefill_chunk_size=max(len(prompt), 1),
+            max_num_tokens=max(len(prompt), 1),
         )
         with Engine(config, model=self.model) as alone:
-            rid = alone.add_request(prompt, max_new_tokens, stop_token_ids=stop_token_ids, sampling=sampling,
-                                    request_id=request_id)
+            rid = alone.add_request(
+                prompt, max_new_tokens, stop_token_ids=stop_token_ids, sampling=sampling, request_id=request_id
+            )
             return alone.run()[rid]
 
     def reference_outputs(self, request_ids: Iterable[Hashable] | None = None) -> dict[Hashable, list[int]]:
         """`reference` of each submitted request (default: all), using the arguments it was submitted with."""
         result = {}
         for rid, sub in self._submitted(request_ids):
-            result[rid] = self.reference(sub.prompt, sub.max_new_tokens, stop_token_ids=sub.stop_token_ids,
-                                         sampling=sub.sampling, request_id=rid)
+            result[rid] = self.reference(
+                sub.prompt, sub.max_new_tokens, stop_token_ids=sub.stop_token_ids, sampling=sub.sampling, request_id=rid
+            )
         return result
 
-    def batched_reference_outputs(self, request_ids: Iterable[Hashable] | None = None, *,
-                                  batch_size: int = 256) -> dict[Hashable, list[int]]:
+    def batched_reference_outputs(
+        self, request_ids: Iterable[Hashable] | None = None, *, batch_size: int = 256
+    ) -> dict[Hashable, list[int]]:
         """`reference_outputs`, computed `batch_size` requests at a time on one unpressured engine: GPU blocks
         for every token of the batch, no host tier, each prompt in one chunk, no faults. Equal to running each
         request alone, because a request's logits depend only on its own tokens and blocks and its sampling only
@@ -752,24 +834,53 @@ class Engine:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         submitted = self._submitted(request_ids)
         result: dict[Hashable, list[int]] = {}
-        size = self.config.block_size
+        size = self.config.scheduler.block_size
         for start in range(0, len(submitted), batch_size):
-            group = submitted[start:start + batch_size]
+            group = submitted[start : start + batch_size]
             blocks = sum(-(-(len(sub.prompt) + sub.max_new_tokens) // size) for _, sub in group)
             longest = max(len(sub.prompt) for _, sub in group)
-            config = replace(
-                self.config, gpu_blocks=blocks, host_blocks=0, max_batch_size=len(group),
-                prefill_chunk_size=longest, max_num_tokens=max(longest * len(group), 1), trace_path=None,
-                simulate_host_alloc_failure=False, check_invariants=False, faults=None, verify_host_checksums=False,
-                enable_recompute_pause=True,  # never preempts (room for every token); keeps the config valid
+            config = self._unpressured(
+                gpu_blocks=blocks,
+                max_batch_size=len(group),
+                prefill_chunk_size=longest,
+                max_num_tokens=max(longest * len(group), 1),
             )
             with Engine(config, model=self.model) as alone:
                 for rid, sub in group:
-                    alone.add_request(sub.prompt, sub.max_new_tokens, stop_token_ids=sub.stop_token_ids,
-                                      sampling=sub.sampling, request_id=rid)
+                    alone.add_request(
+                        sub.prompt,
+                        sub.max_new_tokens,
+                        stop_token_ids=sub.stop_token_ids,
+                        sampling=sub.sampling,
+                        request_id=rid,
+                    )
                 outputs = alone.run()
             result.update((rid, outputs[rid]) for rid, _ in group)
         return result
+
+    def _unpressured(
+        self, *, gpu_blocks: int, max_batch_size: int, prefill_chunk_size: int, max_num_tokens: int
+    ) -> EngineConfig:
+        """This engine's config for a reference run: these sizes (room for every token, so it never preempts), no
+        host tier, no trace, no faults, no checks; recompute-pause on (keeps the config valid)."""
+        scheduler = replace(
+            self.config.scheduler,
+            gpu_blocks=gpu_blocks,
+            host_blocks=0,
+            max_batch_size=max_batch_size,
+            prefill_chunk_size=prefill_chunk_size,
+            max_num_tokens=max_num_tokens,
+            enable_recompute_pause=True,
+        )
+        return replace(
+            self.config,
+            scheduler=scheduler,
+            trace_path=None,
+            simulate_host_alloc_failure=False,
+            check_invariants=False,
+            faults=None,
+            verify_host_checksums=False,
+        )
 
     def _submitted(self, request_ids: Iterable[Hashable] | None) -> list[tuple[Hashable, _Submission]]:
         """(id, submission) of these requests (default: every one not yet taken), in order."""
@@ -777,8 +888,10 @@ class Engine:
             ids = list(self._submissions) if request_ids is None else list(request_ids)
             unknown = [rid for rid in ids if rid not in self._submissions]
             if unknown:
-                raise EngineMisuse(f"no submission recorded for request ids {unknown[:5]}: they are unknown or were "
-                                   "handed over by take_finished(); compute references before taking them")
+                raise EngineMisuse(
+                    f"no submission recorded for request ids {unknown[:5]}: they are unknown or were "
+                    "handed over by take_finished(); compute references before taking them"
+                )
             return [(rid, self._submissions[rid]) for rid in ids]
 
     # ---------------------------------------------------------------------------------------- lifecycle
@@ -792,7 +905,7 @@ class Engine:
         if self.trace is not None and self._trace_failure is None:
             try:
                 self.trace(request, transition)
-            except Exception as err:  # noqa: BLE001 - OSError (disk full) or anything the writer raises
+            except Exception as err:
                 self._trace_failure = err
 
     def close(self) -> None:

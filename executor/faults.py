@@ -76,8 +76,9 @@ class FaultSpec:
         kind, sep, rate = text.partition(":")
         kind = kind.strip()
         if kind not in FAULT_KINDS:
-            raise FaultPlanError(f"--inject {text!r}: unknown fault kind {kind!r}; kinds: {', '.join(FAULT_KINDS)}; "
-                                 f"{forms}")
+            raise FaultPlanError(
+                f"--inject {text!r}: unknown fault kind {kind!r}; kinds: {', '.join(FAULT_KINDS)}; {forms}"
+            )
         if not sep:
             return cls(kind, DEFAULT_RATES[kind])
         try:
@@ -107,7 +108,9 @@ class FaultPlan:
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise FaultPlanError(f"FaultPlan.seed must be an integer (every random choice is seeded), got {self.seed!r}")
+            raise FaultPlanError(
+                f"FaultPlan.seed must be an integer (every random choice is seeded), got {self.seed!r}"
+            )
         faults = tuple(self.faults)
         kinds = [f.kind for f in faults]
         repeated = sorted({k for k in kinds if kinds.count(k) > 1})
@@ -125,7 +128,9 @@ class FaultPlan:
         """``FaultPlan.of(0, copy_to_host=0.1, host_loss=[40])``: a float is a rate, a sequence lists iterations."""
         specs = []
         for kind, value in rates.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, bool):
+                raise FaultPlanError(f"{kind}={value!r}: give a rate (a float) or the iterations (ints), not a bool")
+            if isinstance(value, (int, float)):
                 specs.append(FaultSpec(kind, value))
             else:
                 specs.append(FaultSpec(kind, 0.0, frozenset(value)))

@@ -8,17 +8,26 @@ Invariants kept:
 * block ids are the scheduler's: device block ``b`` is ``device[b]``, host block ``h`` is ``host[h]``; this class
   never allocates or frees a block id, it only copies the blocks a `MigrationPlan` names;
 * `execute(plan)` moves every run of `plan.runs()` (merged consecutive ids on both sides) and counts each in
-  `num_copies`. On CUDA, and for plans of at most `GATHER_MIN_RUNS` runs, each run is one slice copy. A CPU plan
-  with more runs is one gather (`index_select(out=)`) when its destination ids are consecutive (a suspend into
-  a fresh host range), else one memcpy per run through NumPy views, whose call overhead is a fraction of a
-  torch slice copy's: per-call overhead, not bandwidth, is what a fragmented plan of small blocks pays (§6 of
+  `num_copies`; `num_transfers` counts the copy calls that crossed between the tiers. A plan of one run is one
+  slice copy. On CUDA a plan of more runs is staged (`_copy_staged`): the device side is gathered into (suspend)
+  or scattered from (resume) a contiguous device staging buffer by one kernel, and the tier crossing is one DMA
+  per run of consecutive host ids (one for a suspend into a fresh host range or a resume of one: the usual case)
+  instead of one per run — a DMA launch costs ~5-10 µs against ~1.3 µs to move a 64 KiB block. The staging
+  buffer and the index tensors belong to the plan's `EventFence` until it is dropped, so nothing the copy stream
+  still reads is freed or reused early. A CPU plan of up to `GATHER_MIN_RUNS` runs is one slice copy per run; one
+  of more runs is one gather (`index_select(out=)`) when its destination ids are consecutive (a suspend into a
+  fresh host range), else one memcpy per run through NumPy views, whose call overhead is a fraction of a torch
+  slice copy's: per-call overhead, not bandwidth, is what a fragmented plan of small blocks pays (§6 of
   DESIGN.md; `index_copy_` measured slower than either);
 * a plan's copies are complete once its `Fence` reports `done()`; `Fence.wait()` blocks the host until then and
   `Fence.order_before(stream)` makes a stream wait for them on the device. The scheduler may reuse a migration's
   source blocks only after its fence completed (the engine calls `complete_migrations` after `wait()`);
 * on CUDA the copies run on a dedicated copy stream that first waits for the compute stream (so the forward
   passes that wrote a source block finish before it is read) and use ``non_blocking=True`` with a pinned host
-  tier; on the CPU every copy is synchronous and the fence is already complete;
+  tier; on the CPU every copy is synchronous and the fence is already complete. Only fences of copies into the
+  GPU tier (resumes) need `order_before` the forward: it never reads a suspend's host blocks, and a suspend's
+  source blocks are reused only after its `wait()`. `copy_delay_cycles` holds the copy stream back before each
+  plan (`torch.cuda._sleep`; tests and scripts/gpu-check use it to show that ordering, not luck, is at work);
 * the host tier either exists with its full capacity or not at all: a failed allocation raises
   `HostTierAllocationError` and leaves the cache GPU-only, so the engine can fall back (DESIGN §1.7);
   `detach_host_tier` drops it mid-run (the engine does so only once the scheduler has no host blocks);
@@ -37,10 +46,22 @@ from typing import Protocol
 
 import torch
 
+from executor.model import host_longs
 from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan
 
-
 GATHER_MIN_RUNS = 4  # a CPU plan with more runs than this is copied by one gather/scatter, not run by run
+
+
+def _consecutive(ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive values of `ids`: (index of the run's first element, its value, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, value in enumerate(ids):
+        if runs and value == runs[-1][1] + runs[-1][2]:
+            first, start, n = runs[-1]
+            runs[-1] = (first, start, n + 1)
+        else:
+            runs.append((i, value, 1))
+    return runs
 
 
 class HostTierAllocationError(RuntimeError):
@@ -56,8 +77,10 @@ class MigrationFailed(RuntimeError):
     def __init__(self, plan: MigrationPlan, runs_done: int, reason: str) -> None:
         self.plan = plan
         self.runs_done = runs_done
-        super().__init__(f"migration plan {plan.plan_id} ({plan.direction}, request {plan.request_id!r}, "
-                         f"{plan.num_blocks} blocks) failed after {runs_done} of {len(plan.runs())} copies: {reason}")
+        super().__init__(
+            f"migration plan {plan.plan_id} ({plan.direction}, request {plan.request_id!r}, "
+            f"{plan.num_blocks} blocks) failed after {runs_done} of {len(plan.runs())} copies: {reason}"
+        )
 
 
 class Fence(Protocol):
@@ -69,7 +92,7 @@ class Fence(Protocol):
     def done(self) -> bool:
         """True once the copies have completed (never blocks)."""
 
-    def order_before(self, stream: object | None) -> None:
+    def order_before(self, stream: torch.cuda.Stream | None) -> None:
         """Make `stream` (a CUDA stream; None on the CPU) wait for the copies before its later work."""
 
 
@@ -84,17 +107,21 @@ class CompletedFence:
     def done(self) -> bool:
         return True
 
-    def order_before(self, stream: object | None) -> None:
+    def order_before(self, stream: torch.cuda.Stream | None) -> None:
         return None
 
 
 class EventFence:
-    """The fence of copies issued on a CUDA stream: an event recorded on that stream after the last copy."""
+    """The fence of copies issued on a CUDA stream: an event recorded on that stream after the last copy.
 
-    __slots__ = ("event",)
+    `keep` holds the tensors those copies use that nobody else holds (staging buffer, index tensors), so they
+    stay allocated until the fence is dropped, which its owner does only after `wait()` or `done()`."""
 
-    def __init__(self, event: torch.cuda.Event) -> None:
+    __slots__ = ("event", "keep")
+
+    def __init__(self, event: torch.cuda.Event, keep: tuple[torch.Tensor, ...] = ()) -> None:
         self.event = event
+        self.keep = keep
 
     def wait(self) -> None:
         self.event.synchronize()
@@ -102,7 +129,7 @@ class EventFence:
     def done(self) -> bool:
         return bool(self.event.query())
 
-    def order_before(self, stream: object | None) -> None:
+    def order_before(self, stream: torch.cuda.Stream | None) -> None:
         if stream is not None:
             stream.wait_event(self.event)
 
@@ -154,6 +181,8 @@ class PagedKVCache:
         self.device_cache = torch.zeros((num_gpu_blocks, *self.block_shape), dtype=dtype, device=self.device)
         self.host_cache: torch.Tensor | None = None
         self.num_copies = 0  # merged runs copied so far (one per run of each plan)
+        self.num_transfers = 0  # copy calls between the tiers so far (a staged plan: one per run of host ids)
+        self.copy_delay_cycles = 0  # tests and scripts/gpu-check: hold the copy stream this long before each plan
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if num_host_blocks:
             self.attach_host_tier(num_host_blocks)
@@ -255,26 +284,30 @@ class PagedKVCache:
             return CompletedFence()
         compute = torch.cuda.current_stream(self.device)
         self._copy_stream.wait_stream(compute)  # source blocks written by earlier forward passes are final
+        keep: tuple[torch.Tensor, ...] = ()
         with torch.cuda.stream(self._copy_stream):
-            for src, dst, n in runs:
-                self._copy(dest, dst, source, src, n, non_blocking=True)
+            if self.copy_delay_cycles:
+                torch.cuda._sleep(self.copy_delay_cycles)  # a slow copy engine, for ordering checks
+            if len(runs) == 1:
+                self._copy(dest, runs[0][1], source, runs[0][0], runs[0][2], non_blocking=True)
+            else:
+                keep = self._copy_staged(plan.direction, dest, source, plan.pairs, runs)
             event = torch.cuda.Event()
             event.record(self._copy_stream)
-        return EventFence(event)
+        return EventFence(event, keep)
 
     def migrate(self, plan: MigrationPlan, *, fail_after: int | None = None) -> Fence:
         """`execute(plan)`, except that a failed copy raises `MigrationFailed` once nothing of the plan is in
         flight any more. With `fail_after=k`, copy only the first k merged runs, wait for them, and fail."""
-        self._host(plan)  # a missing host tier is a caller bug, not a failed copy
+        host = self._host(plan)  # a missing host tier is a caller bug, not a failed copy
         if fail_after is None:
             try:
                 return self.execute(plan)
             except RuntimeError as err:
                 self.drain()
                 raise MigrationFailed(plan, 0, f"{type(err).__name__}: {err}") from err
-        source, dest = (self.device_cache, self.host_cache) if plan.direction == TO_HOST else \
-            (self.host_cache, self.device_cache)
-        runs = plan.runs()[:max(0, fail_after)]
+        source, dest = (self.device_cache, host) if plan.direction == TO_HOST else (host, self.device_cache)
+        runs = plan.runs()[: max(0, fail_after)]
         for src, dst, n in runs:
             self._copy(dest, dst, source, src, n, non_blocking=False)
         raise MigrationFailed(plan, len(runs), "injected copy failure (fault injection)")
@@ -285,31 +318,77 @@ class PagedKVCache:
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
 
-    def _copy(self, dest: torch.Tensor, dst: int, source: torch.Tensor, src: int, n: int, *,
-              non_blocking: bool) -> None:
-        dest[dst:dst + n].copy_(source[src:src + n], non_blocking=non_blocking)
+    def _copy(
+        self, dest: torch.Tensor, dst: int, source: torch.Tensor, src: int, n: int, *, non_blocking: bool
+    ) -> None:
+        dest[dst : dst + n].copy_(source[src : src + n], non_blocking=non_blocking)
         self.num_copies += 1
+        self.num_transfers += 1
 
-    def _copy_fragmented(self, dest: torch.Tensor, source: torch.Tensor, pairs: tuple[tuple[int, int], ...],
-                         runs: tuple[tuple[int, int, int], ...]) -> None:
+    def _copy_staged(
+        self,
+        direction: str,
+        dest: torch.Tensor,
+        source: torch.Tensor,
+        pairs: tuple[tuple[int, int], ...],
+        runs: tuple[tuple[int, int, int], ...],
+    ) -> tuple:
+        """A plan of many runs through a contiguous staging buffer on the device tier's device, issued on the
+        current stream (the copy stream on CUDA): a suspend gathers its device blocks into the buffer with one
+        `index_select` and moves it to the host with one DMA per run of consecutive host ids; a resume moves the
+        host blocks into the buffer the same way and scatters them with one `index_copy_`. The index tensor is
+        uploaded from pinned memory without blocking. Returns the tensors the queued copies still use (the
+        caller keeps them until the copies are complete). Runs on the CPU too (tests), synchronously."""
+        device = self.device_cache.device
+        pinned = device.type == "cuda"
+        device_ids = [src for src, _ in pairs] if direction == TO_HOST else [dst for _, dst in pairs]
+        host_ids = [dst for _, dst in pairs] if direction == TO_HOST else [src for src, _ in pairs]
+        index_host = host_longs(device_ids, pinned=pinned)
+        index = index_host.to(device, non_blocking=True)
+        staging = torch.empty((len(pairs), *self.block_shape), dtype=self.dtype, device=device)
+        if direction == TO_HOST:
+            torch.index_select(source, 0, index, out=staging)
+        transfers = 0
+        for first, host, n in _consecutive(host_ids):  # staging rows first.. <-> host blocks host..
+            if direction == TO_HOST:
+                dest[host : host + n].copy_(staging[first : first + n], non_blocking=pinned)
+            else:
+                staging[first : first + n].copy_(source[host : host + n], non_blocking=pinned)
+            transfers += 1
+        if direction == TO_GPU:
+            dest.index_copy_(0, index, staging)
+        self.num_copies += len(runs)
+        self.num_transfers += transfers
+        return staging, index, index_host
+
+    def _copy_fragmented(
+        self,
+        dest: torch.Tensor,
+        source: torch.Tensor,
+        pairs: tuple[tuple[int, int], ...],
+        runs: tuple[tuple[int, int, int], ...],
+    ) -> None:
         """CPU copy of a plan of many runs: one gather when the destination ids are consecutive, one scatter
         when the source ids are, else one memcpy per run through NumPy views (a torch slice copy per run for a
         dtype NumPy lacks)."""
-        first_dst = pairs[0][1]
+        first_dst, first_src = pairs[0][1], pairs[0][0]
+        transfers = 1
         if all(dst == first_dst + i for i, (_, dst) in enumerate(pairs)):
-            index = torch.tensor([src for src, _ in pairs], dtype=torch.long)
-            torch.index_select(source, 0, index, out=dest[first_dst:first_dst + len(pairs)])
+            index = host_longs([src for src, _ in pairs])
+            torch.index_select(source, 0, index, out=dest[first_dst : first_dst + len(pairs)])
         elif (np_dest := self._numpy(dest)) is not None and (np_source := self._numpy(source)) is not None:
-            first_src = pairs[0][0]
             if all(src == first_src + i for i, (src, _) in enumerate(pairs)):  # one scatter (a resume)
-                np_dest[[dst for _, dst in pairs]] = np_source[first_src:first_src + len(pairs)]
+                np_dest[[dst for _, dst in pairs]] = np_source[first_src : first_src + len(pairs)]
             else:
                 for src, dst, n in runs:
-                    np_dest[dst:dst + n] = np_source[src:src + n]
+                    np_dest[dst : dst + n] = np_source[src : src + n]
+                transfers = len(runs)
         else:
             for src, dst, n in runs:
-                dest[dst:dst + n].copy_(source[src:src + n])
+                dest[dst : dst + n].copy_(source[src : src + n])
+            transfers = len(runs)
         self.num_copies += len(runs)
+        self.num_transfers += transfers
 
     @staticmethod
     def _numpy(tensor: torch.Tensor):

@@ -1,22 +1,29 @@
 """A Llama-style decoder with paged attention: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP.
 
 Parameter names follow Hugging Face's ``LlamaForCausalLM`` without the ``model.`` prefix (``embed_tokens``,
-``layers.{i}.self_attn.q_proj``, ..., ``norm``, ``lm_head``), so checkpoints map one to one (`executor.hf`).
+``layers.{i}.self_attn.o_proj``, ..., ``norm``, ``lm_head``), except that each layer stores its q/k/v projections
+as one matrix (``self_attn.qkv_proj``) and its gate/up projections as one (``mlp.gate_up_proj``), so each is one
+matmul; `LlamaModel.hf_state_dict` and `LlamaModel.load_hf_state_dict` map to and from Hugging Face's names
+(`executor.hf` reads and writes checkpoints through them; only the fused matrices are stored).
 
 Two forward paths share every kernel:
 * `forward_paged(batch, cache)`: a flattened batch of prefill chunks and decode tokens from many requests. Each
   token's K and V are written into its request's block table slot, then each request attends over its whole
   context gathered from the cache: batched, one padded and masked `scaled_dot_product_attention` for all decode
   requests and one for all multi-token chunks, each reading its requests' blocks with one `index_select`; the
-  plan (block ids, masks, row maps) is built once per forward by `PagedBatch.build` and shared by all layers.
-  Returns logits only for the rows that sample.
+  plan (block ids, masks, row maps) is built once per forward by `PagedBatch.build` and shared by all layers;
+  every index list of a batch becomes one tensor with one upload (pinned and non-blocking on CUDA), and
+  `BatchPlanner` keeps the decode plan from one step to the next while the batch is unchanged (only tokens,
+  positions and the blocks of requests that crossed into a new block are new). Returns logits only for the rows
+  that sample.
 * `forward_dense(tokens)`: one sequence, no cache (the reference the paged path is tested against).
 
 Invariants kept:
 * a token's rotary angle depends only on its position, and attention of a request reads only its own blocks,
   so a request's logits do not depend on which other requests share the batch, nor on how its prompt was
   chunked (up to float rounding; the float64 default keeps that far below any argmax margin);
-* `SeqChunk.block_table` must cover ``start + len(tokens)`` positions (the scheduler allocates before computing);
+* a chunk's `block_table` must cover ``start + len(tokens)`` positions (the scheduler allocates before computing);
+* RMSNorm normalizes in float32 at least (float16/bfloat16 activations are widened first, as Hugging Face does);
 * batched attention reads only the blocks of each request's own table (padding repeats its first block) and
   masks every position past its context with -inf, so padding contributes exactly zero, provided the cache holds
   finite values (it starts zeroed and only ever receives K/V the model computed: the slots past a request's
@@ -25,11 +32,12 @@ Invariants kept:
 
 from __future__ import annotations
 
+import array
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -53,8 +61,16 @@ class ModelConfig:
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
@@ -64,14 +80,44 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
 
-@dataclass(frozen=True, slots=True)
-class SeqChunk:
-    """What one request computes in a forward pass: `tokens` at positions ``start ..``, KV in `block_table`."""
+class BatchChunk(Protocol):
+    """What batch planning (`PagedBatch.build`, `BatchPlanner.plan`) reads of one request's chunk: `tokens` at
+    positions ``start ..``, KV in `block_table`, logits for its last token when `produces_token`. The scheduler's
+    `kvstate.output.PlannedChunk` is one (the engine passes them as they are); `SeqChunk` is one without a request."""
+
+    @property
+    def tokens(self) -> tuple[int, ...]: ...
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def block_table(self) -> tuple[int, ...]: ...
+
+    @property
+    def produces_token(self) -> bool: ...
+
+
+class LayerCache(Protocol):
+    """What the attention layers read of a paged KV cache: per layer, views of its keys and values shaped
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` that writes go through (`PagedKVCache` is one)."""
+
+    def layer_keys(self, layer: int) -> torch.Tensor: ...
+
+    def layer_values(self, layer: int) -> torch.Tensor: ...
+
+
+class SeqChunk(NamedTuple):
+    """A `BatchChunk` built by hand (tests, pipeline stages that hold no `Request`): `tokens` at positions
+    ``start ..``, KV in `block_table`; logits for its last token when `produces_token`.
+
+    An immutable record built for every scheduled request on every step (a named tuple: half the cost of a frozen
+    dataclass to build, read the same way)."""
 
     tokens: tuple[int, ...]
     start: int
     block_table: tuple[int, ...]
-    sample: bool = True  # produce logits for its last token
+    produces_token: bool = True  # produce logits for its last token
 
 
 class _SeqView(NamedTuple):  # a tuple: built once per request per forward pass, cheaper than a dataclass
@@ -101,8 +147,53 @@ class _AttnGroup:
     valid: torch.Tensor | None  # [rows] indices of the real query rows in ``B * Q``; None: all are real
 
 
-def _group(views: Sequence[_SeqView], block_size: int, device: torch.device | str) -> tuple[_AttnGroup, list[int]]:
-    """The batched-attention plan of `views` and the flattened-batch rows of its outputs, in output order."""
+def host_longs(values: Sequence[int], *, pinned: bool = False) -> torch.Tensor:
+    """`values` as an int64 CPU tensor (pinned on request), through an `array.array`: ~30x cheaper than
+    ``torch.tensor(list)``, which inspects every Python int on its own."""
+    if not values:
+        return torch.empty(0, dtype=torch.long, pin_memory=pinned)
+    tensor = torch.frombuffer(array.array("q", values), dtype=torch.long)  # shares the array's memory
+    return tensor.pin_memory() if pinned else tensor
+
+
+class _Indices:
+    """The integer lists of one batch, gathered so that they become one tensor with one upload (pinned and
+    non-blocking on CUDA: the host never waits for the copy, nor for work queued before it); each list comes
+    back as a view of that tensor. The pinned host tensor is kept by the batch until the batch is dropped."""
+
+    __slots__ = ("spans", "values")
+
+    def __init__(self) -> None:
+        self.values: list[int] = []
+        self.spans: list[tuple[int, int]] = []
+
+    def add(self, values: Sequence[int]) -> int:
+        """Queue `values`; returns the handle `upload` indexes its view by."""
+        self.spans.append((len(self.values), len(self.values) + len(values)))
+        self.values.extend(values)
+        return len(self.spans) - 1
+
+    def upload(self, device: torch.device | str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(the host tensor, one view on `device` per `add`, in order)."""
+        device = torch.device(device)
+        host = host_longs(self.values, pinned=device.type == "cuda")
+        flat = host.to(device, non_blocking=True)
+        return host, [flat[a:b] for a, b in self.spans]
+
+
+class _TokenRows(NamedTuple):
+    """The per-token and per-row index lists of one batch, before their upload."""
+
+    ids: list[int]
+    positions: list[int]
+    slot_blocks: list[int]
+    slot_offsets: list[int]
+    sample_rows: list[int]
+    out_order: list[int] | None  # None: the groups' outputs are already in batch order
+
+
+def _group_lists(views: Sequence[_SeqView], block_size: int) -> tuple[dict, list[int]]:
+    """The batched-attention plan of `views` as integer lists, and the flattened-batch rows of its outputs."""
     num_queries = max(v.end - v.begin for v in views)
     num_blocks = max(len(v.table) for v in views)
     blocks: list[int] = []
@@ -126,23 +217,38 @@ def _group(views: Sequence[_SeqView], block_size: int, device: torch.device | st
                     valid.append(i * num_queries + j)
         full = False  # causal within the chunk
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+    plan = {
+        "num_seqs": len(views),
+        "num_queries": num_queries,
+        "num_blocks": num_blocks,
+        "row_start": rows[0],
+        "blocks": blocks,
+        "query_pos": None if full else query_pos,
+        "rows": None if contiguous else rows,
+        "valid": None if len(valid) == len(rows) else valid,
+    }
+    return plan, [rows[k] for k in valid]
 
-    def tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
 
-    mask = None
-    if not full:
-        key_pos = torch.arange(num_blocks * block_size, device=device)
-        mask = (key_pos <= tensor(query_pos)[:, None]).view(len(views), 1, num_queries, -1)
-    group = _AttnGroup(len(views), num_queries, num_blocks, None if contiguous else tensor(rows), rows[0],
-                       tensor(blocks), mask, None if len(valid) == len(rows) else tensor(valid))
-    return group, [rows[k] for k in valid]
+@functools.lru_cache(maxsize=64)
+def _key_positions(num_keys: int, device: torch.device) -> torch.Tensor:
+    """``0 .. num_keys - 1`` on `device` (made once per length and device; never mutated)."""
+    with torch.inference_mode(False):  # a normal tensor, usable outside inference mode too
+        return torch.arange(num_keys, device=device)
+
+
+def _attention_mask(query_pos: torch.Tensor, plan: dict, block_size: int) -> torch.Tensor:
+    """``[B, 1, Q, K]``: key position <= query position (causal, and nothing past a request's context)."""
+    key_pos = _key_positions(plan["num_blocks"] * block_size, query_pos.device)
+    return (key_pos <= query_pos[:, None]).view(plan["num_seqs"], 1, plan["num_queries"], -1)
 
 
 @dataclass(frozen=True, slots=True)
 class PagedBatch:
     """A flattened token batch: per-token ids, positions and cache slots; per-request views; sampling rows;
-    and the batched-attention plan (`groups`, `out_order`) that every layer shares."""
+    and the batched-attention plan (`groups`, `out_order`) that every layer shares.
+
+    Every index tensor is a view of one tensor uploaded once (`host_indices` keeps its host side alive)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -153,9 +259,10 @@ class PagedBatch:
     # decode requests (one token) form one group, multi-token chunks another; None: attend request by request
     groups: tuple[_AttnGroup, ...] | None = None
     out_order: torch.Tensor | None = None  # row t of the output is row out_order[t] of the groups' outputs
+    host_indices: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str = "cpu") -> PagedBatch:
+    def build(cls, chunks: Sequence[BatchChunk], block_size: int, device: torch.device | str = "cpu") -> PagedBatch:
         ids: list[int] = []
         positions: list[int] = []
         blocks: list[int] = []
@@ -167,8 +274,10 @@ class PagedBatch:
             end_pos = chunk.start + n
             needed = -(-end_pos // block_size)
             if n == 0 or len(chunk.block_table) < needed:
-                raise ValueError(f"chunk of {n} tokens at {chunk.start} needs {needed} blocks, table has "
-                                 f"{len(chunk.block_table)}; allocate before computing")
+                raise ValueError(
+                    f"chunk of {n} tokens at {chunk.start} needs {needed} blocks, table has "
+                    f"{len(chunk.block_table)}; allocate before computing"
+                )
             begin = len(ids)
             ids.extend(chunk.tokens)
             if n == 1:
@@ -181,27 +290,164 @@ class PagedBatch:
                     blocks.append(chunk.block_table[pos // block_size])
                     offsets.append(pos % block_size)
             seqs.append(_SeqView(begin, begin + n, chunk.start, tuple(chunk.block_table[:needed])))
-            if chunk.sample:
+            if chunk.produces_token:
                 sample_rows.append(begin + n - 1)
 
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
-
-        groups: list[_AttnGroup] = []
+        plans: list[dict] = []
         order: list[int] = []  # flattened-batch row of each output row of the groups, concatenated
         for members in ([s for s in seqs if s.end - s.begin == 1], [s for s in seqs if s.end - s.begin > 1]):
             if members:
-                group, rows = _group(members, block_size, device)
-                groups.append(group)
-                order.extend(rows)
-        out_order = None
+                plan, group_rows = _group_lists(members, block_size)
+                plans.append(plan)
+                order.extend(group_rows)
+        inverse = None
         if order != list(range(len(order))):
             inverse = [0] * len(order)
             for k, row in enumerate(order):
                 inverse[row] = k
-            out_order = tensor(inverse)
-        return cls(tensor(ids), tensor(positions), tensor(blocks), tensor(offsets), tuple(seqs), tensor(sample_rows),
-                   tuple(groups), out_order)
+        rows = _TokenRows(ids, positions, blocks, offsets, sample_rows, inverse)
+        return cls._upload(rows, tuple(seqs), plans, block_size, device)
+
+    @classmethod
+    def _upload(
+        cls,
+        rows: _TokenRows,
+        seqs: tuple[_SeqView, ...],
+        plans: list[dict],
+        block_size: int,
+        device: torch.device | str,
+    ) -> PagedBatch:
+        """One upload of every index list, then the masks on the device, then the batch."""
+        packer = _Indices()
+        handles = [packer.add(values) for values in rows[:5]]
+        keys = ("blocks", "query_pos", "rows", "valid")
+        group_handles = [{k: packer.add(p[k]) for k in keys if p[k] is not None} for p in plans]
+        order_handle = packer.add(rows.out_order) if rows.out_order is not None else None
+        host, views = packer.upload(device)
+        groups = []
+        for plan, h in zip(plans, group_handles, strict=True):
+            mask = _attention_mask(views[h["query_pos"]], plan, block_size) if "query_pos" in h else None
+            groups.append(
+                _AttnGroup(
+                    plan["num_seqs"],
+                    plan["num_queries"],
+                    plan["num_blocks"],
+                    views[h["rows"]] if "rows" in h else None,
+                    plan["row_start"],
+                    views[h["blocks"]],
+                    mask,
+                    views[h["valid"]] if "valid" in h else None,
+                )
+            )
+        ids, positions, blocks, offsets = (views[h] for h in handles[:4])
+        return cls(
+            ids,
+            positions,
+            blocks,
+            offsets,
+            seqs,
+            views[handles[4]],
+            tuple(groups),
+            None if order_handle is None else views[order_handle],
+            host,
+        )
+
+
+class BatchPlanner:
+    """Builds each forward pass's `PagedBatch`, reusing the previous decode plan when the batch did not change.
+
+    A decode-only batch of the same requests as the previous one (each one position further, the same block
+    table up to its new block) keeps its Python plan (views, padded block lists, group shape) and is updated in
+    place: new tokens and positions, and a request that crossed into a new block gets that block written into
+    its slot of the padded block list. Anything else (a new or departed request, a prefill chunk, a request
+    whose context outgrew the plan's blocks, a changed table) is built from scratch with `PagedBatch.build`.
+
+    Invariants kept: `plan(chunks)` holds the same values as `PagedBatch.build(chunks, ...)` (so the logits are
+    the same); block tables are owned exclusively, so "the same table" identifies "the same request".
+    """
+
+    __slots__ = ("_blocks", "_num_blocks", "_starts", "_tables", "block_size", "builds", "device", "reuses")
+
+    def __init__(self, block_size: int, device: torch.device | str = "cpu") -> None:
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self._tables: list[tuple[int, ...]] | None = None  # per request: its blocks covering its context
+        self._starts: list[int] = []  # per request: the position of its last decoded token
+        self._blocks: list[int] = []  # the padded block list of the decode group, `_num_blocks` per request
+        self._num_blocks = 0
+        self.builds = 0  # batches built from scratch
+        self.reuses = 0  # decode plans reused
+
+    def plan(self, chunks: Sequence[BatchChunk]) -> PagedBatch:
+        batch = self._advance(chunks)
+        if batch is not None:
+            self.reuses += 1
+            return batch
+        batch = PagedBatch.build(chunks, self.block_size, self.device)
+        self.builds += 1
+        self._remember(chunks, batch)
+        return batch
+
+    def _remember(self, chunks: Sequence[BatchChunk], batch: PagedBatch) -> None:
+        """Keep the plan of a decode-only batch whose every request samples (the steady decode step)."""
+        self._tables = None
+        if not chunks or not all(len(c.tokens) == 1 and c.produces_token for c in chunks):
+            return
+        if batch.groups is None:
+            raise AssertionError("a decode-only batch is planned as one attention group")
+        (group,) = batch.groups
+        self._tables = [s.table for s in batch.seqs]
+        self._starts = [c.start for c in chunks]
+        self._num_blocks = group.num_blocks
+        self._blocks = []
+        for table in self._tables:
+            self._blocks.extend(table)
+            self._blocks.extend(table[:1] * (group.num_blocks - len(table)))
+
+    def _advance(self, chunks: Sequence[BatchChunk]) -> PagedBatch | None:
+        """The previous decode plan moved one position on, or None when it does not apply."""
+        tables, starts, blocks = self._tables, self._starts, self._blocks
+        if tables is None or len(chunks) != len(tables):
+            return None
+        size, width = self.block_size, self._num_blocks
+        ids, positions, slot_blocks, offsets = [], [], [], []
+        grown: list[tuple[int, tuple[int, ...]]] = []  # (request index, its table with the new block)
+        for i, chunk in enumerate(chunks):
+            start, table = chunk.start, tables[i]
+            if start != starts[i] + 1 or len(chunk.tokens) != 1 or not chunk.produces_token:
+                return None
+            k = start // size
+            if k == len(table):  # crossed into a new block
+                if k >= width or chunk.block_table[:k] != table or len(chunk.block_table) <= k:
+                    return None
+                table = chunk.block_table[: k + 1]
+                grown.append((i, table))
+            elif chunk.block_table[: k + 1] != table:
+                return None
+            ids.append(chunk.tokens[0])
+            positions.append(start)
+            slot_blocks.append(table[k])
+            offsets.append(start % size)
+        for i, table in grown:
+            tables[i] = table
+            blocks[i * width + len(table) - 1] = table[-1]
+        self._starts = positions
+        rows = range(len(chunks))
+        seqs = tuple(map(_SeqView._make, zip(rows, range(1, len(chunks) + 1), positions, tables, strict=True)))
+        full = min(positions) == max(positions) == width * size - 1
+        plan = {
+            "num_seqs": len(chunks),
+            "num_queries": 1,
+            "num_blocks": width,
+            "row_start": 0,
+            "blocks": blocks,
+            "query_pos": None if full else positions,
+            "rows": None,
+            "valid": None,
+        }
+        return PagedBatch._upload(
+            _TokenRows(ids, positions, slot_blocks, offsets, list(rows), None), seqs, [plan], size, self.device
+        )
 
 
 class RMSNorm(nn.Module):
@@ -211,7 +457,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        """Normalized in float32 at least (float64 stays float64), as Hugging Face does: squaring a float16 or
+        bfloat16 activation of magnitude ~300 in its own dtype overflows or loses the mean."""
+        if x.dtype in (torch.float16, torch.bfloat16):
+            wide = x.float()
+            return self.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one kernel, the same formula
 
 
 @functools.lru_cache(maxsize=16)
@@ -221,8 +472,9 @@ def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor
         return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin ``[T, head_dim]`` for each position (angles computed in float64, then cast)."""
     angles = positions.to(torch.float64)[:, None] * _inv_freq(head_dim, theta, positions.device)[None, :]
     angles = torch.cat((angles, angles), dim=-1)
@@ -261,22 +513,25 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * config.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=False)
+        # q, k and v projections as one matrix (rows: q, then k, then v): one matmul per layer
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, (config.num_heads + 2 * config.num_kv_heads) * config.head_dim, bias=False
+        )
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: PagedBatch | None, cache: object | None) -> torch.Tensor:
-        t = h.shape[0]
-        q = self.q_proj(h).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(h).view(t, self.num_kv_heads, self.head_dim)
-        qk = apply_rotary(torch.cat((q, k), dim=1), cos, sin)  # one rotation of every query and key head
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        v = self.v_proj(h).view(t, self.num_kv_heads, self.head_dim)
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: PagedBatch | None, cache: LayerCache | None
+    ) -> torch.Tensor:
+        t, heads = h.shape[0], self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(h)
+        qk = apply_rotary(qkv[:, : heads * self.head_dim].view(t, heads, self.head_dim), cos, sin)  # q and k heads
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, heads * self.head_dim :].view(t, self.num_kv_heads, self.head_dim)
         if batch is None:  # dense: one sequence starting at position 0
             out = causal_attention(q, k, v, 0)
         else:
+            if cache is None:
+                raise ValueError("a paged batch indexes cache blocks: pass the cache its block tables refer to")
             keys, values = cache.layer_keys(self.layer), cache.layer_values(self.layer)
             keys[batch.slot_blocks, batch.slot_offsets] = k
             values[batch.slot_blocks, batch.slot_offsets] = v
@@ -289,26 +544,35 @@ class Attention(nn.Module):
                     out = out.index_select(0, batch.out_order)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
-    def _attend_group(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                      group: _AttnGroup) -> torch.Tensor:
+    def _attend_group(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: _AttnGroup
+    ) -> torch.Tensor:
         """One batched attention over the requests of `group`; returns ``[rows, num_heads, head_dim]``."""
-        b, nq, heads, dim = group.num_seqs, group.num_queries, self.num_heads, self.head_dim
+        b, nq, dim = group.num_seqs, group.num_queries, self.head_dim
+        heads, kv_heads = self.num_heads, self.num_kv_heads
         if group.query_rows is None:
-            gq = q[group.row_start:group.row_start + b * nq]
+            gq = q[group.row_start : group.row_start + b * nq]
         else:
             gq = q.index_select(0, group.query_rows)
-        gq = gq.view(b, nq, heads, dim).transpose(1, 2)  # [B, H, Q, D]
         span = group.num_blocks * keys.shape[1]
-        gk = keys.index_select(0, group.blocks).view(b, span, self.num_kv_heads, dim).transpose(1, 2)
-        gv = values.index_select(0, group.blocks).view(b, span, self.num_kv_heads, dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(gq, gk, gv, attn_mask=group.mask,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)  # [B, H, Q, D]
+        gk = keys.index_select(0, group.blocks).view(b, span, kv_heads, dim).transpose(1, 2)
+        gv = values.index_select(0, group.blocks).view(b, span, kv_heads, dim).transpose(1, 2)
+        if nq == 1:  # decode: the query heads sharing a KV head are that head's query rows, [B, Hkv, H / Hkv, D]
+            out = F.scaled_dot_product_attention(
+                gq.reshape(b, kv_heads, heads // kv_heads, dim), gk, gv, attn_mask=group.mask
+            )
+            return out.reshape(b, heads, dim)
+        gq = gq.view(b, nq, heads, dim).transpose(1, 2)  # [B, H, Q, D]
+        out = F.scaled_dot_product_attention(
+            gq, gk, gv, attn_mask=group.mask, enable_gqa=heads != kv_heads
+        )  # [B, H, Q, D]
         out = out.transpose(1, 2).reshape(b * nq, heads, dim)
         return out if group.valid is None else out.index_select(0, group.valid)
 
     @staticmethod
-    def _attend_per_sequence(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                             batch: PagedBatch) -> torch.Tensor:
+    def _attend_per_sequence(
+        q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: PagedBatch
+    ) -> torch.Tensor:
         """The unbatched path (a `PagedBatch` built without `groups`): one `causal_attention` per request."""
         parts = []
         for seq in batch.seqs:
@@ -316,19 +580,20 @@ class Attention(nn.Module):
             table = torch.tensor(seq.table, dtype=torch.long, device=q.device)
             seq_k = keys[table].flatten(0, 1)[:context]
             seq_v = values[table].flatten(0, 1)[:context]
-            parts.append(causal_attention(q[seq.begin:seq.end], seq_k, seq_v, seq.start))
+            parts.append(causal_attention(q[seq.begin : seq.end], seq_k, seq_v, seq.start))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        # gate and up projections as one matrix (rows: gate, then up): one matmul
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -344,6 +609,14 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def _split_layer_name(name: str) -> tuple[str, str]:
+    """``"layers.3.mlp.down_proj.weight"`` -> ``("layers.3", "mlp.down_proj.weight")``; others -> ``("", name)``."""
+    parts = name.split(".", 2)
+    if parts[0] == "layers" and len(parts) == 3:
+        return f"layers.{parts[1]}", parts[2]
+    return "", name
+
+
 class LlamaModel(nn.Module):
     """The decoder. Build with `LlamaModel.from_seed(config, seed)` or `executor.load_hf_llama(path)`."""
 
@@ -353,28 +626,76 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (None if config.tie_word_embeddings
-                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
         self.requires_grad_(False)
 
     @classmethod
-    def from_seed(cls, config: ModelConfig | None = None, seed: int = 0, *, dtype: torch.dtype = torch.float64,
-                  device: str | torch.device = "cpu") -> LlamaModel:
+    def from_seed(
+        cls,
+        config: ModelConfig | None = None,
+        seed: int = 0,
+        *,
+        dtype: torch.dtype = torch.float64,
+        device: str | torch.device = "cpu",
+    ) -> LlamaModel:
         """Seeded weights (a `torch.Generator` with `seed`; drawn in float64 on the CPU, so every device and
         dtype gets the same values up to rounding). Linear weights ~ N(0, 1/fan_in), embeddings ~ N(0, 1),
         norm weights ~ 1 + N(0, 0.1^2)."""
         config = config or ModelConfig()
-        model = cls(config)
+        model = cls(config).to(torch.float64)
         generator = torch.Generator().manual_seed(seed)
-        for name, param in model.named_parameters():
+        state = {}
+        for name, param in model.hf_state_dict().items():  # drawn in Hugging Face's parameter order
             if name.endswith("norm.weight"):
                 value = 1.0 + 0.1 * torch.randn(param.shape, generator=generator, dtype=torch.float64)
             elif name == "embed_tokens.weight":
                 value = torch.randn(param.shape, generator=generator, dtype=torch.float64)
             else:
                 value = torch.randn(param.shape, generator=generator, dtype=torch.float64) / math.sqrt(param.shape[1])
-            param.data = value
+            state[name] = value
+        model.load_hf_state_dict(state)
         return model.to(device=device, dtype=dtype).eval()
+
+    def _fused_parts(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        """Per fused parameter suffix: its Hugging Face parts (suffix, rows), in the order its rows stack."""
+        c = self.config
+        q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        return {
+            "self_attn.qkv_proj.weight": (
+                ("self_attn.q_proj.weight", q),
+                ("self_attn.k_proj.weight", kv),
+                ("self_attn.v_proj.weight", kv),
+            ),
+            "mlp.gate_up_proj.weight": (("mlp.gate_proj.weight", inter), ("mlp.up_proj.weight", inter)),
+        }
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The parameters under Hugging Face's names (without ``model.``), in its order; the parts of a fused
+        matrix are views of it."""
+        fused_parts = self._fused_parts()
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in self.state_dict().items():
+            layer, suffix = _split_layer_name(name)
+            parts = fused_parts.get(suffix)
+            if parts is None:
+                out[name] = tensor
+                continue
+            for (part, _), view in zip(parts, tensor.split([rows for _, rows in parts]), strict=True):
+                out[f"{layer}.{part}"] = view
+        return out
+
+    def load_hf_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load parameters given under Hugging Face's names (exactly those of `hf_state_dict`), concatenating
+        the parts of each fused matrix; each value is cast into the model's dtype."""
+        fused_state = dict(state)
+        for layer in range(self.config.num_layers):
+            for fused, parts in self._fused_parts().items():
+                names = [f"layers.{layer}.{part}" for part, _ in parts]
+                if all(name in fused_state for name in names):
+                    fused_state[f"layers.{layer}.{fused}"] = torch.cat([fused_state.pop(name) for name in names])
+        self.load_state_dict(fused_state)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -384,8 +705,9 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch | None,
-                cache: object | None) -> torch.Tensor:
+    def _decode(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch | None, cache: LayerCache | None
+    ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)
         for layer in self.layers:
@@ -393,13 +715,14 @@ class LlamaModel(nn.Module):
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.T
+        return F.linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
 
     @torch.inference_mode()
-    def forward_paged(self, batch: PagedBatch, cache: object) -> torch.Tensor:
+    def forward_paged(self, batch: PagedBatch, cache: LayerCache) -> torch.Tensor:
         """Write every token's K/V into the cache and return logits ``[len(batch.logits_indices), vocab]``."""
         hidden = self._decode(batch.input_ids, batch.positions, batch, cache)
+        if batch.logits_indices.shape[0] == hidden.shape[0]:  # every row samples (a decode step): rows in order
+            return self.logits(hidden)
         return self.logits(hidden[batch.logits_indices])
 
     @torch.inference_mode()

@@ -6,8 +6,9 @@ Import the ones you need into a `conftest.py` (`from executor.pytest_fixtures im
   last microseconds; with two intra-op threads on a busy two-core machine every op waits on a barrier
   (measured 25x slower);
 * `tiny_model` (session): the default tiny model in float64 on the CPU, seed 0, shared by every engine;
-* `make_engine`: `make_engine(**EngineConfig overrides)` builds a CPU engine on `tiny_model` that checks the
-  scheduler's invariants around every step (`check_invariants=True`), and closes it after the test;
+* `make_engine`: `make_engine(**overrides)` builds a CPU engine on `tiny_model` that checks the scheduler's
+  invariants around every step (`check_invariants=True`), and closes it after the test; `overrides` name
+  `EngineConfig` fields, and `SchedulerConfig` fields (``gpu_blocks=16, block_size=4``) set its `scheduler`;
 * `equivalent`: `equivalent(engine, outputs)` asserts every finished output equals its unpressured reference
   and that no block is held afterwards.
 """
@@ -15,6 +16,7 @@ Import the ones you need into a `conftest.py` (`from executor.pytest_fixtures im
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -22,6 +24,9 @@ import torch
 from executor.checks import leaked_blocks, mismatches
 from executor.engine import Engine, EngineConfig
 from executor.model import LlamaModel, ModelConfig
+from kvstate.config import SchedulerConfig
+
+_SCHEDULER_FIELDS = frozenset(f.name for f in fields(SchedulerConfig))
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -42,6 +47,9 @@ def make_engine(tiny_model: LlamaModel) -> Iterator[Callable[..., Engine]]:
     engines: list[Engine] = []
 
     def make(**overrides) -> Engine:
+        sizes = {name: overrides.pop(name) for name in list(overrides) if name in _SCHEDULER_FIELDS}
+        if sizes:
+            overrides["scheduler"] = replace(overrides.get("scheduler", EngineConfig().scheduler), **sizes)
         engine = Engine(EngineConfig(**{"device": "cpu", "check_invariants": True, **overrides}), model=tiny_model)
         engines.append(engine)
         return engine

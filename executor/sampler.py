@@ -48,8 +48,9 @@ def draw_seed(seed: int, request_id: Hashable, position: int) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 63) - 1)
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, *, seed: int, request_id: Hashable,
-                 position: int) -> int:
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, *, seed: int, request_id: Hashable, position: int
+) -> int:
     """One token from a ``[vocab]`` logits row. `position` is the index in the sequence of the token drawn."""
     if params.greedy:
         return int(torch.argmax(logits).item())
@@ -64,29 +65,30 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, *, seed: int, req
         keep = int((before < params.top_p).sum().item())  # the smallest prefix with mass >= top_p (>= 1 token)
         probs = probs[:keep]
         order = order[:keep]
-    generator = torch.Generator().manual_seed(draw_seed(params.seed if params.seed is not None else seed,
-                                                        request_id, position))
+    generator = torch.Generator().manual_seed(
+        draw_seed(params.seed if params.seed is not None else seed, request_id, position)
+    )
     u = torch.rand((), generator=generator, dtype=torch.float64) * probs.sum()
     index = int(torch.searchsorted(torch.cumsum(probs, dim=-1), u, right=True).item())
     return int(order[min(index, order.shape[0] - 1)].item())
 
 
-def sample_batch(logits: torch.Tensor, params: list[SamplingParams], *, seed: int, request_ids: list[Hashable],
-                 positions: list[int]) -> list[int]:
+def sample_batch(
+    logits: torch.Tensor, params: list[SamplingParams], *, seed: int, request_ids: list[Hashable], positions: list[int]
+) -> list[int]:
     """Tokens for each row of ``logits [B, vocab]``; greedy rows take one batched argmax (one device sync)."""
-    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    sampled_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]  # greedy: temperature 0
+    if not sampled_rows:  # the usual case: nothing but one argmax per step
+        return torch.argmax(logits, dim=-1).tolist()
+    greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0.0]
     tokens: list[int] = [0] * len(params)
     if greedy_rows:
-        if len(greedy_rows) == len(params):
-            picked = torch.argmax(logits, dim=-1).tolist()
-        else:
-            picked = torch.argmax(logits[greedy_rows], dim=-1).tolist()
-        for row, token in zip(greedy_rows, picked):
+        picked = torch.argmax(logits[greedy_rows], dim=-1).tolist()
+        for row, token in zip(greedy_rows, picked, strict=True):
             tokens[row] = int(token)
-    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled_rows:
-        host = logits[sampled_rows].to("cpu", torch.float64)
-        for j, row in enumerate(sampled_rows):
-            tokens[row] = sample_token(host[j], params[row], seed=seed, request_id=request_ids[row],
-                                       position=positions[row])
+    host = logits[sampled_rows].to("cpu", torch.float64)
+    for j, row in enumerate(sampled_rows):
+        tokens[row] = sample_token(
+            host[j], params[row], seed=seed, request_id=request_ids[row], position=positions[row]
+        )
     return tokens

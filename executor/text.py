@@ -13,9 +13,10 @@ the whole decoding at the end when decoding is prefix-stable (as byte-level BPE 
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from executor.engine import Engine
 from executor.hf import CONFIG_LIMITS, CheckpointError
@@ -26,11 +27,26 @@ TOKENIZER_FILE = "tokenizer.json"
 INCOMPLETE = "\ufffd"  # what a decoder yields for the first bytes of a character split across tokens
 
 
+class _Encoding(Protocol):
+    @property
+    def ids(self) -> list[int]: ...
+
+
+class TextTokenizer(Protocol):
+    """What `CheckpointTokenizer` uses of a `tokenizers.Tokenizer` (an optional dependency: kvstate[text])."""
+
+    def get_vocab_size(self, /, with_added_tokens: bool = True) -> int: ...
+
+    def encode(self, /, sequence: str) -> _Encoding: ...
+
+    def decode(self, /, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
 @dataclass(frozen=True)
 class CheckpointTokenizer:
     """A checkpoint's tokenizer (`tokenizers.Tokenizer`) and its end-of-sequence ids."""
 
-    tokenizer: object
+    tokenizer: TextTokenizer
     eos_token_ids: tuple[int, ...]
     source: Path
 
@@ -54,8 +70,10 @@ def load_tokenizer(checkpoint: str | Path) -> CheckpointTokenizer:
     directory = Path(checkpoint)
     path = directory / TOKENIZER_FILE
     if not path.is_file():
-        raise CheckpointError(f"{directory}: {TOKENIZER_FILE} not found; save the checkpoint's tokenizer there "
-                              "(tokenizers.Tokenizer.save or a fast tokenizer's save_pretrained)")
+        raise CheckpointError(
+            f"{directory}: {TOKENIZER_FILE} not found; save the checkpoint's tokenizer there "
+            "(tokenizers.Tokenizer.save or a fast tokenizer's save_pretrained)"
+        )
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception on a malformed file
@@ -82,13 +100,22 @@ def check_fits(tokenizer: CheckpointTokenizer, engine: Engine) -> None:
     """Refuse a tokenizer whose ids the engine's model cannot embed."""
     vocab = engine.model.config.vocab_size
     if tokenizer.vocab_size > vocab:
-        raise CheckpointError(f"{tokenizer.source / TOKENIZER_FILE} has {tokenizer.vocab_size} token ids but the "
-                              f"model's vocabulary has {vocab}; pair the checkpoint with the tokenizer it was "
-                              "trained with")
+        raise CheckpointError(
+            f"{tokenizer.source / TOKENIZER_FILE} has {tokenizer.vocab_size} token ids but the "
+            f"model's vocabulary has {vocab}; pair the checkpoint with the tokenizer it was "
+            "trained with"
+        )
 
 
-def generate_text(engine: Engine, prompt: str, *, max_new_tokens: int, tokenizer: CheckpointTokenizer | None = None,
-                  sampling: SamplingParams = GREEDY, request_id: Hashable | None = None) -> Iterator[str]:
+def generate_text(
+    engine: Engine,
+    prompt: str,
+    *,
+    max_new_tokens: int,
+    tokenizer: CheckpointTokenizer | None = None,
+    sampling: SamplingParams = GREEDY,
+    request_id: Hashable | None = None,
+) -> Iterator[str]:
     """Submit `prompt` as text and yield the generated text piece by piece as the engine produces tokens.
 
     `tokenizer` defaults to the one in the engine's checkpoint directory. The engine is stepped until every
@@ -96,15 +123,18 @@ def generate_text(engine: Engine, prompt: str, *, max_new_tokens: int, tokenizer
     """
     if tokenizer is None:
         if engine.config.checkpoint is None:
-            raise CheckpointError("the engine has no checkpoint, so no tokenizer: pass tokenizer= or build the "
-                                  "engine with EngineConfig(checkpoint=DIR)")
+            raise CheckpointError(
+                "the engine has no checkpoint, so no tokenizer: pass tokenizer= or build the "
+                "engine with EngineConfig(checkpoint=DIR)"
+            )
         tokenizer = load_tokenizer(engine.config.checkpoint)
     check_fits(tokenizer, engine)
     ids = tokenizer.encode(prompt)
     if not ids:
         raise ValueError(f"the prompt {prompt!r} encodes to no tokens; pass some text")
-    rid = engine.add_request(ids, max_new_tokens, stop_token_ids=tokenizer.eos_token_ids, sampling=sampling,
-                             request_id=request_id)
+    rid = engine.add_request(
+        ids, max_new_tokens, stop_token_ids=tokenizer.eos_token_ids, sampling=sampling, request_id=request_id
+    )
     generated: list[int] = []
     emitted = ""
     for produced_by, token in engine.stream():
@@ -115,8 +145,8 @@ def generate_text(engine: Engine, prompt: str, *, max_new_tokens: int, tokenizer
         if text.endswith(INCOMPLETE) or not text.startswith(emitted):
             continue
         if len(text) > len(emitted):
-            yield text[len(emitted):]
+            yield text[len(emitted) :]
             emitted = text
     text = tokenizer.decode(generated)
     if text.startswith(emitted) and len(text) > len(emitted):
-        yield text[len(emitted):]
+        yield text[len(emitted) :]

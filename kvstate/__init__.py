@@ -6,7 +6,7 @@ The specification in `spec/` is the single source of truth; everything here is d
 from kvstate.config import ConfigError, RequestRejected, SchedulerConfig
 from kvstate.errors import GuardRejected, IllegalTransition, InvariantViolation, KVStateError, PoolError, SpecError
 from kvstate.lifecycle import Lifecycle, TransitionTable
-from kvstate.output import SchedulerOutput, UnknownRequest
+from kvstate.output import FailedMigration, SchedulerOutput, UnknownRequest
 from kvstate.pool import MigrationPlan, TieredBlockPool
 from kvstate.request import Request
 from kvstate.scheduler import Scheduler, SchedulerStalled, UnknownRequestId
@@ -14,28 +14,27 @@ from kvstate.semantics import EFFECTS, GUARDS, EffectHooks, PoolView, RequestVie
 from kvstate.sim import SimExecutor, reference_output
 from kvstate.spec import Event, ExclusiveGuards, Invariant, Spec, State, Transition, load_spec, packaged_spec_path
 from kvstate.stats import IterationStats
+from kvstate.step import Step
 from kvstate.validate import validate_spec
 
 __all__ = [
+    "EFFECTS",
+    "GUARDS",
     "ConfigError",
     "EffectHooks",
-    "EFFECTS",
     "Event",
     "ExclusiveGuards",
+    "FailedMigration",
     "GuardRejected",
-    "GUARDS",
     "IllegalTransition",
     "Invariant",
     "InvariantViolation",
     "IterationStats",
     "KVStateError",
     "Lifecycle",
-    "load_spec",
     "MigrationPlan",
-    "packaged_spec_path",
     "PoolError",
     "PoolView",
-    "reference_output",
     "Request",
     "RequestRejected",
     "RequestView",
@@ -47,10 +46,14 @@ __all__ = [
     "Spec",
     "SpecError",
     "State",
+    "Step",
     "TieredBlockPool",
     "Transition",
     "TransitionTable",
     "UnknownRequest",
     "UnknownRequestId",
+    "load_spec",
+    "packaged_spec_path",
+    "reference_output",
     "validate_spec",
 ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from kvstate.errors import KVStateError
 
@@ -27,7 +28,7 @@ class RequestRejected(KVStateError, ValueError):
     """A submitted request is invalid or can never be served; nothing was changed."""
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -36,12 +37,19 @@ def _describe(value: object) -> str:
     return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
-def normalize_stop_token_ids(stop_token_ids: object) -> tuple:
-    """`stop_token_ids` as a tuple; raises `RequestRejected` when it is not an iterable of token ids."""
+def normalize_stop_token_ids(stop_token_ids: object) -> tuple[int, ...]:
+    """`stop_token_ids` as a tuple; raises `RequestRejected` unless it is an iterable of integer token ids >= 0."""
     if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Iterable):
-        raise RequestRejected(f"stop_token_ids must be an iterable of integer token ids (e.g. [2] or ()), got "
-                              f"{_describe(stop_token_ids)}")
-    return tuple(stop_token_ids)
+        raise RequestRejected(
+            f"stop_token_ids must be an iterable of integer token ids (e.g. [2] or ()), got {_describe(stop_token_ids)}"
+        )
+    stop = tuple(stop_token_ids)
+    for index, token in enumerate(stop):
+        if not _is_int(token) or token < 0:
+            raise RequestRejected(
+                f"stop_token_ids[{index}] is {_describe(token)}; stop tokens must be integer token ids >= 0"
+            )
+    return stop
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +73,15 @@ class SchedulerConfig:
     lifecycle: str = "machine"
 
     def __post_init__(self) -> None:
-        positive = ("gpu_blocks", "block_size", "max_batch_size", "max_num_tokens", "prefill_chunk_size",
-                    "pipeline_stages", "no_progress_limit")
+        positive = (
+            "gpu_blocks",
+            "block_size",
+            "max_batch_size",
+            "max_num_tokens",
+            "prefill_chunk_size",
+            "pipeline_stages",
+            "no_progress_limit",
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -82,8 +97,10 @@ class SchedulerConfig:
         if not isinstance(self.enable_recompute_pause, bool):
             raise ConfigError(f"enable_recompute_pause must be True or False, got {self.enable_recompute_pause!r}")
         if self.lifecycle not in LIFECYCLES:
-            raise ConfigError(f"lifecycle must be one of {LIFECYCLES} (the transitions machine, or the table compiled "
-                              f"from the same spec), got {self.lifecycle!r}")
+            raise ConfigError(
+                f"lifecycle must be one of {LIFECYCLES} (the transitions machine, or the table compiled "
+                f"from the same spec), got {self.lifecycle!r}"
+            )
         if self.capacity_policy not in CAPACITY_POLICIES:
             raise ConfigError(f"capacity_policy must be one of {CAPACITY_POLICIES}, got {self.capacity_policy!r}")
         if not self.enable_recompute_pause and self.host_blocks == 0 and self.capacity_policy == "max_utilization":
@@ -107,17 +124,16 @@ class SchedulerConfig:
             raise RequestRejected("prompt is empty; a request needs at least one prompt token")
         for index, token in enumerate(prompt):
             if not _is_int(token):
-                raise RequestRejected(f"prompt[{index}] is {_describe(token)}; token ids must be Python ints "
-                                      "(not bool, float or str)")
+                raise RequestRejected(
+                    f"prompt[{index}] is {_describe(token)}; token ids must be Python ints (not bool, float or str)"
+                )
             if token < 0:
                 raise RequestRejected(f"prompt[{index}] is negative ({token}); token ids are >= 0")
         if not _is_int(max_new_tokens) or max_new_tokens <= 0:
-            raise RequestRejected(f"max_new_tokens must be a positive integer (at least 1), got "
-                                  f"{_describe(max_new_tokens)}")
-        for index, token in enumerate(stop_token_ids):
-            if not _is_int(token) or token < 0:
-                raise RequestRejected(f"stop_token_ids[{index}] is {_describe(token)}; stop tokens must be integer "
-                                      "token ids >= 0")
+            raise RequestRejected(
+                f"max_new_tokens must be a positive integer (at least 1), got {_describe(max_new_tokens)}"
+            )
+        normalize_stop_token_ids(stop_token_ids)
         if self.max_input_len is not None and len(prompt) > self.max_input_len:
             raise RequestRejected(
                 f"prompt has {len(prompt)} tokens, more than max_input_len={self.max_input_len}; shorten it"

@@ -19,6 +19,7 @@ Invariants kept by both `Lifecycle` and `TransitionTable`:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypeVar
 
 from transitions import Machine, MachineError
 
@@ -26,6 +27,8 @@ from kvstate.config import LIFECYCLES
 from kvstate.errors import GuardRejected, IllegalTransition
 from kvstate.semantics import GUARDS, EffectHooks, Guard, PoolView, RequestView
 from kvstate.spec import Spec, Transition, load_spec
+
+R = TypeVar("R", bound=RequestView)  # the request a transition fires on, and so the one its effect hooks take
 
 STATE_ATTRIBUTE = "_lifecycle_state"
 
@@ -63,7 +66,10 @@ class _SpecRules:
         state = self.state_of(request)
         failed = ", ".join(f"{t.guard} (to {t.dest})" for t in edges)
         return GuardRejected(
-            request.request_id, state, event, self.allowed_events(state),
+            request.request_id,
+            state,
+            event,
+            self.allowed_events(state),
             f"No guard holds in the current pool state: {failed}. Fire it only when one of these guards holds.",
         )
 
@@ -104,7 +110,7 @@ class Lifecycle(_SpecRules):
 
         return run_effect
 
-    def fire(self, request: RequestView, event: str, pool: PoolView, hooks: EffectHooks | None = None) -> Transition:
+    def fire(self, request: R, event: str, pool: PoolView, hooks: EffectHooks[R] | None = None) -> Transition:
         """Take `event` on `request` through the `transitions` machine; returns the edge taken. Runs its effect on
         `hooks` when given. The machine evaluates the guards once and raises for an event with no edge."""
         trigger = self.machine.events.get(event)
@@ -146,7 +152,7 @@ class TransitionTable(_SpecRules):
     def can_fire(self, request: RequestView, event: str, pool: PoolView) -> bool:
         return self.resolve(request, event, pool) is not None
 
-    def fire(self, request: RequestView, event: str, pool: PoolView, hooks: EffectHooks | None = None) -> Transition:
+    def fire(self, request: R, event: str, pool: PoolView, hooks: EffectHooks[R] | None = None) -> Transition:
         """Take `event` on `request`; returns the edge taken. Runs its effect on `hooks` when given."""
         transition = self.resolve(request, event, pool)
         if transition is None:
@@ -160,8 +166,9 @@ class TransitionTable(_SpecRules):
         return transition
 
 
-def make_lifecycle(kind: str = "machine", spec: Spec | None = None,
-                   guards: Mapping[str, Guard] = GUARDS) -> Lifecycle | TransitionTable:
+def make_lifecycle(
+    kind: str = "machine", spec: Spec | None = None, guards: Mapping[str, Guard] = GUARDS
+) -> Lifecycle | TransitionTable:
     """The lifecycle implementation named `kind`: "machine" (the `transitions` machine) or "compiled" (the table)."""
     if kind == "machine":
         return Lifecycle(spec, guards)

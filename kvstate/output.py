@@ -6,8 +6,9 @@ empty, so code that builds an output without naming it keeps working, and a dict
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple, cast, overload
 
 from kvstate.errors import KVStateError
 from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan, TieredBlockPool
@@ -18,8 +19,7 @@ from kvstate.request import Request
 LIST_NAMES: tuple[str, ...] = ("context", "generation", "replay", "resumed", "suspended", "recompute_paused", "aborted")
 
 
-@dataclass(frozen=True, slots=True)
-class PlannedChunk:
+class PlannedChunk(NamedTuple):
     """What one scheduled request computes in a forward pass: `tokens` at positions `start`.., written into the
     KV slots of `block_table`; `produces_token` when the chunk ends its (re)prefill or is a decode step."""
 
@@ -30,20 +30,74 @@ class PlannedChunk:
     produces_token: bool
 
 
-def planned_chunks(output: SchedulerOutput, pool: TieredBlockPool) -> list[PlannedChunk]:
+@dataclass(frozen=True, slots=True)
+class PlannedBatch(Sequence[PlannedChunk]):
+    """The forward pass of one output as parallel columns: entry i of every column belongs to the i-th chunk, in
+    batch order (all columns have the same length). A consumer that builds its own batch reads whole columns, and
+    planning makes no record per chunk; as a sequence it yields the same chunks as `PlannedChunk` records, each
+    built when it is read."""
+
+    requests: list[Request]
+    starts: list[int]
+    tokens: list[tuple[int, ...]]
+    block_tables: list[tuple[int, ...]]
+    produces_token: list[bool]
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __iter__(self) -> Iterator[PlannedChunk]:
+        return map(PlannedChunk, self.requests, self.starts, self.tokens, self.block_tables, self.produces_token)
+
+    @overload
+    def __getitem__(self, index: int) -> PlannedChunk: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[PlannedChunk]: ...
+
+    def __getitem__(self, index: int | slice) -> PlannedChunk | list[PlannedChunk]:
+        if isinstance(index, slice):
+            return list(self)[index]
+        return PlannedChunk(
+            self.requests[index],
+            self.starts[index],
+            self.tokens[index],
+            self.block_tables[index],
+            self.produces_token[index],
+        )
+
+
+def planned_chunks(output: SchedulerOutput, pool: TieredBlockPool) -> PlannedBatch:
     """The forward pass of `output`, in batch order: the rest of a prefill chunk (of the prompt, or of the replay
     prompt) or the last generated token of a decode step. Requests ended since the output was planned drop out: they
-    no longer hold the GPU blocks their chunk would write."""
-    chunks = []
-    for request in output.scheduled:
-        table = pool.gpu_blocks(request.request_id)
-        if not table:
-            continue
-        n = output.chunk_tokens[request.request_id]
-        start = request.num_computed_tokens
-        tokens = request.prefill_tokens[start:start + n] if request.is_prefilling else (request.generated[-1],)
-        chunks.append(PlannedChunk(request, start, tuple(tokens), table, start + n >= len(request.prefill_tokens)))
-    return chunks
+    no longer hold the GPU blocks their chunk would write. Block tables are the pool's own (immutable) tuples.
+    Built column by column (`PlannedBatch`): it runs for every scheduled request on every step."""
+    requests = output.scheduled
+    found = list(map(pool.gpu_block_tables().get, [request.request_id for request in requests]))
+    block_tables = cast("list[tuple[int, ...]]", found)  # once requests without a table dropped out
+    if not all(found):
+        kept = [i for i, table in enumerate(block_tables) if table]
+        requests, block_tables = [requests[i] for i in kept], [block_tables[i] for i in kept]
+    chunk_tokens = output.chunk_tokens
+    starts = [request.num_computed_tokens for request in requests]
+    tokens, produces = [], []
+    for request, start in zip(requests, starts, strict=True):
+        prefill = request.prefill_tokens
+        end = start + chunk_tokens[request.request_id]
+        tokens.append(prefill[start:end] if start < len(prefill) else (request.generated[-1],))
+        produces.append(end >= len(prefill))
+    return PlannedBatch(requests, starts, tokens, block_tables, produces)
+
+
+@dataclass(frozen=True, slots=True)
+class FailedMigration:
+    """An amendment to one pass's output, returned by `Scheduler.fail_migration`: the executor could not copy
+    `plan`, so the scheduler withdrew it (spec §4.0) and fired `event` (`lose_host_copy` for a suspend,
+    `recompute_pause` for a resume) on `request`. `SchedulerOutput.amended` applies it to the output."""
+
+    plan: MigrationPlan
+    request: Request
+    event: str
 
 
 class UnknownRequest(KVStateError, KeyError):
@@ -53,8 +107,10 @@ class UnknownRequest(KVStateError, KeyError):
         return str(self.args[0])
 
 
-@dataclass
-class SchedulerOutput:
+# eq=True (with its own `__eq__`) makes the dataclass set `__hash__` to None: mutable, compared by content, not
+# hashable. Ruff does not see that generated None (PLW1641); mypy rejects writing it by hand.
+@dataclass(eq=True)
+class SchedulerOutput:  # noqa: PLW1641
     """What one iteration computes and moves. `chunk_tokens[id]` = tokens each scheduled request computes."""
 
     context: list[Request] = field(default_factory=list)
@@ -71,6 +127,18 @@ class SchedulerOutput:
     def lists(self) -> Iterator[tuple[str, list[Request]]]:
         for name in LIST_NAMES:
             yield name, getattr(self, name)
+
+    def amended(self, failure: FailedMigration) -> SchedulerOutput:
+        """A new output: this one with `failure`'s plan withdrawn from `migrations` and its request moved from
+        `suspended` / `resumed` to `recompute_paused` (OUT-DISJOINT, OUT-STATE hold). This output is unchanged."""
+        request, plan_id = failure.request, failure.plan.plan_id
+        return replace(
+            self,
+            migrations=[p for p in self.migrations if p.plan_id != plan_id],
+            suspended=[r for r in self.suspended if r is not request],
+            resumed=[r for r in self.resumed if r is not request],
+            recompute_paused=[*self.recompute_paused, request],
+        )
 
     @property
     def scheduled(self) -> list[Request]:
@@ -100,8 +168,9 @@ class SchedulerOutput:
         repeated plan id) raises `MalformedOutput` naming the key.
         """
         if not isinstance(d, Mapping):
-            raise MalformedOutput(f"a serialized scheduler output must be a mapping (from to_dict()), got "
-                                  f"{type(d).__name__}")
+            raise MalformedOutput(
+                f"a serialized scheduler output must be a mapping (from to_dict()), got {type(d).__name__}"
+            )
         lists: dict[str, list[Request]] = {}
         listed: dict[Hashable, str] = {}
         for name in LIST_NAMES:
@@ -109,8 +178,10 @@ class SchedulerOutput:
             for rid in _sequence(d, name):
                 request = _lookup(requests_by_id, rid, name)
                 if rid in listed:
-                    raise MalformedOutput(f"request {_shown(rid)} is in lists {listed[rid]!r} and {name!r}; the lists "
-                                          "of an output are disjoint (OUT-DISJOINT)")
+                    raise MalformedOutput(
+                        f"request {_shown(rid)} is in lists {listed[rid]!r} and {name!r}; the lists "
+                        "of an output are disjoint (OUT-DISJOINT)"
+                    )
                 listed[rid] = name
                 lists[name].append(request)
         scheduled = {r.request_id for name in ("context", "replay", "generation") for r in lists[name]}
@@ -120,15 +191,20 @@ class SchedulerOutput:
                 raise MalformedOutput(f"'chunk_tokens' entries are [request id, tokens] pairs, got {_shown(entry)}")
             rid, n = entry
             if not isinstance(rid, (int, str)) or rid not in scheduled or rid in chunk_tokens:
-                why = ("twice" if isinstance(rid, (int, str)) and rid in chunk_tokens
-                       else "for a request not in context, replay or generation")
-                raise MalformedOutput(f"'chunk_tokens' gives request {_shown(rid)} a chunk {why}; each scheduled "
-                                      "request has exactly one")
+                why = (
+                    "twice"
+                    if isinstance(rid, (int, str)) and rid in chunk_tokens
+                    else "for a request not in context, replay or generation"
+                )
+                raise MalformedOutput(
+                    f"'chunk_tokens' gives request {_shown(rid)} a chunk {why}; each scheduled request has exactly one"
+                )
             chunk_tokens[rid] = _count(n, f"'chunk_tokens' of request {_shown(rid)}", minimum=1)
         if scheduled - set(chunk_tokens):
             rid = next(iter(scheduled - set(chunk_tokens)))
-            raise MalformedOutput(f"scheduled request {_shown(rid)} has no 'chunk_tokens' entry; each scheduled "
-                                  "request has exactly one")
+            raise MalformedOutput(
+                f"scheduled request {_shown(rid)} has no 'chunk_tokens' entry; each scheduled request has exactly one"
+            )
         migrations = [_migration(p, requests_by_id) for p in _sequence(d, "migrations")]
         plan_ids = [p.plan_id for p in migrations]
         if len(set(plan_ids)) != len(plan_ids):
@@ -158,8 +234,9 @@ def _shown(value: object) -> str:
 
 def _lookup(requests_by_id: Mapping[Hashable, Request], rid: object, where: str) -> Request:
     if not isinstance(rid, (int, str)) or isinstance(rid, bool):
-        raise MalformedOutput(f"scheduler output list {where!r} holds {_shown(rid)}; request ids are integers or "
-                              "strings")
+        raise MalformedOutput(
+            f"scheduler output list {where!r} holds {_shown(rid)}; request ids are integers or strings"
+        )
     try:
         return requests_by_id[rid]
     except KeyError:
@@ -191,12 +268,16 @@ def _migration(p: object, requests_by_id: Mapping[Hashable, Request]) -> Migrati
     plan_id = _count(p["plan_id"], "a migration's 'plan_id'", minimum=0)
     _lookup(requests_by_id, p["request_id"], f"migrations (plan {plan_id})")
     if p["direction"] not in (TO_HOST, TO_GPU):
-        raise MalformedOutput(f"migration plan {plan_id} has direction {_shown(p['direction'])}; it is "
-                              f"{TO_HOST!r} or {TO_GPU!r}")
-    pairs = []
+        raise MalformedOutput(
+            f"migration plan {plan_id} has direction {_shown(p['direction'])}; it is {TO_HOST!r} or {TO_GPU!r}"
+        )
+    pairs: list[tuple[int, int]] = []
     for pair in _sequence(p, "pairs"):
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise MalformedOutput(f"migration plan {plan_id}: 'pairs' holds {_shown(pair)}; each pair is "
-                                  "[source block, destination block]")
-        pairs.append(tuple(_count(b, f"migration plan {plan_id}: a block id", minimum=0) for b in pair))
+            raise MalformedOutput(
+                f"migration plan {plan_id}: 'pairs' holds {_shown(pair)}; each pair is "
+                "[source block, destination block]"
+            )
+        source, dest = (_count(b, f"migration plan {plan_id}: a block id", minimum=0) for b in pair)
+        pairs.append((source, dest))
     return MigrationPlan(plan_id, p["request_id"], p["direction"], tuple(pairs))

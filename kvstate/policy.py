@@ -15,10 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NoReturn
 
 from kvstate.errors import InvariantViolation
 from kvstate.roles import DROPPED, OFFLOADED, PENDING_RESET, QUEUED
-from kvstate.spec import Spec
+
+if TYPE_CHECKING:  # annotations only: kvstate.spec validates what it loads with `policy_problems`
+    from kvstate.spec import Spec
 
 # rule vocabulary: every name the spec's [policy] may use, with its meaning
 VOCABULARY: Mapping[str, Mapping[str, str]] = {
@@ -26,11 +29,18 @@ VOCABULARY: Mapping[str, Mapping[str, str]] = {
     "victim_exclusions": {
         "the_requester": "a requester is not its own victim while another is eligible",
         "scheduled_this_pass": "a request already scheduled in the pass (its output list is never revised)",
-        "waiting_this_pass": "a requester already waiting in the pass for room on its way it reserved (otherwise a "
-                             "later, younger requester could take the older one's place: livelock)",
+        "waiting_this_pass": (
+            "a requester already waiting in the pass for room on its way it reserved (otherwise a "
+            "later, younger requester could take the older one's place: livelock)"
+        ),
         "victim_this_pass": "a request already chosen in the pass (VICTIM-ONCE)",
         "about_to_finish": "a request whose next decode step produces its final token (VICTIM-NOT-FINAL)",
         "preemption_cap_reached": "a request preempted max_preemptions_per_request times (A3)",
+        "chunk_in_flight": (
+            "a request whose prefill or replay chunk is still in the pipeline (several micro-batches "
+            "in flight); one whose decode step is in flight may be a victim: its token lands while it "
+            "is suspended or awaits consensus (PP-TERMINATE)"
+        ),
     },
     "promotion_candidates": {"suspended_this_pass": "requests suspended earlier in the same pass"},
     "promotion_order": {"latest_suspension_first": "the most recently suspended candidate first"},
@@ -41,24 +51,28 @@ VOCABULARY: Mapping[str, Mapping[str, str]] = {
         "hold_new_after_preemption_or_wait": "no new request in a pass with a victim or a waiting requester (A1)",
     },
     "room_on_its_way": {"reserved_per_requester": "a waiting requester reserves the pending blocks it counts on"},
-    "progress": {"new_kv_position_or_end": "a pass progresses when it computes a prompt chunk or a decode step, a "
-                                          "replay chunk beyond every earlier replay of the same replay prompt, or "
-                                          "ends a request"},
+    "progress": {
+        "new_kv_position_or_end": (
+            "a pass progresses when it computes a prompt chunk or a decode step, a "
+            "replay chunk beyond every earlier replay of the same replay prompt, or "
+            "ends a request"
+        )
+    },
 }
 _LISTED = ("victim_exclusions", "admission_rules")
 
 
 def policy_problems(spec: Spec) -> list[str]:
     """Every policy entry of `spec` that names no known rule or event (for `kvstate.validate`)."""
-    policy = spec.policy
-    if policy is None:
-        return ["[policy] is missing; state the scheduling policy (SPEC.md section 7)"]
+    policy = spec.policy  # the parser refuses a spec without [policy]
     found = []
     for key, meanings in VOCABULARY.items():
         values = getattr(policy, key)
-        for value in (values if key in _LISTED else (values,)):
+        for value in values if key in _LISTED else (values,):
             if value not in meanings:
-                found.append(f"[policy] {key}: {value!r} has no meaning in kvstate.policy; use one of {sorted(meanings)}")
+                found.append(
+                    f"[policy] {key}: {value!r} has no meaning in kvstate.policy; use one of {sorted(meanings)}"
+                )
     events = spec.event_by_name
     for key in ("admission_classes", "readmissions_keeping_admission"):
         for name in getattr(policy, key):
@@ -113,6 +127,7 @@ class RequestSnapshot:
     capped: bool
     kv_tokens: int
     gpu_blocks: int
+    in_flight: bool = False  # its step of an earlier pass is still in the pipeline: not schedulable in this pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,19 +146,32 @@ def snapshot(scheduler) -> PassSnapshot:
     cap = scheduler.config.max_preemptions_per_request
     requests = tuple(
         RequestSnapshot(
-            r.request_id, r.state, r.arrival, r.admission, r.is_prefilling, r.about_to_finish,
-            cap is not None and r.num_suspensions + r.num_recompute_pauses >= cap, r.num_computed_tokens,
+            r.request_id,
+            r.state,
+            r.arrival,
+            r.admission,
+            r.is_prefilling,
+            r.about_to_finish,
+            cap is not None and r.num_suspensions + r.num_recompute_pauses >= cap,
+            r.num_computed_tokens,
             r.num_gpu_blocks,
+            r.request_id in scheduler.in_flight,
         )
         for r in scheduler.requests.values()
     )
-    return PassSnapshot(requests, len(scheduler.pool.gpu.fenced), scheduler.pool.has_host_tier,
-                        scheduler.config.max_batch_size, scheduler.config.max_num_tokens)
+    return PassSnapshot(
+        requests,
+        len(scheduler.pool.gpu.fenced),
+        scheduler.pool.has_host_tier,
+        scheduler.slots_per_pass(),
+        scheduler.config.max_num_tokens,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- checking
 def check_pass(spec: Spec, before: PassSnapshot, record: PassRecord, output) -> None:
-    """Raise `InvariantViolation` unless the pass that produced `output` (a `SchedulerOutput`) follows `spec`'s policy."""
+    """Raise `InvariantViolation` unless the pass that produced `output` (a `SchedulerOutput`) follows `spec`'s
+    policy."""
     _PassCheck(spec, before, record, output).run()
 
 
@@ -154,7 +182,7 @@ class _PassCheck:
         self.scheduled = [r.request_id for r in output.scheduled]
         self.victims = [d.victim for d in record.decisions if isinstance(d, Victim)]
         # requesters in the order the pass serves them (SPEC.md 7.2): decode steps, then chunks, each by arrival
-        computing = [r for r in before.requests if r.state in spec.computing_states]
+        computing = [r for r in before.requests if r.state in spec.computing_states and not r.in_flight]
         self.order = [r.request_id for r in sorted(computing, key=lambda r: (r.prefilling, r.arrival))]
 
     def run(self) -> None:
@@ -164,7 +192,7 @@ class _PassCheck:
         if self.policy.work_conservation:
             self.check_work_conservation()
 
-    def fail(self, invariant: str, message: str) -> None:
+    def fail(self, invariant: str, message: str) -> NoReturn:
         raise InvariantViolation(invariant, message)
 
     # ---- victims
@@ -172,7 +200,7 @@ class _PassCheck:
         """Requests scheduled by the pass before it served `requester`."""
         if requester not in self.order:
             return set(self.scheduled)
-        earlier = set(self.order[:self.order.index(requester)])
+        earlier = set(self.order[: self.order.index(requester)])
         return {rid for rid in self.scheduled if rid in earlier}
 
     def eligible(self, requester: Hashable, chosen: set[Hashable], waiting: set[Hashable]) -> list[RequestSnapshot]:
@@ -181,13 +209,15 @@ class _PassCheck:
         if "waiting_this_pass" in excluded:
             scheduled |= waiting
         return [
-            r for r in self.before.requests
+            r
+            for r in self.before.requests
             if r.state in self.spec.victim_states
             and not ("the_requester" in excluded and r.request_id == requester)
             and r.request_id not in scheduled
             and not ("victim_this_pass" in excluded and r.request_id in chosen)
             and not ("about_to_finish" in excluded and r.about_to_finish)
             and not ("preemption_cap_reached" in excluded and r.capped)
+            and not ("chunk_in_flight" in excluded and r.in_flight and r.prefilling)
         ]
 
     def check_victims(self) -> None:
@@ -204,21 +234,32 @@ class _PassCheck:
             chosen.add(d.victim)
             if d.victim == d.requester:
                 if eligible:
-                    self.fail("VICTIM-TAIL", f"requester {d.requester!r} preempted itself although "
-                              f"{[r.request_id for r in eligible]!r} were eligible victims")
+                    self.fail(
+                        "VICTIM-TAIL",
+                        f"requester {d.requester!r} preempted itself although "
+                        f"{[r.request_id for r in eligible]!r} were eligible victims",
+                    )
                 continue
             victim = self.by_id.get(d.victim)
             if victim is not None and victim.about_to_finish:
-                self.fail("VICTIM-NOT-FINAL", f"request {d.victim!r} was chosen as a victim although its next step "
-                          "produces its final token")
-            if victim not in eligible:
-                self.fail("VICTIM-TAIL", f"request {d.victim!r} was chosen as {d.requester!r}'s victim but is not an "
-                          f"eligible victim ({', '.join(self.policy.victim_exclusions)} exclude it)")
+                self.fail(
+                    "VICTIM-NOT-FINAL",
+                    f"request {d.victim!r} was chosen as a victim although its next step produces its final token",
+                )
+            if victim is None or victim not in eligible:
+                self.fail(
+                    "VICTIM-TAIL",
+                    f"request {d.victim!r} was chosen as {d.requester!r}'s victim but is not an "
+                    f"eligible victim ({', '.join(self.policy.victim_exclusions)} exclude it)",
+                )
             tail = max(eligible, key=lambda r: r.admission)
             if tail.request_id != d.victim:
-                self.fail("VICTIM-TAIL", f"request {d.victim!r} (admission {victim.admission}) was chosen as "
-                          f"{d.requester!r}'s victim, but {tail.request_id!r} (admission {tail.admission}) was admitted "
-                          "later and is eligible: victims are taken tail-first")
+                self.fail(
+                    "VICTIM-TAIL",
+                    f"request {d.victim!r} (admission {victim.admission}) was chosen as "
+                    f"{d.requester!r}'s victim, but {tail.request_id!r} (admission {tail.admission}) was admitted "
+                    "later and is eligible: victims are taken tail-first",
+                )
 
     # ---- promotions
     def check_promotions(self) -> None:
@@ -231,18 +272,24 @@ class _PassCheck:
                 if not self.before.has_host_tier:
                     self.fail("PROMOTE-GATE", f"request {d.promoted!r} was promoted without a host tier")
                 if not suspended or suspended[-1] != d.promoted:
-                    self.fail("PROMOTE-GATE", f"request {d.promoted!r} was promoted, but the most recent request "
-                              f"suspended earlier in this pass and not yet promoted is "
-                              f"{suspended[-1] if suspended else 'none'!r}: only requests suspended earlier in the "
-                              "same pass are promoted, most recent first")
+                    self.fail(
+                        "PROMOTE-GATE",
+                        f"request {d.promoted!r} was promoted, but the most recent request "
+                        f"suspended earlier in this pass and not yet promoted is "
+                        f"{suspended[-1] if suspended else 'none'!r}: only requests suspended earlier in the "
+                        "same pass are promoted, most recent first",
+                    )
                 suspended.pop()
                 groups.setdefault(d.victim, []).append(d.promoted)
         for victim, promoted in groups.items():
             worth = sum(self.by_id[p].kv_tokens for p in promoted)
             if worth >= self.by_id[victim].kv_tokens:
-                self.fail("PROMOTE-GATE", f"requests {promoted!r} (KV worth {worth} tokens) were promoted to make host "
-                          f"room for {victim!r}, whose KV is worth only {self.by_id[victim].kv_tokens}: promotion must "
-                          "throw away less KV than it saves")
+                self.fail(
+                    "PROMOTE-GATE",
+                    f"requests {promoted!r} (KV worth {worth} tokens) were promoted to make host "
+                    f"room for {victim!r}, whose KV is worth only {self.by_id[victim].kv_tokens}: promotion must "
+                    "throw away less KV than it saves",
+                )
 
     # ---- admissions
     def admitted(self) -> list[Hashable]:
@@ -251,8 +298,11 @@ class _PassCheck:
         came_from = {"resumed": role(OFFLOADED), "replay": role(DROPPED), "context": role(QUEUED)}
         found = set()
         for name, source in came_from.items():
-            found |= {r.request_id for r in getattr(self.out, name)
-                      if r.request_id in self.by_id and self.by_id[r.request_id].state == source}
+            found |= {
+                r.request_id
+                for r in getattr(self.out, name)
+                if r.request_id in self.by_id and self.by_id[r.request_id].state == source
+            }
         return [rid for rid in self.candidates() if rid in found]
 
     def candidates(self) -> list[Hashable]:
@@ -273,19 +323,25 @@ class _PassCheck:
                 if rid in victims:
                     self.fail("ADMIT-ORDER", f"request {rid!r} was readmitted in the pass that chose it as a victim")
         candidates = [rid for rid in self.candidates() if rid not in victims]
-        if "stop_at_first_misfit" in rules and admitted != candidates[:len(admitted)]:
+        if "stop_at_first_misfit" in rules and admitted != candidates[: len(admitted)]:
             skipped = next(rid for rid in candidates if rid not in admitted)
             later = next(rid for rid in admitted if candidates.index(rid) > candidates.index(skipped))
-            self.fail("ADMIT-ORDER", f"request {later!r} was admitted although {skipped!r}, ahead of it in the "
-                      f"policy's order ({' > '.join(self.policy.admission_classes)}, each by arrival), was not: "
-                      "admission stops at the first request that does not fit")
+            self.fail(
+                "ADMIT-ORDER",
+                f"request {later!r} was admitted although {skipped!r}, ahead of it in the "
+                f"policy's order ({' > '.join(self.policy.admission_classes)}, each by arrival), was not: "
+                "admission stops at the first request that does not fit",
+            )
         if "hold_new_after_preemption_or_wait" in rules:
             new = [rid for rid in admitted if self.by_id[rid].state == self.spec.role(QUEUED)]
             held = self.victims or self.left_waiting()
             if new and held:
                 why = f"it chose victims {self.victims!r}" if self.victims else f"{self.left_waiting()!r} waited"
-                self.fail("ADMIT-HOLD", f"new request(s) {new!r} were admitted in a pass in which {why}: no new "
-                          "request may take the room a preempted or waiting request needs (A1)")
+                self.fail(
+                    "ADMIT-HOLD",
+                    f"new request(s) {new!r} were admitted in a pass in which {why}: no new "
+                    "request may take the room a preempted or waiting request needs (A1)",
+                )
 
     def left_waiting(self) -> list[Hashable]:
         """Computing requests the pass neither served nor preempted."""
@@ -308,9 +364,12 @@ class _PassCheck:
         reserved = sum(w.reserved for w in waits)
         room = self.room_on_its_way()
         if reserved > room:
-            self.fail("WORK-CONSERVE", f"waiting requesters {[w.requester for w in waits]!r} counted on {reserved} "
-                      f"blocks on their way, but only {room} are (fenced or awaiting consensus): room on its way "
-                      "must be reserved by one requester, not counted by each")
+            self.fail(
+                "WORK-CONSERVE",
+                f"waiting requesters {[w.requester for w in waits]!r} counted on {reserved} "
+                f"blocks on their way, but only {room} are (fenced or awaiting consensus): room on its way "
+                "must be reserved by one requester, not counted by each",
+            )
         waiting = {w.requester for w in waits}
         slots, tokens = self.before.max_batch_size, self.before.max_num_tokens
         chunk = dict(self.out.chunk_tokens)
@@ -321,6 +380,8 @@ class _PassCheck:
             if rid in self.victims or rid in waiting:
                 continue
             if slots > 0 and tokens > 0:
-                self.fail("WORK-CONSERVE", f"request {rid!r} was neither scheduled, preempted nor waiting for room on "
-                          f"its way although {slots} batch slots and {tokens} tokens were left when its turn came")
-
+                self.fail(
+                    "WORK-CONSERVE",
+                    f"request {rid!r} was neither scheduled, preempted nor waiting for room on "
+                    f"its way although {slots} batch slots and {tokens} tokens were left when its turn came",
+                )

@@ -7,18 +7,26 @@ Invariants kept (checked by `TieredBlockPool.check_invariants`, ids from the spe
   fenced (unallocatable) until `complete(plan)` is called;
 * suspend and resume are all-or-nothing: a refused one changes nothing.
 Allocation prefers the lowest free ids, so a request's blocks tend to form runs the executor copies at once.
+A request's block table is an immutable tuple, replaced when it grows or shrinks, so reading it (every decode
+step, `planned_chunks`) copies nothing.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from kvstate.errors import InvariantViolation, PoolError
 
 TO_HOST = "to_host"
 TO_GPU = "to_gpu"
+
+
+def ceil_div(numerator: int, denominator: int) -> int:
+    """The smallest integer >= numerator / denominator (denominator > 0): e.g. blocks that hold a token count."""
+    return -(-numerator // denominator)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +53,12 @@ class MigrationPlan:
         return tuple((s, d, n) for s, d, n in merged)
 
     def to_dict(self) -> dict:
-        return {"plan_id": self.plan_id, "request_id": self.request_id, "direction": self.direction,
-                "pairs": [list(p) for p in self.pairs]}
+        return {
+            "plan_id": self.plan_id,
+            "request_id": self.request_id,
+            "direction": self.direction,
+            "pairs": [list(p) for p in self.pairs],
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> MigrationPlan:
@@ -61,7 +73,7 @@ class Tier:
     capacity: int
     _free: list[int] = field(init=False, repr=False)
     owner_of: dict[int, Hashable] = field(init=False, default_factory=dict)
-    blocks_of: dict[Hashable, list[int]] = field(init=False, default_factory=dict)
+    blocks_of: dict[Hashable, tuple[int, ...]] = field(init=False, default_factory=dict)
     fenced: dict[int, int] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -73,8 +85,8 @@ class Tier:
     def num_free(self) -> int:
         return len(self._free)
 
-    def held(self, owner: Hashable) -> list[int]:
-        return self.blocks_of.get(owner, [])
+    def held(self, owner: Hashable) -> tuple[int, ...]:
+        return self.blocks_of.get(owner, ())
 
     def take(self, owner: Hashable, count: int) -> list[int]:
         if count > len(self._free):
@@ -85,23 +97,23 @@ class Tier:
         blocks = [heapq.heappop(self._free) for _ in range(count)]
         for block in blocks:
             self.owner_of[block] = owner
-        self.blocks_of.setdefault(owner, []).extend(blocks)
+        self.blocks_of[owner] = self.held(owner) + tuple(blocks)
         return blocks
 
     def give_back(self, blocks: Iterable[int]) -> None:
         for block in blocks:
             heapq.heappush(self._free, block)
 
-    def release(self, owner: Hashable) -> list[int]:
-        blocks = self.blocks_of.pop(owner, [])
+    def release(self, owner: Hashable) -> tuple[int, ...]:
+        blocks = self.blocks_of.pop(owner, ())
         for block in blocks:
             del self.owner_of[block]
         self.give_back(blocks)
         return blocks
 
-    def fence(self, owner: Hashable, plan_id: int) -> list[int]:
+    def fence(self, owner: Hashable, plan_id: int) -> tuple[int, ...]:
         """Move every block of `owner` from held to fenced by `plan_id`."""
-        blocks = self.blocks_of.pop(owner, [])
+        blocks = self.blocks_of.pop(owner, ())
         for block in blocks:
             del self.owner_of[block]
             self.fenced[block] = plan_id
@@ -110,7 +122,7 @@ class Tier:
     def fence_blocks(self, owner: Hashable, blocks: list[int], plan_id: int) -> None:
         """Move the given blocks of `owner` from held to fenced by `plan_id` (a copy still writes them)."""
         wanted = set(blocks)
-        self.blocks_of[owner] = [b for b in self.blocks_of.get(owner, []) if b not in wanted]
+        self.blocks_of[owner] = tuple(b for b in self.held(owner) if b not in wanted)
         for block in blocks:
             del self.owner_of[block]
             self.fenced[block] = plan_id
@@ -133,12 +145,17 @@ class Tier:
             raise InvariantViolation(tag, f"{self.name} tier: a block is on the free list twice")
         if len(free) + len(held) + len(fenced) != self.capacity:
             raise InvariantViolation(
-                tag, f"{self.name} tier: free {len(free)} + held {len(held)} + fenced {len(fenced)} != capacity {self.capacity}"
+                tag,
+                f"{self.name} tier: free {len(free)} + held {len(held)} + fenced "
+                f"{len(fenced)} != capacity {self.capacity}",
             )
         if free & held or free & fenced or held & fenced:
-            raise InvariantViolation("OWN-EXCL", f"{self.name} tier: blocks {sorted((free & held) | (free & fenced) | (held & fenced))} have two roles")
+            twice = sorted((free & held) | (free & fenced) | (held & fenced))
+            raise InvariantViolation("OWN-EXCL", f"{self.name} tier: blocks {twice} have two roles")
         listed = [(b, owner) for owner, blocks in self.blocks_of.items() for b in blocks]
-        if len(listed) != len(held) or any(self.owner_of.get(b, owner) != owner or b not in held for b, owner in listed):
+        if len(listed) != len(held) or any(
+            self.owner_of.get(b, owner) != owner or b not in held for b, owner in listed
+        ):
             raise InvariantViolation("OWN-EXCL", f"{self.name} tier: owner tables disagree with block ownership")
         if any(b < 0 or b >= self.capacity for b in free | held | fenced):
             raise InvariantViolation(tag, f"{self.name} tier: a block id is outside 0..{self.capacity - 1}")
@@ -184,13 +201,19 @@ class TieredBlockPool:
 
     # ---- sizes
     def blocks_for_tokens(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return ceil_div(num_tokens, self.block_size)
 
     def gpu_blocks(self, owner: Hashable) -> tuple[int, ...]:
-        return tuple(self.gpu.held(owner))
+        """`owner`'s GPU block table (the tuple itself: it is replaced, never changed, when the table changes)."""
+        return self.gpu.blocks_of.get(owner, ())
 
     def host_blocks(self, owner: Hashable) -> tuple[int, ...]:
-        return tuple(self.host.held(owner))
+        return self.host.blocks_of.get(owner, ())
+
+    def gpu_block_tables(self) -> Mapping[Hashable, tuple[int, ...]]:
+        """Every owner's GPU block table, as a read-only view that follows the pool (owners without blocks are
+        absent); one lookup per owner, for callers that read many tables at once."""
+        return MappingProxyType(self.gpu.blocks_of)
 
     # ---- GPU allocation
     def can_allocate(self, num_blocks: int) -> bool:
@@ -240,7 +263,7 @@ class TieredBlockPool:
         self._next_plan_id += 1
         src_blocks = source.fence(owner, plan_id)
         dst_blocks = dest.take(owner, len(src_blocks))
-        plan = MigrationPlan(plan_id, owner, direction, tuple(zip(src_blocks, dst_blocks)))
+        plan = MigrationPlan(plan_id, owner, direction, tuple(zip(src_blocks, dst_blocks, strict=True)))
         self.in_flight[plan_id] = plan
         return plan
 
@@ -250,13 +273,6 @@ class TieredBlockPool:
             raise PoolError(f"migration plan {plan.plan_id} is not in flight; complete each plan exactly once")
         for tier in (self.gpu, self.host):
             tier.unfence(tier.fenced_by(plan.plan_id))
-
-    def complete_all(self) -> int:
-        """Complete every in-flight plan; returns how many blocks were unfenced."""
-        plans = list(self.in_flight.values())
-        for plan in plans:
-            self.complete(plan)
-        return sum(p.num_blocks for p in plans)
 
     # ---- host tier presence
     def set_host_capacity(self, host_blocks: int) -> None:
@@ -280,8 +296,12 @@ class TieredBlockPool:
 
     def usage(self) -> dict[str, int]:
         return {
-            "gpu_capacity": self.gpu.capacity, "gpu_free": self.gpu.num_free,
-            "gpu_held": len(self.gpu.owner_of), "gpu_fenced": len(self.gpu.fenced),
-            "host_capacity": self.host.capacity, "host_free": self.host.num_free,
-            "host_held": len(self.host.owner_of), "host_fenced": len(self.host.fenced),
+            "gpu_capacity": self.gpu.capacity,
+            "gpu_free": self.gpu.num_free,
+            "gpu_held": len(self.gpu.owner_of),
+            "gpu_fenced": len(self.gpu.fenced),
+            "host_capacity": self.host.capacity,
+            "host_free": self.host.num_free,
+            "host_held": len(self.host.owner_of),
+            "host_fenced": len(self.host.fenced),
         }

@@ -1,7 +1,9 @@
 """Request records: what the scheduler knows of one request.
 
 Invariants kept:
-* `state` is read-only here; it changes only through the lifecycle machine (`kvstate.lifecycle`);
+* `state` changes only through the lifecycle machine (`kvstate.lifecycle`), which writes it under the name
+  `STATE_ATTRIBUTE`; here that name is a property over the plain attribute `state`, so the scheduler's hot loops
+  read a request's state as one attribute load (no call) on every request of every step;
 * `generated` is append-only (GEN-APPEND): `append_token` is its only writer;
 * after `reset_for_replay`, `prefill_tokens` = original prompt + every generated token, the remaining budget
   is `max_new_tokens - len(generated)`, and every KV-derived counter is zero (RESET-*); its admission number is
@@ -17,6 +19,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from kvstate.lifecycle import STATE_ATTRIBUTE
+from kvstate.pool import ceil_div
 
 
 @dataclass(eq=False)
@@ -47,6 +50,7 @@ class Request:
     done_reason: str | None = None
     suspended_in_pass: int | None = None
     replay_high_water: int = 0
+    state: str = field(default="", init=False)  # written only by the lifecycle, as `STATE_ATTRIBUTE` below
 
     def __post_init__(self) -> None:
         self.prompt = tuple(self.prompt)
@@ -54,9 +58,20 @@ class Request:
             self.prefill_tokens = self.prompt
         self.stop_token_ids = frozenset(self.stop_token_ids)
 
+    def _get_lifecycle_state(self) -> str:
+        return self.state
+
+    def _set_lifecycle_state(self, state: str) -> None:
+        self.state = state
+
     @property
-    def state(self) -> str:
-        return getattr(self, STATE_ATTRIBUTE)
+    def end_reason(self) -> str:
+        """Why an ended request ended (`done_reason`: finished, cancelled or aborted); an error before it ended."""
+        if self.done_reason is None:
+            raise RuntimeError(
+                f"request {self.request_id!r} has not ended (state {self.state!r}): it has no end reason"
+            )
+        return self.done_reason
 
     # ---- token accounting
     @property
@@ -95,7 +110,8 @@ class Request:
 
     def advance(self, tokens: int, replaying: bool) -> bool:
         """Count `tokens` more computed tokens; True when that is progress (A4): not a replay chunk, or a replay
-        chunk that reaches further than every earlier replay of the same replay prompt."""
+        chunk that reaches further than every earlier replay of the same replay prompt. (`complete_step` counts a
+        decode step's one token itself: never a replay chunk, so always progress.)"""
         self.num_computed_tokens += tokens
         if not replaying:
             return True
@@ -104,19 +120,24 @@ class Request:
         self.replay_high_water = self.num_computed_tokens
         return True
 
-    def append_token(self, token: int) -> None:
-        self.generated.append(int(token))
+    def append_token(self, token: int) -> bool:
+        """Append a sampled token; True when it is the final one (`final_token_produced`)."""
+        token = int(token)
+        self.generated.append(token)
+        return self._is_final(token, len(self.generated))
 
     # ---- RequestView
     @property
     def blocks_for_first_chunk(self) -> int:
-        return -(-self.planned_chunk // self.block_size)
+        return ceil_div(self.planned_chunk, self.block_size)
 
     @property
     def final_token_produced(self) -> bool:
-        return bool(self.generated) and (
-            self.generated[-1] in self.stop_token_ids or len(self.generated) >= self.max_new_tokens
-        )
+        return bool(self.generated) and self._is_final(self.generated[-1], len(self.generated))
+
+    def _is_final(self, token: int, count: int) -> bool:
+        """`token`, the `count`-th generated, ends the request: a stop token, or the last of its budget."""
+        return token in self.stop_token_ids or count >= self.max_new_tokens
 
     @property
     def replay_complete(self) -> bool:
@@ -131,6 +152,11 @@ class Request:
         self.planned_chunk = 0
         self.num_gpu_blocks = self.num_host_blocks = 0
         self.num_recompute_pauses += 1
+
+
+# The lifecycle's name for a request's state (`STATE_ATTRIBUTE`, the `transitions` machine's `model_attribute`) is,
+# on a Request, a property over the plain attribute `state`: the lifecycle's writes land in `state`.
+setattr(Request, STATE_ATTRIBUTE, property(Request._get_lifecycle_state, Request._set_lifecycle_state))
 
 
 def new_request(

@@ -27,12 +27,12 @@ from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, S
 
 from kvstate.config import RequestRejected, SchedulerConfig, normalize_stop_token_ids
 from kvstate.errors import GuardRejected, InvariantViolation, KVStateError, PoolError
-from kvstate.lifecycle import STATE_ATTRIBUTE, make_lifecycle
-from kvstate.output import SchedulerOutput
+from kvstate.lifecycle import make_lifecycle
+from kvstate.output import FailedMigration, SchedulerOutput
 from kvstate.policy import PassRecord, Promotion, Victim, Wait
-from kvstate.pool import TO_HOST, MigrationPlan, TieredBlockPool
+from kvstate.pool import TO_HOST, MigrationPlan, TieredBlockPool, ceil_div
 from kvstate.request import Request, new_request
-from kvstate.roles import ACTIVE, DROPPED, ENDED, OFFLOADED, PENDING_RESET, QUEUED, RECOMPUTING
+from kvstate.roles import ACTIVE, DROPPED, ENDED, OFFLOADED, PENDING_RESET, RECOMPUTING
 from kvstate.semantics import promotion_saves_kv
 from kvstate.spec import Spec, Transition, default_spec
 from kvstate.stats import IterationStats
@@ -64,6 +64,7 @@ VICTIM_EXCLUSIONS: Mapping[str, Callable[[Scheduler, Request, SchedulingPass], b
     "victim_this_pass": lambda s, candidate, step: id(candidate) in step.victims,
     "about_to_finish": lambda s, candidate, step: candidate.about_to_finish,
     "preemption_cap_reached": lambda s, candidate, step: s._capped(candidate),
+    "chunk_in_flight": lambda s, candidate, step: candidate.request_id in s.in_flight and candidate.is_prefilling,
 }  # the scheduler's reading of the spec's `victim_exclusions` (their meaning: kvstate.policy.VOCABULARY)
 
 
@@ -91,6 +92,7 @@ class SchedulingPass:
         self.waited = False
         self.promotion_worth = 0
         self.requester: Request | None = None  # the request the pass is making room for
+        self.step_blocks: dict[Hashable, int] = {}  # blocks allocated for a resident request's step of this pass
         self.record = PassRecord()
 
     # ---- PoolView
@@ -138,8 +140,11 @@ class Scheduler:
         self.suspended: list[Request] = []  # arrival order
         self.paused: list[Request] = []  # recompute-paused; arrival order
         self.admitted: list[Request] = []  # computing, admission order (victims from the tail)
+        self.active_per_state = {s.name: 0 for s in spec.states if not s.terminal}  # kept by `_move` (STATS-COUNT)
         self.iteration = 0
         self.host_tier_fallback = False
+        self.in_flight: dict[Hashable, int] = {}  # id -> blocks allocated for its step still in the pipeline
+        self.micro_batches = 1  # passes whose outputs may be in flight at once (`track_in_flight`)
         self._active, self._recomputing = spec.role(ACTIVE), spec.role(RECOMPUTING)
         self._pending_reset, self._offloaded = spec.role(PENDING_RESET), spec.role(OFFLOADED)
         self._dropped, self._ended = spec.role(DROPPED), spec.role(ENDED)
@@ -147,11 +152,14 @@ class Scheduler:
         self._victim_states = spec.victim_states
         self._chunk_list = {s.name: dict(s.chunk_lists) for s in spec.states if s.computing}
         self._exclusions = [VICTIM_EXCLUSIONS[name] for name in self.policy.victim_exclusions]
-        queues = {"waiting": self.waiting, "resident": self.resident, "suspended": self.suspended,
-                  "paused": self.paused}
+        queues = {
+            "waiting": self.waiting,
+            "resident": self.resident,
+            "suspended": self.suspended,
+            "paused": self.paused,
+        }
         self._containers = {s.name: queues.get(s.container) for s in spec.states}
-        self._admission_queues = [(event, self._containers[self._source_of(event)])
-                                  for event in self.policy.admission_classes]
+        self._admission_queues = [(event, self._queue_of(event)) for event in self.policy.admission_classes]
         self._arrivals = itertools.count()
         self._admissions = itertools.count()
         self._auto_ids = itertools.count()
@@ -162,11 +170,19 @@ class Scheduler:
         self._idle_iterations = 0
         self._last_stats = IterationStats(iteration=0)
 
-    def _source_of(self, event: str) -> str:
+    def _queue_of(self, event: str) -> list[Request]:
+        """The queue of the one state the admission class `event` leaves."""
         sources = {t.source for t in self.spec.event_by_name[event].transitions}
         if len(sources) != 1:
             raise KVStateError(f"{self.spec.source}: admission class {event!r} must leave exactly one state")
-        return sources.pop()
+        (source,) = sources
+        queue = self._containers[source]
+        if queue is None:
+            raise KVStateError(
+                f"{self.spec.source}: admission class {event!r} leaves state {source!r}, which is kept in no queue; "
+                "give that state a container (waiting, resident, suspended or paused)"
+            )
+        return queue
 
     # ------------------------------------------------------------------------------------------ submission
     def submit(
@@ -186,10 +202,17 @@ class Scheduler:
             raise RequestRejected(f"request_id must be a str or an int, got {type(request_id).__name__}")
         if request_id in self.requests or request_id in self.finished:
             raise RequestRejected(f"request id {request_id!r} is already in use; pick a fresh id or pass None")
-        request = new_request(request_id, prompt, max_new_tokens, stop_token_ids=stop,
-                              arrival=next(self._arrivals), block_size=self.config.block_size)
+        request = new_request(
+            request_id,
+            prompt,
+            max_new_tokens,
+            stop_token_ids=stop,
+            arrival=next(self._arrivals),
+            block_size=self.config.block_size,
+        )
         self.lifecycle.start(request)
         self.requests[request_id] = request
+        self.active_per_state[request.state] += 1
         self.waiting.append(request)
         return request
 
@@ -222,7 +245,9 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             where = "has already finished" if request_id in self.finished else "is unknown"
-            raise UnknownRequestId(f"cannot {event} request {request_id!r}: it {where}; only active requests can be ended")
+            raise UnknownRequestId(
+                f"cannot {event} request {request_id!r}: it {where}; only active requests can be ended"
+            )
         self._fire(request, event)
         return request
 
@@ -246,9 +271,12 @@ class Scheduler:
         return True
 
     def _move(self, request: Request, old: str, new: str) -> None:
-        """Keep the per-state containers in step with a transition."""
+        """Keep the per-state containers and counts in step with a transition."""
         if old == new:
             return
+        self.active_per_state[old] -= 1
+        if new in self.active_per_state:
+            self.active_per_state[new] += 1
         source, target = self._containers[old], self._containers[new]
         if source is not target:
             if source is not None:
@@ -268,15 +296,13 @@ class Scheduler:
         self.iteration += 1
         self._pass = step = SchedulingPass(self.config, self.pool, self.iteration)
         step.pending_free = self._room_on_its_way()
+        step.slots_left = self.slots_per_pass()
         try:
-            decoding, continuing = [], []
-            for request in self.resident:
-                (continuing if request.num_computed_tokens < len(request.prefill_tokens) else decoding).append(request)
-            self._schedule_decoding(decoding, step)
+            continuing = self._schedule_decoding(step)
             for request in continuing:  # then prompt and replay chunks, in arrival order
                 if step.slots_left == 0 or step.tokens_left == 0:
                     break
-                if id(request) not in step.victims and getattr(request, STATE_ATTRIBUTE) in self._computing:
+                if id(request) not in step.victims and request.state in self._computing:
                     self._schedule_resident(request, step)
             if self.config.capacity_policy == "max_utilization":
                 self._admit(step)
@@ -287,36 +313,81 @@ class Scheduler:
             self.last_pass = step
         out = step.output
         out.num_fitting_requests = len(out.scheduled)
+        if self.micro_batches > 1:
+            self.in_flight.update(dict.fromkeys(out.chunk_tokens, 0))
+            self.in_flight.update(step.step_blocks)
         return out
+
+    def track_in_flight(self, micro_batches: int) -> None:
+        """Let `micro_batches` outputs be in flight at once (pipeline parallelism): from now on a request scheduled
+        by a pass stays in `in_flight` until `complete_step` lands that pass's output, later passes skip it, and a
+        decoding victim among them keeps the token its step lands (`_land_preempted`); each pass takes at most its
+        share of the active requests
+        (`slots_per_pass`), so the micro-batches balance. Without this call every output is completed before the
+        next pass (one micro-batch in flight) and `in_flight` stays empty."""
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        self.micro_batches = micro_batches
+
+    def must_land(self, outputs_in_flight: int) -> bool:
+        """The oldest of `outputs_in_flight` outputs must land before the next pass: `micro_batches` are in flight,
+        or every unfinished request is (the pass would schedule nothing)."""
+        return outputs_in_flight > 0 and (
+            outputs_in_flight >= self.micro_batches or len(self.in_flight) >= len(self.requests)
+        )
+
+    def slots_per_pass(self) -> int:
+        """Batch slots of the next pass: `max_batch_size`, and with several micro-batches in flight at most an
+        equal share of the active requests (rounded up)."""
+        if self.micro_batches == 1:
+            return self.config.max_batch_size
+        return min(self.config.max_batch_size, max(1, ceil_div(len(self.requests), self.micro_batches)))
 
     def _room_on_its_way(self) -> int:
         """GPU blocks that free without further preemption: fenced by copies, or held awaiting consensus."""
-        pending = self._pending_reset
-        held = sum(r.num_gpu_blocks for r in self.resident if getattr(r, STATE_ATTRIBUTE) == pending)
-        return len(self.pool.gpu.fenced) + held
+        return len(self.pool.gpu.fenced) + sum(r.num_gpu_blocks for r in self._awaiting_consensus())
 
-    def _schedule_decoding(self, decoding: list[Request], step: SchedulingPass) -> None:
-        """Generation requests in arrival order. The steady state — an active request whose last block still
-        has room — costs a few attribute reads: no lifecycle event, no pool call."""
+    def _awaiting_consensus(self) -> list[Request]:
+        """Resident requests held for consensus (none walked while the state's count is 0, as in steady decode)."""
+        if not self.active_per_state[self._pending_reset]:
+            return []
+        return [r for r in self.resident if r.state == self._pending_reset]
+
+    def _schedule_decoding(self, step: SchedulingPass) -> list[Request]:
+        """Decode steps of the resident requests in arrival order, in one walk that also returns the resident
+        requests with prompt or replay tokens left (scheduled next, by the caller, in arrival order; once the budget
+        is spent the walk stops, and so would the caller). A request whose step is in flight is skipped. The steady
+        state — an active request whose last block still has room — costs a few attribute reads: no lifecycle
+        event, no pool call, no Python call."""
         out, block_size, active = step.output, self.config.block_size, self._active
         decode_list = getattr(out, self._chunk_list[active]["decode"])
-        for request in decoding:
+        chunk_tokens, scheduled, victims = out.chunk_tokens, step.scheduled, step.victims  # the pass's own, kept
+        in_flight, continuing = self.in_flight, []
+        for request in tuple(self.resident):  # a copy: a victim taken on the way leaves `resident`
+            if in_flight and request.request_id in in_flight:
+                continue  # its step is still in the pipeline: a request is in one micro-batch in flight at most
+            if request.num_computed_tokens < len(request.prefill_tokens):
+                continuing.append(request)
+                continue
             if step.slots_left == 0 or step.tokens_left == 0:
-                return
-            if id(request) in step.victims or getattr(request, STATE_ATTRIBUTE) != active:
+                break
+            if request.state != active or (victims and id(request) in victims):
                 continue
             if request.num_computed_tokens < request.num_gpu_blocks * block_size:
                 decode_list.append(request)
-                out.chunk_tokens[request.request_id] = 1
-                step.scheduled.add(id(request))
+                chunk_tokens[request.request_id] = 1
+                scheduled.add(id(request))
                 step.tokens_left -= 1
                 step.slots_left -= 1
             else:
                 self._schedule_resident(request, step)
+        return continuing
 
     def _schedule_resident(self, request: Request, step: SchedulingPass) -> None:
-        tokens = 1 if not request.is_prefilling else min(
-            self.config.prefill_chunk_size, request.next_step_tokens, step.tokens_left
+        tokens = (
+            1
+            if not request.is_prefilling
+            else min(self.config.prefill_chunk_size, request.next_step_tokens, step.tokens_left)
         )
         need = max(0, self.pool.blocks_for_tokens(request.num_computed_tokens + tokens) - request.num_gpu_blocks)
         if need > self.pool.gpu_free_blocks:
@@ -327,6 +398,7 @@ class Scheduler:
         if need:
             self.pool.allocate(request.request_id, need)
             request.num_gpu_blocks += need
+            step.step_blocks[request.request_id] = need
         self._add_scheduled(request, tokens, step)
 
     def _add_scheduled(self, request: Request, tokens: int, step: SchedulingPass) -> None:
@@ -375,7 +447,8 @@ class Scheduler:
     def _victim_eligible(self, candidate: Request, step: SchedulingPass) -> bool:
         """`candidate` is in a victim state and no exclusion of the spec's policy (`victim_exclusions`) applies."""
         return candidate.state in self._victim_states and not any(
-            excluded(self, candidate, step) for excluded in self._exclusions)
+            excluded(self, candidate, step) for excluded in self._exclusions
+        )
 
     def _pick_victim(self, step: SchedulingPass) -> Request | None:
         """The most recently admitted eligible request (VICTIM-TAIL), or None."""
@@ -385,13 +458,18 @@ class Scheduler:
         return None
 
     def _preempt(self, victim: Request, step: SchedulingPass) -> None:
-        """Suspend the victim if the host tier takes it (promoting if worth it), else recompute-pause it.
+        """Suspend the victim if the host tier takes it (promoting if worth it), else recompute-pause it, to make
+        room for `step.requester` (set before: the victim itself when it evicts itself).
         Blocks that free only after a copy or a consensus count as `pending_free` for this pass."""
+        requester = step.requester
+        if requester is None:
+            raise KVStateError("a victim is chosen only for a requester: set step.requester before preempting")
         step.victims.add(id(victim))
         held = victim.num_gpu_blocks
         suspendable = "suspend" in self.lifecycle.allowed_events(victim.state)
-        if suspendable and (self._try_fire(victim, "suspend")
-                            or (self._promote_for(victim, step) and self._try_fire(victim, "suspend"))):
+        if suspendable and (
+            self._try_fire(victim, "suspend") or (self._promote_for(victim, step) and self._try_fire(victim, "suspend"))
+        ):
             step.pending_free += held
             step.suspended.append(victim)
             step.output.suspended.append(victim)
@@ -405,14 +483,17 @@ class Scheduler:
         else:
             return
         step.preempted = True
-        step.record.decisions.append(Victim(step.requester.request_id, victim.request_id, event))
+        step.record.decisions.append(Victim(requester.request_id, victim.request_id, event))
 
     def _promote_for(self, victim: Request, step: SchedulingPass) -> bool:
         """Promote requests suspended earlier in this pass to recompute-pause, most recent first, to make host room
         for `victim`: the shortest such group that makes room, and only while its KV is worth less than the
         victim's (the spec's promotion gate decides each one; the group is checked against the same rule first)."""
-        if (not self.pool.has_host_tier or not self.config.enable_recompute_pause
-                or victim.num_gpu_blocks > self.pool.host.capacity):
+        if (
+            not self.pool.has_host_tier
+            or not self.config.enable_recompute_pause
+            or victim.num_gpu_blocks > self.pool.host.capacity
+        ):
             return False
         missing = victim.num_gpu_blocks - self.pool.host_free_blocks
         group, freed = [], 0
@@ -467,8 +548,8 @@ class Scheduler:
         return True
 
     def _admit_one(self, request: Request, event: str, step: SchedulingPass) -> bool:
-        if step.slots_left == 0:
-            return False
+        if step.slots_left == 0 or request.request_id in self.in_flight:
+            return False  # no slot, or its step of an earlier pass has not landed yet (it lost its host copy since)
         out = step.output
         if request.state == self._offloaded:  # a resume moves KV back and computes from the next pass
             if self._in_flight(request) or not self._try_fire(request, event):
@@ -504,38 +585,71 @@ class Scheduler:
         """Apply a forward pass: advance computed tokens, append each produced token (`sampled[id]`),
         fire catch_up and finish. Returns the requests that produced a token."""
         produced = []
-        recomputed = generated = 0
+        recomputed = 0
         progress = False
-        computing, recomputing = self._computing, self._recomputing
+        computing, recomputing, active = self._computing, self._recomputing, self._active
         for request in output.scheduled:
-            state = getattr(request, STATE_ATTRIBUTE)
+            state = request.state
+            if state == active and request.num_computed_tokens >= len(request.prefill_tokens):
+                progress = True  # a decode step (the steady state): one token, never a replay, no event but finish
+                request.num_computed_tokens += 1  # what `advance(1, False)` does: a decode step is progress (A4)
+                produced.append(request)
+                if request.append_token(sampled[request.request_id]):
+                    self._fire(request, "finish")
+                continue
             if state not in computing:
-                continue  # cancelled or aborted since the output was planned
+                if self.in_flight.pop(request.request_id, None) is not None and self._land_preempted(
+                    request, state, sampled
+                ):
+                    produced.append(request)
+                continue  # preempted (its token landed above), cancelled or aborted since the output was planned
             tokens = output.chunk_tokens[request.request_id]
             progress |= request.advance(tokens, state == recomputing)
             if state == recomputing:
                 request.num_recomputed_tokens += tokens
                 recomputed += tokens
-            if request.is_prefilling:
-                continue
-            request.append_token(sampled[request.request_id])
-            generated += 1
+            if request.num_computed_tokens < len(request.prefill_tokens):
+                continue  # mid-(re)prefill: no token yet
+            final = request.append_token(sampled[request.request_id])
             produced.append(request)
             if state == recomputing:
                 self._fire(request, "catch_up")
-            if request.final_token_produced:
+            if final:
                 self._fire(request, "finish")
-        self._last_stats = self._stats(output, recomputed, generated)
+        if self.in_flight:
+            for request_id in output.chunk_tokens:
+                self.in_flight.pop(request_id, None)
+        self._last_stats = self._stats(output, recomputed, generated=len(produced))  # one token per produced
         if progress:
             self._idle_iterations = 0
         return produced
 
     # ------------------------------------------------------------------------------- pipeline, host tier
+    def _land_preempted(self, request: Request, state: str, sampled: Mapping[Hashable, int]) -> bool:
+        """The decode step a request had in flight when a later pass preempted it leaves the last stage; True when
+        its token is kept. Awaiting consensus, it is kept (the replay prompt includes it) and a final one takes
+        `finish`'s self-loop, so consensus terminates the request instead of replaying it (PP-TERMINATE).
+        Suspended (its host copy was taken after the step on every stage), a token is kept unless it is final
+        (a stop token): a suspended request cannot finish, so that step is dropped and recomputed after resume,
+        which samples the same token. After a recompute-pause reset, a cancel or an abort it is dropped."""
+        if state not in (self._pending_reset, self._offloaded):
+            return False
+        token = sampled[request.request_id]  # a decode step: a request with a chunk in flight is no victim
+        if state == self._offloaded and (token in request.stop_token_ids or request.remaining_tokens <= 1):
+            return False
+        request.advance(1, False)
+        if request.append_token(token):
+            self._fire(request, "finish")
+        return True
+
     def reach_consensus(self, request_ids: Collection[Hashable] | None = None) -> list[Request]:
         """Every stage agreed on these pending recompute-pauses (default: all of them): reset them for replay,
         or terminate them if they finished or were cancelled while waiting."""
-        pending = [r for r in self.resident if r.state == self._pending_reset
-                   and (request_ids is None or r.request_id in request_ids)]
+        pending = [
+            r
+            for r in self.resident
+            if r.state == self._pending_reset and (request_ids is None or r.request_id in request_ids)
+        ]
         for request in pending:
             self._fire(request, "consensus")
         return pending
@@ -551,8 +665,11 @@ class Scheduler:
 
         Removing it is refused (`PoolError`, nothing changed) when recompute-pause is disabled under
         `max_utilization`: without either preemption path the scheduler would stall (LIVE-DONE)."""
-        if host_blocks == 0 and not self.config.enable_recompute_pause \
-                and self.config.capacity_policy == "max_utilization":
+        if (
+            host_blocks == 0
+            and not self.config.enable_recompute_pause
+            and self.config.capacity_policy == "max_utilization"
+        ):
             raise PoolError(
                 "cannot remove the host tier while enable_recompute_pause=False: no victim could then be suspended "
                 "or recompute-paused and the scheduler would stall (LIVE-DONE); enable recompute-pause in "
@@ -569,7 +686,7 @@ class Scheduler:
             self.host_tier_fallback = True
         return lost
 
-    def fail_migration(self, output: SchedulerOutput, plan: MigrationPlan) -> Request:
+    def fail_migration(self, output: SchedulerOutput, plan: MigrationPlan) -> FailedMigration:
         """The executor reports that the copies of `plan`, a migration of this iteration's `output`, failed
         (or that the host copy it would read is corrupt): undo the move through spec events, atomically.
 
@@ -578,12 +695,14 @@ class Scheduler:
         * ``to_gpu`` (a resume of this pass): its GPU blocks never received the KV, so the now `running`
           request takes `recompute_pause` (to `recompute_paused`, or `awaiting_consensus` with several stages).
 
-        Either way the plan is withdrawn (spec §4.0): it leaves `output.migrations` and the pool's in-flight set,
-        which frees its fenced source blocks, and the request's destination blocks are released; the request
-        moves from `output.suspended` / `output.resumed` to `output.recompute_paused`, so OUT-DISJOINT and
-        OUT-STATE hold and `check_invariants(output)` passes. Call it before `complete_migrations(output)` and
-        only once the executor no longer touches the plan's blocks. Raises `PoolError` (nothing changed) when
-        `plan` is not an in-flight migration of `output`, or its request is not in the state the plan left it.
+        Either way the plan is withdrawn (spec §4.0): it leaves the pool's in-flight set, which frees its fenced
+        source blocks, and the request's destination blocks are released. `output` itself is not changed: the
+        returned `FailedMigration` is the amendment, and `output.amended(failure)` is the output to carry on with
+        (the plan left `migrations`, the request moved from `suspended` / `resumed` to `recompute_paused`, so
+        OUT-DISJOINT and OUT-STATE hold and `check_invariants` of it passes). Call it before
+        `complete_migrations` and only once the executor no longer touches the plan's blocks. Raises `PoolError`
+        (nothing changed) when `plan` is not an in-flight migration of `output`, or its request is not in the
+        state the plan left it.
         """
         if plan not in output.migrations or plan.plan_id not in self.pool.in_flight:
             raise PoolError(
@@ -601,12 +720,9 @@ class Scheduler:
                 f"{'suspended' if suspend else 'resumed'} in this output; only a suspend or resume of the current "
                 "iteration can fail"
             )
-        output.migrations.remove(plan)
         self.pool.complete(plan)  # withdraw: sources free at once, destinations stay with the request until released
         self._fire(request, event)
-        listed.remove(request)
-        output.recompute_paused.append(request)
-        return request
+        return FailedMigration(plan, request, event)
 
     # -------------------------------------------------------------------------------------------- progress
     def _watch_progress(self) -> None:
@@ -631,7 +747,7 @@ class Scheduler:
         if self._idle_iterations < self.config.no_progress_limit:
             return 0  # not needed yet: only computed once the detector would otherwise fire
         replays = [len(r.prefill_tokens) for r in self.requests.values() if r.num_recompute_pauses]
-        return -(-max(replays, default=0) // self.config.prefill_chunk_size)
+        return ceil_div(max(replays, default=0), self.config.prefill_chunk_size)
 
     # ---------------------------------------------------------------------------------------- observation
     def stats(self) -> IterationStats:
@@ -639,13 +755,8 @@ class Scheduler:
         return self._last_stats
 
     def _stats(self, out: SchedulerOutput, recomputed: int, generated: int) -> IterationStats:
-        counts = {s.name: 0 for s in self.spec.states}
-        pending_kv = 0
-        for request in self.requests.values():
-            counts[request.state] += 1
-            if request.state == self._pending_reset:
-                pending_kv += request.num_computed_tokens
-        counts[self._ended] = len(self.finished)
+        counts = {**self.active_per_state, self._ended: len(self.finished)}
+        pending_kv = sum(r.num_computed_tokens for r in self._awaiting_consensus())
         blocks = sum(p.num_blocks for p in out.migrations)
         usage = self.pool.usage()
         return IterationStats(
@@ -674,18 +785,31 @@ class Scheduler:
     def check_invariants(self, output: SchedulerOutput | None = None) -> None:
         """Raise `InvariantViolation` unless the pool, every request and `output` satisfy the spec's invariants."""
         self.pool.check_invariants()
+        walked = dict.fromkeys(self.active_per_state, 0)
         for request in self.requests.values():
+            walked[request.state] += 1
             gpu = len(self.pool.gpu_blocks(request.request_id))
             host = len(self.pool.host_blocks(request.request_id))
             residency = self.spec.residency(request.state)
             if (gpu, host) != (request.num_gpu_blocks, request.num_host_blocks):
-                raise InvariantViolation("RES-STATE", f"request {request.request_id!r} records {request.num_gpu_blocks}"
-                                         f"/{request.num_host_blocks} blocks, the pool says {gpu}/{host}")
+                raise InvariantViolation(
+                    "RES-STATE",
+                    f"request {request.request_id!r} records {request.num_gpu_blocks}"
+                    f"/{request.num_host_blocks} blocks, the pool says {gpu}/{host}",
+                )
             if (residency != "gpu" and gpu) or (residency != "host" and host):
-                raise InvariantViolation("RES-STATE", f"request {request.request_id!r} in {request.state} holds "
-                                         f"{gpu} GPU and {host} host blocks")
+                raise InvariantViolation(
+                    "RES-STATE",
+                    f"request {request.request_id!r} in {request.state} holds {gpu} GPU and {host} host blocks",
+                )
             if residency == "host" and not self.pool.has_host_tier:
-                raise InvariantViolation("NO-HOST-NO-SUSPEND", f"request {request.request_id!r} is suspended without a host tier")
+                raise InvariantViolation(
+                    "NO-HOST-NO-SUSPEND", f"request {request.request_id!r} is suspended without a host tier"
+                )
+        if walked != self.active_per_state:
+            raise InvariantViolation(
+                "STATS-COUNT", f"requests per state are {walked}, the scheduler counts {self.active_per_state}"
+            )
         for request in self.finished.values():
             if self.pool.gpu_blocks(request.request_id) or self.pool.host_blocks(request.request_id):
                 raise InvariantViolation("RES-STATE", f"finished request {request.request_id!r} still holds blocks")
@@ -698,8 +822,10 @@ class Scheduler:
         ids = list(request_ids)
         missing = [rid for rid in ids if rid not in self.finished]
         if missing:
-            raise UnknownRequestId(f"cannot forget requests {missing[:5]!r}: they are not finished (active, unknown "
-                                   "or already forgotten); forget only ids from `finished`")
+            raise UnknownRequestId(
+                f"cannot forget requests {missing[:5]!r}: they are not finished (active, unknown "
+                "or already forgotten); forget only ids from `finished`"
+            )
         return [self.finished.pop(rid) for rid in ids]
 
 
@@ -711,16 +837,20 @@ def check_output(output: SchedulerOutput, spec: Spec | None = None) -> None:
     for name, requests in output.lists():
         for request in requests:
             if id(request) in seen:
-                raise InvariantViolation("OUT-DISJOINT", f"request {request.request_id!r} is in both "
-                                         f"{seen[id(request)]!r} and {name!r}")
+                raise InvariantViolation(
+                    "OUT-DISJOINT", f"request {request.request_id!r} is in both {seen[id(request)]!r} and {name!r}"
+                )
             seen[id(request)] = name
     terminal = set(spec.terminal_states)
     for name, requests in output.lists():
         allowed = spec.list_states[name]
         for request in requests:
             if request.state not in allowed and request.state not in terminal:
-                raise InvariantViolation("OUT-STATE", f"request {request.request_id!r} in list {name!r} is "
-                                         f"{request.state}, expected one of {tuple(sorted(allowed))}")
+                raise InvariantViolation(
+                    "OUT-STATE",
+                    f"request {request.request_id!r} in list {name!r} is "
+                    f"{request.state}, expected one of {tuple(sorted(allowed))}",
+                )
 
 
 class _Effects:

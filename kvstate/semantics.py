@@ -9,16 +9,19 @@ holds the spec's names against: a name with no semantics, or semantics no transi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Protocol
+from collections.abc import Callable, Hashable, Mapping
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from kvstate.spec import Transition
+if TYPE_CHECKING:  # annotations only: the spec layer imports this module (through kvstate.validate)
+    from kvstate.spec import Transition
 
 
 class RequestView(Protocol):
     """What guards may read of a request."""
 
-    request_id: object
+    @property
+    def request_id(self) -> Hashable:
+        """The request's id (read only)."""
 
     @property
     def blocks_for_first_chunk(self) -> int:
@@ -73,8 +76,9 @@ class PoolView(Protocol):
         """The scheduling pass under way (None between passes)."""
 
     @property
-    def promotion_worth(self) -> int:
-        """KV tokens a promotion under way may still throw away: the victim's KV minus what was promoted for it."""
+    def promotion_worth(self) -> float:
+        """KV tokens a promotion under way may still throw away: the victim's KV minus what was promoted for it
+        (`inf` where no pass bounds it, as in the abstract model)."""
 
 
 Guard = Callable[[RequestView, PoolView], bool]
@@ -95,7 +99,7 @@ def host_room_for_all_blocks(request: RequestView, pool: PoolView) -> bool:
     return pool.has_host_tier and pool.host_free_blocks >= request.num_gpu_blocks
 
 
-def promotion_saves_kv(promoted_kv_tokens: int, victim_kv_tokens: int) -> bool:
+def promotion_saves_kv(promoted_kv_tokens: float, victim_kv_tokens: float) -> bool:
     """The worth rule of promotion: throwing away the promoted KV costs less than recomputing the victim's."""
     return promoted_kv_tokens < victim_kv_tokens
 
@@ -158,28 +162,31 @@ GUARDS: Mapping[str, Guard] = {
 }
 
 
-class EffectHooks(Protocol):
+R_contra = TypeVar("R_contra", bound=RequestView, contravariant=True)  # the request records a layer's hooks take
+
+
+class EffectHooks(Protocol[R_contra]):
     """The effects a layer must implement; each is called after the state change with the edge taken."""
 
-    def allocate_first_chunk(self, request: RequestView, transition: Transition) -> None:
+    def allocate_first_chunk(self, request: R_contra, transition: Transition) -> None:
         """Allocate GPU blocks for the first prefill chunk (of the prompt, or of the replay prompt)."""
 
-    def migrate_to_host(self, request: RequestView, transition: Transition) -> None:
+    def migrate_to_host(self, request: R_contra, transition: Transition) -> None:
         """Plan copies of every GPU block to fresh host blocks; fence the GPU sources until the copies complete."""
 
-    def migrate_to_gpu(self, request: RequestView, transition: Transition) -> None:
+    def migrate_to_gpu(self, request: R_contra, transition: Transition) -> None:
         """Plan copies of every host block to fresh GPU blocks; fence the host sources until the copies complete."""
 
-    def release_kv_and_reset(self, request: RequestView, transition: Transition) -> None:
+    def release_kv_and_reset(self, request: R_contra, transition: Transition) -> None:
         """Free every block the request holds in either tier and reset it for replay (SPEC.md, reset for replay)."""
 
-    def hold_for_consensus(self, request: RequestView, transition: Transition) -> None:
+    def hold_for_consensus(self, request: R_contra, transition: Transition) -> None:
         """Keep the request's GPU blocks, take it out of every batch and announce the pause to all stages."""
 
-    def release_kv_and_terminate(self, request: RequestView, transition: Transition) -> None:
+    def release_kv_and_terminate(self, request: R_contra, transition: Transition) -> None:
         """Free every block the request holds and record its done reason."""
 
-    def defer_termination(self, request: RequestView, transition: Transition) -> None:
+    def defer_termination(self, request: R_contra, transition: Transition) -> None:
         """Record the finish, cancel or abort reason; consensus will terminate the request instead of replaying it."""
 
 

@@ -5,18 +5,27 @@ the request's GPU block table, migrations copy slots between tiers, and the prod
 function of the tokens *read back* from the block table — so a lost, stale or misplaced block changes the
 output, just as garbled KV would in a real engine. `reference_output` runs one request alone with unlimited
 memory: OUT-EQUIV says every finished output equals it.
+
+With `micro_batches` > 1 it models a pipeline with that many micro-batches in flight: a scheduled output is carried
+out at once (the stages run micro-batches in order, so its KV writes and copies happen before any later pass's:
+its copies are complete for every later pass, as the pipeline runtime reports them), but its tokens land only when
+it leaves the last stage, when `Scheduler.must_land` says so; a pending recompute-pause is agreed once the pass that
+announced it has landed (every stage retired it).
 """
 
 from __future__ import annotations
 
 import zlib
 from array import array
+from collections import deque
 from collections.abc import Hashable, Sequence
+from typing import cast
 
 from kvstate.errors import InvariantViolation
 from kvstate.output import SchedulerOutput, planned_chunks
-from kvstate.pool import TO_HOST
+from kvstate.pool import TO_HOST, MigrationPlan
 from kvstate.scheduler import Scheduler
+from kvstate.step import Step
 
 DEFAULT_VOCAB = 1000
 
@@ -26,10 +35,11 @@ def next_token(context: Sequence[int], vocab: int = DEFAULT_VOCAB) -> int:
     return zlib.crc32(array("q", context).tobytes()) % vocab
 
 
-def reference_output(prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
-                     vocab: int = DEFAULT_VOCAB) -> list[int]:
+def reference_output(
+    prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = (), vocab: int = DEFAULT_VOCAB
+) -> list[int]:
     """The output of one request run alone with unlimited memory."""
-    context, out = list(prompt), []
+    context, out = list(prompt), list[int]()
     while len(out) < max_new_tokens:
         token = next_token(context, vocab)
         out.append(token)
@@ -40,16 +50,28 @@ def reference_output(prompt: Sequence[int], max_new_tokens: int, stop_token_ids:
 
 
 class SimExecutor:
-    """Carries out scheduler outputs on slot-level KV contents.
+    """Carries out scheduler outputs on slot-level KV contents, one `kvstate.step.Step` at a time.
 
     Invariant kept: after every step, the slots of each running request's block table hold exactly the tokens
-    it has computed, in order. A never-written slot raises OUT-EQUIV at once; a slot holding a wrong token
-    changes the produced token, which the comparison with `reference_output` catches.
+    it has computed, in order (with micro-batches in flight: also those of its step still in flight). A
+    never-written slot raises OUT-EQUIV at once; a slot holding a wrong token changes the produced token, which
+    the comparison with `reference_output` catches.
     """
 
-    def __init__(self, scheduler: Scheduler, vocab: int = DEFAULT_VOCAB, *, complete_fences: bool = True,
-                 check_invariants: bool = True) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        vocab: int = DEFAULT_VOCAB,
+        *,
+        complete_fences: bool = True,
+        check_invariants: bool = True,
+        micro_batches: int = 1,
+    ) -> None:
         self.scheduler = scheduler
+        self.micro_batches = micro_batches
+        self.pipeline: deque[tuple[Step, dict[Hashable, int]]] = deque()  # carried out, not landed
+        if micro_batches > 1:
+            scheduler.track_in_flight(micro_batches)
         self.vocab = vocab
         self.complete_fences = complete_fences
         self.check_invariants = check_invariants
@@ -63,23 +85,48 @@ class SimExecutor:
         self.host = [[None] * size for _ in range(self.scheduler.pool.host.capacity)]
 
     def step(self) -> SchedulerOutput:
-        """Schedule, migrate, compute and complete one iteration."""
+        """Land what must land first (`Scheduler.must_land`), then one `kvstate.step.Step`: schedule, copy, compute
+        (landed at once with one micro-batch). Returns the output carried out."""
         scheduler = self.scheduler
+        while scheduler.must_land(len(self.pipeline)):
+            self.land()
         if scheduler.pool.pipeline_stages > 1:
-            scheduler.reach_consensus()
-        out = scheduler.schedule()
+            scheduler.reach_consensus(self.agreed())
+        step: Step[MigrationPlan] = Step.begin(scheduler)
         if self.check_invariants:
-            scheduler.check_invariants(out)
-        for plan in out.migrations:
-            source, dest = (self.gpu, self.host) if plan.direction == TO_HOST else (self.host, self.gpu)
-            for src, dst in plan.pairs:
-                dest[dst] = list(source[src])
-        if self.complete_fences:
-            scheduler.complete_migrations(out)
-        scheduler.complete_step(out, self.compute(out))
+            scheduler.check_invariants(step.output)
+        for plan in step.to_issue():
+            step.issued(plan, self.copy(plan))
+        if self.complete_fences:  # copied when issued: stages run micro-batches in order, so before any later one
+            for plan, _ in step.to_wait():
+                step.waited(plan)
+            step.complete_migrations()
+        self.pipeline.append((step, self.compute(step.output)))
+        if self.micro_batches == 1:
+            self.land()
+        return step.output
+
+    def land(self) -> SchedulerOutput:
+        """The oldest micro-batch in flight leaves the last stage: its tokens land."""
+        step, sampled = self.pipeline.popleft()
+        step.finish(sampled)
         if self.check_invariants:
-            scheduler.check_invariants()
-        return out
+            self.scheduler.check_invariants()
+        return step.output
+
+    def copy(self, plan: MigrationPlan) -> MigrationPlan:
+        """Copy `plan`'s slots between tiers (synchronously: complete when this returns; the plan is its fence)."""
+        source, dest = (self.gpu, self.host) if plan.direction == TO_HOST else (self.host, self.gpu)
+        for src, dst in plan.pairs:
+            dest[dst] = list(source[src])
+        return plan
+
+    def agreed(self) -> list[Hashable] | None:
+        """Pending recompute-pauses every stage has retired (None: all of them, nothing is in flight)."""
+        if not self.pipeline:
+            return None
+        announced = {r.request_id for step, _ in self.pipeline for r in step.output.recompute_paused}
+        return [rid for rid in self.scheduler.requests if rid not in announced]
 
     def compute(self, out: SchedulerOutput) -> dict[Hashable, int]:
         """The forward pass of `out`: write each chunk's tokens into its KV slots, read the whole context back
@@ -94,9 +141,12 @@ class SimExecutor:
                 continue
             context = [self.gpu[table[pos // size]][pos % size] for pos in range(chunk.start + len(chunk.tokens))]
             if None in context:
-                raise InvariantViolation("OUT-EQUIV", f"request {chunk.request.request_id!r} reads KV that was never "
-                                         f"written (position {context.index(None)}); a block was lost or misplaced")
-            sampled[chunk.request.request_id] = next_token(context, self.vocab)
+                raise InvariantViolation(
+                    "OUT-EQUIV",
+                    f"request {chunk.request.request_id!r} reads KV that was never "
+                    f"written (position {context.index(None)}); a block was lost or misplaced",
+                )
+            sampled[chunk.request.request_id] = next_token(cast("list[int]", context), self.vocab)
         return sampled
 
     def run(self, max_iterations: int = 100_000) -> dict[Hashable, list[int]]:
@@ -105,4 +155,6 @@ class SimExecutor:
             if not self.scheduler.has_unfinished:
                 break
             self.step()
+        while self.pipeline:
+            self.land()
         return {rid: list(r.generated) for rid, r in self.scheduler.finished.items()}

@@ -11,6 +11,8 @@ from importlib import resources
 from pathlib import Path
 
 from kvstate.errors import SpecError
+from kvstate.untrusted import Limits, UntrustedFileError, read_toml
+from kvstate.validate import validate_spec
 
 RESIDENCIES = ("gpu", "host", "none")
 INVARIANT_SCOPES = ("state", "step", "pass", "run", "liveness")
@@ -23,9 +25,9 @@ class State:
     """A lifecycle state. `residency` names the only tier that may hold the request's KV in this state.
 
     `role` says what the state is for (`kvstate.roles.ROLES`; each role names exactly one state; "" for a state
-    that plays none), so code finds states by role, never by name. `computing`: a request in it computes in a forward pass; `victim`: it may be
-    chosen as a victim; `container`: the scheduler queue holding it; `chunk_lists`: for a computing state, the
-    output list of its prefill chunks and of its decode steps.
+    that plays none), so code finds states by role, never by name. `computing`: a request in it computes in a
+    forward pass; `victim`: it may be chosen as a victim; `container`: the scheduler queue holding it;
+    `chunk_lists`: for a computing state, the output list of its prefill chunks and of its decode steps.
     """
 
     name: str
@@ -131,8 +133,8 @@ class Spec:
     events: tuple[Event, ...]
     exclusive_guards: tuple[ExclusiveGuards, ...]
     invariants: tuple[Invariant, ...]
-    output_lists: tuple[OutputList, ...] = ()
-    policy: Policy | None = None
+    output_lists: tuple[OutputList, ...]
+    policy: Policy
     source: str = "<memory>"
 
     @cached_property
@@ -191,6 +193,25 @@ class Spec:
         """Events the environment decides (users, faults): no fairness, never progress."""
         return frozenset(e.name for e in self.events if e.origin == "environment")
 
+    @cached_property
+    def successors(self) -> dict[str, frozenset[str]]:
+        """State -> the states one transition from it leads to (states without a transition map to nothing)."""
+        found: dict[str, set[str]] = {s.name: set() for s in self.states}
+        for t in self.transitions:
+            found.setdefault(t.source, set()).add(t.dest)
+        return {state: frozenset(dests) for state, dests in found.items()}
+
+    def reachable_from(self, start: str) -> frozenset[str]:
+        """`start` and every state that a path of transitions leads to from it (the one reachability search)."""
+        graph = self.successors
+        seen, frontier = {start}, [start]
+        while frontier:
+            for nxt in graph.get(frontier.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    frontier.append(nxt)
+        return frozenset(seen)
+
     def states_with_residency(self, residency: str) -> tuple[str, ...]:
         return tuple(s.name for s in self.states if s.residency == residency)
 
@@ -218,8 +239,6 @@ def load_spec(path: str | Path | None = None, *, validate: bool = True) -> Spec:
     Raises `SpecError` naming the file and the offending entry when the file cannot be parsed or fails
     a check of `kvstate.validate.validate_spec`.
     """
-    from kvstate.untrusted import Limits, UntrustedFileError, read_toml
-
     source = Path(path) if path is not None else packaged_spec_path()
     try:  # a spec may come from anyone: bounded size, nesting and integers; every failure names the file
         data = read_toml(source, Limits(max_bytes=1 << 20, max_depth=16), "spec file")
@@ -227,8 +246,6 @@ def load_spec(path: str | Path | None = None, *, validate: bool = True) -> Spec:
         raise SpecError(str(err)) from (err.__cause__ or err)
     spec = parse_spec(data, source=str(source))
     if validate:
-        from kvstate.validate import validate_spec
-
         validate_spec(spec)
     return spec
 
@@ -284,13 +301,15 @@ class _Reader:
             raise self.fail(f"[[{key}]]", f"expected an array of tables [[{key}]]")
         return value
 
-    def string(self, entry: dict, key: str, where: str, *, required: bool = True) -> str | None:
+    def string(self, entry: dict, key: str, where: str) -> str:
         value = entry.get(key)
-        if value is None and not required:
-            return None
         if not isinstance(value, str) or not value:
             raise self.fail(where, f"'{key}' must be a non-empty string, got {value!r}")
         return value
+
+    def optional_string(self, entry: dict, key: str, where: str) -> str | None:
+        """`string`, or None when the entry leaves `key` out."""
+        return None if entry.get(key) is None else self.string(entry, key, where)
 
     def strings(self, entry: dict, key: str, where: str) -> list[str]:
         value = entry.get(key)
@@ -331,11 +350,16 @@ class _Reader:
             residency=residency,
             meaning=self.string(entry, "meaning", where),
             terminal=self.boolean(entry, "terminal", where, False),
-            role=self.string(entry, "role", where, required=False) or "",
+            role=self.optional_string(entry, "role", where) or "",
             computing=self.boolean(entry, "computing", where, False),
             victim=self.boolean(entry, "victim", where, False),
-            container=(self.choice(entry, "container", where, CONTAINERS) if "container" in entry
-                       else "finished" if entry.get("terminal") is True else ""),
+            container=(
+                self.choice(entry, "container", where, CONTAINERS)
+                if "container" in entry
+                else "finished"
+                if entry.get("terminal") is True
+                else ""
+            ),
             chunk_lists=tuple(sorted(lists.items())),
         )
 
@@ -343,7 +367,7 @@ class _Reader:
         name = self.string(entry, "name", f"events[{index}]")
         where = f"event {name!r}"
         destructive = self.boolean(entry, "destructive", where, False)
-        done_reason = self.string(entry, "done_reason", where, required=False)
+        done_reason = self.optional_string(entry, "done_reason", where)
         edges = entry.get("transitions")
         if not isinstance(edges, list) or not edges or not all(isinstance(e, dict) for e in edges):
             raise self.fail(where, "'transitions' must be a non-empty list of {source, dest, guard, effect} tables")
@@ -352,8 +376,8 @@ class _Reader:
                 event=name,
                 source=source,
                 dest=self.string(edge, "dest", f"{where} transition {i}"),
-                guard=self.string(edge, "guard", f"{where} transition {i}", required=False),
-                effect=self.string(edge, "effect", f"{where} transition {i}", required=False),
+                guard=self.optional_string(edge, "guard", f"{where} transition {i}"),
+                effect=self.optional_string(edge, "effect", f"{where} transition {i}"),
                 destructive=destructive,
                 done_reason=done_reason,
             )
@@ -367,8 +391,8 @@ class _Reader:
             transitions=transitions,
             done_reason=done_reason,
             origin=self.choice(entry, "origin", where, ORIGINS) if "origin" in entry else "scheduler",
-            feeds=self.string(entry, "feeds", where, required=False),
-            production_name=self.string(entry, "production_name", where, required=False) or "",
+            feeds=self.optional_string(entry, "feeds", where),
+            production_name=self.optional_string(entry, "production_name", where) or "",
         )
 
     def output_list(self, entry: dict, index: int) -> OutputList:
@@ -377,7 +401,7 @@ class _Reader:
             name=self.string(entry, "name", where),
             states=tuple(self.strings(entry, "states", where)),
             meaning=self.string(entry, "meaning", where),
-            production_name=self.string(entry, "production_name", where, required=False) or "",
+            production_name=self.optional_string(entry, "production_name", where) or "",
         )
 
     def policy(self, entry: dict) -> Policy:
@@ -392,8 +416,11 @@ class _Reader:
             admission_rules=tuple(self.strings(entry, "admission_rules", where)),
             room_on_its_way=self.string(entry, "room_on_its_way", where),
             work_conservation=self.boolean(entry, "work_conservation", where, True),
-            readmissions_keeping_admission=tuple(entry.get("readmissions_keeping_admission") and
-                                                 self.strings(entry, "readmissions_keeping_admission", where) or ()),
+            readmissions_keeping_admission=(
+                tuple(self.strings(entry, "readmissions_keeping_admission", where))
+                if entry.get("readmissions_keeping_admission")
+                else ()
+            ),
             progress=self.string(entry, "progress", where),
         )
 
@@ -402,4 +429,6 @@ class _Reader:
         scope = self.string(entry, "scope", where)
         if scope not in INVARIANT_SCOPES:
             raise self.fail(where, f"scope {scope!r} is not one of {', '.join(INVARIANT_SCOPES)}")
-        return Invariant(id=self.string(entry, "id", where), scope=scope, statement=self.string(entry, "statement", where))
+        return Invariant(
+            id=self.string(entry, "id", where), scope=scope, statement=self.string(entry, "statement", where)
+        )

@@ -1,8 +1,8 @@
 """A reusable Hypothesis conformance machine: fuzz any scheduler against the lifecycle specification.
 
 The system under test is reached only through a small adapter (`SchedulerAdapter`), so one machine tests many
-schedulers (zarr's stateful store test takes its store the same way). `conformance_machine(factory)` returns a
-`RuleBasedStateMachine` class whose rules submit valid requests (one, or a burst of 2-4) and invalid ones,
+schedulers (zarr's stateful store test takes its store the same way). `ConformanceMachine` is a
+`RuleBasedStateMachine` whose rules submit valid requests (one, or a burst of 2-4) and invalid ones,
 step (a few iterations, or until some request reaches a given state), cancel a request in any state, make the
 host tier disappear and reappear, and drain; after every rule (and after every step inside a rule) it
 checks, with ids taken from the spec:
@@ -25,20 +25,31 @@ Python given the machine class and `Submission`.
 
 Hypothesis profiles: importing this module registers `ci` (bounded and derandomized: 40 examples, prints a
 replayable blob on failure; the default test run), `thorough` (the same with 200 examples; CI runs the stateful
-suite with it after the default run), `dev` (40 examples) and `long` (5,000 examples, for soaks), none with a per-example
-deadline, and loads the one named by the environment variable KVSTATE_HYPOTHESIS_PROFILE (default: `ci` when CI is
-set, else `dev`), unless another profile than Hypothesis' default is already loaded and the variable is unset.
-Machines built here also run without a deadline whatever profile is loaded (a scheduler step may be slow), and draw
-token ids below the adapter's `vocab_size` when it has one.
+suite with it after the default run), `dev` (40 examples) and `long` (5,000 examples, for soaks), none with a
+per-example deadline, and loads the one named by the environment variable KVSTATE_HYPOTHESIS_PROFILE (default:
+`ci` when CI is set, else `dev`), unless another profile than Hypothesis' default is already loaded and the variable
+is unset.
+Machines bound to an adapter also run without a deadline whatever profile is loaded (a scheduler step may be slow),
+and draw token ids below the adapter's `vocab_size` when it has one.
 
-Usage::
+Usage: subclass `ConformanceMachine` and give it the adapter (and optionally a `MachineConfig`); add rules or
+checks of your own in the subclass::
 
     from kvstate.config import SchedulerConfig
-    from kvstate.testing import KVStateAdapter, conformance_machine
+    from kvstate.testing import ConformanceMachine, KVStateAdapter, MachineConfig
 
-    Machine = conformance_machine(lambda: KVStateAdapter(SchedulerConfig(gpu_blocks=16, host_blocks=16,
-                                                                         block_size=4)), name="Machine")
+
+    class Machine(ConformanceMachine):
+        adapter_factory = staticmethod(
+            lambda: KVStateAdapter(SchedulerConfig(gpu_blocks=16, host_blocks=16, block_size=4))
+        )
+        config = MachineConfig(max_new_tokens=8)
+
+
     TestMachine = Machine.TestCase
+
+`ConformanceMachine.bind(factory, name="Machine", **config)` (or `conformance_machine(...)`, the same) makes such a
+subclass in one call.
 """
 
 from __future__ import annotations
@@ -46,9 +57,10 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import types
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from hypothesis import HealthCheck, note, settings
 from hypothesis import strategies as st
@@ -58,29 +70,35 @@ from hypothesis.stateful import Bundle, MultipleResults, RuleBasedStateMachine, 
 
 from kvstate.config import SchedulerConfig
 from kvstate.errors import InvariantViolation, KVStateError
+from kvstate.pool import ceil_div
 from kvstate.scheduler import Scheduler
 from kvstate.sim import DEFAULT_VOCAB, SimExecutor, reference_output
 from kvstate.spec import Spec, load_spec
 
 __all__ = [
-    "PROFILE_ENV",
     "PROFILES",
+    "PROFILE_ENV",
+    "USAGE_KEYS",
     "AdapterContractError",
+    "ConformanceMachine",
     "KVStateAdapter",
     "LifecycleViolation",
+    "MachineBinding",
+    "MachineConfig",
     "SchedulerAdapter",
     "Submission",
-    "USAGE_KEYS",
     "conformance_machine",
 ]
 
 # ---------------------------------------------------------------------------------------------- profiles
 PROFILE_ENV = "KVSTATE_HYPOTHESIS_PROFILE"
 PROFILES = {
-    "ci": settings(derandomize=True, max_examples=40, deadline=None, print_blob=True,
-                   suppress_health_check=[HealthCheck.too_slow]),
-    "thorough": settings(derandomize=True, max_examples=200, deadline=None, print_blob=True,
-                         suppress_health_check=[HealthCheck.too_slow]),
+    "ci": settings(
+        derandomize=True, max_examples=40, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
+    ),
+    "thorough": settings(
+        derandomize=True, max_examples=200, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
+    ),
     "dev": settings(max_examples=40, deadline=None),
     "long": settings(max_examples=5000, deadline=None),
 }
@@ -95,20 +113,37 @@ def _load_profile() -> None:
         return  # the caller loaded a profile of their own
     chosen = chosen or ("ci" if os.environ.get("CI") else "dev")
     if chosen not in PROFILES:
-        raise ValueError(f"{PROFILE_ENV}={chosen!r} names no kvstate Hypothesis profile; use one of "
-                         f"{', '.join(PROFILES)}")
+        raise ValueError(
+            f"{PROFILE_ENV}={chosen!r} names no kvstate Hypothesis profile; use one of {', '.join(PROFILES)}"
+        )
     settings.load_profile(chosen)
 
 
 _load_profile()
 
 # Keys every `block_usage()` mapping must have.
-USAGE_KEYS = ("gpu_capacity", "gpu_free", "gpu_held", "gpu_fenced", "host_capacity", "host_free", "host_held",
-              "host_fenced")
+USAGE_KEYS = (
+    "gpu_capacity",
+    "gpu_free",
+    "gpu_held",
+    "gpu_fenced",
+    "host_capacity",
+    "host_free",
+    "host_held",
+    "host_fenced",
+)
 
 # Spec invariants this machine checks; each must exist in the spec the machine is built from.
-_CHECKED_INVARIANTS = ("CONS-GPU", "CONS-HOST", "RES-STATE", "NO-HOST-NO-SUSPEND", "GEN-APPEND", "OUT-EQUIV",
-                       "LIVE-DONE", "LIVE-REFUSE")
+_CHECKED_INVARIANTS = (
+    "CONS-GPU",
+    "CONS-HOST",
+    "RES-STATE",
+    "NO-HOST-NO-SUSPEND",
+    "GEN-APPEND",
+    "OUT-EQUIV",
+    "LIVE-DONE",
+    "LIVE-REFUSE",
+)
 
 
 class LifecycleViolation(KVStateError, AssertionError):
@@ -129,7 +164,7 @@ class SchedulerAdapter(Protocol):
             alone; the machine submits requests up to exactly this size and expects larger ones refused.
         block_size: tokens per KV block (used for edge-size prompts and block bounds).
         vocab_size (optional): token ids the scheduler accepts are below it; the machine draws prompt and stop
-            tokens from that range (default `kvstate.sim.DEFAULT_VOCAB`, or `conformance_machine(vocab_size=...)`).
+            tokens from that range (default `kvstate.sim.DEFAULT_VOCAB`, or `MachineConfig(vocab_size=...)`).
 
     Every method is called between iterations, never during one. Request ids are any hashable values the
     adapter picks; they must stay unique for the adapter's lifetime.
@@ -260,8 +295,14 @@ class Submission:
         printer.text(repr(self))
 
 
-def _valid_submissions(capacity: int, block_size: int, vocab: int, max_new: int, max_stops: int,
-                       reference: Callable[[Sequence[int], int, Sequence[int]], list[int]]) -> st.SearchStrategy:
+def _valid_submissions(
+    capacity: int,
+    block_size: int,
+    vocab: int,
+    max_new: int,
+    max_stops: int,
+    reference: Callable[[Sequence[int], int, Sequence[int]], list[int]],
+) -> st.SearchStrategy:
     """Requests that fit the GPU tier alone, with edge sizes over-represented: one-token prompts, exactly one
     block, one block plus one token, and the largest prompt that fits; max_new_tokens 1 often; stop tokens
     that are random or taken from the reference output (so requests stop early); prompts that begin with a stem
@@ -314,14 +355,16 @@ class _SpecModel:
         self.live_states = tuple(s.name for s in spec.states if not s.terminal)
         if not self.terminal:
             raise ValueError(f"spec {spec.name!r} has no terminal state; LIVE-DONE needs one")
-        self.reach = self._closure_from(spec)
+        self.reach = {s: spec.reachable_from(s) for s in self.states}
         self.initial_reach = self.reach[spec.initial]
-        self.successors = {s: sorted({t.dest for t in spec.transitions if t.source == s}) for s in self.states}
+        self.successors = {s: sorted(spec.successors.get(s, ())) for s in self.states}
         self.gpu_states = frozenset(spec.states_with_residency("gpu"))
         self.host_states = frozenset(spec.states_with_residency("host"))
         if cancel_event not in spec.event_by_name:
-            raise ValueError(f"spec {spec.name!r} has no event {cancel_event!r}; pass cancel_event= naming the "
-                             f"event that cancels a request (events: {', '.join(spec.event_by_name)})")
+            raise ValueError(
+                f"spec {spec.name!r} has no event {cancel_event!r}; pass cancel_event= naming the "
+                f"event that cancels a request (events: {', '.join(spec.event_by_name)})"
+            )
         self.cancel_event = cancel_event
         self.cancel_dests: dict[str, frozenset[str]] = {}
         for t in spec.event_by_name[cancel_event].transitions:
@@ -329,28 +372,15 @@ class _SpecModel:
         by_id = {inv.id: inv for inv in spec.invariants}
         missing = [i for i in _CHECKED_INVARIANTS if i not in by_id]
         if missing:
-            raise ValueError(f"spec {spec.name!r} ({spec.source}) lacks invariants {', '.join(missing)} that the "
-                             "conformance machine checks; add them to the spec or use the packaged one")
+            raise ValueError(
+                f"spec {spec.name!r} ({spec.source}) lacks invariants {', '.join(missing)} that the "
+                "conformance machine checks; add them to the spec or use the packaged one"
+            )
         self.invariants = {i: by_id[i] for i in _CHECKED_INVARIANTS}
 
-    @staticmethod
-    def _closure_from(spec: Spec) -> dict[str, frozenset[str]]:
-        edges: dict[str, set[str]] = {s.name: set() for s in spec.states}
-        for t in spec.transitions:
-            edges[t.source].add(t.dest)
-        closure = {}
-        for start in edges:
-            seen, todo = {start}, [start]
-            while todo:
-                for nxt in edges[todo.pop()]:
-                    if nxt not in seen:
-                        seen.add(nxt)
-                        todo.append(nxt)
-            closure[start] = frozenset(seen)
-        return closure
-
     def violation(self, invariant_id: str, detail: str) -> InvariantViolation:
-        return InvariantViolation(invariant_id, f"{detail}. [{invariant_id}: {self.invariants[invariant_id].statement}]")
+        statement = self.invariants[invariant_id].statement
+        return InvariantViolation(invariant_id, f"{detail}. [{invariant_id}: {statement}]")
 
 
 def _note(text: str) -> None:
@@ -372,304 +402,477 @@ def _guarded(method: Callable) -> Callable:
     return run
 
 
-def _blocks(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
+# ------------------------------------------------------------------------------------------ configuration
+@dataclass(frozen=True)
+class MachineConfig:
+    """How a conformance machine drives its adapter; every field has a default.
 
-
-# ----------------------------------------------------------------------------------------------- factory
-def conformance_machine(
-    adapter_factory: Callable[[], SchedulerAdapter],
-    *,
-    spec: Spec | None = None,
-    name: str | None = None,
-    vocab_size: int | None = None,
-    max_new_tokens: int | None = None,
-    max_stop_tokens: int = 2,
-    max_steps_per_rule: int = 8,
-    liveness_base: int = 50,
-    liveness_per_token: int = 20,
-    cancel_event: str = "cancel",
-) -> type[RuleBasedStateMachine]:
-    """Build a `RuleBasedStateMachine` class that checks the scheduler behind `adapter_factory()` against `spec`.
-
-    `adapter_factory` is called once per test case (and once now, for a probe that supplies the capacity, the
-    block size and reference outputs to the data strategies). `name` names the class in printed step lists
-    (give it the name you bind the class to, so the list replays as written). `max_new_tokens` caps generated
-    tokens per request (default: half the GPU token capacity). Token ids are drawn below `vocab_size` (default: the
-    adapter's `vocab_size` attribute, else `kvstate.sim.DEFAULT_VOCAB`). Use `.TestCase` for unittest/pytest; it runs
-    under the loaded profile with no per-example deadline (assign `.TestCase.settings` to change that).
+    `spec`: the specification held against (default: the packaged one). `vocab_size`: token ids are drawn below
+    it (default: the adapter's `vocab_size` attribute, else `kvstate.sim.DEFAULT_VOCAB`). `max_new_tokens`: the
+    most tokens one request may generate (default: half the GPU token capacity). `max_stop_tokens`: stop tokens
+    per request. `max_steps_per_rule`: iterations one `step` rule runs at most. `liveness_base`,
+    `liveness_per_token`: LIVE-DONE's bound once arrivals stop, in steps (base + per_token x the tokens of the
+    unfinished requests). `cancel_event`: the spec event that cancels a request.
     """
-    model = _SpecModel(spec if spec is not None else _packaged_spec(), cancel_event)
-    probe = adapter_factory()
-    if not isinstance(probe, SchedulerAdapter):
-        missing = [m for m in ("gpu_token_capacity", "block_size", "submit", "step", "cancel", "states", "outputs",
-                               "block_usage", "check_invariants", "set_host_capacity", "reference")
-                   if not hasattr(probe, m)]
-        raise TypeError(f"adapter_factory() returned {type(probe).__name__}, which lacks {', '.join(missing)} of "
-                        "kvstate.testing.SchedulerAdapter; implement them")
-    capacity, block_size = int(probe.gpu_token_capacity), int(probe.block_size)
-    if capacity < 2 or block_size < 1:
-        raise ValueError(f"gpu_token_capacity={capacity} and block_size={block_size}: the GPU tier must fit at "
-                         "least a one-token prompt plus one new token")
-    initial_host = int(probe.block_usage()["host_capacity"])
-    if vocab_size is None:
-        vocab_size = int(getattr(probe, "vocab_size", DEFAULT_VOCAB))
-    if vocab_size < 1:
-        raise ValueError(f"vocab_size={vocab_size}: token ids are drawn from range(vocab_size), so it must be >= 1")
-    max_new = max(1, min(max_new_tokens or capacity // 2, capacity - 1))
-    valid = _valid_submissions(capacity, block_size, vocab_size, max_new, max_stop_tokens, probe.reference)
-    invalid = _invalid_submissions(capacity, vocab_size)
-    steps = st.integers(1, max(1, max_steps_per_rule))
 
-    class ConformanceMachine(RuleBasedStateMachine):
-        requests = Bundle("requests")
+    spec: Spec | None = None
+    vocab_size: int | None = None
+    max_new_tokens: int | None = None
+    max_stop_tokens: int = 2
+    max_steps_per_rule: int = 8
+    liveness_base: int = 50
+    liveness_per_token: int = 20
+    cancel_event: str = "cancel"
 
-        def __init__(self) -> None:
-            super().__init__()
-            self.adapter = adapter_factory()
-            self.submitted: dict[Hashable, Submission] = {}
-            self.expected: dict[Hashable, list[int]] = {}
-            self.cancelled: set[Hashable] = set()
-            self.last_states: dict[Hashable, str] = {}
-            self.last_outputs: dict[Hashable, list[int]] = {}
-            self.host_resizable = initial_host > 0
-            self.steps_taken = 0
-            self.healthy = True  # False while a rule or invariant runs, and after one raised
 
-        # ------------------------------------------------------------------------------------- rules
-        @rule(target=requests, request=valid)
-        @_guarded
-        def submit(self, request: Submission) -> Hashable:
-            return self._submit(request)
+_ADAPTER_MEMBERS = (
+    "gpu_token_capacity",
+    "block_size",
+    "submit",
+    "step",
+    "cancel",
+    "states",
+    "outputs",
+    "block_usage",
+    "check_invariants",
+    "set_host_capacity",
+    "reference",
+)
 
-        @rule(target=requests, batch=st.lists(valid, min_size=2, max_size=4))
-        @_guarded
-        def submit_many(self, batch: list[Submission]) -> MultipleResults:
-            """Several arrivals between two steps: what builds memory pressure."""
-            return multiple(*(self._submit(request) for request in batch))
 
-        @rule(request=invalid)
-        @_guarded
-        def submit_invalid(self, request: Submission) -> None:
-            before = self._snapshot()
-            try:
-                rid = self.adapter.submit(list(request.prompt), request.max_new_tokens, list(request.stop_token_ids))
-            except ValueError:
-                pass
-            except Exception as err:
-                raise AdapterContractError(f"refusing {request} raised {type(err).__name__}: {err}; refusals must "
-                                           "raise a ValueError subclass") from err
-            else:
-                why = "an empty prompt" if not request.prompt else (
-                    f"{request.num_tokens} tokens, over the GPU token capacity {capacity}")
-                raise model.violation("LIVE-REFUSE", f"{request} has {why} but was accepted as {rid!r}")
-            if self._snapshot() != before:
-                raise model.violation("LIVE-REFUSE", f"refusing {request} changed request states, outputs or "
-                                      "block usage; a refusal must change nothing")
+@dataclass(frozen=True)
+class MachineBinding:
+    """What a machine class derives once, when it is defined, from its `MachineConfig` and a probe adapter: the
+    spec model, the adapter's sizes and the strategies the rules draw from.
 
-        @rule(iterations=steps)
-        @_guarded
-        def step(self, iterations: int) -> None:
-            for _ in range(iterations):
-                self._step()
+    Invariants: valid submissions fit the probed GPU token capacity alone and invalid ones never do; token ids
+    are below the vocabulary; the spec has every invariant the machine checks and the configured cancel event.
+    """
 
-        @rule(in_state=st.sampled_from(model.live_states))
-        @_guarded
-        def step_until(self, in_state: str) -> None:
-            """Step until some request is in `in_state` (at most 4 x max_steps_per_rule steps), to set up
-            cancels and host-tier changes in rare states."""
-            for _ in range(4 * max_steps_per_rule):
-                if in_state in self.last_states.values() or all(s in model.terminal for s in self.last_states.values()):
-                    return
-                self._step()
+    config: MachineConfig
+    model: _SpecModel
+    adapter_name: str
+    capacity: int
+    block_size: int
+    initial_host: int
+    valid: st.SearchStrategy
+    invalid: st.SearchStrategy
+    steps: st.SearchStrategy
+    live_states: st.SearchStrategy
+    any_state: st.SearchStrategy
 
-        @precondition(lambda self: bool(self.last_states))
-        @rule(in_state=st.sampled_from(model.state_names), nth=st.integers(0, 7))
-        @_guarded
-        def cancel(self, in_state: str, nth: int) -> None:
-            """Cancel the `nth` (modulo) request in state `in_state` (terminal states included: cancelling a
-            finished request must change nothing). If no request is in it, cancel the `nth` of those in the least
-            populated non-terminal state present, so that cancels reach short-lived states whenever they occur."""
-            groups: dict[str, list[Hashable]] = {}
-            for rid, s in self.last_states.items():
-                groups.setdefault(s, []).append(rid)
-            live = [ids for s, ids in groups.items() if s not in model.terminal]
-            candidates = groups.get(in_state) or (min(live, key=len) if live else next(iter(groups.values())))
-            self._cancel(candidates[nth % len(candidates)])
+    @classmethod
+    def probe(cls, adapter_factory: Callable[[], SchedulerAdapter], config: MachineConfig) -> MachineBinding:
+        """Check the spec, call `adapter_factory()` once and derive the binding from what that adapter reports."""
+        model = _SpecModel(config.spec if config.spec is not None else _packaged_spec(), config.cancel_event)
+        probe = adapter_factory()
+        if not isinstance(probe, SchedulerAdapter):
+            missing = [m for m in _ADAPTER_MEMBERS if not hasattr(probe, m)]
+            raise TypeError(
+                f"adapter_factory() returned {type(probe).__name__}, which lacks {', '.join(missing)} "
+                "of kvstate.testing.SchedulerAdapter; implement them"
+            )
+        capacity, block_size = int(probe.gpu_token_capacity), int(probe.block_size)
+        if capacity < 2 or block_size < 1:
+            raise ValueError(
+                f"gpu_token_capacity={capacity} and block_size={block_size}: the GPU tier must fit at "
+                "least a one-token prompt plus one new token"
+            )
+        vocab = config.vocab_size
+        if vocab is None:
+            vocab = int(getattr(probe, "vocab_size", DEFAULT_VOCAB))
+        if vocab < 1:
+            raise ValueError(f"vocab_size={vocab}: token ids are drawn from range(vocab_size), so it must be >= 1")
+        max_new = max(1, min(config.max_new_tokens or capacity // 2, capacity - 1))
+        return cls(
+            config,
+            model,
+            type(probe).__name__,
+            capacity,
+            block_size,
+            int(probe.block_usage()["host_capacity"]),
+            valid=_valid_submissions(capacity, block_size, vocab, max_new, config.max_stop_tokens, probe.reference),
+            invalid=_invalid_submissions(capacity, vocab),
+            steps=st.integers(1, max(1, config.max_steps_per_rule)),
+            live_states=st.sampled_from(model.live_states),
+            any_state=st.sampled_from(model.state_names),
+        )
 
-        @precondition(lambda self: self.host_resizable)
-        @rule(present=st.booleans())
-        @_guarded
-        def host_tier(self, present: bool) -> None:
-            target = initial_host if present else 0
-            if int(self.adapter.block_usage()["host_capacity"]) == target:
+
+def _drawn(strategy: str) -> st.SearchStrategy:
+    """Values of the strategy named `strategy` in the binding of the machine that runs the rule.
+
+    Rules are declared once, on `ConformanceMachine`, while each subclass binds its own adapter, so a rule's
+    strategy is looked up on the running machine (`st.runner()`, which draws nothing: a failing case's data and
+    its printed step list are what the bound strategy alone would give)."""
+    return st.runner().flatmap(lambda machine: getattr(machine.binding, strategy))
+
+
+# ------------------------------------------------------------------------------------------------ machine
+class ConformanceMachine(RuleBasedStateMachine):
+    """Drives the scheduler behind an adapter with Hypothesis rules and checks it against the spec after every
+    rule and every step (the checks are listed in the module docstring).
+
+    Subclass it and set `adapter_factory` (a callable with no arguments that returns a `SchedulerAdapter`; it is
+    called once when the class is defined, for a probe, and once per test case) and, optionally, `config` (a
+    `MachineConfig`); or call `ConformanceMachine.bind(factory, name=..., **config)`. A subclass may add rules,
+    invariants or checks (extend `observe`, or one of the `check_*` methods it calls) like any Hypothesis machine.
+
+    Invariants: `binding` is derived once per class from its `adapter_factory` and `config` (a subclass that
+    sets neither inherits its parent's); only a bound class is instantiated; `last_states` and `last_outputs`
+    are the latest observation, which passed every check; `healthy` is False while a rule runs and after one
+    raised, and then teardown checks nothing more.
+    """
+
+    adapter_factory: ClassVar[Callable[[], SchedulerAdapter] | None] = None
+    config: ClassVar[MachineConfig] = MachineConfig()
+    binding: ClassVar[MachineBinding | None] = None
+    requests = Bundle("requests")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = vars(cls)
+        if "binding" not in own and ("adapter_factory" in own or "config" in own) and cls.adapter_factory:
+            cls.binding = MachineBinding.probe(cls.adapter_factory, cls.config)
+        if cls.binding is not None:
+            cls.TestCase.settings = settings(deadline=None)  # the loaded profile, without a per-example deadline
+
+    @classmethod
+    def bind(
+        cls, adapter_factory: Callable[[], SchedulerAdapter], *, name: str | None = None, **config: Any
+    ) -> type[ConformanceMachine]:
+        """A subclass of `cls` driving `adapter_factory()` with `MachineConfig(**config)`, named `name` (give it
+        the name you bind the class to, so that printed step lists replay as written; default
+        `<adapter class>Conformance`). Use `.TestCase` for unittest/pytest."""
+        binding = MachineBinding.probe(adapter_factory, MachineConfig(**config))
+        name = name or f"{binding.adapter_name}Conformance"
+        namespace = {
+            "adapter_factory": staticmethod(adapter_factory),
+            "config": binding.config,
+            "binding": binding,
+            "__qualname__": name,
+            "__module__": __name__,  # as a class statement here would have it (types.new_class would say "types")
+        }
+        subclass = types.new_class(name, (cls,), exec_body=lambda ns: ns.update(namespace))
+        if not issubclass(subclass, cls):  # cannot happen: the new class derives from cls
+            raise TypeError(f"{name} does not derive from {cls.__name__}")
+        return subclass
+
+    def __init__(self) -> None:
+        binding, factory = type(self).binding, type(self).adapter_factory
+        if binding is None or factory is None:
+            raise TypeError(
+                f"{type(self).__name__} has no adapter to drive: subclass ConformanceMachine and set "
+                "adapter_factory, or use ConformanceMachine.bind(factory)"
+            )
+        super().__init__()
+        self.probed: MachineBinding = binding  # the class's binding, known here to be set
+        self.adapter = factory()
+        self.submitted: dict[Hashable, Submission] = {}
+        self.expected: dict[Hashable, list[int]] = {}
+        self.cancelled: set[Hashable] = set()
+        self.last_states: dict[Hashable, str] = {}
+        self.last_outputs: dict[Hashable, list[int]] = {}
+        self.host_resizable = self.probed.initial_host > 0
+        self.steps_taken = 0
+        self.healthy = True
+
+    @property
+    def model(self) -> _SpecModel:
+        return self.probed.model
+
+    # ------------------------------------------------------------------------------------------- rules
+    @rule(target=requests, request=_drawn("valid"))
+    @_guarded
+    def submit(self, request: Submission) -> Hashable:
+        return self._submit(request)
+
+    @rule(target=requests, batch=st.lists(_drawn("valid"), min_size=2, max_size=4))
+    @_guarded
+    def submit_many(self, batch: list[Submission]) -> MultipleResults:
+        """Several arrivals between two steps: what builds memory pressure."""
+        return multiple(*(self._submit(request) for request in batch))
+
+    @rule(request=_drawn("invalid"))
+    @_guarded
+    def submit_invalid(self, request: Submission) -> None:
+        before = self._snapshot()
+        try:
+            rid = self.adapter.submit(list(request.prompt), request.max_new_tokens, list(request.stop_token_ids))
+        except ValueError:
+            pass
+        except Exception as err:
+            raise AdapterContractError(
+                f"refusing {request} raised {type(err).__name__}: {err}; refusals must raise a ValueError subclass"
+            ) from err
+        else:
+            why = (
+                "an empty prompt"
+                if not request.prompt
+                else (f"{request.num_tokens} tokens, over the GPU token capacity {self.probed.capacity}")
+            )
+            raise self.model.violation("LIVE-REFUSE", f"{request} has {why} but was accepted as {rid!r}")
+        if self._snapshot() != before:
+            raise self.model.violation(
+                "LIVE-REFUSE",
+                f"refusing {request} changed request states, outputs or block usage; a refusal must change nothing",
+            )
+
+    @rule(iterations=_drawn("steps"))
+    @_guarded
+    def step(self, iterations: int) -> None:
+        for _ in range(iterations):
+            self._step()
+
+    @rule(in_state=_drawn("live_states"))
+    @_guarded
+    def step_until(self, in_state: str) -> None:
+        """Step until some request is in `in_state` (at most 4 x max_steps_per_rule steps), to set up cancels and
+        host-tier changes in rare states."""
+        terminal = self.model.terminal
+        for _ in range(4 * self.probed.config.max_steps_per_rule):
+            if in_state in self.last_states.values() or all(s in terminal for s in self.last_states.values()):
                 return
-            if self.adapter.set_host_capacity(target) is False:
-                self.host_resizable = False
+            self._step()
+
+    @precondition(lambda self: bool(self.last_states))
+    @rule(in_state=_drawn("any_state"), nth=st.integers(0, 7))
+    @_guarded
+    def cancel(self, in_state: str, nth: int) -> None:
+        """Cancel the `nth` (modulo) request in state `in_state` (terminal states included: cancelling a finished
+        request must change nothing). If no request is in it, cancel the `nth` of those in the least populated
+        non-terminal state present, so that cancels reach short-lived states whenever they occur."""
+        groups: dict[str, list[Hashable]] = {}
+        for rid, s in self.last_states.items():
+            groups.setdefault(s, []).append(rid)
+        live = [ids for s, ids in groups.items() if s not in self.model.terminal]
+        candidates = groups.get(in_state) or (min(live, key=len) if live else next(iter(groups.values())))
+        self._cancel(candidates[nth % len(candidates)])
+
+    @precondition(lambda self: self.host_resizable)
+    @rule(present=st.booleans())
+    @_guarded
+    def host_tier(self, present: bool) -> None:
+        target = self.probed.initial_host if present else 0
+        if int(self.adapter.block_usage()["host_capacity"]) == target:
+            return
+        if self.adapter.set_host_capacity(target) is False:
+            self.host_resizable = False
+            return
+        usage = self.adapter.block_usage()
+        if usage["host_capacity"] != target:
+            raise AdapterContractError(
+                f"set_host_capacity({target}) returned, but block_usage() reports "
+                f"host_capacity={usage['host_capacity']}"
+            )
+        self.observe()
+
+    @precondition(lambda self: any(s not in self.model.terminal for s in self.last_states.values()))
+    @rule()
+    @_guarded
+    def drain(self) -> None:
+        self._drain("drain")
+
+    @invariant()
+    @_guarded
+    def conforms(self) -> None:
+        self.observe()
+
+    def teardown(self) -> None:
+        # Check liveness only after a run whose every rule and invariant passed: never mask the failure that
+        # ended the run, nor step a run that Hypothesis abandoned.
+        if self.healthy and not isinstance(sys.exc_info()[1], StopTest):
+            self._drain("teardown")
+            usage = self.adapter.block_usage()
+            if usage["gpu_held"] or usage["host_held"]:
+                raise self.model.violation(
+                    "RES-STATE",
+                    f"every request is done, yet {usage['gpu_held']} GPU and "
+                    f"{usage['host_held']} host blocks are held (usage {dict(usage)})",
+                )
+
+    # ------------------------------------------------------------------------------------------ actions
+    def _submit(self, request: Submission) -> Hashable:
+        try:
+            rid = self.adapter.submit(list(request.prompt), request.max_new_tokens, list(request.stop_token_ids))
+        except ValueError as err:
+            raise self.model.violation(
+                "LIVE-DONE",
+                f"{request} fits the GPU tier alone ({request.num_tokens} <= "
+                f"{self.probed.capacity} tokens) but was refused: {err}",
+            ) from err
+        if rid in self.submitted:
+            raise AdapterContractError(
+                f"submit returned id {rid!r}, already used by {self.submitted[rid]}; request ids must be unique"
+            )
+        self.submitted[rid] = request
+        self.expected[rid] = list(
+            self.adapter.reference(request.prompt, request.max_new_tokens, request.stop_token_ids)
+        )
+        _note(f"# submit -> request id {rid!r}")
+        self.observe()
+        return rid
+
+    def _step(self) -> None:
+        self.adapter.step()
+        self.steps_taken += 1
+        self.observe()
+
+    def _cancel(self, rid: Hashable) -> None:
+        before = self.last_states[rid]
+        allowed, event = self.model.cancel_dests.get(before), self.model.cancel_event
+        try:
+            self.adapter.cancel(rid)
+        except (LookupError, ValueError) as err:
+            if allowed is not None:
+                raise LifecycleViolation(
+                    f"cancel({rid!r}) from state {before!r} raised {type(err).__name__}: {err}; the spec's "
+                    f"{event!r} event has an edge from {before!r} to {sorted(allowed)}"
+                ) from err
+        after = self.adapter.states()[rid]
+        if allowed is None:
+            if after != before:
+                raise LifecycleViolation(
+                    f"cancel({rid!r}) moved it from {before!r} to {after!r}; the spec's "
+                    f"{event!r} event has no edge from {before!r}"
+                )
+        else:
+            if after not in allowed:
+                raise LifecycleViolation(
+                    f"cancel({rid!r}) moved it from {before!r} to {after!r}; the spec's "
+                    f"{event!r} event goes from {before!r} to {sorted(allowed)}"
+                )
+            self.cancelled.add(rid)
+        _note(f"# cancel {rid!r}: {before} -> {after}")
+        self.observe()
+
+    def _drain(self, where: str) -> None:
+        terminal, config = self.model.terminal, self.probed.config
+        active = [rid for rid, s in self.last_states.items() if s not in terminal]
+        tokens = sum(self.submitted[rid].num_tokens for rid in active)
+        bound = config.liveness_base + config.liveness_per_token * tokens
+        for _ in range(bound):
+            if all(s in terminal for s in self.last_states.values()):
                 return
-            usage = self.adapter.block_usage()
-            if usage["host_capacity"] != target:
-                raise AdapterContractError(f"set_host_capacity({target}) returned, but block_usage() reports "
-                                           f"host_capacity={usage['host_capacity']}")
-            self._observe()
+            self._step()
+        stuck = {rid: s for rid, s in self.last_states.items() if s not in terminal}
+        if stuck:
+            listing = ", ".join(
+                f"{rid!r}: {s} ({len(self.last_outputs[rid])}/{self.submitted[rid].max_new_tokens} tokens)"
+                for rid, s in list(stuck.items())[:12]
+            )
+            raise self.model.violation(
+                "LIVE-DONE",
+                f"{where}: arrivals stopped, {bound} steps later (bound {config.liveness_base} + "
+                f"{config.liveness_per_token} x {tokens} tokens) {len(stuck)} request(s) are not done: {listing}; "
+                f"usage {dict(self.adapter.block_usage())}",
+            )
 
-        @precondition(lambda self: any(s not in model.terminal for s in self.last_states.values()))
-        @rule()
-        @_guarded
-        def drain(self) -> None:
-            self._drain("drain")
+    def _snapshot(self) -> tuple:
+        return (
+            dict(self.adapter.states()),
+            {k: list(v) for k, v in self.adapter.outputs().items()},
+            dict(self.adapter.block_usage()),
+        )
 
-        @invariant()
-        @_guarded
-        def conforms(self) -> None:
-            self._observe()
+    # ------------------------------------------------------------------------------------------- checks
+    def observe(self) -> None:
+        """Read the adapter's states, outputs and block usage, check them all, and keep them as the latest."""
+        states = dict(self.adapter.states())
+        outputs = {rid: list(out) for rid, out in self.adapter.outputs().items()}
+        usage = self.adapter.block_usage()
+        self.check_ids(states, outputs, usage)
+        for rid, state in states.items():
+            self.check_state(rid, self.last_states.get(rid), state)
+        for rid, out in outputs.items():
+            self.check_output(rid, self.last_outputs.get(rid), out, states[rid])
+        self.check_blocks(states, usage)
+        self.adapter.check_invariants()
+        self.last_states, self.last_outputs = states, outputs
 
-        def teardown(self) -> None:
-            # Check liveness only after a run whose every rule and invariant passed: never mask the failure
-            # that ended the run, nor step a run that Hypothesis abandoned.
-            if self.healthy and not isinstance(sys.exc_info()[1], StopTest):
-                self._drain("teardown")
-                usage = self.adapter.block_usage()
-                if usage["gpu_held"] or usage["host_held"]:
-                    raise model.violation("RES-STATE", f"every request is done, yet {usage['gpu_held']} GPU and "
-                                          f"{usage['host_held']} host blocks are held (usage {dict(usage)})")
+    def check_ids(self, states: dict, outputs: dict, usage: Mapping[str, int]) -> None:
+        """The adapter reports exactly the submitted requests, and every `USAGE_KEYS` key."""
+        if states.keys() != self.submitted.keys() or outputs.keys() != self.submitted.keys():
+            raise AdapterContractError(
+                f"states() has ids {sorted(map(repr, states))} and outputs() {sorted(map(repr, outputs))}; both "
+                f"must name exactly the submitted requests {sorted(map(repr, self.submitted))}"
+            )
+        missing = [k for k in USAGE_KEYS if k not in usage]
+        if missing:
+            raise AdapterContractError(f"block_usage() lacks {', '.join(missing)}; it must report {USAGE_KEYS}")
 
-        # ------------------------------------------------------------------------------- helpers
-        def _submit(self, request: Submission) -> Hashable:
-            try:
-                rid = self.adapter.submit(list(request.prompt), request.max_new_tokens, list(request.stop_token_ids))
-            except ValueError as err:
-                raise model.violation("LIVE-DONE", f"{request} fits the GPU tier alone ({request.num_tokens} <= "
-                                      f"{capacity} tokens) but was refused: {err}") from err
-            if rid in self.submitted:
-                raise AdapterContractError(f"submit returned id {rid!r}, already used by {self.submitted[rid]}; "
-                                           "request ids must be unique")
-            self.submitted[rid] = request
-            self.expected[rid] = list(self.adapter.reference(request.prompt, request.max_new_tokens,
-                                                             request.stop_token_ids))
-            _note(f"# submit -> request id {rid!r}")
-            self._observe()
-            return rid
+    def check_state(self, rid: Hashable, old: str | None, new: str) -> None:
+        """`new` is a spec state that a path of spec edges leads to from `old` (terminal states absorb)."""
+        model = self.model
+        if new not in model.states:
+            raise LifecycleViolation(
+                f"request {rid!r} is in state {new!r}, which spec {model.spec.name!r} does "
+                f"not define (states: {', '.join(sorted(model.states))})"
+            )
+        if old is None:
+            if new not in model.initial_reach:
+                raise LifecycleViolation(
+                    f"new request {rid!r} is in {new!r}, not reachable from the spec's "
+                    f"initial state {model.spec.initial!r}"
+                )
+        elif old != new:
+            if old in model.terminal:
+                raise LifecycleViolation(
+                    f"request {rid!r} left terminal state {old!r} for {new!r}; terminal states are absorbing"
+                )
+            if new not in model.reach[old]:
+                raise LifecycleViolation(
+                    f"request {rid!r} went from {old!r} to {new!r}, but no path of spec "
+                    f"edges leads there (edges from {old!r}: {model.successors[old]})"
+                )
 
-        def _step(self) -> None:
-            self.adapter.step()
-            self.steps_taken += 1
-            self._observe()
+    def check_output(self, rid: Hashable, old: list[int] | None, out: list[int], state: str) -> None:
+        """GEN-APPEND and OUT-EQUIV for one request's output."""
+        model = self.model
+        if old is not None and out[: len(old)] != old:
+            raise model.violation("GEN-APPEND", f"request {rid!r} ({state}) had generated {old}, now {out}")
+        expected = self.expected[rid]
+        if out != expected[: len(out)]:
+            raise model.violation(
+                "OUT-EQUIV",
+                f"request {rid!r} ({state}) generated {out}, which departs from "
+                f"its unpressured reference {expected} ({self.submitted[rid]})",
+            )
+        if state in model.terminal and rid not in self.cancelled and out != expected:
+            raise model.violation(
+                "OUT-EQUIV",
+                f"request {rid!r} ended ({state}) with {out}, but its "
+                f"unpressured reference is {expected} ({self.submitted[rid]})",
+            )
 
-        def _cancel(self, rid: Hashable) -> None:
-            before = self.last_states[rid]
-            allowed = model.cancel_dests.get(before)
-            try:
-                self.adapter.cancel(rid)
-            except (LookupError, ValueError) as err:
-                if allowed is not None:
-                    raise LifecycleViolation(
-                        f"cancel({rid!r}) from state {before!r} raised {type(err).__name__}: {err}; the spec's "
-                        f"{model.cancel_event!r} event has an edge from {before!r} to {sorted(allowed)}") from err
-            after = self.adapter.states()[rid]
-            if allowed is None:
-                if after != before:
-                    raise LifecycleViolation(f"cancel({rid!r}) moved it from {before!r} to {after!r}; the spec's "
-                                             f"{model.cancel_event!r} event has no edge from {before!r}")
-            else:
-                if after not in allowed:
-                    raise LifecycleViolation(f"cancel({rid!r}) moved it from {before!r} to {after!r}; the spec's "
-                                             f"{model.cancel_event!r} event goes from {before!r} to {sorted(allowed)}")
-                self.cancelled.add(rid)
-            _note(f"# cancel {rid!r}: {before} -> {after}")
-            self._observe()
+    def check_blocks(self, states: dict[Hashable, str], usage: Mapping[str, int]) -> None:
+        """CONS-GPU, CONS-HOST, RES-STATE and NO-HOST-NO-SUSPEND on one observation."""
+        model, block_size = self.model, self.probed.block_size
+        for tier, inv, resident in (("gpu", "CONS-GPU", model.gpu_states), ("host", "CONS-HOST", model.host_states)):
+            cap, free, held, fenced = (int(usage[f"{tier}_{k}"]) for k in ("capacity", "free", "held", "fenced"))
+            if min(cap, free, held, fenced) < 0 or free + held + fenced != cap:
+                raise model.violation(
+                    inv, f"{tier} tier: free {free} + held {held} + fenced {fenced} != capacity {cap}"
+                )
+            holders = [rid for rid, s in states.items() if s in resident]
+            bound = sum(ceil_div(self.submitted[rid].num_tokens, block_size) for rid in holders)
+            if held > bound:
+                raise model.violation(
+                    "RES-STATE",
+                    f"{tier} tier holds {held} blocks, but the {len(holders)} "
+                    f"request(s) in {tier}-resident states can hold at most {bound}; blocks "
+                    f"are leaked by requests in other states (states {states})",
+                )
+        if int(usage["host_capacity"]) == 0:
+            suspended = sorted((repr(rid) for rid, s in states.items() if s in model.host_states))
+            if suspended:
+                raise model.violation(
+                    "NO-HOST-NO-SUSPEND", f"the host tier is gone, yet requests {suspended} are in host-resident states"
+                )
 
-        def _drain(self, where: str) -> None:
-            active = [rid for rid, s in self.last_states.items() if s not in model.terminal]
-            tokens = sum(self.submitted[rid].num_tokens for rid in active)
-            bound = liveness_base + liveness_per_token * tokens
-            for _ in range(bound):
-                if all(s in model.terminal for s in self.last_states.values()):
-                    return
-                self._step()
-            stuck = {rid: s for rid, s in self.last_states.items() if s not in model.terminal}
-            if stuck:
-                listing = ", ".join(f"{rid!r}: {s} ({len(self.last_outputs[rid])}/{self.submitted[rid].max_new_tokens}"
-                                    " tokens)" for rid, s in list(stuck.items())[:12])
-                raise model.violation("LIVE-DONE", f"{where}: arrivals stopped, {bound} steps later (bound "
-                                      f"{liveness_base} + {liveness_per_token} x {tokens} tokens) {len(stuck)} "
-                                      f"request(s) are not done: {listing}; usage {dict(self.adapter.block_usage())}")
 
-        def _snapshot(self) -> tuple:
-            return (dict(self.adapter.states()), {k: list(v) for k, v in self.adapter.outputs().items()},
-                    dict(self.adapter.block_usage()))
-
-        def _observe(self) -> None:
-            states = dict(self.adapter.states())
-            outputs = {rid: list(out) for rid, out in self.adapter.outputs().items()}
-            usage = self.adapter.block_usage()
-            self._check_ids(states, outputs, usage)
-            for rid, state in states.items():
-                self._check_state(rid, self.last_states.get(rid), state)
-            for rid, out in outputs.items():
-                self._check_output(rid, self.last_outputs.get(rid), out, states[rid])
-            self._check_blocks(states, usage)
-            self.adapter.check_invariants()
-            self.last_states, self.last_outputs = states, outputs
-
-        def _check_ids(self, states: dict, outputs: dict, usage: Mapping[str, int]) -> None:
-            if states.keys() != self.submitted.keys() or outputs.keys() != self.submitted.keys():
-                raise AdapterContractError(
-                    f"states() has ids {sorted(map(repr, states))} and outputs() {sorted(map(repr, outputs))}; both "
-                    f"must name exactly the submitted requests {sorted(map(repr, self.submitted))}")
-            missing = [k for k in USAGE_KEYS if k not in usage]
-            if missing:
-                raise AdapterContractError(f"block_usage() lacks {', '.join(missing)}; it must report {USAGE_KEYS}")
-
-        def _check_state(self, rid: Hashable, old: str | None, new: str) -> None:
-            if new not in model.states:
-                raise LifecycleViolation(f"request {rid!r} is in state {new!r}, which spec {model.spec.name!r} does "
-                                         f"not define (states: {', '.join(sorted(model.states))})")
-            if old is None:
-                if new not in model.initial_reach:
-                    raise LifecycleViolation(f"new request {rid!r} is in {new!r}, not reachable from the spec's "
-                                             f"initial state {model.spec.initial!r}")
-            elif old != new:
-                if old in model.terminal:
-                    raise LifecycleViolation(f"request {rid!r} left terminal state {old!r} for {new!r}; terminal "
-                                             "states are absorbing")
-                if new not in model.reach[old]:
-                    raise LifecycleViolation(f"request {rid!r} went from {old!r} to {new!r}, but no path of spec "
-                                             f"edges leads there (edges from {old!r}: {model.successors[old]})")
-
-        def _check_output(self, rid: Hashable, old: list[int] | None, out: list[int], state: str) -> None:
-            if old is not None and out[:len(old)] != old:
-                raise model.violation("GEN-APPEND", f"request {rid!r} ({state}) had generated {old}, now {out}")
-            expected = self.expected[rid]
-            if out != expected[:len(out)]:
-                raise model.violation("OUT-EQUIV", f"request {rid!r} ({state}) generated {out}, which departs from "
-                                      f"its unpressured reference {expected} ({self.submitted[rid]})")
-            if state in model.terminal and rid not in self.cancelled and out != expected:
-                raise model.violation("OUT-EQUIV", f"request {rid!r} ended ({state}) with {out}, but its "
-                                      f"unpressured reference is {expected} ({self.submitted[rid]})")
-
-        def _check_blocks(self, states: dict[Hashable, str], usage: Mapping[str, int]) -> None:
-            for tier, inv, resident in (("gpu", "CONS-GPU", model.gpu_states), ("host", "CONS-HOST", model.host_states)):
-                cap, free, held, fenced = (int(usage[f"{tier}_{k}"]) for k in ("capacity", "free", "held", "fenced"))
-                if min(cap, free, held, fenced) < 0 or free + held + fenced != cap:
-                    raise model.violation(inv, f"{tier} tier: free {free} + held {held} + fenced {fenced} != "
-                                          f"capacity {cap}")
-                holders = [rid for rid, s in states.items() if s in resident]
-                bound = sum(_blocks(self.submitted[rid].num_tokens, block_size) for rid in holders)
-                if held > bound:
-                    raise model.violation("RES-STATE", f"{tier} tier holds {held} blocks, but the {len(holders)} "
-                                          f"request(s) in {tier}-resident states can hold at most {bound}; blocks "
-                                          f"are leaked by requests in other states (states {states})")
-            if int(usage["host_capacity"]) == 0:
-                suspended = sorted((repr(rid) for rid, s in states.items() if s in model.host_states))
-                if suspended:
-                    raise model.violation("NO-HOST-NO-SUSPEND", f"the host tier is gone, yet requests {suspended} "
-                                          "are in host-resident states")
-
-    cls_name = name or f"{type(probe).__name__}Conformance"
-    ConformanceMachine.__name__ = ConformanceMachine.__qualname__ = cls_name
-    ConformanceMachine.TestCase.settings = settings(deadline=None)  # the loaded profile, without a deadline
-    caller = sys._getframe(1).f_globals.get("__name__")
-    if caller:
-        ConformanceMachine.__module__ = caller
-    return ConformanceMachine
+def conformance_machine(
+    adapter_factory: Callable[[], SchedulerAdapter], *, name: str | None = None, **config: Any
+) -> type[ConformanceMachine]:
+    """`ConformanceMachine.bind(adapter_factory, name=name, **config)`: kept for existing callers."""
+    return ConformanceMachine.bind(adapter_factory, name=name, **config)

@@ -1,6 +1,8 @@
 """The lifecycle trace: one JSON object per line for every lifecycle transition (format: spec/TRACE.md).
 
-Pure Python (no torch), so any scheduler driver can write traces that `kvstate validate` checks.
+Pure Python (no torch), so any scheduler driver can write traces that `kvstate validate` checks. This module owns
+the format: `trace_record` and `TraceWriter` write it, `read_trace` (`open_trace`, `trace_lines`, `parse_line`)
+reads it back within `TRACE_LIMITS`; `kvstate.checker.trace` holds the lines it reads against the spec.
 
 Invariants kept:
 * one line per transition, written when the scheduler reports it (after the transition's effect ran), in the
@@ -14,16 +16,36 @@ from __future__ import annotations
 import json
 from collections.abc import Hashable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
-from kvstate.request import Request
-from kvstate.scheduler import Scheduler
-from kvstate.spec import Transition
+from kvstate.untrusted import Limits, UntrustedFileError, iter_lines, open_binary, parse_json, shown
+
+if TYPE_CHECKING:  # annotations only: the trace format stays importable without the scheduler
+    from kvstate.request import Request
+    from kvstate.scheduler import Scheduler
+    from kvstate.spec import Transition
 
 TRACE_FIELDS = (
-    "iteration", "request_id", "event", "from", "to", "gpu_blocks", "host_blocks", "gpu_free", "host_free",
-    "gpu_fenced", "host_fenced", "gpu_capacity", "host_capacity", "generated", "computed_tokens", "done_reason",
+    "iteration",
+    "request_id",
+    "event",
+    "from",
+    "to",
+    "gpu_blocks",
+    "host_blocks",
+    "gpu_free",
+    "host_free",
+    "gpu_fenced",
+    "host_fenced",
+    "gpu_capacity",
+    "host_capacity",
+    "generated",
+    "computed_tokens",
+    "done_reason",
 )
+
+# a trace line is about 300 bytes; request ids are the only free-form text
+TRACE_LIMITS = Limits(max_bytes=1 << 30, max_line_bytes=1 << 16, max_depth=2, max_int_digits=19)
 
 
 def trace_record(scheduler: Scheduler, request: Request, transition: Transition) -> dict:
@@ -70,11 +92,90 @@ class TraceWriter:
             self._file = None
 
 
-def read_trace(path: str | Path) -> Iterator[dict[str, Hashable]]:
-    """The objects of a trace file, one per non-empty line, read within the untrusted-trace limits and checked
-    against the format above (raises `kvstate.checker.trace.TraceError`, a `ValueError`, naming the line and field)."""
-    from kvstate.checker.trace import open_trace, parse_line, trace_lines
+class TraceError(UntrustedFileError):
+    """The trace cannot be used: it cannot be opened or read, is over a limit of `TRACE_LIMITS`, or a line is not
+    in the format of spec/TRACE.md. `line` and `field` locate the problem; `record` is the line's object when it
+    parsed as one."""
 
+    record: dict | None = None
+
+
+def open_trace(path: str | Path):
+    """`path` opened for `trace_lines`; raises `TraceError` (missing, a directory, no permission)."""
+    return open_binary(path, "trace file", TraceError)
+
+
+def trace_lines(handle, limits: Limits = TRACE_LIMITS, *, path: str | Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of each line of an open trace, within `limits` (else `TraceError` naming the line)."""
+    return iter_lines(handle, limits, "trace", path=path, error=TraceError)
+
+
+def parse_line(raw: str | bytes, number: int, *, path: str | Path | None = None, limits: Limits = TRACE_LIMITS) -> dict:
+    """One trace line as an object with exactly the fields of spec/TRACE.md, in order, each of its type.
+
+    Raises `TraceError` naming the line and the field (with `record` set once the line parsed as an object).
+    """
+    if len(raw) > limits.max_line_bytes:
+        raise TraceError(
+            f"the line is longer than {limits.max_line_bytes} bytes; a trace line is far shorter",
+            path=path,
+            line=number,
+        )
+    line = parse_json(raw, limits, "trace line", path=path, line=number, error=TraceError)
+
+    def refuse(message: str, field: str | None = None) -> TraceError:
+        err = TraceError(message, path=path, line=number, field=field)
+        err.record = line if isinstance(line, dict) else None
+        return err
+
+    if not isinstance(line, dict):
+        raise refuse(
+            f"the line is a JSON {type(line).__name__}, not an object; each line must be one object with "
+            "the fields of spec/TRACE.md"
+        )
+    missing = [f for f in TRACE_FIELDS if f not in line]
+    if missing:
+        raise refuse(
+            f"is missing (missing fields: {', '.join(missing)}); every line has all the fields of spec/TRACE.md",
+            missing[0],
+        )
+    extra = [f for f in line if f not in TRACE_FIELDS]
+    if extra:
+        raise refuse(
+            "is not a trace field; remove it or update spec/TRACE.md and the validator together",
+            extra[0] if len(extra[0]) <= 40 else extra[0][:40] + "...",
+        )
+    if tuple(line) != TRACE_FIELDS:
+        first = next(f for f, want in zip(line, TRACE_FIELDS, strict=True) if f != want)
+        raise refuse(f"is out of order; keys come in the order {', '.join(TRACE_FIELDS)}", first)
+    for field in TRACE_FIELDS:
+        types, what, minimum = _TYPES.get(field, _COUNT)
+        value = line[field]
+        bad = isinstance(value, bool) or not isinstance(value, types)
+        if not bad and minimum is not None and value < minimum:
+            bad = True
+        if bad:
+            raise refuse(f"is {shown(value)}; it must be {what}", field)
+    return line
+
+
+_NULL = type(None)
+_TYPES: dict[str, tuple[tuple[type, ...], str, int | None]] = {
+    # field -> (accepted types, description, minimum for ints)
+    "iteration": ((int,), "an integer >= 0", 0),
+    "request_id": ((int, str), "an integer or a string", None),
+    "event": ((str,), "a string (an event name)", None),
+    "from": ((str,), "a string (a state name)", None),
+    "to": ((str,), "a string (a state name)", None),
+    "gpu_capacity": ((int,), "an integer > 0", 1),
+    "done_reason": ((str, _NULL), "a string or null", None),
+}
+_COUNT = ((int,), "an integer >= 0", 0)
+
+
+def read_trace(path: str | Path) -> Iterator[dict[str, Hashable]]:
+    """The objects of a trace file, one per non-empty line, read within `TRACE_LIMITS` and checked
+    against the format above (raises `TraceError`, a `ValueError`, naming the line and field)."""
     with open_trace(path) as handle:
         for number, raw in trace_lines(handle, path=path):
             if raw.strip():

@@ -24,7 +24,7 @@ import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeAlias
 
 from kvstate.errors import KVStateError
 
@@ -53,8 +53,9 @@ class UntrustedFileError(KVStateError, ValueError):
     `path`, `line` (1-based) and `field` locate the problem where known; the message starts with them.
     """
 
-    def __init__(self, message: str, *, path: str | Path | None = None, line: int | None = None,
-                 field: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, path: str | Path | None = None, line: int | None = None, field: str | None = None
+    ) -> None:
         self.path = None if path is None else str(path)
         self.line = line
         self.field = field
@@ -73,14 +74,18 @@ def shown(value: object, limit: int = SHOWN_CHARS) -> str:
         return f"{value[:limit]!r}... ({len(value)} characters)"
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4 * limit:
         return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
-    text = repr(value) if not isinstance(value, (list, dict, tuple)) or _small(value) else \
-        f"<a {type(value).__name__} of {len(value)} items>"
+    text = (
+        repr(value)
+        if not isinstance(value, (list, dict, tuple)) or _small(value)
+        else f"<a {type(value).__name__} of {len(value)} items>"
+    )
     return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _small(value: list | dict | tuple) -> bool:
-    return len(value) <= 8 and all(not isinstance(v, (list, dict, tuple)) for v in
-                                   (value.values() if isinstance(value, dict) else value))
+    return len(value) <= 8 and all(
+        not isinstance(v, (list, dict, tuple)) for v in (value.values() if isinstance(value, dict) else value)
+    )
 
 
 # ------------------------------------------------------------------------------------------------ bytes
@@ -93,8 +98,9 @@ def open_binary(path: str | Path, what: str, error: type[UntrustedFileError] = U
         raise error(f"cannot read {what}: {why}; pass the path of an existing {what}", path=path) from None
 
 
-def read_bytes(path: str | Path, limits: Limits, what: str,
-               error: type[UntrustedFileError] = UntrustedFileError) -> bytes:
+def read_bytes(
+    path: str | Path, limits: Limits, what: str, error: type[UntrustedFileError] = UntrustedFileError
+) -> bytes:
     """The bytes of `path`, refused when larger than ``limits.max_bytes`` (read no further than one byte more)."""
     with open_binary(path, what, error) as handle:
         try:
@@ -102,23 +108,41 @@ def read_bytes(path: str | Path, limits: Limits, what: str,
         except OSError as err:
             raise error(f"cannot read {what}: {err.strerror or err}", path=path) from None
     if len(data) > limits.max_bytes:
-        raise error(f"the {what} is larger than {limits.max_bytes} bytes, far more than a {what} needs; check the "
-                    "path (a device or a stream such as /dev/zero is not a file to read)", path=path)
+        raise error(
+            f"the {what} is larger than {limits.max_bytes} bytes, far more than a {what} needs; check the "
+            "path (a device or a stream such as /dev/zero is not a file to read)",
+            path=path,
+        )
     return data
 
 
-def decode(data: bytes, what: str, *, path: str | Path | None, line: int | None = None,
-           error: type[UntrustedFileError] = UntrustedFileError) -> str:
+def decode(
+    data: bytes,
+    what: str,
+    *,
+    path: str | Path | None,
+    line: int | None = None,
+    error: type[UntrustedFileError] = UntrustedFileError,
+) -> str:
     """`data` as UTF-8 text, or `error` naming the first bad byte."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise error(f"not UTF-8 ({err.reason} at byte {err.start}); a {what} is UTF-8 text, check what wrote it",
-                    path=path, line=line) from None
+        raise error(
+            f"not UTF-8 ({err.reason} at byte {err.start}); a {what} is UTF-8 text, check what wrote it",
+            path=path,
+            line=line,
+        ) from None
 
 
-def iter_lines(handle: IO[bytes], limits: Limits, what: str, *, path: str | Path | None,
-               error: type[UntrustedFileError] = UntrustedFileError) -> Iterator[tuple[int, bytes]]:
+def iter_lines(
+    handle: IO[bytes],
+    limits: Limits,
+    what: str,
+    *,
+    path: str | Path | None,
+    error: type[UntrustedFileError] = UntrustedFileError,
+) -> Iterator[tuple[int, bytes]]:
     """(line number, line bytes) of an open binary file, blank lines included, within `limits`.
 
     Raises `error` naming the line that is longer than ``limits.max_line_bytes`` or that takes the file past
@@ -134,52 +158,73 @@ def iter_lines(handle: IO[bytes], limits: Limits, what: str, *, path: str | Path
         if not raw:
             return
         if len(raw) > limits.max_line_bytes and not (len(raw) == limits.max_line_bytes + 1 and raw.endswith(b"\n")):
-            raise error(f"the line is longer than {limits.max_line_bytes} bytes; a {what} line is far shorter — "
-                        "is this the right file (not a binary or a stream such as /dev/zero)?", path=path, line=number)
+            raise error(
+                f"the line is longer than {limits.max_line_bytes} bytes; a {what} line is far shorter — "
+                "is this the right file (not a binary or a stream such as /dev/zero)?",
+                path=path,
+                line=number,
+            )
         total += len(raw)
         if total > limits.max_bytes:
-            raise error(f"the {what} is larger than {limits.max_bytes} bytes at this line; split it, or pass larger "
-                        "limits if it is genuine", path=path, line=number)
+            raise error(
+                f"the {what} is larger than {limits.max_bytes} bytes at this line; split it, or pass larger "
+                "limits if it is genuine",
+                path=path,
+                line=number,
+            )
         yield number, raw
 
 
 # ------------------------------------------------------------------------------------------------ parsing
-def parse_json(text: str | bytes, limits: Limits, what: str, *, path: str | Path | None, line: int | None = None,
-               error: type[UntrustedFileError] = UntrustedFileError) -> Any:
+def parse_json(
+    text: str | bytes,
+    limits: Limits,
+    what: str,
+    *,
+    path: str | Path | None,
+    line: int | None = None,
+    error: type[UntrustedFileError] = UntrustedFileError,
+) -> Any:
     """One JSON document (`text` already within the size limits), checked as the module docstring says."""
     if isinstance(text, bytes):
         text = decode(text, what, path=path, line=line, error=error)
     try:
         value = _DECODER.decode(text)
     except RecursionError:
-        raise error(f"nested too deeply to parse (a {what} nests at most {limits.max_depth} levels)",
-                    path=path, line=line) from None
+        raise error(
+            f"nested too deeply to parse (a {what} nests at most {limits.max_depth} levels)", path=path, line=line
+        ) from None
     except _Refused as err:
         raise error(f"{err.args[0]}; a {what} is plain JSON", path=path, line=line) from None
     except json.JSONDecodeError as err:
-        raise error(f"not a JSON object ({err.msg} at column {err.colno}); was the file truncated, or written by "
-                    f"something other than a {what} writer?", path=path, line=line or err.lineno) from err
+        raise error(
+            f"not a JSON object ({err.msg} at column {err.colno}); was the file truncated, or written by "
+            f"something other than a {what} writer?",
+            path=path,
+            line=line or err.lineno,
+        ) from err
     except ValueError:  # Python's limit on the digits of an integer string
         raise error(_too_many_digits(limits), path=path, line=line) from None
     check_value(value, limits, what, path=path, line=line, error=error)
     return value
 
 
-def read_json(path: str | Path, limits: Limits, what: str,
-              error: type[UntrustedFileError] = UntrustedFileError) -> Any:
+def read_json(path: str | Path, limits: Limits, what: str, error: type[UntrustedFileError] = UntrustedFileError) -> Any:
     """The JSON document in `path`, read and checked within `limits`."""
     return parse_json(read_bytes(path, limits, what, error), limits, what, path=path, error=error)
 
 
-def read_toml(path: str | Path, limits: Limits, what: str,
-              error: type[UntrustedFileError] = UntrustedFileError) -> dict:
+def read_toml(
+    path: str | Path, limits: Limits, what: str, error: type[UntrustedFileError] = UntrustedFileError
+) -> dict:
     """The TOML document in `path`, read and checked within `limits`."""
     text = decode(read_bytes(path, limits, what, error), what, path=path, error=error)
     try:
         value = tomllib.loads(text)
     except RecursionError:
-        raise error(f"nested too deeply to parse (a {what} nests at most {limits.max_depth} levels)",
-                    path=path) from None
+        raise error(
+            f"nested too deeply to parse (a {what} nests at most {limits.max_depth} levels)", path=path
+        ) from None
     except tomllib.TOMLDecodeError as err:
         raise error(f"is not valid TOML: {err}", path=path) from err
     except ValueError:  # Python's limit on the digits of an integer string
@@ -189,8 +234,10 @@ def read_toml(path: str | Path, limits: Limits, what: str,
 
 
 def _too_many_digits(limits: Limits) -> str:
-    return (f"a number has more than {sys.get_int_max_str_digits()} digits, too many to read; integers have at most "
-            f"{limits.max_int_digits} digits")
+    return (
+        f"a number has more than {sys.get_int_max_str_digits()} digits, too many to read; integers have at most "
+        f"{limits.max_int_digits} digits"
+    )
 
 
 class _Refused(ValueError):
@@ -205,52 +252,77 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
     value = dict(pairs)
     if len(value) != len(pairs):
         seen: set[str] = set()
-        repeated = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise _Refused(f"key {shown(repeated)} appears twice in one object")
+        for key, _ in pairs:
+            if key in seen:
+                raise _Refused(f"key {shown(key)} appears twice in one object")
+            seen.add(key)
     return value
 
 
 _DECODER = json.JSONDecoder(parse_constant=_no_constant, object_pairs_hook=_unique_keys)  # built once: it is reused
 
 
-def check_value(value: Any, limits: Limits, what: str, *, path: str | Path | None, line: int | None = None,
-                error: type[UntrustedFileError] = UntrustedFileError) -> None:
+def check_value(
+    value: Any,
+    limits: Limits,
+    what: str,
+    *,
+    path: str | Path | None,
+    line: int | None = None,
+    error: type[UntrustedFileError] = UntrustedFileError,
+) -> None:
     """Refuse nesting deeper than ``limits.max_depth``, over-long integers and non-finite floats (iteratively).
 
     Fast on the common case, a flat object of strings and small numbers: only containers and bad numbers are
     pushed on the stack, and a field's name is spelled out only when it is refused.
     """
-    largest = 10 ** limits.max_int_digits
-    stack: list[tuple] = [(value, 0, None, None)]  # (item, depth, key in its parent, the parent's entry)
+    largest = 10**limits.max_int_digits
+    stack: list[_Entry] = [(value, 0, None, None)]
     while stack:
         entry = stack.pop()
         item, depth = entry[0], entry[1]
         kind = type(item)
         if kind is dict or kind is list:
             if depth >= limits.max_depth:
-                raise error(f"nested deeper than {limits.max_depth} levels; a {what} is shallow",
-                            path=path, line=line, field=_field_path(entry))
-            for key, child in (item.items() if kind is dict else enumerate(item)):
+                raise error(
+                    f"nested deeper than {limits.max_depth} levels; a {what} is shallow",
+                    path=path,
+                    line=line,
+                    field=_field_path(entry),
+                )
+            for key, child in item.items() if kind is dict else enumerate(item):
                 child_kind = type(child)
-                if child_kind is str or child_kind is bool or child is None \
-                        or (child_kind is int and -largest < child < largest) \
-                        or (child_kind is float and math.isfinite(child)):
+                if (
+                    child_kind is str
+                    or child_kind is bool
+                    or child is None
+                    or (child_kind is int and -largest < child < largest)
+                    or (child_kind is float and math.isfinite(child))
+                ):
                     continue
                 stack.append((child, depth + 1, key, entry))
         elif kind is int and not -largest < item < largest:
-            raise error(f"{shown(item)} has more than {limits.max_int_digits} digits; no {what} field needs that",
-                        path=path, line=line, field=_field_path(entry))
+            raise error(
+                f"{shown(item)} has more than {limits.max_int_digits} digits; no {what} field needs that",
+                path=path,
+                line=line,
+                field=_field_path(entry),
+            )
         elif kind is float and not math.isfinite(item):
             raise error(f"{item} is not a finite number", path=path, line=line, field=_field_path(entry))
 
 
-def _field_path(entry: tuple) -> str | None:
+# A stack entry of `check_value`: (item, depth, key in its parent, the parent's entry); the root's parent is None.
+_Entry: TypeAlias = tuple[Any, int, str | int | None, "_Entry | None"]
+
+
+def _field_path(entry: _Entry) -> str | None:
     """``a.b[2].c`` for a stack entry of `check_value`, cut to `SHOWN_CHARS`; None for the whole document."""
     parts = []
-    while entry is not None and entry[3] is not None:
-        key = entry[2]
+    key, parent = entry[2], entry[3]
+    while parent is not None:
         parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
-        entry = entry[3]
+        key, parent = parent[2], parent[3]
     text = "".join(reversed(parts)).removeprefix(".")
     return (text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "...") or None
 
@@ -273,12 +345,24 @@ class Fields:
     error: type[UntrustedFileError] = UntrustedFileError
 
     @classmethod
-    def of(cls, value: Any, what: str, *, path: str | Path | None = None, line: int | None = None,
-           where: str = "", error: type[UntrustedFileError] = UntrustedFileError) -> Fields:
+    def of(
+        cls,
+        value: Any,
+        what: str,
+        *,
+        path: str | Path | None = None,
+        line: int | None = None,
+        where: str = "",
+        error: type[UntrustedFileError] = UntrustedFileError,
+    ) -> Fields:
         """`Fields` over `value`, refused unless it is a mapping (a JSON object or a TOML table)."""
         if not isinstance(value, Mapping):
-            raise error(f"{what} must be an object (a mapping of names to values), got {shown(value)}",
-                        path=path, line=line, field=where or None)
+            raise error(
+                f"{what} must be an object (a mapping of names to values), got {shown(value)}",
+                path=path,
+                line=line,
+                field=where or None,
+            )
         return cls(value, None if path is None else str(path), line, where, error)
 
     def fail(self, key: str, message: str) -> UntrustedFileError:
@@ -292,8 +376,9 @@ class Fields:
             raise self.fail(key, "is missing; add it")
         return default
 
-    def integer(self, key: str, *, minimum: int | None = None, maximum: int | None = None,
-                default: Any = _MISSING) -> int:
+    def integer(
+        self, key: str, *, minimum: int | None = None, maximum: int | None = None, default: Any = _MISSING
+    ) -> int:
         value = self.get(key, default)
         if not isinstance(value, int) or isinstance(value, bool):
             raise self.fail(key, f"must be an integer, got {shown(value)}")
@@ -326,4 +411,3 @@ class Fields:
         value = self.get(key, default)
         name = f"{self.where}.{key}" if self.where else key
         return Fields.of(value, f"field {name!r}", path=self.path, line=self.line, where=name, error=self.error)
-

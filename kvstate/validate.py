@@ -4,21 +4,26 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING
 
+from kvstate import semantics
 from kvstate.errors import SpecError
-from kvstate.spec import Spec
+from kvstate.policy import policy_problems
+from kvstate.roles import ROLES
+
+if TYPE_CHECKING:  # annotations only: kvstate.spec imports this module to validate what it loads
+    from kvstate.spec import Spec
 
 
-def validate_spec(spec: Spec, guards: Mapping[str, object] | None = None, effects: Collection[str] | None = None) -> None:
+def validate_spec(
+    spec: Spec, guards: Mapping[str, object] | None = None, effects: Collection[str] | None = None
+) -> None:
     """Raise `SpecError` listing every problem found; return None when the spec is well formed.
 
     `guards` and `effects` are the semantics the spec is held against (by default `kvstate.semantics`).
     """
-    if guards is None or effects is None:
-        from kvstate import semantics
-
-        guards = semantics.GUARDS if guards is None else guards
-        effects = semantics.EFFECTS if effects is None else effects
+    guards = semantics.GUARDS if guards is None else guards
+    effects = semantics.EFFECTS if effects is None else effects
     problems = [
         *_duplicate_names(spec),
         *_unknown_states(spec),
@@ -28,8 +33,6 @@ def validate_spec(spec: Spec, guards: Mapping[str, object] | None = None, effect
         problems += [*_terminal_edges(spec), *_unreachable(spec), *_no_way_out(spec), *_ambiguous(spec)]
     problems += _semantics(spec, guards, effects)
     problems += _roles(spec) + _output_lists(spec)
-    from kvstate.policy import policy_problems
-
     problems += policy_problems(spec)
     if problems:
         listing = "\n".join(f"  - {p}" for p in problems)
@@ -80,25 +83,8 @@ def _terminal_edges(spec: Spec) -> list[str]:
     ]
 
 
-def _successors(spec: Spec) -> dict[str, set[str]]:
-    graph: dict[str, set[str]] = defaultdict(set)
-    for t in spec.transitions:
-        graph[t.source].add(t.dest)
-    return graph
-
-
-def _reachable_from(graph: Mapping[str, set[str]], start: str) -> set[str]:
-    seen, frontier = {start}, [start]
-    while frontier:
-        for nxt in graph.get(frontier.pop(), ()):
-            if nxt not in seen:
-                seen.add(nxt)
-                frontier.append(nxt)
-    return seen
-
-
 def _unreachable(spec: Spec) -> list[str]:
-    reachable = _reachable_from(_successors(spec), spec.initial)
+    reachable = spec.reachable_from(spec.initial)
     return [
         f"state {s.name!r} is unreachable from the initial state {spec.initial!r}; add an event into it or remove it"
         for s in spec.states
@@ -107,16 +93,17 @@ def _unreachable(spec: Spec) -> list[str]:
 
 
 def _no_way_out(spec: Spec) -> list[str]:
-    graph = _successors(spec)
     terminals = set(spec.terminal_states)
     found = []
     for state in spec.states:
         if state.terminal:
             continue
-        exits = graph.get(state.name, set()) - {state.name}
+        exits = spec.successors.get(state.name, frozenset()) - {state.name}
         if not exits:
-            found.append(f"non-terminal state {state.name!r} has no way out; add an event leaving it or mark it terminal")
-        elif not _reachable_from(graph, state.name) & terminals:
+            found.append(
+                f"non-terminal state {state.name!r} has no way out; add an event leaving it or mark it terminal"
+            )
+        elif not spec.reachable_from(state.name) & terminals:
             found.append(f"non-terminal state {state.name!r} can never reach a terminal state; add a path to one")
     return found
 
@@ -143,11 +130,15 @@ def _semantics(spec: Spec, guards: Mapping[str, object], effects: Collection[str
     found = []
     for t in spec.transitions:
         if t.guard is not None and t.guard not in guards:
-            found.append(f"event {t.event!r} from {t.source!r}: guard {t.guard!r} has no semantics; "
-                         f"define it in kvstate.semantics or use one of {sorted(guards)}")
+            found.append(
+                f"event {t.event!r} from {t.source!r}: guard {t.guard!r} has no semantics; "
+                f"define it in kvstate.semantics or use one of {sorted(guards)}"
+            )
         if t.effect is not None and t.effect not in effects:
-            found.append(f"event {t.event!r} from {t.source!r}: effect {t.effect!r} has no semantics; "
-                         f"define it in kvstate.semantics.EffectHooks or use one of {sorted(effects)}")
+            found.append(
+                f"event {t.event!r} from {t.source!r}: effect {t.effect!r} has no semantics; "
+                f"define it in kvstate.semantics.EffectHooks or use one of {sorted(effects)}"
+            )
     for name in sorted(set(guards) - spec.guard_names):
         found.append(f"guard {name!r} has semantics but no transition uses it; use it in the spec or delete it")
     for name in sorted(set(effects) - spec.effect_names):
@@ -156,8 +147,6 @@ def _semantics(spec: Spec, guards: Mapping[str, object], effects: Collection[str
 
 
 def _roles(spec: Spec) -> list[str]:
-    from kvstate.roles import ROLES
-
     found = []
     for state in spec.states:
         if state.role and state.role not in ROLES:
@@ -170,8 +159,10 @@ def _roles(spec: Spec) -> list[str]:
         found.append(f"no state has role {role!r} ({ROLES[role]}); give it to exactly one state")
     for state in spec.states:
         if state.computing != bool(state.chunk_lists):
-            found.append(f"state {state.name!r}: a computing state needs chunk_lists (prefill and decode) and only a "
-                         "computing state may have them")
+            found.append(
+                f"state {state.name!r}: a computing state needs chunk_lists (prefill and decode) and only a "
+                "computing state may have them"
+            )
         if state.chunk_lists and {k for k, _ in state.chunk_lists} != {"prefill", "decode"}:
             found.append(f"state {state.name!r}: chunk_lists must name exactly 'prefill' and 'decode'")
         if state.terminal != (state.container == "finished"):
@@ -180,17 +171,21 @@ def _roles(spec: Spec) -> list[str]:
 
 
 def _output_lists(spec: Spec) -> list[str]:
+    # Function-local while kvstate.output reaches kvstate.spec at run time (output -> request -> lifecycle -> spec;
+    # kvstate.spec imports this module): `scripts/import-cycles --with-local` lists the cycle this import would close.
     from kvstate.output import LIST_NAMES
 
     names = [o.name for o in spec.output_lists]
     found = []
     if sorted(names) != sorted(LIST_NAMES):
-        found.append(f"output_lists name {names}; the scheduler output has the lists {list(LIST_NAMES)}: declare "
-                     "each exactly once")
+        found.append(
+            f"output_lists name {names}; the scheduler output has the lists {list(LIST_NAMES)}: declare "
+            "each exactly once"
+        )
     for o in spec.output_lists:
-        for state in o.states:
-            if state not in spec.state_by_name:
-                found.append(f"output list {o.name!r}: state {state!r} is unknown")
+        for state_name in o.states:
+            if state_name not in spec.state_by_name:
+                found.append(f"output list {o.name!r}: state {state_name!r} is unknown")
     for state in spec.states:
         for kind, name in state.chunk_lists:
             if name not in names:

@@ -13,12 +13,14 @@ import sys
 import torch
 
 from executor import Engine, EngineConfig
+from kvstate import SchedulerConfig
 
 
 def rss_mib() -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
@@ -28,7 +30,8 @@ def main() -> None:
     torch.set_num_threads(1)
     rng = random.Random(0)
     taken = 0
-    with Engine(EngineConfig(device="cpu", gpu_blocks=256, block_size=16, max_batch_size=64)) as engine:
+    scheduler = SchedulerConfig(gpu_blocks=256, block_size=16, max_batch_size=64)
+    with Engine(EngineConfig(scheduler=scheduler, device="cpu")) as engine:
         print(f"mode={'take_finished' if take else 'keep'} requests=0 rss_mib={rss_mib():.1f}", flush=True)
         for wave in range(0, requests, 200):
             for _ in range(200):
@@ -38,9 +41,11 @@ def main() -> None:
                 taken += len(engine.take_finished())
             done = wave + 200
             if done % 2000 == 0:
-                print(f"mode={'take_finished' if take else 'keep'} requests={done} rss_mib={rss_mib():.1f} "
-                      f"finished_held={len(engine.scheduler.finished)} submissions_held={len(engine._submissions)}",
-                      flush=True)
+                print(
+                    f"mode={'take_finished' if take else 'keep'} requests={done} rss_mib={rss_mib():.1f} "
+                    f"finished_held={len(engine.scheduler.finished)} submissions_held={len(engine._submissions)}",
+                    flush=True,
+                )
         assert not take or taken == requests
 
 

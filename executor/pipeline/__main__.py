@@ -11,13 +11,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 
 from executor.pipeline.demo import DEMO_TIMEOUT_S
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m executor.pipeline", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m executor.pipeline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--pp", type=int, default=2, help="stages to spawn without torchrun (default %(default)s)")
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--gpu-blocks", type=int, default=32)
@@ -28,10 +30,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     p.add_argument("--dtype", default="float64", choices=("float64", "float32"))
     p.add_argument("--trace", default=None, help="rank 0's trace file; rank r writes <stem>.rank<r><suffix>")
-    p.add_argument("--fail-host-tier-on-rank", type=int, action="append", default=[],
-                   help="force this rank's host-tier allocation to fail (repeatable; tests the fallback)")
-    p.add_argument("--timeout", type=float, default=DEMO_TIMEOUT_S,
-                   help="bound of every wait on a peer rank, seconds (default %(default)s)")
+    p.add_argument(
+        "--fail-host-tier-on-rank",
+        type=int,
+        action="append",
+        default=[],
+        help="force this rank's host-tier allocation to fail (repeatable; tests the fallback)",
+    )
+    p.add_argument(
+        "--micro-batches", type=int, default=None, help="micro-batches in flight (default: one per stage; 1 = lockstep)"
+    )
+    p.add_argument(
+        "--compare-lockstep",
+        action="store_true",
+        help="also run the workload in lockstep (--micro-batches 1) and print the tokens/s ratio",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEMO_TIMEOUT_S,
+        help="bound of every wait on a peer rank, seconds (default %(default)s)",
+    )
     return p
 
 
@@ -42,6 +61,8 @@ def _print(summary) -> None:
         print(f"  {state}: {peak} {final}")
     for metric, value in summary.summary_rows:
         print(f"  {metric}: {value}")
+    if summary.comparison is not None:
+        print(f"throughput: {summary.comparison}")
     for path, lines in summary.traces:
         print(f"trace: {path} ({lines} transitions)")
     verdict = "PASS" if not summary.differ else f"FAIL ({len(summary.differ)} differ: {list(summary.differ)[:10]})"
@@ -59,10 +80,22 @@ def main(argv: list[str] | None = None) -> int:
     from executor.pipeline.launch import RankFailed, RankLost
 
     try:
-        summary = run_pp_demo(stages=args.pp, requests=args.requests, gpu_blocks=args.gpu_blocks,
-                              host_blocks=args.host_blocks, block_size=args.block_size, chunk_size=args.chunk_size,
-                              seed=args.seed, device=args.device, dtype=args.dtype, trace=args.trace,
-                              fail_host_tier_on_ranks=frozenset(args.fail_host_tier_on_rank), timeout_s=args.timeout)
+        summary = run_pp_demo(
+            stages=args.pp,
+            requests=args.requests,
+            gpu_blocks=args.gpu_blocks,
+            host_blocks=args.host_blocks,
+            block_size=args.block_size,
+            chunk_size=args.chunk_size,
+            seed=args.seed,
+            device=args.device,
+            dtype=args.dtype,
+            trace=args.trace,
+            fail_host_tier_on_ranks=frozenset(args.fail_host_tier_on_rank),
+            timeout_s=args.timeout,
+            micro_batches=args.micro_batches,
+            compare_lockstep=args.compare_lockstep,
+        )
     except (RankLost, RankFailed) as err:
         print(f"python -m executor.pipeline: error: {err}", file=sys.stderr)
         return 2
@@ -75,26 +108,56 @@ def _torchrun(args: argparse.Namespace) -> int:
     from executor.engine import Engine, EngineConfig
     from executor.pipeline.config import PipelineConfig
     from executor.pipeline.launch import torchrun_main
+    from kvstate.config import SchedulerConfig
 
-    engine_config = EngineConfig(device=args.device, dtype=args.dtype, gpu_blocks=args.gpu_blocks,
-                                 host_blocks=args.host_blocks, block_size=args.block_size,
-                                 prefill_chunk_size=args.chunk_size, max_num_tokens=max(256, args.chunk_size),
-                                 seed=args.seed, weights_seed=args.seed, trace_path=args.trace)
-    config = PipelineConfig(engine=engine_config, timeout_s=args.timeout,
-                            fail_host_tier_on_ranks=frozenset(args.fail_host_tier_on_rank))
-    work = random_workload(args.requests, args.seed, DEMO_PROMPT_LEN, DEMO_MAX_NEW_TOKENS,
-                           vocab=engine_config.model.vocab_size, max_tokens=args.gpu_blocks * args.block_size)
+    scheduler = SchedulerConfig(
+        gpu_blocks=args.gpu_blocks,
+        host_blocks=args.host_blocks,
+        block_size=args.block_size,
+        prefill_chunk_size=args.chunk_size,
+        max_num_tokens=max(256, args.chunk_size),
+    )
+    engine_config = EngineConfig(
+        scheduler=scheduler,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        weights_seed=args.seed,
+        trace_path=args.trace,
+    )
+    config = PipelineConfig(
+        engine=engine_config,
+        timeout_s=args.timeout,
+        micro_batches=args.micro_batches,
+        fail_host_tier_on_ranks=frozenset(args.fail_host_tier_on_rank),
+    )
+    work = random_workload(
+        args.requests,
+        args.seed,
+        DEMO_PROMPT_LEN,
+        DEMO_MAX_NEW_TOKENS,
+        vocab=engine_config.model.vocab_size,
+        max_tokens=args.gpu_blocks * args.block_size,
+    )
     result = torchrun_main(config, work)
-    print(f"rank {result.rank}: layers {list(result.layers)}, {result.iterations} iterations, host tier "
-          f"{result.host_tier}, {len(result.trace)} trace lines")
+    print(
+        f"rank {result.rank}: layers {list(result.layers)}, {result.iterations} iterations, host tier "
+        f"{result.host_tier}, {len(result.trace)} trace lines"
+    )
     if result.rank != 0:
         return 0
-    with Engine(EngineConfig(**{**engine_config.__dict__, "trace_path": None, "host_blocks": 0})) as oracle:
-        differ = [rid for rid, reason in result.done_reasons.items() if reason == "finished"
-                  and result.outputs[rid] != oracle.reference(work[rid][0], work[rid][1], request_id=rid)]
+    oracle_config = replace(engine_config, trace_path=None, scheduler=replace(scheduler, host_blocks=0))
+    with Engine(oracle_config) as oracle:
+        differ = [
+            rid
+            for rid, reason in result.done_reasons.items()
+            if reason == "finished"
+            and result.outputs[rid] != oracle.reference(work[rid][0], work[rid][1], request_id=rid)
+        ]
     print(f"rank 0: {len(result.outputs)} requests, totals {result.totals}")
-    print(f"OUTPUT EQUIVALENCE: {'PASS' if not differ else f'FAIL {differ[:10]}'}; leaked blocks: "
-          f"{result.leaked_blocks}")
+    print(
+        f"OUTPUT EQUIVALENCE: {'PASS' if not differ else f'FAIL {differ[:10]}'}; leaked blocks: {result.leaked_blocks}"
+    )
     return 0 if not differ and not result.leaked_blocks else 1
 
 

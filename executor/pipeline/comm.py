@@ -1,26 +1,34 @@
-"""The collectives the pipeline uses, on `torch.distributed` (gloo on the CPU, NCCL on CUDA), or trivially for one
-process (world size 1 needs no process group, so the loop can be tested in-process).
+"""The collectives and point-to-point messages the pipeline uses, on `torch.distributed` (gloo on the CPU, NCCL on
+CUDA), or trivially for one process (world size 1 needs no process group, so the loop can be tested in-process).
 
-Invariants kept: every rank calls the same collectives in the same order (the runtime loop is lockstep); each
-call is bounded by the process group's timeout, so a lost peer fails the run instead of hanging it.
+Invariants kept: every rank calls the same collectives in the same order (host-tier agreement, before the loop);
+point-to-point messages between two ranks are received in the order they were posted (one channel per direction);
+sends are posted without waiting (`isend`), and their buffers are kept alive until the send completed, so a rank
+runs ahead of its successor by the micro-batches in flight; every blocking call is bounded by the process group's
+timeout, so a lost peer fails the run instead of hanging it.
+
+A message (`send_message`) travels as one fixed-size frame of `FRAME_BYTES` (its length, the pickled object and,
+on gloo, the raw bytes of an attached CPU tensor), plus one overflow message only when it is larger: each
+point-to-point message is a blocking hand-off between processes, which costs far more than its bytes on a loaded
+machine, so a pipeline pass sends one message per hop. On NCCL the attached tensor follows as its own message.
 """
 
 from __future__ import annotations
 
+import pickle
+from collections import deque
 from datetime import timedelta
 from typing import Any
 
 import torch
 
-
-def pick_backend(requested: str, device: torch.device) -> str:
-    if requested != "auto":
-        return requested
-    return "nccl" if device.type == "cuda" else "gloo"
+FRAME_BYTES = 64 * 1024  # every message's first part: a pass's message and hidden states usually fit in one
+_HEADER = 16  # int64 length of the frame's content after the header, int64 length of the pickled part
 
 
-def init_process_group(backend: str, rank: int, world_size: int, timeout_s: float,
-                       init_method: str = "env://", store: Any = None) -> None:
+def init_process_group(
+    backend: str, rank: int, world_size: int, timeout_s: float, init_method: str = "env://", store: Any = None
+) -> None:
     """Join the default process group at `store` (a `torch.distributed.Store`), or else at `init_method`
     (env:// reads MASTER_ADDR/MASTER_PORT, as torchrun sets them)."""
     import torch.distributed as dist
@@ -38,10 +46,13 @@ class Comm:
             import torch.distributed as dist
 
             if not dist.is_initialized():
-                raise RuntimeError("the pipeline needs torch.distributed initialised (init_process_group) for "
-                                   f"world size {world_size}; launch with torchrun or run_pipeline")
+                raise RuntimeError(
+                    "the pipeline needs torch.distributed initialised (init_process_group) for "
+                    f"world size {world_size}; launch with torchrun or run_pipeline"
+                )
             self._dist = dist
             self._object_device = device if dist.get_backend() == "nccl" else None
+        self._posted: deque[tuple[Any, torch.Tensor]] = deque()  # (work, buffer) of sends not known complete
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""
@@ -67,9 +78,58 @@ class Comm:
         return int(t.item())
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
-        self._dist.send(tensor.contiguous(), dst=dst)
+        """Post `tensor` to `dst` without waiting for it to be received."""
+        tensor = tensor.contiguous()
+        self._posted.append((self._dist.isend(tensor, dst=dst), tensor))
+        while self._posted and self._posted[0][0].is_completed():
+            self._posted.popleft()
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         buffer = torch.empty(shape, dtype=dtype, device=self.device)
         self._dist.recv(buffer, src=src)
         return buffer
+
+    def send_message(self, obj: Any, dst: int, tensor: torch.Tensor | None = None) -> None:
+        """Post a picklable `obj`, with `tensor` attached, to `dst` without waiting (`recv_message` takes both)."""
+        inline = tensor is not None and self._object_device is None
+        raw = tensor.detach().contiguous().cpu().view(-1).view(torch.uint8) if tensor is not None and inline else None
+        pickled = pickle.dumps((obj, None if tensor is None else (tuple(tensor.shape), str(tensor.dtype), inline)))
+        content = len(pickled) + (raw.numel() if raw is not None else 0)
+        frame = torch.empty(max(FRAME_BYTES, _HEADER + content), dtype=torch.uint8)
+        frame[:_HEADER].view(torch.int64).copy_(torch.tensor([content, len(pickled)], dtype=torch.int64))
+        frame[_HEADER : _HEADER + len(pickled)] = torch.frombuffer(bytearray(pickled), dtype=torch.uint8)
+        if raw is not None:
+            frame[_HEADER + len(pickled) : _HEADER + content] = raw
+        device = self._object_device or "cpu"
+        self.send(frame[:FRAME_BYTES].to(device), dst)
+        if frame.numel() > FRAME_BYTES:
+            self.send(frame[FRAME_BYTES:].to(device), dst)
+        if tensor is not None and not inline:
+            self.send(tensor, dst)
+
+    def recv_message(self, src: int) -> tuple[Any, torch.Tensor | None]:
+        """The next (object, attached tensor or None) `src` posted to this rank with `send_message` (trusted peers
+        only: unpickling runs the sender's code)."""
+        device = self._object_device or "cpu"
+        frame = torch.empty(FRAME_BYTES, dtype=torch.uint8, device=device)
+        self._dist.recv(frame, src=src)
+        frame = frame.cpu()
+        content, pickled = frame[:_HEADER].view(torch.int64).tolist()
+        if _HEADER + content > FRAME_BYTES:
+            rest = torch.empty(_HEADER + content - FRAME_BYTES, dtype=torch.uint8, device=device)
+            self._dist.recv(rest, src=src)
+            frame = torch.cat((frame, rest.cpu()))
+        obj, attached = pickle.loads(frame[_HEADER : _HEADER + pickled].numpy().tobytes())
+        if attached is None:
+            return obj, None
+        shape, dtype_name, inline = attached
+        dtype = getattr(torch, dtype_name.removeprefix("torch."))
+        if not inline:
+            return obj, self.recv(shape, dtype, src)
+        tensor = frame[_HEADER + pickled : _HEADER + content].clone().view(dtype).view(shape)
+        return obj, tensor.to(self.device)
+
+    def flush(self) -> None:
+        """Wait until every posted send completed (before leaving the process group)."""
+        while self._posted:
+            self._posted.popleft()[0].wait()

@@ -42,8 +42,9 @@ def as_requests(requests: Sequence[PipelineRequest | tuple]) -> tuple[PipelineRe
     for index, item in enumerate(requests):
         request = item if isinstance(item, PipelineRequest) else PipelineRequest(tuple(item[0]), int(item[1]))
         if request.request_id is None:
-            request = PipelineRequest(request.prompt, request.max_new_tokens, request.stop_token_ids,
-                                      request.sampling, index)
+            request = PipelineRequest(
+                request.prompt, request.max_new_tokens, request.stop_token_ids, request.sampling, index
+            )
         normalised.append(request)
     ids = [r.request_id for r in normalised]
     if len(set(ids)) != len(ids):
@@ -57,7 +58,10 @@ class PipelineConfig:
 
     * `engine`: model, weights seed, dtype, device, pool sizes, budgets and sampling seed (as for `Engine`);
       its `trace_path`, if set, is rank 0's trace; rank r > 0 writes `trace_path_for(r)`.
-    * `backend`: "auto" (NCCL on CUDA, gloo on the CPU), "gloo" or "nccl".
+    * `backend`: "auto" (NCCL on CUDA, gloo on the CPU), "gloo" or "nccl" (`executor.pipeline.devices`).
+    * `micro_batches`: how many scheduler outputs may be in flight in the pipeline at once (rank 0 schedules the
+      next while later stages compute earlier ones); None = one per stage, as pipeline engines run; 1 = lockstep
+      (every stage waits for the last before the next pass).
     * `timeout_s`: bound of every wait on a peer (each collective, joining the group; `run_pipeline` also
       fails a rank stopped that long), so a dead or stopped rank fails the run instead of hanging it.
     * `fail_host_tier_on_ranks`: ranks whose host-tier allocation is forced to fail (tests; PP-FALLBACK).
@@ -70,6 +74,7 @@ class PipelineConfig:
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     backend: str = "auto"
+    micro_batches: int | None = None
     timeout_s: float = 120.0
     fail_host_tier_on_ranks: frozenset[int] = frozenset()
     ack_delay: tuple[tuple[int, int], ...] = ()
@@ -85,9 +90,20 @@ class PipelineConfig:
             raise PipelineConfigError(f"timeout_s must be positive seconds, got {self.timeout_s!r}")
         if any(d < 0 for _, d in self.ack_delay):
             raise PipelineConfigError(f"ack_delay iterations must be >= 0, got {self.ack_delay}")
+        if self.micro_batches is not None and (not isinstance(self.micro_batches, int) or self.micro_batches < 1):
+            raise PipelineConfigError(
+                f"micro_batches must be a positive integer (1 = lockstep) or None (one per "
+                f"stage), got {self.micro_batches!r}"
+            )
         if self.cancel_awaiting < 0 or self.max_iterations <= 0:
-            raise PipelineConfigError("cancel_awaiting must be >= 0 and max_iterations > 0, got "
-                                      f"{self.cancel_awaiting} and {self.max_iterations}")
+            raise PipelineConfigError(
+                "cancel_awaiting must be >= 0 and max_iterations > 0, got "
+                f"{self.cancel_awaiting} and {self.max_iterations}"
+            )
+
+    def micro_batches_for(self, world_size: int) -> int:
+        """Micro-batches in flight on `world_size` stages (one stage has nothing to overlap: always 1)."""
+        return 1 if world_size == 1 else (self.micro_batches or world_size)
 
     def delay_of(self, rank: int) -> int:
         return dict(self.ack_delay).get(rank, 0)
@@ -105,13 +121,17 @@ class PipelineConfig:
         if not isinstance(world_size, int) or world_size < 1:
             raise PipelineConfigError(f"world_size must be a positive integer, got {world_size!r}")
         if world_size > layers:
-            raise PipelineConfigError(f"{world_size} pipeline stages but the model has {layers} layers; every stage "
-                                      "needs at least one: lower world_size or raise ModelConfig.num_layers")
-        bad = sorted(r for r in self.fail_host_tier_on_ranks | {r for r, _ in self.ack_delay}
-                     if not 0 <= r < world_size)
+            raise PipelineConfigError(
+                f"{world_size} pipeline stages but the model has {layers} layers; every stage "
+                "needs at least one: lower world_size or raise ModelConfig.num_layers"
+            )
+        bad = sorted(
+            r for r in self.fail_host_tier_on_ranks | {r for r, _ in self.ack_delay} if not 0 <= r < world_size
+        )
         if bad:
-            raise PipelineConfigError(f"ranks {bad} named in fail_host_tier_on_ranks/ack_delay are outside "
-                                      f"0..{world_size - 1}")
+            raise PipelineConfigError(
+                f"ranks {bad} named in fail_host_tier_on_ranks/ack_delay are outside 0..{world_size - 1}"
+            )
 
 
 def stage_layers(num_layers: int, stages: int, stage: int) -> range:

@@ -36,8 +36,15 @@ class PauseRecord:
     outcome: str | None = None  # the state consensus took it to: recompute_paused or done
 
     def to_dict(self) -> dict:
-        return {"request_id": self.request_id, "paused": self.paused, "blocks": list(self.blocks),
-                "acked": self.acked, "agreed": self.agreed, "released": self.released, "outcome": self.outcome}
+        return {
+            "request_id": self.request_id,
+            "paused": self.paused,
+            "blocks": list(self.blocks),
+            "acked": self.acked,
+            "agreed": self.agreed,
+            "released": self.released,
+            "outcome": self.outcome,
+        }
 
 
 class ConsensusBook:
@@ -52,8 +59,11 @@ class ConsensusBook:
 
     def announce(self, request_id: Hashable, iteration: int, blocks: Sequence[int]) -> None:
         if request_id in self.pending:
-            raise InvariantViolation("PP-HOLD", f"request {request_id!r} was paused again at iteration {iteration} "
-                                     "while its previous pause still awaits consensus")
+            raise InvariantViolation(
+                "PP-HOLD",
+                f"request {request_id!r} was paused again at iteration {iteration} "
+                "while its previous pause still awaits consensus",
+            )
         record = PauseRecord(request_id, iteration, tuple(blocks))
         self.pending[request_id] = record
         self.history.append(record)
@@ -91,9 +101,12 @@ class ConsensusBook:
         record = self.pending.get(request_id)
         if record is None or record.agreed is None:
             acked = None if record is None else record.acked
-            raise InvariantViolation("PP-HOLD", f"rank {self.rank}: request {request_id!r} was reset or terminated "
-                                     f"at iteration {iteration} before every stage acknowledged its pause "
-                                     f"(this rank acked at {acked})")
+            raise InvariantViolation(
+                "PP-HOLD",
+                f"rank {self.rank}: request {request_id!r} was reset or terminated "
+                f"at iteration {iteration} before every stage acknowledged its pause "
+                f"(this rank acked at {acked})",
+            )
         record.released, record.outcome = iteration, outcome
         del self.pending[request_id]
         return record
@@ -108,11 +121,16 @@ class ConsensusBook:
             return
         for rid, blocks in writers:
             if rid in self.pending:
-                raise InvariantViolation("PP-HOLD", f"rank {self.rank}: request {rid!r} awaits consensus but is "
-                                         f"in the batch of iteration {iteration}")
+                raise InvariantViolation(
+                    "PP-HOLD",
+                    f"rank {self.rank}: request {rid!r} awaits consensus but is in the batch of iteration {iteration}",
+                )
             for block in blocks:
                 owner = held.get(block)
                 if owner is not None:
-                    raise InvariantViolation("PP-HOLD", f"rank {self.rank}: iteration {iteration} writes block "
-                                             f"{block} of {rid!r}, but request {owner!r} still holds it while it "
-                                             "awaits consensus")
+                    raise InvariantViolation(
+                        "PP-HOLD",
+                        f"rank {self.rank}: iteration {iteration} writes block "
+                        f"{block} of {rid!r}, but request {owner!r} still holds it while it "
+                        "awaits consensus",
+                    )

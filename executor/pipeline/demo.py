@@ -1,8 +1,13 @@
 """The pipeline-parallel demo: a seeded workload under memory pressure on N stages, checked against the
 single-process oracle. `run_pp_demo` returns the data `kvstate demo` prints (so the command only formats it).
 
-Invariant kept: `differ` lists every finished request whose output is not `Engine.reference` of it; `ok` is true
-only when nothing differs and no block is held at the end (rank 0's pool).
+Invariant kept: `differ` lists every finished request whose output breaks the per-dtype rule against
+`Engine.reference` of it (`executor.checks.compare_outputs`: exact in float64 and float32); `ok` is true only when
+nothing differs and no block is held at the end (rank 0's pool) — of both runs when the lockstep comparison ran
+(the same workload with one micro-batch in flight, right after, in the same process).
+
+Throughput is output tokens (of finished requests) per second of rank 0's loop (process start and the oracle
+check left out), so the in-flight and lockstep figures of one run compare the pipelines alone.
 
 The demo runs locally: its ranks meet over loopback only (`executor.pipeline.launch`), and a rank that dies or
 stops ends it within `timeout_s` (default `DEMO_TIMEOUT_S`) with a one-line `RankLost`, a `ConnectionError`.
@@ -12,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from executor.pipeline.config import PipelineConfig
@@ -33,6 +38,19 @@ class PipelineDemoSummary:
     outputs: int
     leaked_blocks: int
     result: PipelineResult
+    lockstep: PipelineResult | None = None  # the same workload with micro_batches=1, when compared
+
+    @property
+    def comparison(self) -> str | None:
+        """'in flight X tokens/s vs lockstep Y tokens/s: Z x' when the lockstep run was made."""
+        if self.lockstep is None:
+            return None
+        flight, lock = output_tokens_per_s(self.result), output_tokens_per_s(self.lockstep)
+        micro = self.result.driver.micro_batches
+        return (
+            f"{micro} micro-batches in flight {flight:,.0f} tokens/s vs lockstep {lock:,.0f} tokens/s: "
+            f"{flight / lock:.2f}x"
+        )
 
     @property
     def ok(self) -> bool:
@@ -43,36 +61,101 @@ class PipelineDemoSummary:
         return 0 if self.ok else 1
 
 
-def run_pp_demo(*, stages: int = 2, requests: int = 48, gpu_blocks: int = 32, host_blocks: int = 16,
-                block_size: int = 8, chunk_size: int = 64, seed: int = 0, device: str = "cpu",
-                dtype: str = "float64", trace: str | Path | None = None, lifecycle: str = "machine",
-                fail_host_tier_on_ranks: frozenset[int] = frozenset(),
-                timeout_s: float = DEMO_TIMEOUT_S) -> PipelineDemoSummary:
-    """Run the demo workload on `stages` spawned ranks and check every output against the oracle."""
+def output_tokens_per_s(result: PipelineResult) -> float:
+    """Output tokens of finished requests per second of rank 0's loop."""
+    driver = result.driver
+    tokens = sum(len(result.outputs[rid]) for rid, reason in driver.done_reasons.items() if reason == "finished")
+    return tokens / driver.wall_s if driver.wall_s > 0 else 0.0
+
+
+def run_pp_demo(  # noqa: PLR0913 - keyword-only, one per `kvstate demo --pp` flag the command and tests set
+    *,
+    stages: int = 2,
+    requests: int = 48,
+    gpu_blocks: int = 32,
+    host_blocks: int = 16,
+    block_size: int = 8,
+    chunk_size: int = 64,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: str = "float64",
+    trace: str | Path | None = None,
+    lifecycle: str = "machine",
+    fail_host_tier_on_ranks: frozenset[int] = frozenset(),
+    micro_batches: int | None = None,
+    compare_lockstep: bool = False,
+    timeout_s: float = DEMO_TIMEOUT_S,
+) -> PipelineDemoSummary:
+    """Run the demo workload on `stages` spawned ranks and check every output against the oracle; with
+    `compare_lockstep` (and several micro-batches in flight), run it again in lockstep and check that too."""
     import torch
 
-    from executor.checks import DEMO_MAX_NEW_TOKENS, DEMO_PROMPT_LEN, format_bytes, random_workload
+    from executor.checks import (
+        DEMO_MAX_NEW_TOKENS,
+        DEMO_PROMPT_LEN,
+        Compared,
+        compare_outputs,
+        format_bytes,
+        random_workload,
+    )
     from executor.engine import Engine, EngineConfig
+    from kvstate.config import SchedulerConfig
 
-    engine_config = EngineConfig(device=device, dtype=dtype, gpu_blocks=gpu_blocks, host_blocks=host_blocks,
-                                 block_size=block_size, prefill_chunk_size=chunk_size,
-                                 max_num_tokens=max(256, chunk_size), seed=seed, weights_seed=seed, trace_path=trace,
-                                 lifecycle=lifecycle)
-    config = PipelineConfig(engine=engine_config, fail_host_tier_on_ranks=fail_host_tier_on_ranks,
-                            timeout_s=timeout_s)
-    work = random_workload(requests, seed, DEMO_PROMPT_LEN, DEMO_MAX_NEW_TOKENS, vocab=engine_config.model.vocab_size,
-                           max_tokens=gpu_blocks * block_size)
+    scheduler = SchedulerConfig(
+        gpu_blocks=gpu_blocks,
+        host_blocks=host_blocks,
+        block_size=block_size,
+        prefill_chunk_size=chunk_size,
+        max_num_tokens=max(256, chunk_size),
+        lifecycle=lifecycle,
+    )
+    engine_config = EngineConfig(
+        scheduler=scheduler, device=device, dtype=dtype, seed=seed, weights_seed=seed, trace_path=trace
+    )
+    config = PipelineConfig(
+        engine=engine_config,
+        fail_host_tier_on_ranks=fail_host_tier_on_ranks,
+        timeout_s=timeout_s,
+        micro_batches=micro_batches,
+    )
+    work = random_workload(
+        requests,
+        seed,
+        DEMO_PROMPT_LEN,
+        DEMO_MAX_NEW_TOKENS,
+        vocab=engine_config.model.vocab_size,
+        max_tokens=gpu_blocks * block_size,
+    )
     started = time.perf_counter()
     result = run_pipeline(config, work, stages)
     wall = time.perf_counter() - started
+    lockstep = None
+    if compare_lockstep and config.micro_batches_for(stages) > 1:
+        lockstep = run_pipeline(
+            replace(config, micro_batches=1, engine=replace(engine_config, trace_path=None)), work, stages
+        )
     driver = result.driver
     checked = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with Engine(EngineConfig(**{**engine_config.__dict__, "trace_path": None, "host_blocks": 0})) as oracle:
-            differ = tuple(rid for rid, reason in driver.done_reasons.items() if reason == "finished"
-                           and result.outputs[rid] != oracle.reference(work[rid][0], work[rid][1], request_id=rid))
+        oracle_config = replace(engine_config, trace_path=None, scheduler=replace(scheduler, host_blocks=0))
+        with Engine(oracle_config) as oracle:
+            references = {rid: oracle.reference(prompt, new, request_id=rid) for rid, (prompt, new) in enumerate(work)}
+            mismatched = {
+                rid
+                for run in (result, lockstep)
+                if run is not None
+                for rid in compare_outputs(
+                    oracle.model,
+                    (
+                        Compared(rid, run.outputs[rid], references[rid], work[rid][0])
+                        for rid, reason in run.driver.done_reasons.items()
+                        if reason == "finished"
+                    ),
+                ).mismatches
+            }
+            differ = tuple(rid for rid in references if rid in mismatched)  # request ids in ascending order
     finally:
         torch.set_num_threads(threads)
     check_time = time.perf_counter() - checked
@@ -81,12 +164,15 @@ def run_pp_demo(*, stages: int = 2, requests: int = 48, gpu_blocks: int = 32, ho
     if host["fallback"]:
         host_text += f" (allocation failed on ranks {host['failed_ranks']}: every rank GPU-only)"
     layers = ", ".join(f"rank {r.rank}: layers {list(r.layers)}" for r in result.ranks)
-    header = (f"kvstate demo --pp {stages}: {requests} requests on {device} ({dtype}), GPU tier {gpu_blocks} blocks x "
-              f"{block_size} tokens per stage, host tier {host_text}; {layers}")
+    header = (
+        f"kvstate demo --pp {stages}: {requests} requests on {device} ({dtype}), GPU tier {gpu_blocks} blocks x "
+        f"{block_size} tokens per stage, host tier {host_text}; {layers}"
+    )
     totals, events = driver.totals, driver.totals.get("events", {})
     rows = (
         ("requests", str(len(driver.done_reasons))),
         ("pipeline stages", str(stages)),
+        ("micro-batches in flight", str(driver.micro_batches) + (" (lockstep)" if driver.micro_batches == 1 else "")),
         ("iterations", str(totals.get("steps", 0))),
         ("generated tokens", str(totals.get("generated_tokens", 0))),
         ("suspensions", str(events.get("suspend", 0))),
@@ -100,11 +186,23 @@ def run_pp_demo(*, stages: int = 2, requests: int = 48, gpu_blocks: int = 32, ho
         ("copy calls (merged runs, all stages)", str(sum(r.copy_calls for r in result.ranks))),
         ("host tier fallback", "yes" if host["fallback"] else "no"),
         ("tokens/s (generated)", f"{totals.get('generated_tokens', 0) / wall:,.0f}" if wall > 0 else "-"),
+        ("output tokens/s (rank 0's loop)", f"{output_tokens_per_s(result):,.0f}"),
         ("wall time (incl. process start)", f"{wall:.2f} s"),
         ("reference check time", f"{check_time:.2f} s"),
     )
     states = tuple((s, driver.peak_states.get(s, 0), driver.final_states.get(s, 0)) for s in driver.peak_states)
-    traces = tuple((str(config.trace_path_for(r.rank).resolve()), len(r.trace)) for r in result.ranks) \
-        if trace is not None else ()
-    return PipelineDemoSummary(header, states, rows, traces, differ, len(result.outputs), driver.leaked_blocks,
-                               result)
+    traces = (
+        tuple((str(_trace_path(config, r.rank).resolve()), len(r.trace)) for r in result.ranks)
+        if trace is not None
+        else ()
+    )
+    leaked = driver.leaked_blocks + (lockstep.driver.leaked_blocks if lockstep is not None else 0)
+    return PipelineDemoSummary(header, states, rows, traces, differ, len(result.outputs), leaked, result, lockstep)
+
+
+def _trace_path(config: PipelineConfig, rank: int) -> Path:
+    """The trace file of `rank`; raises when `config` writes no trace (set `EngineConfig.trace_path`)."""
+    path = config.trace_path_for(rank)
+    if path is None:
+        raise ValueError(f"rank {rank} writes no trace: set EngineConfig.trace_path to write one per rank")
+    return path

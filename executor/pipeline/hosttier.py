@@ -32,12 +32,20 @@ class HostTierDecision:
         return self.requested_blocks > 0 and not self.agreed_ok
 
     def to_dict(self) -> dict:
-        return {"requested_blocks": self.requested_blocks, "local_ok": self.local_ok, "agreed_ok": self.agreed_ok,
-                "failed_ranks": list(self.failed_ranks), "host_blocks": self.host_blocks,
-                "fallback": self.fallback, "local_error": self.local_error}
+        return {
+            "requested_blocks": self.requested_blocks,
+            "local_ok": self.local_ok,
+            "agreed_ok": self.agreed_ok,
+            "failed_ranks": list(self.failed_ranks),
+            "host_blocks": self.host_blocks,
+            "fallback": self.fallback,
+            "local_error": self.local_error,
+        }
 
 
-def agree_host_tier(cache: PagedKVCache, host_blocks: int, comm: Comm, *, simulate_failure: bool = False) -> HostTierDecision:
+def agree_host_tier(
+    cache: PagedKVCache, host_blocks: int, comm: Comm, *, simulate_failure: bool = False
+) -> HostTierDecision:
     """Try to attach `host_blocks` to `cache`, then agree with every rank; detaches it again on a fallback.
     Every rank must call this with the same `host_blocks` (the collectives run even when it is 0)."""
     ok, error = True, None

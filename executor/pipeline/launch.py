@@ -81,23 +81,28 @@ class PipelineResult:
 def validate_requests(config: PipelineConfig, requests: Sequence[PipelineRequest]) -> None:
     """What rank 0's scheduler would refuse, refused here (`RequestRejected`), before any process starts."""
     from executor.engine import InvalidTokenId
-    from kvstate.config import RequestRejected, SchedulerConfig
+    from kvstate.config import RequestRejected
 
     e = config.engine
     if e.trace_path is not None and not Path(e.trace_path).resolve().parent.is_dir():
-        raise FileNotFoundError(f"the trace directory {Path(e.trace_path).resolve().parent} does not exist; "
-                                "create it or pick another trace_path")
-    check = SchedulerConfig(gpu_blocks=e.gpu_blocks, block_size=e.block_size)
+        raise FileNotFoundError(
+            f"the trace directory {Path(e.trace_path).resolve().parent} does not exist; "
+            "create it or pick another trace_path"
+        )
+    check = e.scheduler  # rank 0's scheduler config, but for the host tier it agrees on (irrelevant here)
     vocab, limit = e.model.vocab_size, e.model.max_position_embeddings
     for r in requests:
         check.check_submission(list(r.prompt), r.max_new_tokens, r.stop_token_ids)
         bad = [t for t in (*r.prompt, *r.stop_token_ids) if t >= vocab]
         if bad:
-            raise InvalidTokenId(f"request {r.request_id!r} has token id {bad[0]} but the model's vocabulary has "
-                                 f"{vocab} ids; tokenize with the model's tokenizer")
+            raise InvalidTokenId(
+                f"request {r.request_id!r} has token id {bad[0]} but the model's vocabulary has "
+                f"{vocab} ids; tokenize with the model's tokenizer"
+            )
         if len(r.prompt) + r.max_new_tokens > limit:
-            raise RequestRejected(f"request {r.request_id!r}: prompt + max_new_tokens exceeds the model's "
-                                  f"max_position_embeddings={limit}")
+            raise RequestRejected(
+                f"request {r.request_id!r}: prompt + max_new_tokens exceeds the model's max_position_embeddings={limit}"
+            )
 
 
 @contextmanager
@@ -110,8 +115,15 @@ def loopback_store(world_size: int, timeout_s: float) -> Iterator[int]:
         listener.bind((LOOPBACK, 0))
         listener.listen(max(world_size, 1) * 4)
         port = listener.getsockname()[1]
-        store = dist.TCPStore(LOOPBACK, port, world_size, is_master=True, master_listen_fd=listener.fileno(),
-                              wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+        store = dist.TCPStore(
+            LOOPBACK,
+            port,
+            world_size,
+            is_master=True,
+            master_listen_fd=listener.fileno(),
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
         listener.detach()  # the store owns the descriptor now and closes it
     try:
         yield port
@@ -126,20 +138,26 @@ def loopback_interface() -> str:
 
 
 def _spawned(rank: int, world_size: int, config: PipelineConfig, requests: tuple, port: int, out_dir: str) -> None:
-    """Body of one spawned rank: one torch thread, join the group over loopback, run, pickle the result."""
+    """Body of one spawned rank: one torch thread on its own cores (`rank_cores`), join the group over loopback,
+    run, pickle the result."""
     import torch
     import torch.distributed as dist
 
-    from executor.pipeline.comm import init_process_group, pick_backend
-    from executor.pipeline.runtime import run_rank, stage_device
+    from executor.pipeline.comm import init_process_group
+    from executor.pipeline.devices import rank_cores
+    from executor.pipeline.runtime import local_devices, run_rank
 
     torch.set_num_threads(1)
+    cores = rank_cores(rank, world_size, os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else None
+    if cores:
+        os.sched_setaffinity(0, cores)  # the stages run side by side, never queued on one core behind each other
     os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = loopback_interface()
-    device = stage_device(config, rank)
+    devices = local_devices(config, world_size)
+    device = torch.device(devices.device_of(rank))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=timedelta(seconds=config.timeout_s))
-    init_process_group(pick_backend(config.backend, device), rank, world_size, config.timeout_s, store=store)
+    init_process_group(devices.backend, rank, world_size, config.timeout_s, store=store)
     try:
         result = run_rank(rank, world_size, config, requests)
         with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
@@ -154,7 +172,7 @@ def _stopped(pid: int) -> bool:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return False
-    return stat[stat.rindex(")") + 2:].startswith("T")
+    return stat[stat.rindex(")") + 2 :].startswith("T")
 
 
 @contextmanager
@@ -181,43 +199,67 @@ def _wait(context, world_size: int, timeout_s: float) -> None:
                     if process.is_alive() and _stopped(process.pid):
                         since = stopped_since.setdefault(rank, now)
                         if now - since >= grace:
-                            raise RankLost(f"pipeline rank {rank} (pid {process.pid}) has been stopped (SIGSTOP) for "
-                                           f"{now - since:.0f} s, so every other rank waits on it; every rank was "
-                                           "killed. Continue a stopped rank sooner (SIGCONT)")
+                            raise RankLost(
+                                f"pipeline rank {rank} (pid {process.pid}) has been stopped (SIGSTOP) for "
+                                f"{now - since:.0f} s, so every other rank waits on it; every rank was "
+                                "killed. Continue a stopped rank sooner (SIGCONT)"
+                            )
                     else:
                         stopped_since.pop(rank, None)
     except ProcessExitedException as err:
         how = f"was killed by signal {err.signal_name}" if err.signal_name else f"exited with code {err.exit_code}"
-        raise RankLost(f"pipeline rank {err.error_index} (pid {err.error_pid}) {how} before the run finished; every "
-                       f"other of the {world_size} ranks was stopped") from None
+        raise RankLost(
+            f"pipeline rank {err.error_index} (pid {err.error_pid}) {how} before the run finished; every "
+            f"other of the {world_size} ranks was stopped"
+        ) from None
     except ProcessRaisedException as err:
         trace = err.args[0].split("terminated with the following error:\n", 1)[-1]
         last = next((line.strip() for line in reversed(trace.splitlines()) if line.strip()), "unknown error")
         if stopped_since:
-            raise RankLost(f"pipeline rank {min(stopped_since)} was stopped (SIGSTOP), and rank {err.error_index} "
-                           f"gave up waiting for it: {last}; every rank was killed") from None
+            raise RankLost(
+                f"pipeline rank {min(stopped_since)} was stopped (SIGSTOP), and rank {err.error_index} "
+                f"gave up waiting for it: {last}; every rank was killed"
+            ) from None
         if any(marker in last.lower() for marker in PEER_LOST):
-            raise RankLost(f"pipeline rank {err.error_index} lost a peer rank ({last}); a rank died, stopped or "
-                           "was too slow for PipelineConfig.timeout_s; every rank was stopped") from None
-        raise RankFailed(f"pipeline rank {err.error_index} failed: {last} (every rank was stopped; the rank's "
-                         "traceback is in this error's rank_traceback)", err.error_index, err.error_pid, trace) from None
+            raise RankLost(
+                f"pipeline rank {err.error_index} lost a peer rank ({last}); a rank died, stopped or "
+                "was too slow for PipelineConfig.timeout_s; every rank was stopped"
+            ) from None
+        raise RankFailed(
+            f"pipeline rank {err.error_index} failed: {last} (every rank was stopped; the rank's "
+            "traceback is in this error's rank_traceback)",
+            err.error_index,
+            err.error_pid,
+            trace,
+        ) from None
 
 
-def run_pipeline(config: PipelineConfig, requests: Sequence[PipelineRequest | tuple],
-                 world_size: int) -> PipelineResult:
+def run_pipeline(
+    config: PipelineConfig, requests: Sequence[PipelineRequest | tuple], world_size: int
+) -> PipelineResult:
     """Run `requests` on a `world_size`-stage pipeline of spawned local processes; returns their results.
 
     `requests` are `PipelineRequest`s or `(prompt, max_new_tokens)` pairs (ids = positions). Raises `RankLost`
     when a rank dies, stays stopped or loses its peer, and `RankFailed` when a rank raised (module docstring)."""
     import torch.multiprocessing as mp
 
+    from executor.pipeline.runtime import local_devices
+
     normalised = as_requests(requests)
     config.check_world(world_size)
     validate_requests(config, normalised)
-    with tempfile.TemporaryDirectory(prefix="kvstate-pp-") as out_dir, \
-            loopback_store(world_size, config.timeout_s) as port:
-        context = mp.start_processes(_spawned, args=(world_size, config, normalised, port, out_dir),
-                                     nprocs=world_size, join=False, start_method="spawn")
+    local_devices(config, world_size)  # refuses, before any rank starts, ranks that cannot share the devices
+    with (
+        tempfile.TemporaryDirectory(prefix="kvstate-pp-") as out_dir,
+        loopback_store(world_size, config.timeout_s) as port,
+    ):
+        context = mp.start_processes(
+            _spawned,
+            args=(world_size, config, normalised, port, out_dir),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
         try:
             _wait(context, world_size, config.timeout_s)
         finally:
@@ -237,17 +279,18 @@ def torchrun_main(config: PipelineConfig, requests: Sequence[PipelineRequest | t
     import torch
     import torch.distributed as dist
 
-    from executor.pipeline.comm import Comm, init_process_group, pick_backend
-    from executor.pipeline.runtime import run_rank, stage_device
+    from executor.pipeline.comm import Comm, init_process_group
+    from executor.pipeline.runtime import local_devices, run_rank
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     normalised = as_requests(requests)
     config.check_world(world_size)
     validate_requests(config, normalised)
-    device = stage_device(config, int(os.environ.get("LOCAL_RANK", rank)))
+    devices = local_devices(config, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    device = torch.device(devices.device_of(int(os.environ.get("LOCAL_RANK", rank))))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    init_process_group(pick_backend(config.backend, device), rank, world_size, config.timeout_s)
+    init_process_group(devices.backend, rank, world_size, config.timeout_s)
     try:
         return run_rank(rank, world_size, config, normalised, Comm(rank, world_size, device))
     finally:

@@ -27,27 +27,38 @@ from executor.sampler import SamplingParams
 from kvstate.errors import KVStateError
 from kvstate.lifecycle import STATE_ATTRIBUTE, TransitionTable
 from kvstate.output import SchedulerOutput, planned_chunks
-from kvstate.roles import PENDING_RESET
 from kvstate.pool import TieredBlockPool
 from kvstate.request import Request, new_request
+from kvstate.roles import PENDING_RESET
 from kvstate.spec import Spec
-
 
 
 class MirrorDiverged(KVStateError, RuntimeError):
     """A rank's mirror of a request disagrees with rank 0's transition record (or the record is not a spec edge)."""
 
 
-def new_request_data(request_id: Hashable, prompt: Iterable[int], max_new_tokens: int,
-                     stop_token_ids: Iterable[int], sampling: SamplingParams) -> dict[str, Any]:
-    return {"request_id": request_id, "prompt": tuple(prompt), "max_new_tokens": max_new_tokens,
-            "stop_token_ids": tuple(stop_token_ids), "sampling": sampling}
+def new_request_data(
+    request_id: Hashable,
+    prompt: Iterable[int],
+    max_new_tokens: int,
+    stop_token_ids: Iterable[int],
+    sampling: SamplingParams,
+) -> dict[str, Any]:
+    return {
+        "request_id": request_id,
+        "prompt": tuple(prompt),
+        "max_new_tokens": max_new_tokens,
+        "stop_token_ids": tuple(stop_token_ids),
+        "sampling": sampling,
+    }
 
 
 def batch_chunks(out: SchedulerOutput, pool: TieredBlockPool) -> list[list]:
     """The flattened batch of `out`: what each scheduled request computes (as in `Engine._compute`)."""
-    return [[c.request.request_id, c.start, list(c.tokens), list(c.block_table), c.produces_token]
-            for c in planned_chunks(out, pool)]
+    return [
+        [c.request.request_id, c.start, list(c.tokens), list(c.block_table), c.produces_token]
+        for c in planned_chunks(out, pool)
+    ]
 
 
 def held_blocks(out: SchedulerOutput, pool: TieredBlockPool, spec: Spec) -> list[list]:
@@ -84,8 +95,10 @@ class MirrorBook:
         if edge not in self.edges:
             raise MirrorDiverged(f"transition {edge} of request {rid!r} is not an edge of the spec")
         if request.state != record["from"]:
-            raise MirrorDiverged(f"request {rid!r} is {request.state} here but rank 0 moved it from "
-                                 f"{record['from']} ({record['event']} -> {record['to']})")
+            raise MirrorDiverged(
+                f"request {rid!r} is {request.state} here but rank 0 moved it from "
+                f"{record['from']} ({record['event']} -> {record['to']})"
+            )
         setattr(request, STATE_ATTRIBUTE, record["to"])
         if record["to"] in self.spec.terminal_states:
             request.done_reason = record["done_reason"]
@@ -97,7 +110,7 @@ class MirrorBook:
         for name, requests in out.lists():
             for request in requests:
                 if request.state not in self.spec.terminal_states and request.state not in self.spec.list_states[name]:
-                    raise MirrorDiverged(f"output list {name!r} names {request.request_id!r}, which is "
-                                         f"{request.state} on this rank")
+                    raise MirrorDiverged(
+                        f"output list {name!r} names {request.request_id!r}, which is {request.state} on this rank"
+                    )
         return out
-

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from executor.kv_cache import PagedKVCache
-from executor.model import LlamaModel, PagedBatch, rotary_cos_sin
+from executor.model import LlamaModel, PagedBatch, RMSNorm, rotary_cos_sin
 from executor.pipeline.config import stage_layers
 
 
@@ -31,8 +31,10 @@ class StageCache:
     def _local(self, layer: int) -> int:
         local = layer - self.first_layer
         if not 0 <= local < self.cache.num_layers:
-            raise IndexError(f"layer {layer} is not held by this stage (layers {self.first_layer}.."
-                             f"{self.first_layer + self.cache.num_layers - 1})")
+            raise IndexError(
+                f"layer {layer} is not held by this stage (layers {self.first_layer}.."
+                f"{self.first_layer + self.cache.num_layers - 1})"
+            )
         return local
 
     def layer_keys(self, layer: int) -> torch.Tensor:
@@ -53,14 +55,15 @@ class StageModel(nn.Module):
         self.is_first, self.is_last = stage == 0, stage == stages - 1
         self.layers = nn.ModuleList(full.layers[i] for i in self.layer_range)
         tied = full.config.tie_word_embeddings
-        self.embed_tokens = full.embed_tokens if self.is_first or (self.is_last and tied) else None
-        self.norm = full.norm if self.is_last else None
-        self.lm_head = full.lm_head if self.is_last else None
+        self.embed_tokens: nn.Embedding | None = full.embed_tokens if self.is_first or (self.is_last and tied) else None
+        self.norm: RMSNorm | None = full.norm if self.is_last else None
+        self.lm_head: nn.Linear | None = full.lm_head if self.is_last else None
         self.requires_grad_(False)
 
     @classmethod
-    def from_seed(cls, config, seed: int, stage: int, stages: int, *, dtype: torch.dtype,
-                  device: torch.device) -> StageModel:
+    def from_seed(
+        cls, config, seed: int, stage: int, stages: int, *, dtype: torch.dtype, device: torch.device
+    ) -> StageModel:
         """Build the full seeded model on the CPU, keep this stage's slice, move only that to `device`."""
         full = LlamaModel.from_seed(config, seed, dtype=dtype, device="cpu")
         return cls(full, stage, stages).to(device).eval()
@@ -71,20 +74,27 @@ class StageModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].input_layernorm.weight.dtype
+        return self.get_parameter("layers.0.input_layernorm.weight").dtype
 
     def make_cache(self, gpu_blocks: int, block_size: int, device: torch.device) -> PagedKVCache:
         """A paged cache of `gpu_blocks` blocks holding only this stage's layers."""
         c = self.config
-        return PagedKVCache(gpu_blocks, num_layers=len(self.layer_range), block_size=block_size,
-                            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype, device=device)
+        return PagedKVCache(
+            gpu_blocks,
+            num_layers=len(self.layer_range),
+            block_size=block_size,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            dtype=self.dtype,
+            device=device,
+        )
 
     @torch.inference_mode()
     def forward_stage(self, batch: PagedBatch, cache: StageCache, hidden: torch.Tensor | None) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` for the next stage, or, on the last stage, logits of the sampling rows.
         The first stage takes token ids from `batch`; the others take the previous stage's `hidden`."""
         if self.is_first:
-            h = self.embed_tokens(batch.input_ids)
+            h = self._embedding()(batch.input_ids)
         else:
             if hidden is None:
                 raise ValueError(f"stage {self.stage} needs the hidden states of stage {self.stage - 1}")
@@ -94,6 +104,17 @@ class StageModel(nn.Module):
             h = layer(h, cos, sin, batch, cache)
         if not self.is_last:
             return h
+        if self.norm is None:
+            raise ValueError(f"stage {self.stage} is the last stage but holds no final norm; build it with StageModel")
         h = self.norm(h[batch.logits_indices])
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self._embedding().weight if self.lm_head is None else self.lm_head.weight
         return h @ weight.T
+
+    def _embedding(self) -> nn.Embedding:
+        """The token embedding (first stage, and last stage with tied weights); raises on a stage without one."""
+        if self.embed_tokens is None:
+            raise ValueError(
+                f"stage {self.stage} of {self.stages} holds no token embedding: only the first stage and, with "
+                "tie_word_embeddings, the last stage do"
+            )
+        return self.embed_tokens

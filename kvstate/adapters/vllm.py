@@ -78,18 +78,24 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before vLLM imports huggingface_
 try:
     import vllm
 except ImportError as _err:  # pragma: no cover - exercised only without vLLM
-    raise ImportError(f"kvstate.adapters.vllm drives vLLM {VLLM_VERSION}'s scheduler, but vllm is not installed: run "
-                      "scripts/install-peers in this environment (it installs vllm without replacing torch)") from _err
+    raise ImportError(
+        f"kvstate.adapters.vllm drives vLLM {VLLM_VERSION}'s scheduler, but vllm is not installed: run "
+        "scripts/install-peers in this environment (it installs vllm without replacing torch)"
+    ) from _err
 if vllm.__version__ != VLLM_VERSION:
-    raise ImportError(f"kvstate.adapters.vllm is written against vLLM {VLLM_VERSION}'s scheduler internals, but vllm "
-                      f"{vllm.__version__} is installed: run scripts/install-peers to install {VLLM_VERSION}")
+    raise ImportError(
+        f"kvstate.adapters.vllm is written against vLLM {VLLM_VERSION}'s scheduler internals, but vllm "
+        f"{vllm.__version__} is installed: run scripts/install-peers to install {VLLM_VERSION}"
+    )
 
 import torch  # noqa: E402  (vLLM's KV cache spec names a dtype)
 import vllm.platforms  # noqa: E402
 from vllm.platforms.cpu import CpuPlatform  # noqa: E402
 
 if vllm.platforms._current_platform is None:
-    vllm.platforms._current_platform = CpuPlatform()
+    # vLLM declares `_current_platform = None` without an annotation, so its inferred type admits only None; the
+    # ignore is unused where vllm is not installed (its imports are then Any).
+    vllm.platforms._current_platform = CpuPlatform()  # type: ignore[assignment, unused-ignore]
 
 from vllm.config import CacheConfig, ModelConfig, VllmConfig  # noqa: E402
 from vllm.config import SchedulerConfig as _VLLMSchedulerConfig  # noqa: E402
@@ -130,9 +136,18 @@ def _model_dir(vocab_size: int) -> str:
     """A directory holding a tiny Llama `config.json` (no weights, no tokenizer), removed at exit."""
     path = tempfile.mkdtemp(prefix="kvstate-vllm-model-")
     atexit.register(shutil.rmtree, path, True)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16,
-              "intermediate_size": 32, "num_attention_heads": 1, "num_key_value_heads": 1, "num_hidden_layers": 1,
-              "vocab_size": vocab_size, "max_position_embeddings": 1 << 16, "torch_dtype": "float32"}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+        "num_hidden_layers": 1,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 1 << 16,
+        "torch_dtype": "float32",
+    }
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as file:
         json.dump(config, file)
     return path
@@ -141,8 +156,9 @@ def _model_dir(vocab_size: int) -> str:
 @functools.cache
 def _model_config(vocab_size: int, max_model_len: int) -> ModelConfig:
     """Built once per process and shape: vLLM's `ModelConfig` takes seconds (it inspects the architecture)."""
-    return ModelConfig(model=_model_dir(vocab_size), skip_tokenizer_init=True, max_model_len=max_model_len,
-                       dtype="float32")
+    return ModelConfig(
+        model=_model_dir(vocab_size), skip_tokenizer_init=True, max_model_len=max_model_len, dtype="float32"
+    )
 
 
 @functools.cache
@@ -156,8 +172,10 @@ def _spec_invariants(spec: Spec) -> dict[str, str]:
     by_id = {inv.id: inv.statement for inv in spec.invariants}
     missing = [i for i in _DEEP_INVARIANTS if i not in by_id]
     if missing:
-        raise ValueError(f"spec {spec.name!r} ({spec.source}) lacks invariants {', '.join(missing)} that "
-                         "VLLMAdapter.check_invariants checks; add them to the spec or use the packaged one")
+        raise ValueError(
+            f"spec {spec.name!r} ({spec.source}) lacks invariants {', '.join(missing)} that "
+            "VLLMAdapter.check_invariants checks; add them to the spec or use the packaged one"
+        )
     return {i: by_id[i] for i in _DEEP_INVARIANTS}
 
 
@@ -166,7 +184,7 @@ class VLLMAdapter:
 
     Args:
         gpu_blocks: KV blocks requests can hold (vLLM adds its null block); with `block_size` it sets
-            `gpu_token_capacity` and vLLM's `max_model_len`.
+            `gpu_token_capacity` and vLLM's `max_model_len` unless `max_model_len` is given.
         block_size: tokens per block.
         prefix_caching: vLLM's `enable_prefix_caching`.
         max_num_batched_tokens: the token budget of one step; below a prompt's length, prefills are chunked.
@@ -176,18 +194,36 @@ class VLLMAdapter:
             the module docstring); False submits them unchanged.
         spec: the spec whose states are reported (default: the packaged one).
         deep_checks: let `check_invariants` check vLLM's block tables and reference counts.
+        max_model_len: the most tokens (prompt + output) one request may have, at most gpu_blocks × block_size
+            (the default); lower it when many requests share a GPU tier far larger than one needs (the benchmark).
     """
 
-    def __init__(self, *, gpu_blocks: int = 8, block_size: int = 16, prefix_caching: bool = False,
-                 max_num_batched_tokens: int = 32, max_num_seqs: int = 8, vocab_size: int = DEFAULT_VOCAB,
-                 refuse_capped: bool = True, spec: Spec | None = None, deep_checks: bool = True) -> None:
+    def __init__(  # noqa: PLR0913 - keyword-only, one per vLLM setting the conformance tests vary
+        self,
+        *,
+        gpu_blocks: int = 8,
+        block_size: int = 16,
+        prefix_caching: bool = False,
+        max_num_batched_tokens: int = 32,
+        max_num_seqs: int = 8,
+        vocab_size: int = DEFAULT_VOCAB,
+        refuse_capped: bool = True,
+        spec: Spec | None = None,
+        deep_checks: bool = True,
+        max_model_len: int | None = None,
+    ) -> None:
         if gpu_blocks < 1 or block_size < 1:
             raise ValueError(f"gpu_blocks={gpu_blocks}, block_size={block_size}: both must be at least 1")
+        if max_model_len is not None and not 1 <= max_model_len <= gpu_blocks * block_size:
+            raise ValueError(
+                f"max_model_len={max_model_len} must be between 1 and gpu_blocks × block_size = "
+                f"{gpu_blocks * block_size}; leave it out to use the whole GPU tier"
+            )
         self.spec = spec if spec is not None else load_spec()
         self._invariants = _spec_invariants(self.spec)
         self._state_of_role = {role: self.spec.role(role) for role in {*_ROLE_OF_STATUS.values(), roles.RECOMPUTING}}
         self.block_size = block_size
-        self.gpu_token_capacity = gpu_blocks * block_size
+        self.gpu_token_capacity = max_model_len or gpu_blocks * block_size
         self.vocab_size = vocab_size
         self.prefix_caching = prefix_caching
         self.refuse_capped = refuse_capped
@@ -195,15 +231,34 @@ class VLLMAdapter:
         num_blocks = gpu_blocks + 1  # + vLLM's null block
         cache = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
         cache.num_gpu_blocks = num_blocks
-        scheduler = _VLLMSchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                         max_model_len=self.gpu_token_capacity, enable_chunked_prefill=True,
-                                         is_encoder_decoder=False, async_scheduling=False)
-        config = VllmConfig(model_config=_model_config(vocab_size, self.gpu_token_capacity),
-                            scheduler_config=scheduler, cache_config=cache)
-        kv_cache = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
-            [_LAYER], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32))])
-        self.scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_cache,
-                                   structured_output_manager=StructuredOutputManager(config), block_size=block_size)
+        scheduler = _VLLMSchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=self.gpu_token_capacity,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+            async_scheduling=False,
+        )
+        config = VllmConfig(
+            model_config=_model_config(vocab_size, self.gpu_token_capacity),
+            scheduler_config=scheduler,
+            cache_config=cache,
+        )
+        kv_cache = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    [_LAYER], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+                )
+            ],
+        )
+        self.scheduler = Scheduler(
+            vllm_config=config,
+            kv_cache_config=kv_cache,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=block_size,
+        )
         self._inputs = InputProcessor(config)
         self._hasher = _block_hasher(cache.prefix_caching_hash_algo, block_size) if prefix_caching else None
         self._pool = self.scheduler.kv_cache_manager.block_pool
@@ -211,23 +266,29 @@ class VLLMAdapter:
         self._slots: list[list[int]] = [[-1] * block_size for _ in range(num_blocks)]  # -1: never written
 
     def __repr__(self) -> str:
-        return (f"VLLMAdapter(gpu_blocks={self._pool.num_gpu_blocks - 1}, block_size={self.block_size}, "
-                f"prefix_caching={self.prefix_caching})")
+        return (
+            f"VLLMAdapter(gpu_blocks={self._pool.num_gpu_blocks - 1}, block_size={self.block_size}, "
+            f"prefix_caching={self.prefix_caching})"
+        )
 
     # ------------------------------------------------------------------------------------ protocol
     def submit(self, prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = ()) -> Hashable:
         if self.refuse_capped and len(prompt) + max_new_tokens > self.gpu_token_capacity:
-            raise RequestRejected(f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} exceeds vLLM's "
-                                  f"max_model_len={self.gpu_token_capacity}; vLLM would stop it there with a shorter "
-                                  "output, so it is refused: shorten the prompt or lower max_new_tokens")
+            raise RequestRejected(
+                f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} exceeds vLLM's "
+                f"max_model_len={self.gpu_token_capacity}; vLLM would stop it there with a shorter "
+                "output, so it is refused: shorten the prompt or lower max_new_tokens"
+            )
         request_id = str(len(self._requests))
         try:
             # ignore_eos: the tiny model's config would make token 2 (Llama's default EOS) a stop; the reference
             # stops only at `stop_token_ids` and `max_new_tokens`.
-            params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, stop_token_ids=list(stop_token_ids),
-                                    ignore_eos=True)
-            core_request = self._inputs.process_inputs(request_id, {"prompt_token_ids": list(prompt)}, params,
-                                                       ("generate",))
+            params = SamplingParams(
+                max_tokens=max_new_tokens, temperature=0.0, stop_token_ids=list(stop_token_ids), ignore_eos=True
+            )
+            core_request = self._inputs.process_inputs(
+                request_id, {"prompt_token_ids": list(prompt)}, params, ("generate",)
+            )
         except VLLMValidationError as err:
             raise RequestRejected(f"vLLM refuses the request: {err}") from err
         request = Request.from_engine_core_request(core_request, self._hasher)
@@ -238,22 +299,27 @@ class VLLMAdapter:
     def step(self) -> None:
         output = self.scheduler.schedule()
         ids = list(output.num_scheduled_tokens)
-        sampled = []
+        sampled: list[list[int]] = []
         for request_id in ids:
             request = self._requests[request_id]
             table = self._block_table(request_id)
             end = request.num_computed_tokens  # schedule() already advanced it past this step's chunk
             for position in range(end - output.num_scheduled_tokens[request_id], end):
-                self._slots[table[position // self.block_size]][position % self.block_size] = (
-                    request.all_token_ids[position])
+                block, offset = divmod(position, self.block_size)
+                self._slots[table[block]][offset] = request.all_token_ids[position]
             if end < request.num_tokens:
                 sampled.append([])  # a prefill chunk that is not the last: nothing sampled
                 continue
             context = [self._slots[table[p // self.block_size]][p % self.block_size] for p in range(end)]
             sampled.append([next_token(context, self.vocab_size)])
-        self.scheduler.update_from_output(output, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={request_id: i for i, request_id in enumerate(ids)},
-            sampled_token_ids=sampled))
+        self.scheduler.update_from_output(
+            output,
+            ModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={request_id: i for i, request_id in enumerate(ids)},
+                sampled_token_ids=sampled,
+            ),
+        )
 
     def cancel(self, request_id: Hashable) -> None:
         if request_id not in self._requests:
@@ -269,8 +335,16 @@ class VLLMAdapter:
     def block_usage(self) -> dict[str, int]:
         capacity = self._pool.num_gpu_blocks - 1  # the null block is never allocated
         held = sum(1 for block in self._pool.blocks if not block.is_null and block.ref_cnt > 0)
-        return {"gpu_capacity": capacity, "gpu_free": self._pool.get_num_free_blocks(), "gpu_held": held,
-                "gpu_fenced": 0, "host_capacity": 0, "host_free": 0, "host_held": 0, "host_fenced": 0}
+        return {
+            "gpu_capacity": capacity,
+            "gpu_free": self._pool.get_num_free_blocks(),
+            "gpu_held": held,
+            "gpu_fenced": 0,
+            "host_capacity": 0,
+            "host_free": 0,
+            "host_held": 0,
+            "host_fenced": 0,
+        }
 
     def check_invariants(self) -> None:
         """vLLM's block tables against its block pool and the spec's reset rules (`_DEEP_INVARIANTS`)."""
@@ -280,29 +354,42 @@ class VLLMAdapter:
         for request_id, request in self._requests.items():
             blocks = self._blocks(request_id)
             if blocks and request.status != RequestStatus.RUNNING:
-                self._violation("RES-STATE", f"request {request_id!r} is {request.status} "
-                                f"({self._state(request)}) yet holds blocks {[b.block_id for b in blocks]}")
+                self._violation(
+                    "RES-STATE",
+                    f"request {request_id!r} is {request.status} "
+                    f"({self._state(request)}) yet holds blocks {[b.block_id for b in blocks]}",
+                )
             for block in blocks:
                 if not block.is_null:
                     holders.setdefault(block.block_id, []).append(request_id)
             if request.status == RequestStatus.PREEMPTED:
-                replay = list(request.prompt_token_ids) + list(request.output_token_ids)
+                # prompt_token_ids is None only for a prompt given as embeddings, which `submit` never sends
+                replay = list(request.prompt_token_ids or ()) + list(request.output_token_ids)
                 if list(request.all_token_ids) != replay:
-                    self._violation("RESET-PROMPT", f"preempted request {request_id!r} will recompute "
-                                    f"{list(request.all_token_ids)}, not prompt + generated {replay}")
+                    self._violation(
+                        "RESET-PROMPT",
+                        f"preempted request {request_id!r} will recompute "
+                        f"{list(request.all_token_ids)}, not prompt + generated {replay}",
+                    )
                 if request.num_computed_tokens:
-                    self._violation("RESET-CLEARED", f"preempted request {request_id!r} still counts "
-                                    f"{request.num_computed_tokens} computed tokens")
+                    self._violation(
+                        "RESET-CLEARED",
+                        f"preempted request {request_id!r} still counts {request.num_computed_tokens} computed tokens",
+                    )
         for block in self._pool.blocks:
             if block.is_null:
                 continue
             owners = holders.get(block.block_id, [])
             if block.ref_cnt != len(owners):
-                self._violation("OWN-EXCL", f"block {block.block_id} has reference count {block.ref_cnt} but is "
-                                f"in the block tables of {owners}")
+                self._violation(
+                    "OWN-EXCL",
+                    f"block {block.block_id} has reference count {block.ref_cnt} but is "
+                    f"in the block tables of {owners}",
+                )
             if len(owners) > 1 and not self.prefix_caching:
-                self._violation("OWN-EXCL", f"block {block.block_id} is in the block tables of {owners} without "
-                                "prefix caching")
+                self._violation(
+                    "OWN-EXCL", f"block {block.block_id} is in the block tables of {owners} without prefix caching"
+                )
 
     def set_host_capacity(self, blocks: int) -> bool:
         return False  # vLLM v1 has no host tier to resize
@@ -314,8 +401,10 @@ class VLLMAdapter:
     def _state(self, request: Request) -> str:
         role = _ROLE_OF_STATUS.get(request.status)
         if role is None:
-            raise VLLMInternalsError(f"vLLM request {request.request_id!r} has status {request.status}, which "
-                                     "kvstate.adapters.vllm does not map (it enables no feature that reaches it)")
+            raise VLLMInternalsError(
+                f"vLLM request {request.request_id!r} has status {request.status}, which "
+                "kvstate.adapters.vllm does not map (it enables no feature that reaches it)"
+            )
         if role == roles.ACTIVE and request.num_preemptions and request.num_computed_tokens < request.num_tokens - 1:
             role = roles.RECOMPUTING
         return self._state_of_role[role]

@@ -1,55 +1,141 @@
 """`kvstate bench`: figures measured against physical limits and peers, each a ratio of variants run side by
-side in one loop (`timing.interleaved`). Modules: `migration` (copy bandwidth, torch), `overhead` (lifecycle
-and scheduler, pure Python; also the `lifecycle` group's schedule() rows and the `pressure` group), `end_to_end`
-(executor vs transformers, host tier sizes, the `lifecycle` group's engine rows; torch), `table` (rich
-table, JSON), `plots` (matplotlib PNGs). torch and matplotlib are imported only inside run functions.
+side in one loop (`timing.interleaved`). Modules: `migration` (copy bandwidth, torch), `stepping` (scheduler
+workloads and the drivers that time each step), `overhead` (lifecycle and scheduler, pure Python; also the
+`lifecycle` group's schedule() rows and the `pressure` group), `peers` (the `vllm` group: our scheduler beside
+vLLM's, driven by `vllm_peer`), `end_to_end` (host tier sizes, the `lifecycle` group's engine rows and the
+`transformers` group: the engine beside `generate`; torch), `table` (rich table, JSON), `plots` (matplotlib
+PNGs). torch, vLLM, transformers and matplotlib are imported only inside run functions.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 from kvstate.bench.results import Row, Section
 
-GROUPS = ("migration", "overhead", "end-to-end", "lifecycle", "pressure")
+PEER_GROUPS = ("vllm", "transformers")  # `kvstate bench --peers`: the groups measured beside a real peer
+TORCH_GROUPS = ("migration", "end-to-end", "lifecycle", "transformers")  # the groups that run on a torch device
 
 
-def run_all(*, quick: bool = False, device: str = "auto", seed: int = 0, groups=GROUPS,
-            lifecycle: str = "machine") -> list[Section]:
-    """Every benchmark of `groups`, in order, with torch single-threaded (2-core machines; see DESIGN §6)."""
+def _migration(*, quick, device, seed, **_) -> list[Section]:
+    from kvstate.bench import migration
+
+    return [migration.run(quick=quick, device=device, seed=seed)]
+
+
+def _overhead(*, quick, seed, lifecycle, progress, sizes, **_) -> list[Section]:
+    from kvstate.bench import overhead
+
+    return overhead.run(quick=quick, seed=seed, lifecycle=lifecycle, progress=progress, sizes=sizes)
+
+
+def _end_to_end(*, quick, device, seed, lifecycle, **_) -> list[Section]:
+    from kvstate.bench import end_to_end
+
+    return end_to_end.run(quick=quick, device=device, seed=seed, lifecycle=lifecycle)
+
+
+def _lifecycle(*, quick, device, seed, **_) -> list[Section]:
+    from kvstate.bench import end_to_end, overhead
+
+    return [
+        overhead.lifecycle_section(repeats=10 if quick else 40, seed=seed),
+        end_to_end.lifecycle_section(quick=quick, device=device, seed=seed),
+    ]
+
+
+def _pressure(*, quick, sizes, **_) -> list[Section]:
+    from kvstate.bench import overhead
+
+    return [
+        overhead.pressure_section(
+            sizes=sizes or (overhead.QUICK_SIZES if quick else overhead.SIZES), steps=6 if quick else 12
+        )
+    ]
+
+
+def _vllm(*, quick, seed, lifecycle, progress, sizes, **_) -> list[Section]:
+    from kvstate.bench import overhead, peers
+
+    return [
+        peers.vllm_section(
+            sizes=sizes or (overhead.QUICK_SIZES if quick else overhead.SIZES),
+            repeats=10 if quick else 40,
+            seed=seed,
+            lifecycle=lifecycle,
+            progress=progress,
+        )
+    ]
+
+
+def _transformers(*, quick, device, seed, lifecycle, progress, batches, **_) -> list[Section]:
+    import dataclasses
+
+    from kvstate.bench import end_to_end
+
+    shape = end_to_end.QUICK_DECODE if quick else end_to_end.FULL_DECODE
+    if batches:
+        shape = dataclasses.replace(shape, batches=tuple(batches))
+    return [end_to_end.decode_section(shape=shape, device=device, seed=seed, lifecycle=lifecycle, progress=progress)]
+
+
+# group -> runner; each takes every option of `run_all` by keyword and ignores those it does not use
+_RUNNERS: dict[str, Callable[..., list[Section]]] = {
+    "migration": _migration,
+    "overhead": _overhead,
+    "end-to-end": _end_to_end,
+    "lifecycle": _lifecycle,
+    "pressure": _pressure,
+    "vllm": _vllm,
+    "transformers": _transformers,
+}
+GROUPS = tuple(_RUNNERS)  # in the order they run
+
+
+def run_all(
+    *,
+    quick: bool = False,
+    device: str = "auto",
+    seed: int = 0,
+    groups=GROUPS,
+    lifecycle: str = "machine",
+    progress: Callable[[str], None] | None = None,
+    sizes: tuple[int, ...] | None = None,
+    batches: tuple[int, ...] | None = None,
+) -> list[Section]:
+    """Every benchmark of `groups`, in the order of `GROUPS`, with torch single-threaded (2-core machines; see
+    DESIGN §6). `progress`, when given, receives a short line whenever a long group moves on. `sizes` replaces
+    the running-request counts of the scheduler groups (overhead, pressure, vllm), `batches` the batch sizes of
+    the `transformers` group (default: 256/1,024/4,096 and 1/8/32/64; fewer with `quick`)."""
     unknown = set(groups) - set(GROUPS)
     if unknown:
         raise ValueError(f"unknown benchmark groups {sorted(unknown)}; choose from {GROUPS}")
     sections: list[Section] = []
-    if "overhead" in groups or "lifecycle" in groups or "pressure" in groups:
-        from kvstate.bench import overhead
-
-        if "overhead" in groups:
-            sections += overhead.run(quick=quick, seed=seed, lifecycle=lifecycle)
-        if "lifecycle" in groups:
-            sections.append(overhead.lifecycle_section(repeats=10 if quick else 40, seed=seed))
-        if "pressure" in groups:
-            sections.append(overhead.pressure_section(sizes=(256, 1024) if quick else overhead.SIZES,
-                                                      steps=6 if quick else 12))
-    if "migration" in groups or "end-to-end" in groups or "lifecycle" in groups:
-        import torch
-
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            if "migration" in groups:
-                from kvstate.bench import migration
-
-                sections.insert(0, migration.run(quick=quick, device=device, seed=seed))
-            if "end-to-end" in groups:
-                from kvstate.bench import end_to_end
-
-                sections += end_to_end.run(quick=quick, device=device, seed=seed, lifecycle=lifecycle)
-            if "lifecycle" in groups:
-                from kvstate.bench import end_to_end
-
-                sections.append(end_to_end.lifecycle_section(quick=quick, device=device, seed=seed))
-        finally:
-            torch.set_num_threads(threads)
+    for group in (g for g in GROUPS if g in groups):
+        with _one_torch_thread() if group in TORCH_GROUPS else contextlib.nullcontext():
+            sections += _RUNNERS[group](
+                quick=quick,
+                device=device,
+                seed=seed,
+                lifecycle=lifecycle,
+                progress=progress,
+                sizes=sizes,
+                batches=batches,
+            )
     return sections
 
 
-__all__ = ["GROUPS", "Row", "Section", "run_all"]
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+__all__ = ["GROUPS", "PEER_GROUPS", "TORCH_GROUPS", "Row", "Section", "run_all"]

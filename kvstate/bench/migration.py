@@ -31,8 +31,11 @@ def layout_plans(layout: str, num_blocks: int, seed: int = 0):
         pool.allocate("r", num_blocks)
     else:
         rng = random.Random(seed)
-        owners = ["r", "other"] * num_blocks if layout == "alternating" else \
-            rng.sample(["r"] * num_blocks + ["other"] * num_blocks, 2 * num_blocks)
+        owners = (
+            ["r", "other"] * num_blocks
+            if layout == "alternating"
+            else rng.sample(["r"] * num_blocks + ["other"] * num_blocks, 2 * num_blocks)
+        )
         for owner in owners:
             pool.allocate(owner, 1)
     suspend = pool.suspend("r")
@@ -51,52 +54,70 @@ def run(*, quick: bool = False, device: str = "auto", seed: int = 0) -> Section:
     total_bytes = (8 if quick else 32) << 20
     repeats = 5 if quick else 15
     section = Section("migration", data={"device": dev.type, "total_bytes": total_bytes, "series": []})
+    pin = dev.type == "cuda"
+
+    def sync() -> None:
+        if pin:
+            torch.cuda.synchronize(dev)
+
+    def via_cache(cache: PagedKVCache, plan):
+        def call() -> None:
+            cache.execute(plan).wait()
+
+        return call
+
+    def flat(dst, src):
+        def call() -> None:
+            dst.copy_(src, non_blocking=pin)
+            sync()
+
+        return call
+
     for tokens in BLOCK_TOKENS:
         block_bytes = tokens * CACHE_SHAPE["num_layers"] * 2 * CACHE_SHAPE["num_kv_heads"] * CACHE_SHAPE["head_dim"] * 4
         n = total_bytes // block_bytes
         plans = {layout: layout_plans(layout, n, seed) for layout in LAYOUTS}
-        cache = PagedKVCache(2 * n, block_size=tokens, dtype=torch.float32, device=dev, num_host_blocks=n,
-                             **CACHE_SHAPE)
+        cache = PagedKVCache(
+            2 * n, block_size=tokens, dtype=torch.float32, device=dev, num_host_blocks=n, **CACHE_SHAPE
+        )
         cache.device_cache.normal_(generator=torch.Generator(device=dev).manual_seed(seed))
         numel = total_bytes // 4
-        pin = dev.type == "cuda"
         flat_host = torch.empty(numel, dtype=torch.float32, pin_memory=pin)
         flat_host_src = torch.randn(numel, dtype=torch.float32, generator=torch.Generator().manual_seed(seed))
         flat_host_src = flat_host_src.pin_memory() if pin else flat_host_src
         flat_dev = torch.empty(numel, dtype=torch.float32, device=dev)
-
-        def sync() -> None:
-            if pin:
-                torch.cuda.synchronize(dev)
-
-        def via_cache(plan):
-            def call() -> None:
-                cache.execute(plan).wait()
-            return call
-
-        def flat(dst, src):
-            def call() -> None:
-                dst.copy_(src, non_blocking=pin)
-                sync()
-            return call
-
         variants = {"baseline to_host": flat(flat_host, flat_dev), "baseline to_gpu": flat(flat_dev, flat_host_src)}
         for layout, (suspend, resume, _) in plans.items():
-            variants[f"suspend {layout}"] = via_cache(suspend)
-            variants[f"resume {layout}"] = via_cache(resume)
+            variants[f"suspend {layout}"] = via_cache(cache, suspend)
+            variants[f"resume {layout}"] = via_cache(cache, resume)
         times = medians(interleaved(variants, repeats=repeats, warmup=2, seed=seed))
         for layout, (suspend, resume, _) in plans.items():
             for op, plan, base in (("suspend", suspend, "baseline to_host"), ("resume", resume, "baseline to_gpu")):
                 ours, limit = total_bytes / times[f"{op} {layout}"] / 1e9, total_bytes / times[base] / 1e9
                 default = tokens == DEFAULT_BLOCK_TOKENS
                 goal = 0.8 if dev.type == "cuda" else 0.7
-                section.rows.append(Row(
-                    group="migration", name=f"{op} {layout}, {block_bytes >> 10} KiB blocks x {n}",
-                    value=ours, unit="GB/s", baseline_name="contiguous copy", baseline=limit,
-                    target=f"ratio >= {goal}" if default else "",
-                    met=(ours / limit >= goal) if default else None,
-                    note=f"{len(plan.runs())} runs"))
-                section.data["series"].append({"op": op, "layout": layout, "block_bytes": block_bytes,
-                                               "blocks": n, "runs": len(plan.runs()), "gbps": ours,
-                                               "baseline_gbps": limit})
+                section.rows.append(
+                    Row(
+                        group="migration",
+                        name=f"{op} {layout}, {block_bytes >> 10} KiB blocks x {n}",
+                        value=ours,
+                        unit="GB/s",
+                        baseline_name="contiguous copy",
+                        baseline=limit,
+                        target=f"ratio >= {goal}" if default else "",
+                        met=(ours / limit >= goal) if default else None,
+                        note=f"{len(plan.runs())} runs",
+                    )
+                )
+                section.data["series"].append(
+                    {
+                        "op": op,
+                        "layout": layout,
+                        "block_bytes": block_bytes,
+                        "blocks": n,
+                        "runs": len(plan.runs()),
+                        "gbps": ours,
+                        "baseline_gbps": limit,
+                    }
+                )
     return section

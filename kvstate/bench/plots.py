@@ -20,11 +20,11 @@ def write_plots(sections: list[Section], out_dir: str | Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     by_name = {s.name: s for s in sections}
     written = []
-    for name, draw in (("migration", _migration), ("scheduler", _scheduler)):
+    for name, draw in (("migration", _migration), ("scheduler", _scheduler), ("vllm", _scheduler)):
         if name in by_name:
             fig = draw(plt, by_name[name])
             written.append(_save(fig, out / f"{name}.png", plt))
-    if "decode" in by_name or "host_tier" in by_name:
+    if "decode" in by_name or "host_tier" in by_name:  # decode: the `transformers` group
         fig = _end_to_end(plt, by_name.get("decode"), by_name.get("host_tier"))
         written.append(_save(fig, out / "end_to_end.png", plt))
     return written
@@ -45,8 +45,14 @@ def _migration(plt, section: Section):
     width = 0.8 / len(keys)
     colors = plt.get_cmap("tab20").colors
     for i, key in enumerate(keys):
-        ratios = [next(s["gbps"] / s["baseline_gbps"] for s in series
-                       if (s["op"], s["layout"]) == key and s["block_bytes"] == size) for size in sizes]
+        ratios = [
+            next(
+                s["gbps"] / s["baseline_gbps"]
+                for s in series
+                if (s["op"], s["layout"]) == key and s["block_bytes"] == size
+            )
+            for size in sizes
+        ]
         xs = [j + (i - (len(keys) - 1) / 2) * width for j in range(len(sizes))]
         ax.bar(xs, ratios, width, label=f"{key[0]} {key[1]}", color=colors[i * 2 % len(colors)])
     goal = 0.8 if section.data["device"] == "cuda" else 0.7
@@ -54,43 +60,66 @@ def _migration(plt, section: Section):
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(sizes)), [f"{b >> 10} KiB blocks" for b in sizes])
     ax.set_ylabel("bandwidth / contiguous copy (same run)")
-    ax.set_title(f"Migration bandwidth vs one contiguous copy of the same {section.data['total_bytes'] >> 20} MiB "
-                 f"({section.data['device']})")
+    ax.set_title(
+        f"Migration bandwidth vs one contiguous copy of the same {section.data['total_bytes'] >> 20} MiB "
+        f"({section.data['device']})"
+    )
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.set_ylim(0, 1.3)
     return fig
 
 
 def _scheduler(plt, section: Section):
-    sizes, us = section.data["sizes"], section.data["us_per_call"]
+    """Per-request step and schedule() cost against size for every driver of the section (ours, and vLLM's in
+    the `vllm` section): flat lines are linear growth."""
+    sizes, figures = section.data["sizes"], section.data["figures"]
+    series = sorted({key.split(" ", 1)[1] for key in figures})  # "steady ours machine", "pressure vllm", ...
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
-    for regime, style in (("steady", "-"), ("pressure", "--")):
-        for who, color in (("ours", OURS), ("peer", PEER)):
-            values = [us[f"{n} {regime} {who}"] for n in sizes]
-            label = f"{'kvstate' if who == 'ours' else 'nano-vllm-style peer'}, {regime}"
-            left.plot(sizes, values, style, marker="o", color=color, label=label)
-            right.plot(sizes, [v / n for v, n in zip(values, sizes)], style, marker="o", color=color, label=label)
-    left.axhline(1000, color=TARGET, linestyle=":", label="target: 1 ms at 1,024")
-    left.set(xscale="log", yscale="log", xlabel="active requests", ylabel="µs per schedule() (median)",
-             title="schedule() time")
-    right.set(xscale="log", xlabel="active requests", ylabel="µs per request per schedule()",
-              title="per-request cost (flat = linear growth)")
-    right.set_ylim(bottom=0)
+    colors = plt.get_cmap("tab10").colors
+    for i, name in enumerate(series):
+        style = "-" if name.startswith("steady") else "--"
+        color = PEER if "vllm" in name else colors[i % len(colors)]
+        for ax, what in ((left, "step_us_per_request"), (right, "schedule_us_per_request")):
+            ax.plot(
+                sizes,
+                [figures[f"{n} {name}"][what] for n in sizes],
+                style,
+                marker="o",
+                color=color,
+                label=name.replace("vllm", section.data.get("peer") or "vLLM"),
+            )
+    left.axhline(1.0, color=TARGET, linestyle=":", label="target: 1 µs per request (1,024 and 4,096)")
+    left.set(title="full step (schedule + completion)", ylabel="µs per running request (median)")
+    right.set(title="schedule() alone", ylabel="µs per running request (median)")
     for ax in (left, right):
+        ax.set(xscale="log", xlabel="running requests", yscale="log")
         ax.set_xticks(sizes, [f"{n:,}" for n in sizes])
         ax.minorticks_off()
         ax.grid(alpha=0.3)
-    left.legend(fontsize=8, loc="upper left")
+    left.legend(fontsize=7, loc="best")
     return fig
 
 
 def _end_to_end(plt, decode: Section | None, host: Section | None):
     fig, axes = plt.subplots(1, 3, figsize=(12, 4.2))
     if decode is not None:
-        tps = decode.data["tokens_per_s"]
-        axes[0].bar(["kvstate Engine", "transformers\ngenerate"], [tps["engine"], tps["transformers"]],
-                    color=[OURS, PEER])
-        axes[0].set(ylabel="decode tokens/s", title=f"Decode, batch {decode.data['batch']} (same weights, dtype)")
+        per_batch = decode.data["per_batch"]
+        batches = list(per_batch)
+        xs = range(len(batches))
+        axes[0].bar(
+            [x - 0.2 for x in xs], [per_batch[b]["engine"] for b in batches], 0.4, color=OURS, label="kvstate Engine"
+        )
+        if decode.data["missing"] is None:
+            axes[0].bar(
+                [x + 0.2 for x in xs],
+                [per_batch[b]["transformers"] for b in batches],
+                0.4,
+                color=PEER,
+                label="transformers generate",
+            )
+        axes[0].set_xticks(list(xs), [f"batch {b}" for b in batches])
+        axes[0].set(ylabel="decode tokens/s", title="Decode (same weights, float32)")
+        axes[0].legend(fontsize=8)
     if host is not None:
         runs = host.data["runs"]
         names = list(runs)

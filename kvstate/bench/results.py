@@ -1,7 +1,9 @@
 """What every benchmark returns: ratio rows for the table, plus raw series for the plots and the JSON file.
 
 A `Row` is one figure: a measured value, the baseline it ran beside in the same loop, their ratio, and the
-target (if any) with whether it is met. `Section` groups the rows of one benchmark with its raw data.
+target (if any) with whether it is met. A peer that is not installed leaves its rows without a baseline
+(`baseline=None`, `baseline_name` saying so): our value is still measured, the ratio is undefined. `Section`
+groups the rows of one benchmark with its raw data.
 """
 
 from __future__ import annotations
@@ -12,14 +14,15 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One figure. `ratio = value / baseline`; `better` says which direction of the ratio is good."""
+    """One figure. `ratio = value / baseline` (NaN without a baseline); `better` says which direction of the
+    ratio is good."""
 
     group: str
     name: str
     value: float
     unit: str
     baseline_name: str
-    baseline: float
+    baseline: float | None
     better: str = "higher"  # "higher" or "lower": which direction of `ratio` is good
     target: str = ""  # e.g. "ratio >= 0.7"; empty when the figure has no target
     met: bool | None = None  # None when there is no target
@@ -27,7 +30,7 @@ class Row:
 
     @property
     def ratio(self) -> float:
-        return self.value / self.baseline if self.baseline else float("nan")
+        return self.value / self.baseline if self.baseline else float("nan")  # None or 0: no ratio
 
     def to_dict(self) -> dict:
         """JSON-ready: a ratio that is not finite (a zero baseline) is null."""

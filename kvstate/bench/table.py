@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvstate.bench.results import Section
+
+if TYPE_CHECKING:  # rich is imported where a table is drawn
+    from rich.console import JustifyMethod
 
 
 def document(sections: list[Section], meta: dict) -> dict:
@@ -43,8 +47,13 @@ def render_table(sections: list[Section], title: str):
     from rich.text import Text
 
     table = Table(title=title, show_lines=False)
-    for name, justify in (("figure", "left"), ("ours vs baseline", "right"), ("ratio", "right"),
-                          ("target", "left")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("figure", "left"),
+        ("ours vs baseline", "right"),
+        ("ratio", "right"),
+        ("target", "left"),
+    )
+    for name, justify in columns:
         table.add_column(name, justify=justify, overflow="fold")
     for section in sections:
         for row in section.rows:
@@ -55,7 +64,12 @@ def render_table(sections: list[Section], title: str):
             if row.met is not None:
                 target.append("\nmet" if row.met else "\nnot met", style="green" if row.met else "red")
             arrow = "↑" if row.better == "higher" else "↓"
-            table.add_row(figure, Text(f"{_num(row.value)} {row.unit}\nvs {_num(row.baseline)} {row.unit} "
-                                       f"{row.baseline_name}"), Text(f"{_num(row.ratio)} {arrow}"), target)
+            baseline = "" if row.baseline is None else f"{_num(row.baseline)} {row.unit} "
+            table.add_row(
+                figure,
+                Text(f"{_num(row.value)} {row.unit}\nvs {baseline}{row.baseline_name}"),
+                Text(f"{_num(row.ratio)} {arrow}"),
+                target,
+            )
         table.add_section()
     return table

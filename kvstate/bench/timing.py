@@ -13,8 +13,14 @@ import time
 from collections.abc import Callable, Mapping
 
 
-def interleaved(variants: Mapping[str, Callable[[], object]], *, repeats: int, warmup: int = 1,
-                seed: int = 0, setup: Mapping[str, Callable[[], object]] | None = None) -> dict[str, list[float]]:
+def interleaved(
+    variants: Mapping[str, Callable[[], object]],
+    *,
+    repeats: int,
+    warmup: int = 1,
+    seed: int = 0,
+    setup: Mapping[str, Callable[[], object]] | None = None,
+) -> dict[str, list[float]]:
     """Seconds per call of each variant over `repeats` rounds (after `warmup` untimed rounds).
 
     Each round runs every variant once, in an order shuffled with `random.Random(seed)`. `setup[name]`, when

@@ -1,6 +1,7 @@
 """Model checking of the lifecycle spec and refinement checking of the real scheduler (`kvstate check`).
 
-* `model`: the abstract model derived from the spec (counts, not tokens), with symmetry reduction;
+* `model`: the abstract model derived from the spec (counts, not tokens), with symmetry reduction: its states are
+  `AbstractState` records of `AbstractRequest` records, its edges `Edge` values labelled by an `Action`;
 * `invariants`: predicates keyed by spec invariant id, and which layer checks which invariant;
 * `explore`: BFS, deadlock, SCC liveness (fairness assumption in its docstring), coverage;
 * `refinement`: exhaustive exploration of the real `Scheduler` driven by `SimExecutor`;
@@ -13,15 +14,42 @@
 from kvstate.checker.bounds import Bound, BoundsError, load_bounds, select_bounds
 from kvstate.checker.explore import HOLDS, INCOMPLETE, VIOLATED, ModelResult, explore
 from kvstate.checker.invariants import STATE_PREDICATES, STEP_PREDICATES, CheckerError, plan_invariants
-from kvstate.checker.model import AbstractEffects, AbstractModel
+from kvstate.checker.model import AbstractEffects, AbstractModel, AbstractRequest, AbstractState, Action, Edge
 from kvstate.checker.refinement import ObservedScheduler, Refinement, replay_refinement
 from kvstate.checker.replay import replay_abstract
 from kvstate.checker.runner import EXIT_CODES, BoundReport, check_bound, run_check
 from kvstate.checker.trace import Divergence, TraceError, TraceReport, validate_trace
 
 __all__ = [
-    "HOLDS", "INCOMPLETE", "VIOLATED", "EXIT_CODES", "AbstractEffects", "AbstractModel", "Bound", "BoundReport",
-    "BoundsError", "CheckerError", "Divergence", "ModelResult", "ObservedScheduler", "Refinement", "STATE_PREDICATES",
-    "STEP_PREDICATES", "check_bound", "explore", "load_bounds", "plan_invariants", "replay_abstract",
-    "replay_refinement", "run_check", "select_bounds", "TraceError", "TraceReport", "validate_trace",
+    "EXIT_CODES",
+    "HOLDS",
+    "INCOMPLETE",
+    "STATE_PREDICATES",
+    "STEP_PREDICATES",
+    "VIOLATED",
+    "AbstractEffects",
+    "AbstractModel",
+    "AbstractRequest",
+    "AbstractState",
+    "Action",
+    "Bound",
+    "BoundReport",
+    "BoundsError",
+    "CheckerError",
+    "Divergence",
+    "Edge",
+    "ModelResult",
+    "ObservedScheduler",
+    "Refinement",
+    "TraceError",
+    "TraceReport",
+    "check_bound",
+    "explore",
+    "load_bounds",
+    "plan_invariants",
+    "replay_abstract",
+    "replay_refinement",
+    "run_check",
+    "select_bounds",
+    "validate_trace",
 ]

@@ -4,6 +4,10 @@ A bound fixes everything that makes the state space finite: the requests (prompt
 GPU and host tiers (host 0 = no host tier), the block size, the prefill chunk, the pipeline depth, and how much
 environment nondeterminism the scheduler refinement injects (cancellations, lost host copies), and optionally the
 scheduler's batch budgets (`max_batch_size`, `max_num_tokens`; left out: the `SchedulerConfig` defaults).
+`micro_batches` (default 1) is how many scheduler outputs the refinement's executor keeps in flight at once
+(`SimExecutor(micro_batches=)`, pipeline stages > 1 only): tokens land, and copies complete, that many passes later,
+so a request may be preempted while its decode step is in flight and receive its token while suspended or awaiting
+consensus (a deferred finish). The abstract model is the same for every depth of the pipeline.
 `abstract_model = false` marks a bound whose abstract model is too large to enumerate (the pipeline livelock
 bound: five requests): `kvstate check` runs only its scheduler refinement there, which checks every state
 predicate and LIVE-DONE on the real scheduler but cannot match its states against the model's (REFINES).
@@ -39,6 +43,7 @@ class Bound:
     block_size: int = 1
     chunk_size: int = 2
     pipeline_stages: int = 1
+    micro_batches: int = 1  # refinement: scheduler outputs in flight at once (pipeline_stages > 1)
     cancel: bool = True  # abstract model: cancel and abort may hit any request in any state
     env_cancels: int = 1  # refinement: cancellations the environment may inject in one run
     env_host_losses: int = 0  # refinement: host copies the environment may lose in one run
@@ -58,13 +63,20 @@ class Bound:
         for name in ("gpu_blocks", "block_size", "chunk_size", "pipeline_stages"):
             if getattr(self, name) <= 0:
                 raise BoundsError(f"{where}: {name} must be a positive integer, got {getattr(self, name)}")
+        if self.micro_batches < 1 or (self.micro_batches > 1 and self.pipeline_stages == 1):
+            raise BoundsError(
+                f"{where}: micro_batches must be >= 1, and > 1 only with pipeline_stages > 1 (one stage "
+                f"has nothing in flight), got {self.micro_batches} on {self.pipeline_stages} stage(s)"
+            )
         if self.host_blocks < 0 or self.env_cancels < 0 or self.env_host_losses < 0:
             raise BoundsError(f"{where}: host_blocks, env_cancels and env_host_losses must be >= 0")
         for name in ("max_batch_size", "max_num_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise BoundsError(f"{where}: {name} must be a positive integer (or left out for the scheduler's "
-                                  f"default), got {value!r}")
+                raise BoundsError(
+                    f"{where}: {name} must be a positive integer (or left out for the scheduler's "
+                    f"default), got {value!r}"
+                )
         for prompt, new in self.requests:
             if prompt <= 0 or new <= 0:
                 raise BoundsError(f"{where}: request [{prompt}, {new}] needs prompt_len >= 1 and max_new_tokens >= 1")
@@ -81,11 +93,20 @@ class Bound:
 
     def to_dict(self) -> dict:
         return {
-            "name": self.name, "requests": [list(r) for r in self.requests], "gpu_blocks": self.gpu_blocks,
-            "host_blocks": self.host_blocks, "block_size": self.block_size, "chunk_size": self.chunk_size,
-            "pipeline_stages": self.pipeline_stages, "cancel": self.cancel, "env_cancels": self.env_cancels,
-            "env_host_losses": self.env_host_losses, "recompute_pause": self.recompute_pause,
-            "max_batch_size": self.max_batch_size, "max_num_tokens": self.max_num_tokens,
+            "name": self.name,
+            "requests": [list(r) for r in self.requests],
+            "gpu_blocks": self.gpu_blocks,
+            "host_blocks": self.host_blocks,
+            "block_size": self.block_size,
+            "chunk_size": self.chunk_size,
+            "pipeline_stages": self.pipeline_stages,
+            "micro_batches": self.micro_batches,
+            "cancel": self.cancel,
+            "env_cancels": self.env_cancels,
+            "env_host_losses": self.env_host_losses,
+            "recompute_pause": self.recompute_pause,
+            "max_batch_size": self.max_batch_size,
+            "max_num_tokens": self.max_num_tokens,
             "abstract_model": self.abstract_model,
             "description": self.description,
         }

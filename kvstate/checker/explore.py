@@ -25,13 +25,14 @@ whole graph and are not judged then.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstate.checker.bounds import Bound
 from kvstate.checker.invariants import STATE_PREDICATES, STEP_PREDICATES
+from kvstate.checker.model import AbstractModel, AbstractState, Action
 from kvstate.checker.search import SearchBudget, path_indices
-from kvstate.checker.model import AbstractModel, Action, AState
 from kvstate.spec import Transition
 
 HOLDS, VIOLATED, INCOMPLETE = "holds", "violated", "incomplete"
@@ -42,7 +43,7 @@ SKIPPED = "not run"  # the abstract model of a bound with `abstract_model = fals
 class Violation:
     invariant: str
     message: str
-    path: list[tuple[Action, AState]]  # (action, state after) from the initial state
+    path: list[tuple[Action, AbstractState]]  # (action, state after) from the initial state
     loop_start: int | None = None  # for a lasso: index in path where the repeated cycle starts
 
 
@@ -113,128 +114,173 @@ def tarjan(num: int, succ: list[list[int]]) -> list[int]:
     return comp
 
 
-def explore(model: AbstractModel, *, max_states: int | None = None, time_limit: float | None = None,
-            progress: Callable[[int, int], None] | None = None, keep_states: bool = False,
-            state_predicates=STATE_PREDICATES, step_predicates=STEP_PREDICATES) -> ModelResult:
+def explore(
+    model: AbstractModel,
+    *,
+    max_states: int | None = None,
+    time_limit: float | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    keep_states: bool = False,
+    state_predicates=STATE_PREDICATES,
+    step_predicates=STEP_PREDICATES,
+) -> ModelResult:
     """Explore every reachable state of `model`; stop at the first violation (its shortest counterexample)."""
-    start = time.perf_counter()
-    budget = SearchBudget(max_states, time_limit, check_every=256)
-    result = ModelResult(model.bound, HOLDS)
-    state_checks = [(i, p) for i, p in state_predicates.items() if i in {inv.id for inv in model.spec.invariants}]
-    step_checks = [(i, p) for i, p in step_predicates.items() if i in {inv.id for inv in model.spec.invariants}]
-    init = model.initial()
-    states: list[AState] = [init]
-    index: dict[AState, int] = {init: 0}
-    parent: list[int] = [-1]
-    via: list[Action | None] = [None]
-    succ: list[list[int]] = []
-    taken: dict[Transition, int] = {}
-    environment = model.spec.environment_events
+    search = _Search(model, _checks(state_predicates, model), _checks(step_predicates, model))
+    result = search.result
+    result.verdict = search.run(SearchBudget(max_states, time_limit, check_every=256), progress)
+    if result.verdict == HOLDS:
+        result.never_enabled = [t for t in model.spec.transitions if t not in search.taken]
+        result.reachable = set(search.states) if keep_states else None
+    result.states, result.seconds, result.taken = len(search.states), time.perf_counter() - search.start, search.taken
+    return result
 
-    def path_to(j: int) -> list[tuple[Action, AState]]:
-        return [(via[i], states[i]) for i in path_indices(parent, j)]
 
-    def finish(verdict: str) -> ModelResult:
-        result.verdict = verdict
-        result.states, result.seconds, result.taken = len(states), time.perf_counter() - start, taken
-        return result
+class _Search:
+    """One breadth-first search of an abstract model, stopped at the first violation.
 
-    def state_violation(state: AState) -> tuple[str, str] | None:
-        for inv_id, predicate in state_checks:
-            message = predicate(model, state)
-            if message:
-                return inv_id, message
-        return None
+    Invariants: `states[j]` was first reached from `states[parent[j]]` by `via[j]` (the initial state: parent -1),
+    so parent pointers give shortest paths; `index` maps every state found to its position; `succ[i]` lists the
+    other states the fair (non-environment) edges of every expanded state `i` lead to; `taken` counts the spec
+    transitions the edges seen so far took.
+    """
 
-    bad = state_violation(init)
-    if bad:
-        result.violation = Violation(*bad, [])
-        return finish(VIOLATED)
-    i = 0
-    while i < len(states):
-        if progress is not None and i & 255 == 0:
+    def __init__(
+        self, model: AbstractModel, state_checks: list[tuple[str, Callable]], step_checks: list[tuple[str, Callable]]
+    ) -> None:
+        self.model, self.state_checks, self.step_checks = model, state_checks, step_checks
+        self.start = time.perf_counter()
+        self.result = ModelResult(model.bound, HOLDS)
+        init = model.initial()
+        self.states: list[AbstractState] = [init]
+        self.index: dict[AbstractState, int] = {init: 0}
+        self.parent: list[int] = [-1]
+        self.via: list[Action] = [Action("initial", None, None)]  # never read: no path leads to the initial state
+        self.succ: list[list[int]] = []
+        self.taken: dict[Transition, int] = {}
+        self.environment = model.spec.environment_events
+
+    def path_to(self, j: int) -> list[tuple[Action, AbstractState]]:
+        return [(self.via[i], self.states[i]) for i in path_indices(self.parent, j)]
+
+    def run(self, budget: SearchBudget, progress: Callable[[int, int], None] | None) -> str:
+        """Search to the end, a violation or the budget; the verdict (`result` holds the violation, if any)."""
+        result, states = self.result, self.states
+        bad = _first_violation(self.state_checks, self.model, states[0])
+        if bad:
+            result.violation = Violation(*bad, [])
+            return VIOLATED
+        i = 0
+        while i < len(states):
+            if progress is not None and i & 255 == 0:
+                progress(len(states), result.edges)
+            if (reason := budget.stop_reason(len(states))) is not None:
+                result.stop_reason = reason
+                return INCOMPLETE
+            if (violation := self.expand(i)) is not None:
+                result.violation = violation
+                return VIOLATED
+            i += 1
+        if progress is not None:
             progress(len(states), result.edges)
-        if (reason := budget.stop_reason(len(states))) is not None:
-            result.stop_reason = reason
-            return finish(INCOMPLETE)
-        state = states[i]
+        result.violation, result.progress_free_sccs = _liveness(self.model, states, self.succ, self.path_to)
+        return HOLDS if result.violation is None else VIOLATED
+
+    def expand(self, i: int) -> Violation | None:
+        """Follow every edge out of state `i`, adding the states not seen yet; the first violation found."""
+        model, states, index, taken = self.model, self.states, self.index, self.taken
         outs: list[int] = []  # fair successors: environment edges are no way out (module docstring)
-        for step in model.successors(state):
-            result.edges += 1
-            for t in step.taken:
+        for edge in model.successors(states[i]):
+            self.result.edges += 1
+            for t in edge.taken:
                 taken[t] = taken.get(t, 0) + 1
-            for inv_id, predicate in step_checks:
-                message = predicate(model, step)
-                if message:
-                    nxt = model.canonical(step.after_requests, step.after_pool)
-                    result.violation = Violation(inv_id, message, path_to(i) + [(step.action, nxt)])
-                    return finish(VIOLATED)
-            nxt = model.canonical(step.after_requests, step.after_pool)
+            nxt = model.canonical(edge.after_requests, edge.after_pool)
+            if (bad := _first_violation(self.step_checks, model, edge)) is not None:
+                return Violation(*bad, [*self.path_to(i), (edge.action, nxt)])
             j = index.get(nxt)
             if j is None:
-                j = len(states)
-                index[nxt] = j
+                j = index[nxt] = len(states)
                 states.append(nxt)
-                parent.append(i)
-                via.append(step.action)
-                bad = state_violation(nxt)
-                if bad:
-                    result.violation = Violation(*bad, path_to(j))
-                    return finish(VIOLATED)
-            if j != i and j not in outs and not is_environment(step.action, environment):
+                self.parent.append(i)
+                self.via.append(edge.action)
+                if (bad := _first_violation(self.state_checks, model, nxt)) is not None:
+                    return Violation(*bad, self.path_to(j))
+            if j != i and j not in outs and not is_environment(edge.action, self.environment):
                 outs.append(j)
-        if (message := deadlock(model, state, outs)) is not None:
-            result.violation = Violation("DEADLOCK", message, path_to(i))
-            return finish(VIOLATED)
-        succ.append(outs)
-        i += 1
-    if progress is not None:
-        progress(len(states), result.edges)
-    # liveness: bottom SCCs of the fair graph must be final; count progress-free cycles for information
+        if (message := deadlock(model, states[i], outs)) is not None:
+            return Violation("DEADLOCK", message, self.path_to(i))
+        self.succ.append(outs)
+        return None
+
+
+def _checks(predicates: dict[str, Callable], model: AbstractModel) -> list[tuple[str, Callable]]:
+    """The (invariant id, predicate) pairs of `predicates` whose invariant the model's spec states."""
+    ids = {inv.id for inv in model.spec.invariants}
+    return [(inv_id, predicate) for inv_id, predicate in predicates.items() if inv_id in ids]
+
+
+def _first_violation(checks: list[tuple[str, Callable]], model: AbstractModel, subject) -> tuple[str, str] | None:
+    """(invariant id, message) of the first check that `subject` (a state or an edge) fails, else None."""
+    for inv_id, predicate in checks:
+        message = predicate(model, subject)
+        if message:
+            return inv_id, message
+    return None
+
+
+def _liveness(
+    model: AbstractModel,
+    states: list[AbstractState],
+    succ: list[list[int]],
+    path_to: Callable[[int], list[tuple[Action, AbstractState]]],
+) -> tuple[Violation | None, int]:
+    """LIVE-DONE on the whole graph: bottom SCCs of the fair graph must be final (the lasso of the first one that
+    is not, else None), and the number of progress-free cycles, for information."""
+    environment = model.spec.environment_events
     comp = tarjan(len(states), succ)
     sccs = SccSummary(model, states, succ, comp)
-    result.progress_free_sccs = sccs.progress_free
     v = non_final_bottom_scc(sccs)
-    if v is not None:
-        c = comp[v]
-        loop = _cycle_in(v, c, comp, succ)
-        path = path_to(v)
-        result.violation = Violation(
-            "LIVE-DONE",
-            f"a reachable set of {sccs.size[c]} states that are not final, from which no request can ever finish: "
-            "no action leaves it other than environment events (" + ", ".join(sorted(environment)) + "), which "
-            "fairness does not assume; a fair run loops here forever",
-            path + _lasso_actions(model, states, v, [w for _, w in loop], environment), loop_start=len(path),
-        )
-        return finish(VIOLATED)
-    all_edges = model.spec.transitions
-    result.never_enabled = [t for t in all_edges if t not in taken]
-    if keep_states:
-        result.reachable = set(states)
-    return finish(HOLDS)
+    if v is None:
+        return None, sccs.progress_free
+    c = comp[v]
+    loop = _cycle_in(v, c, comp, succ)
+    path = path_to(v)
+    violation = Violation(
+        "LIVE-DONE",
+        f"a reachable set of {sccs.size[c]} states that are not final, from which no request can ever finish: "
+        f"no action leaves it other than environment events ({', '.join(sorted(environment))}), which "
+        "fairness does not assume; a fair run loops here forever",
+        path + _lasso_actions(model, states, v, [w for _, w in loop], environment),
+        loop_start=len(path),
+    )
+    return violation, sccs.progress_free
 
 
 def is_environment(action: Action, environment: frozenset[str]) -> bool:
     """True when `action` is a spec event the environment decides (no fairness: never a way out of a loop)."""
-    return action[0] == "event" and action[2] in environment
+    kind, _, name = action
+    return kind == "event" and name in environment
 
 
-def deadlock(model: AbstractModel, state: AState, fair_successors: list) -> str | None:
+def deadlock(model: AbstractModel, state: AbstractState, fair_successors: list) -> str | None:
     """The DEADLOCK check: why `state` is stuck (not final, and no action but environment events leaves it).
     `fair_successors`: the other states that actions other than environment events lead to from `state`."""
     if fair_successors or model.is_final(state):
         return None
-    return ("no enabled action leads anywhere from a state that is not final (environment events such as a "
-            "cancellation may never come, so they do not count)")
+    return (
+        "no enabled action leads anywhere from a state that is not final (environment events such as a "
+        "cancellation may never come, so they do not count)"
+    )
 
 
 class SccSummary:
     """Per SCC of the fair graph (`comp[v]` = SCC of state v): its size, whether every state in it is final, and
     whether a fair edge leaves it (`leaves`; a bottom SCC has none)."""
 
-    __slots__ = ("comp", "size", "final", "leaves")
+    __slots__ = ("comp", "final", "leaves", "size")
 
-    def __init__(self, model: AbstractModel, states: list[AState], succ: list[list[int]], comp: list[int]) -> None:
+    def __init__(
+        self, model: AbstractModel, states: list[AbstractState], succ: list[list[int]], comp: list[int]
+    ) -> None:
         ncomp = max(comp) + 1
         self.comp, self.size, self.final, self.leaves = comp, [0] * ncomp, [True] * ncomp, [False] * ncomp
         for v, c in enumerate(comp):
@@ -264,9 +310,7 @@ def _cycle_in(v: int, c: int, comp: list[int], succ: list[list[int]]) -> list[tu
 
     Actions are not kept per edge, so the lasso names the states only; the action slot holds ("loop", None, None).
     """
-    from collections import deque
-
-    prev = {v: None}
+    prev: dict[int, int | None] = {v: None}
     queue = deque([v])
     while queue:
         u = queue.popleft()
@@ -275,31 +319,29 @@ def _cycle_in(v: int, c: int, comp: list[int], succ: list[list[int]]) -> list[tu
                 continue
             if w == v:
                 chain = [u]
-                while prev[chain[-1]] is not None:
-                    chain.append(prev[chain[-1]])
-                nodes = chain[::-1][1:] + [v]
-                return [(("loop", None, None), n) for n in nodes]
+                while (before := prev[chain[-1]]) is not None:
+                    chain.append(before)
+                nodes = [*chain[::-1][1:], v]
+                return [(Action("loop", None, None), n) for n in nodes]
             if w not in prev:
                 prev[w] = u
                 queue.append(w)
     return []
 
 
-def _lasso_actions(model: AbstractModel, states: list[AState], start: int, nodes: list[int],
-                   environment: frozenset[str]) -> list[tuple[Action, AState]]:
+def _lasso_actions(
+    model: AbstractModel, states: list[AbstractState], start: int, nodes: list[int], environment: frozenset[str]
+) -> list[tuple[Action, AbstractState]]:
     """Name the fair action of every edge of the loop start -> nodes[0] -> ... (recomputed: edges keep no labels)."""
     out, current = [], states[start]
     for node in nodes:
         target = states[node]
-        for step in model.successors(current):
-            if (not is_environment(step.action, environment)
-                    and model.canonical(step.after_requests, step.after_pool) == target):
-                out.append((step.action, target))
+        for edge in model.successors(current):
+            if (
+                not is_environment(edge.action, environment)
+                and model.canonical(edge.after_requests, edge.after_pool) == target
+            ):
+                out.append((edge.action, target))
                 break
         current = target
     return out
-
-
-def coverage_line(result: ModelResult, total: Iterable[Transition]) -> str:
-    total = list(total)
-    return f"coverage {len(total) - len(result.never_enabled)}/{len(total)} transitions"

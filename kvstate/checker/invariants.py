@@ -1,20 +1,28 @@
 """Predicates for the spec's invariants, keyed by invariant id, and which layer checks each invariant.
 
-`STATE_PREDICATES[id](model, state)` and `STEP_PREDICATES[id](model, step)` return None when the invariant holds,
-otherwise a message. Every spec invariant of scope `state` must have a state predicate: `plan_invariants`
-refuses to run otherwise. Step-scope invariants are checked on every abstract edge where a predicate exists;
+`STATE_PREDICATES[id](model, state)` and `STEP_PREDICATES[id](model, edge)` return None when the invariant holds,
+otherwise a message ("step" is the spec's word for the scope; the predicates are checked on each `Edge` of the
+graph). Every spec invariant of scope `state` must have a state predicate: `plan_invariants` refuses to run
+otherwise. Step-scope invariants are checked on every abstract edge where a predicate exists;
 the others (scope pass, run, liveness) are listed with the layer that checks them.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstate.checker.model import (
-    ABSENT, COMPUTED, DEFERRED, GENERATED, GPU, HOST, PREFILL, STATE, AbstractModel, AState, Step, blocks_for,
+    ABSENT,
+    AbstractModel,
+    AbstractRequest,
+    AbstractState,
+    Edge,
+    abstract_state,
 )
 from kvstate.errors import KVStateError
+from kvstate.pool import ceil_div
 from kvstate.spec import Spec
 
 
@@ -22,14 +30,14 @@ class CheckerError(KVStateError):
     """The checker cannot run as asked (e.g. a state invariant of the spec has no predicate)."""
 
 
-def _who(model: AbstractModel, r: tuple) -> str:
-    prompt, new = model.bound.groups[r[0]]
+def _who(model: AbstractModel, r: AbstractRequest) -> str:
+    prompt, new = model.bound.groups[r.group]
     return f"[prompt {prompt}, max_new {new}]"
 
 
-def _tier_sums(model: AbstractModel, state: AState) -> tuple[int, int]:
-    reqs = state[0]
-    return sum(r[GPU] for r in reqs), sum(r[HOST] for r in reqs)
+def _tier_sums(state: AbstractState) -> tuple[int, int]:
+    reqs = state.requests
+    return sum(r.gpu for r in reqs), sum(r.host for r in reqs)
 
 
 def _conservation(tier: str, free: int, held: int, fenced: int, capacity: int) -> str | None:
@@ -38,21 +46,35 @@ def _conservation(tier: str, free: int, held: int, fenced: int, capacity: int) -
     return None
 
 
-def cons_gpu(model: AbstractModel, state: AState) -> str | None:
-    held, _ = _tier_sums(model, state)
-    return _conservation("GPU", state[1], held, state[3], model.bound.gpu_blocks)
+def _on_records(predicate: Callable[[AbstractModel, AbstractState], str | None]):
+    """Let a state predicate be called with a plain tuple of the same layout too (the scheduler refinement
+    builds its abstraction so); the model's own states are records already and pass through unchanged."""
+
+    @functools.wraps(predicate)
+    def check(model: AbstractModel, state: AbstractState) -> str | None:
+        return predicate(model, state if type(state) is AbstractState else abstract_state(state))
+
+    return check
 
 
-def cons_host(model: AbstractModel, state: AState) -> str | None:
-    _, held = _tier_sums(model, state)
-    return _conservation("host", state[2], held, state[4], model.bound.host_blocks)
+@_on_records
+def cons_gpu(model: AbstractModel, state: AbstractState) -> str | None:
+    held, _ = _tier_sums(state)
+    return _conservation("GPU", state.gpu_free, held, state.gpu_fenced, model.bound.gpu_blocks)
 
 
-def own_excl(model: AbstractModel, state: AState) -> str | None:
+@_on_records
+def cons_host(model: AbstractModel, state: AbstractState) -> str | None:
+    _, held = _tier_sums(state)
+    return _conservation("host", state.host_free, held, state.host_fenced, model.bound.host_blocks)
+
+
+@_on_records
+def own_excl(model: AbstractModel, state: AbstractState) -> str | None:
     """Counting form of exclusive ownership: no count is negative and owners never claim more blocks than exist."""
-    gpu_held, host_held = _tier_sums(model, state)
+    gpu_held, host_held = _tier_sums(state)
     _, gf, hf, gfe, hfe = state
-    if min(gf, hf, gfe, hfe) < 0 or any(r[GPU] < 0 or r[HOST] < 0 for r in state[0]):
+    if min(gf, hf, gfe, hfe) < 0 or any(r.gpu < 0 or r.host < 0 for r in state.requests):
         return f"a block count is negative (gpu free {gf}, host free {hf}, fenced {gfe}/{hfe})"
     if gpu_held + gfe > model.bound.gpu_blocks:
         return f"GPU owners claim {gpu_held} held + {gfe} fenced blocks of {model.bound.gpu_blocks}"
@@ -61,40 +83,54 @@ def own_excl(model: AbstractModel, state: AState) -> str | None:
     return None
 
 
-def res_state(model: AbstractModel, state: AState) -> str | None:
-    for k, r in enumerate(state[0]):
-        residency = "none" if r[STATE] == ABSENT else model.spec.residency(r[STATE])
-        if (residency != "gpu" and r[GPU]) or (residency != "host" and r[HOST]):
-            return f"request {_who(model, r)} in {r[STATE] or 'absent'} (residency {residency}) holds {r[GPU]} GPU and {r[HOST]} host blocks"
-        if residency == "gpu" and r[GPU] < blocks_for(r[COMPUTED], model.bound.block_size):
-            return f"request {_who(model, r)} in {r[STATE]} computed {r[COMPUTED]} tokens but holds only {r[GPU]} GPU blocks"
-        if residency == "host" and r[HOST] < blocks_for(r[COMPUTED], model.bound.block_size):
-            return f"request {_who(model, r)} in {r[STATE]} computed {r[COMPUTED]} tokens but holds only {r[HOST]} host blocks"
+@_on_records
+def res_state(model: AbstractModel, state: AbstractState) -> str | None:
+    block_size = model.bound.block_size
+    for r in state.requests:
+        residency = "none" if r.state == ABSENT else model.spec.residency(r.state)
+        if (residency != "gpu" and r.gpu) or (residency != "host" and r.host):
+            return (
+                f"request {_who(model, r)} in {r.state or 'absent'} (residency {residency}) holds {r.gpu} GPU "
+                f"and {r.host} host blocks"
+            )
+        if residency == "gpu" and r.gpu < ceil_div(r.computed, block_size):
+            return (
+                f"request {_who(model, r)} in {r.state} computed {r.computed} tokens but holds only {r.gpu} GPU blocks"
+            )
+        if residency == "host" and r.host < ceil_div(r.computed, block_size):
+            return (
+                f"request {_who(model, r)} in {r.state} computed {r.computed} tokens but holds only {r.host} "
+                "host blocks"
+            )
     return None
 
 
-def host_cap(model: AbstractModel, state: AState) -> str | None:
-    held = sum(r[HOST] for r in state[0] if r[STATE] != ABSENT and model.spec.residency(r[STATE]) == "host")
+@_on_records
+def host_cap(model: AbstractModel, state: AbstractState) -> str | None:
+    held = sum(r.host for r in state.requests if r.state != ABSENT and model.spec.residency(r.state) == "host")
     if held > model.bound.host_blocks:
         return f"suspended requests hold {held} host blocks, capacity {model.bound.host_blocks}"
     return None
 
 
-def no_host_no_suspend(model: AbstractModel, state: AState) -> str | None:
-    if model.bound.host_blocks == 0 and any(r[STATE] != ABSENT and model.spec.residency(r[STATE]) == "host"
-                                            for r in state[0]):
+@_on_records
+def no_host_no_suspend(model: AbstractModel, state: AbstractState) -> str | None:
+    if model.bound.host_blocks == 0 and any(
+        r.state != ABSENT and model.spec.residency(r.state) == "host" for r in state.requests
+    ):
         return "a request is suspended but there is no host tier"
     return None
 
 
-def pp_hold(model: AbstractModel, state: AState) -> str | None:
-    for k, r in enumerate(state[0]):
-        if r[STATE] == model.pending_reset and (r[GPU] == 0 or r[GPU] < blocks_for(r[COMPUTED], model.bound.block_size)):
-            return f"request {_who(model, r)} awaits consensus with {r[GPU]} GPU blocks for {r[COMPUTED]} computed tokens"
+@_on_records
+def pp_hold(model: AbstractModel, state: AbstractState) -> str | None:
+    for r in state.requests:
+        if r.state == model.pending_reset and (r.gpu == 0 or r.gpu < ceil_div(r.computed, model.bound.block_size)):
+            return f"request {_who(model, r)} awaits consensus with {r.gpu} GPU blocks for {r.computed} computed tokens"
     return None
 
 
-STATE_PREDICATES: dict[str, Callable[[AbstractModel, AState], str | None]] = {
+STATE_PREDICATES: dict[str, Callable[[AbstractModel, AbstractState], str | None]] = {
     "CONS-GPU": cons_gpu,
     "CONS-HOST": cons_host,
     "OWN-EXCL": own_excl,
@@ -105,98 +141,105 @@ STATE_PREDICATES: dict[str, Callable[[AbstractModel, AState], str | None]] = {
 }
 
 
-# ------------------------------------------------------------------------------------------------ step scope
-def _acting(step: Step) -> tuple[tuple, tuple] | None:
-    if step.slot is None:
+# ------------------------------------------------------------------------------------------------ edge scope
+def _acting(edge: Edge) -> tuple[AbstractRequest, AbstractRequest] | None:
+    """The acting request before and after `edge`, or None for an edge of no request (a fence completion)."""
+    if edge.slot is None:
         return None
-    return step.before[0][step.slot], step.after_requests[step.slot]
+    return edge.before.requests[edge.slot], edge.after_requests[edge.slot]
 
 
-def _resets(step: Step) -> bool:
-    return any(t.effect == "release_kv_and_reset" for t in step.taken)
+def _resets(edge: Edge) -> bool:
+    return any(t.effect == "release_kv_and_reset" for t in edge.taken)
 
 
-def gen_append(model: AbstractModel, step: Step) -> str | None:
-    pair = _acting(step)
-    if pair is None or pair[1][STATE] in model.terminal:
+def gen_append(model: AbstractModel, edge: Edge) -> str | None:
+    pair = _acting(edge)
+    if pair is None or pair[1].state in model.terminal:
         return None
     before, after = pair
-    grew = after[GENERATED] - before[GENERATED]
+    grew = after.generated - before.generated
     if grew < 0 or grew > 1:
-        return f"generated count went {before[GENERATED]} -> {after[GENERATED]} on {step.action}"
-    if grew and step.action[0] != "compute":
-        return f"event {step.action[2]} produced a token"
+        return f"generated count went {before.generated} -> {after.generated} on {edge.action}"
+    kind, _, name = edge.action
+    if grew and kind != "compute":
+        return f"event {name} produced a token"
     return None
 
 
-def fence(model: AbstractModel, step: Step) -> str | None:
-    if step.action[0] == "complete":
+def fence(model: AbstractModel, edge: Edge) -> str | None:
+    if edge.action[0] == "complete":
         return None
-    before, after = step.before, step.after_pool
-    if after[2] < before[3] or after[3] < before[4]:
-        return f"fenced blocks freed without a completed copy ({before[3]}/{before[4]} -> {after[2]}/{after[3]})"
+    before, after = edge.before, edge.after_pool
+    if after.gpu_fenced < before.gpu_fenced or after.host_fenced < before.host_fenced:
+        return (
+            f"fenced blocks freed without a completed copy ({before.gpu_fenced}/{before.host_fenced} -> "
+            f"{after.gpu_fenced}/{after.host_fenced})"
+        )
     return None
 
 
-def _reset_check(check: Callable[[tuple, tuple, int], str | None]):
-    def predicate(model: AbstractModel, step: Step) -> str | None:
-        pair = _acting(step)
-        if pair is None or not _resets(step):
+def _reset_check(check: Callable[[AbstractRequest, AbstractRequest, int], str | None]):
+    def predicate(model: AbstractModel, edge: Edge) -> str | None:
+        pair = _acting(edge)
+        if pair is None or not _resets(edge):
             return None
         before, after = pair
-        prompt, _ = model.bound.groups[before[0]]
+        prompt, _ = model.bound.groups[before.group]
         return check(before, after, prompt)
 
     return predicate
 
 
 @_reset_check
-def reset_prompt(before, after, prompt) -> str | None:
-    if after[PREFILL] != prompt + before[GENERATED]:
-        return f"replay prompt has {after[PREFILL]} tokens, expected prompt {prompt} + generated {before[GENERATED]}"
+def reset_prompt(before: AbstractRequest, after: AbstractRequest, prompt: int) -> str | None:
+    if after.prefill != prompt + before.generated:
+        return f"replay prompt has {after.prefill} tokens, expected prompt {prompt} + generated {before.generated}"
     return None
 
 
 @_reset_check
-def reset_budget(before, after, prompt) -> str | None:
-    if after[GENERATED] != before[GENERATED]:
-        return f"the reset changed the generated count {before[GENERATED]} -> {after[GENERATED]} (budget must shrink by it)"
+def reset_budget(before: AbstractRequest, after: AbstractRequest, prompt: int) -> str | None:
+    if after.generated != before.generated:
+        return (
+            f"the reset changed the generated count {before.generated} -> {after.generated} (budget must shrink by it)"
+        )
     return None
 
 
 @_reset_check
-def reset_cleared(before, after, prompt) -> str | None:
-    if after[COMPUTED] or after[GPU] or after[HOST]:
-        return f"after the reset computed={after[COMPUTED]} gpu={after[GPU]} host={after[HOST]} (all must be 0)"
+def reset_cleared(before: AbstractRequest, after: AbstractRequest, prompt: int) -> str | None:
+    if after.computed or after.gpu or after.host:
+        return f"after the reset computed={after.computed} gpu={after.gpu} host={after.host} (all must be 0)"
     return None
 
 
 @_reset_check
-def reset_no_truncate(before, after, prompt) -> str | None:
-    if after[PREFILL] < prompt + before[GENERATED]:
-        return f"replay prompt truncated to {after[PREFILL]} of {prompt + before[GENERATED]} tokens"
+def reset_no_truncate(before: AbstractRequest, after: AbstractRequest, prompt: int) -> str | None:
+    if after.prefill < prompt + before.generated:
+        return f"replay prompt truncated to {after.prefill} of {prompt + before.generated} tokens"
     return None
 
 
-def reset_terminated(model: AbstractModel, step: Step) -> str | None:
-    pair = _acting(step)
-    if pair is not None and _resets(step) and pair[0][DEFERRED]:
-        return f"a request whose {pair[0][DEFERRED]} arrived before its reset was replayed, not terminated"
+def reset_terminated(model: AbstractModel, edge: Edge) -> str | None:
+    pair = _acting(edge)
+    if pair is not None and _resets(edge) and pair[0].deferred:
+        return f"a request whose {pair[0].deferred} arrived before its reset was replayed, not terminated"
     return None
 
 
-def promote_gate(model: AbstractModel, step: Step) -> str | None:
-    for t in step.taken:
+def promote_gate(model: AbstractModel, edge: Edge) -> str | None:
+    for t in edge.taken:
         if t.event == "recompute_pause" and model.spec.residency(t.source) == "host" and model.bound.host_blocks == 0:
             return "a suspended request was promoted to recompute-pause without a host tier"
     return None
 
 
-def pp_terminate(model: AbstractModel, step: Step) -> str | None:
-    pair = _acting(step)
-    for t in step.taken:
+def pp_terminate(model: AbstractModel, edge: Edge) -> str | None:
+    pair = _acting(edge)
+    for t in edge.taken:
         if t.event == "consensus" and pair is not None:
-            deferred = pair[0][DEFERRED]
+            deferred = pair[0].deferred
             if deferred and t.dest not in model.terminal:
                 return f"consensus replayed a request whose {deferred} was deferred"
             if not deferred and t.dest in model.terminal:
@@ -204,7 +247,7 @@ def pp_terminate(model: AbstractModel, step: Step) -> str | None:
     return None
 
 
-STEP_PREDICATES: dict[str, Callable[[AbstractModel, Step], str | None]] = {
+STEP_PREDICATES: dict[str, Callable[[AbstractModel, Edge], str | None]] = {
     "GEN-APPEND": gen_append,
     "FENCE": fence,
     "RESET-PROMPT": reset_prompt,
@@ -235,8 +278,10 @@ REFINEMENT_CHECKS: dict[str, str] = {
     "WORK-CONSERVE": "step simulation: reserved room within what is on its way; nobody left while budget remained",
 }
 LIVENESS_CHECKS: dict[str, str] = {
-    "LIVE-DONE": "abstract model: every reachable bottom SCC of the fair graph (environment events are no way out) "
-                 "is all-done (strong fairness); scheduler: no livelock",
+    "LIVE-DONE": (
+        "abstract model: every reachable bottom SCC of the fair graph (environment events are no way out) "
+        "is all-done (strong fairness); scheduler: no livelock"
+    ),
     "DEADLOCK": "abstract model: every reachable non-final state has an action other than an environment event",
 }
 
@@ -282,7 +327,11 @@ def plan_invariants(spec: Spec, state_predicates=STATE_PREDICATES, step_predicat
             liveness.append(inv.id)
         if inv.id in REFINEMENT_CHECKS:
             refinement.append(inv.id)
-        if inv.scope != "state" and inv.id not in step_predicates and inv.id not in REFINEMENT_CHECKS \
-                and inv.id not in LIVENESS_CHECKS:
+        if (
+            inv.scope != "state"
+            and inv.id not in step_predicates
+            and inv.id not in REFINEMENT_CHECKS
+            and inv.id not in LIVENESS_CHECKS
+        ):
             left[inv.id] = f"scope {inv.scope}"
     return InvariantPlan(tuple(state), tuple(step), tuple(refinement), tuple(liveness), left)

@@ -16,6 +16,12 @@ request's whole output, a cancelled or unfinished one a prefix of it); the abstr
 every state predicate of the abstract model and, when the abstract model's reachable set is given, is one of
 its states (REFINES: the scheduler never reaches a state the spec does not allow).
 
+With `micro_batches` > 1 the sim keeps that many outputs in flight (`SimExecutor`): a step lands the oldest output
+when it must (`Scheduler.must_land`) before it schedules, so cancellations and lost host copies also hit requests
+whose step is in flight, and a request preempted while its decode step is in flight receives its token suspended
+or awaiting consensus (the deferred finish). The abstraction shows a request whose step is in flight as it was
+before that step (`AbstractModel` computes a step atomically): the blocks allocated for the step count as free.
+
 Liveness (LIVE-DONE): the scheduler is deterministic given the environment, so once arrivals, cancellations and
 losses stop only `step` moves the world: the step edges form a functional graph, and a cycle in it through a
 world with an unfinished request is a livelock (a stall, or a suspend/resume ping-pong). There must be none.
@@ -26,15 +32,15 @@ from __future__ import annotations
 import copy
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
+from kvstate import policy
 from kvstate.checker.bounds import Bound
 from kvstate.checker.explore import HOLDS, INCOMPLETE, VIOLATED
 from kvstate.checker.invariants import STATE_PREDICATES
+from kvstate.checker.model import ABSENT, NONE, AbstractModel, AbstractRequest, AbstractState
 from kvstate.checker.search import SearchBudget, path_indices
-from kvstate import policy
-from kvstate.checker.model import ABSENT, COMPUTED, IN_FLIGHT, NONE, PREFILL, STATE, AbstractModel, AState
 from kvstate.config import RequestRejected, SchedulerConfig
 from kvstate.errors import InvariantViolation, KVStateError
 from kvstate.lifecycle import TransitionTable
@@ -42,6 +48,13 @@ from kvstate.scheduler import Scheduler, SchedulerStalled
 from kvstate.semantics import GUARDS
 from kvstate.sim import SimExecutor, reference_output
 from kvstate.spec import Spec, load_spec
+
+
+def bound_index(request_id: Hashable) -> int:
+    """The index in its bound of a request the refinement submitted (it submits request `i` with id `i`)."""
+    if not isinstance(request_id, int):
+        raise TypeError(f"request id {request_id!r}: the refinement submits the bound's requests with ids 0, 1, ...")
+    return request_id
 
 
 def prompt_of(index: int, length: int) -> list[int]:
@@ -67,13 +80,17 @@ class ObservedScheduler(Scheduler):
         self.victims_this_pass = set()
         before = policy.snapshot(self)
         out = super().schedule()
-        policy.check_pass(self.spec, before, self.last_pass.record, out)
+        done = self.last_pass
+        if done is None:  # schedule() keeps every pass it completes in last_pass
+            raise KVStateError("Scheduler.schedule() returned without keeping its pass in last_pass")
+        policy.check_pass(self.spec, before, done.record, out)
         return out
 
     def _preempt(self, victim, step) -> None:
         if victim.request_id in self.victims_this_pass:
-            raise InvariantViolation("VICTIM-ONCE", f"request {victim.request_id!r} chosen as a victim twice in "
-                                     f"pass {self.iteration}")
+            raise InvariantViolation(
+                "VICTIM-ONCE", f"request {victim.request_id!r} chosen as a victim twice in pass {self.iteration}"
+            )
         self.victims_this_pass.add(victim.request_id)
         return super()._preempt(victim, step)
 
@@ -83,8 +100,11 @@ class ObservedScheduler(Scheduler):
         transition = super()._fire(request, event)
         if expected is None or (expected.source, expected.dest) != (transition.source, transition.dest):
             want = "no edge (its guard does not hold)" if expected is None else f"{expected.source} -> {expected.dest}"
-            raise InvariantViolation("SPEC-EDGE", f"request {request.request_id!r} took {event} {before} -> "
-                                     f"{transition.dest}; the spec with the real guards gives {want}")
+            raise InvariantViolation(
+                "SPEC-EDGE",
+                f"request {request.request_id!r} took {event} {before} -> "
+                f"{transition.dest}; the spec with the real guards gives {want}",
+            )
         return transition
 
 
@@ -119,8 +139,13 @@ class RefinementResult:
 class Refinement:
     """Explores the scheduler worlds of one bound."""
 
-    def __init__(self, bound: Bound, spec: Spec | None = None, reachable: set | None = None,
-                 scheduler_class: type = ObservedScheduler) -> None:
+    def __init__(
+        self,
+        bound: Bound,
+        spec: Spec | None = None,
+        reachable: set | None = None,
+        scheduler_class: type = ObservedScheduler,
+    ) -> None:
         self.bound = bound
         self.spec = spec if spec is not None else load_spec()
         self.table = TransitionTable(self.spec, GUARDS)
@@ -128,12 +153,19 @@ class Refinement:
         self.model = AbstractModel(bound, self.spec)
         self.reachable = reachable
         self.scheduler_class = scheduler_class
-        budgets = {name: getattr(bound, name) for name in ("max_batch_size", "max_num_tokens")
-                   if getattr(bound, name) is not None}  # left out of the bound: the config's defaults
+        budgets = {
+            name: getattr(bound, name)
+            for name in ("max_batch_size", "max_num_tokens")
+            if getattr(bound, name) is not None
+        }  # left out of the bound: the config's defaults
         self.config = SchedulerConfig(
-            gpu_blocks=bound.gpu_blocks, host_blocks=bound.host_blocks, block_size=bound.block_size,
-            prefill_chunk_size=bound.chunk_size, pipeline_stages=bound.pipeline_stages,
-            enable_recompute_pause=bound.recompute_pause, **budgets,
+            gpu_blocks=bound.gpu_blocks,
+            host_blocks=bound.host_blocks,
+            block_size=bound.block_size,
+            prefill_chunk_size=bound.chunk_size,
+            pipeline_stages=bound.pipeline_stages,
+            enable_recompute_pause=bound.recompute_pause,
+            **budgets,
         )
         self.prompts = [prompt_of(i, p) for i, (p, _) in enumerate(bound.requests)]
         self.references = [reference_output(self.prompts[i], m) for i, (_, m) in enumerate(bound.requests)]
@@ -141,7 +173,8 @@ class Refinement:
     # ---- worlds
     def initial(self) -> World:
         scheduler = self.scheduler_class(self.config, self.spec, self.table)
-        return World(scheduler, SimExecutor(scheduler), 0, self.bound.env_cancels, self.bound.env_host_losses)
+        sim = SimExecutor(scheduler, micro_batches=self.bound.micro_batches)
+        return World(scheduler, sim, 0, self.bound.env_cancels, self.bound.env_host_losses)
 
     def clone(self, world: World) -> World:
         s = world.scheduler
@@ -157,7 +190,7 @@ class Refinement:
             out.append(("submit", world.submitted))
         out.append(("step",))
         if world.cancels_left:
-            out += [("cancel", rid) for rid in sorted(s.requests)]
+            out += [("cancel", rid) for rid in sorted(s.requests, key=bound_index)]
         if world.losses_left:
             out += [("lose_host_copy", r.request_id) for r in s.suspended]
         return out
@@ -167,6 +200,12 @@ class Refinement:
         s = world.scheduler
         before = {rid: list(r.generated) for rid, r in s.requests.items()}
         s.transition_log.clear()
+        self._act(world, action)
+        self._check_world(world, before)
+
+    def _act(self, world: World, action: tuple) -> None:
+        """Carry out `action`; a scheduler error is the violation it stands for."""
+        s = world.scheduler
         try:
             if action[0] == "submit":
                 i = action[1]
@@ -188,18 +227,28 @@ class Refinement:
             raise InvariantViolation("LIVE-DONE", str(err)) from err
         except KVStateError as err:
             raise InvariantViolation("SPEC-EDGE", f"{type(err).__name__}: {err}") from err
+
+    def _check_world(self, world: World, before: dict[Hashable, list[int]]) -> None:
+        """The checks after every action: spec edges, GEN-APPEND and OUT-EQUIV against `before` (each request's
+        tokens before the action), the state invariants of the abstraction and, with the abstract model's
+        reachable states at hand, REFINES."""
+        s = world.scheduler
         for rid, source, event, dest in s.transition_log:
             if (source, event, dest) not in self.edges:
-                raise InvariantViolation("SPEC-EDGE", f"request {rid!r} took {source} -{event}-> {dest}, not a spec edge")
+                raise InvariantViolation(
+                    "SPEC-EDGE", f"request {rid!r} took {source} -{event}-> {dest}, not a spec edge"
+                )
         for rid, old in before.items():
             now = s.get(rid).generated
-            if now[:len(old)] != old:
+            if now[: len(old)] != old:
                 raise InvariantViolation("GEN-APPEND", f"request {rid!r} generated {old} then {now}")
         for rid, r in list(s.requests.items()) + list(s.finished.items()):
-            ref = self.references[rid]
+            ref = self.references[bound_index(rid)]
             if r.done_reason == "finished" and list(r.generated) != ref:
-                raise InvariantViolation("OUT-EQUIV", f"request {rid!r} finished with {r.generated}, alone it gives {ref}")
-            if list(r.generated) != ref[:len(r.generated)]:
+                raise InvariantViolation(
+                    "OUT-EQUIV", f"request {rid!r} finished with {r.generated}, alone it gives {ref}"
+                )
+            if list(r.generated) != ref[: len(r.generated)]:
                 raise InvariantViolation("OUT-EQUIV", f"request {rid!r} generated {r.generated}, not a prefix of {ref}")
         abstract = self.abstraction(world)
         for inv_id, predicate in STATE_PREDICATES.items():
@@ -207,56 +256,111 @@ class Refinement:
             if message:
                 raise InvariantViolation(inv_id, f"abstraction of the scheduler state: {message}")
         if self.reachable is not None and not any(v in self.reachable for v in self._variants(abstract)):
-            raise InvariantViolation("REFINES", "the scheduler reached a state whose abstraction the spec's model does "
-                                     f"not reach: {self.describe_abstract(abstract)}")
+            raise InvariantViolation(
+                "REFINES",
+                "the scheduler reached a state whose abstraction the spec's model does "
+                f"not reach: {self.describe_abstract(abstract)}",
+            )
 
-    def abstraction(self, world: World) -> AState:
+    def abstraction(self, world: World) -> AbstractState:
         """The abstract spec state of a world (the mapping the refinement is checked through)."""
         s = world.scheduler
+        pool = s.pool
+        gpu_free, host_free = pool.gpu_free_blocks, pool.host_free_blocks
         reqs = []
         for i in range(len(self.bound.requests)):
             group = self.bound.group_of(i)
             r = s.requests.get(i) or s.finished.get(i)
             if r is None:
-                reqs.append((group, ABSENT, 0, 0, 0, 0, NONE, self.bound.requests[i][0], 0))
+                reqs.append(AbstractRequest(group, ABSENT, 0, 0, 0, 0, NONE, self.bound.requests[i][0], 0))
             elif r.state in self.model.terminal:
-                reqs.append((group, r.state, 0, 0, r.num_gpu_blocks, r.num_host_blocks, NONE, 0, 0))
+                reqs.append(AbstractRequest(group, r.state, 0, 0, r.num_gpu_blocks, r.num_host_blocks, NONE, 0, 0))
             else:
-                reqs.append((group, r.state, r.num_computed_tokens, len(r.generated), r.num_gpu_blocks,
-                             r.num_host_blocks, r.termination_reason or NONE, len(r.prefill_tokens), 0))
-        pool = s.pool
-        return (tuple(sorted(reqs)), pool.gpu_free_blocks, pool.host_free_blocks, len(pool.gpu.fenced),
-                len(pool.host.fenced))
+                gpu, host = r.num_gpu_blocks, r.num_host_blocks
+                step = s.in_flight.get(i, 0) if r.num_gpu_blocks or r.num_host_blocks else 0  # its step's blocks
+                if host:  # suspended since: its host copy holds the step's blocks (its GPU blocks are free)
+                    host, host_free = host - step, host_free + step
+                else:
+                    gpu, gpu_free = gpu - step, gpu_free + step
+                reqs.append(
+                    AbstractRequest(
+                        group,
+                        r.state,
+                        r.num_computed_tokens,
+                        len(r.generated),
+                        gpu,
+                        host,
+                        r.termination_reason or NONE,
+                        len(r.prefill_tokens),
+                        0,
+                    )
+                )
+        return AbstractState(tuple(sorted(reqs)), gpu_free, host_free, len(pool.gpu.fenced), len(pool.host.fenced))
 
-    def _variants(self, state: AState) -> list[AState]:
+    def _variants(self, state: AbstractState) -> list[AbstractState]:
         """The abstract states a world may stand for: a request awaiting consensus after a decode step may or may
         not still have that step in the pipeline (`in_flight`); the synchronous sim never has, the model allows both."""
-        reqs, rest = state[0], state[1:]
         pending = self.model.pending_reset
-        options = [[r] if r[STATE] != pending or r[COMPUTED] < r[PREFILL] else [r, r[:IN_FLIGHT] + (1,)] for r in reqs]
-        out = [()]
+        options = [
+            [r] if r.state != pending or r.computed < r.prefill else [r, r._replace(in_flight=1)]
+            for r in state.requests
+        ]
+        out: list[tuple[AbstractRequest, ...]] = [()]
         for choice in options:
-            out = [prefix + (r,) for prefix in out for r in choice]
-        return [(tuple(sorted(v)), *rest) for v in out]
+            out = [(*prefix, r) for prefix in out for r in choice]
+        return [state._replace(requests=tuple(sorted(v))) for v in out]
 
-    def describe_abstract(self, state: AState) -> str:
-        return "; ".join(self.model.describe_request(r) for r in state[0]) + "; " + self.model.describe_pool(state)
+    def describe_abstract(self, state: AbstractState) -> str:
+        requests = "; ".join(self.model.describe_request(r) for r in state.requests)
+        return f"{requests}; {self.model.describe_pool(state)}"
 
     def fingerprint(self, world: World) -> tuple:
         s, sim = world.scheduler, world.sim
         pool = s.pool
         active = []
-        for rid in sorted(s.requests):
+        for rid in sorted(s.requests, key=bound_index):
             r = s.requests[rid]
             gpu, host = pool.gpu_blocks(rid), pool.host_blocks(rid)
-            active.append((rid, r.state, r.num_computed_tokens, tuple(r.generated), r.prefill_tokens, gpu, host,
-                           r.termination_reason, tuple(tuple(sim.gpu[b]) for b in gpu),
-                           tuple(tuple(sim.host[b]) for b in host)))
+            active.append(
+                (
+                    rid,
+                    r.state,
+                    r.num_computed_tokens,
+                    tuple(r.generated),
+                    r.prefill_tokens,
+                    gpu,
+                    host,
+                    r.termination_reason,
+                    tuple(tuple(sim.gpu[b]) for b in gpu),
+                    tuple(tuple(sim.host[b]) for b in host),
+                )
+            )
         finished = tuple(sorted((rid, r.done_reason, tuple(r.generated)) for rid, r in s.finished.items()))
         plans = tuple(sorted((p.request_id, p.direction, p.pairs) for p in pool.in_flight.values()))
-        return (tuple(active), finished, tuple(r.request_id for r in s.admitted), tuple(sorted(pool.gpu._free)),
-                tuple(sorted(pool.host._free)), tuple(sorted(pool.gpu.fenced)), tuple(sorted(pool.host.fenced)),
-                plans, world.submitted, world.cancels_left, world.losses_left, s.host_tier_fallback)
+        pipeline = tuple(
+            (
+                tuple(sorted(step.output.chunk_tokens.items())),
+                tuple(sorted(sampled.items())),
+                tuple((name, tuple(r.request_id for r in listed)) for name, listed in step.output.lists()),
+            )
+            for step, sampled in sim.pipeline
+        )  # what lands, and which pauses still wait for it
+        return (
+            tuple(active),
+            finished,
+            tuple(r.request_id for r in s.admitted),
+            tuple(sorted(pool.gpu._free)),
+            tuple(sorted(pool.host._free)),
+            tuple(sorted(pool.gpu.fenced)),
+            tuple(sorted(pool.host.fenced)),
+            plans,
+            world.submitted,
+            world.cancels_left,
+            world.losses_left,
+            s.host_tier_fallback,
+            pipeline,
+            tuple(sorted(s.in_flight.items())),
+        )
 
     def check_refusal(self) -> None:
         """LIVE-REFUSE: a request that can never fit alone is refused at submission."""
@@ -266,26 +370,25 @@ class Refinement:
             scheduler.submit([1] * too_long, 1)
         except RequestRejected:
             return
-        raise InvariantViolation("LIVE-REFUSE", f"a request of {too_long} + 1 tokens was accepted by a GPU tier of "
-                                 f"{too_long} tokens")
+        raise InvariantViolation(
+            "LIVE-REFUSE", f"a request of {too_long} + 1 tokens was accepted by a GPU tier of {too_long} tokens"
+        )
 
     # ---- search
-    def explore(self, *, max_states: int | None = None, time_limit: float | None = None,
-                progress: Callable[[int, int], None] | None = None) -> RefinementResult:
+    def explore(
+        self,
+        *,
+        max_states: int | None = None,
+        time_limit: float | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> RefinementResult:
         start = time.perf_counter()
         budget = SearchBudget(max_states, time_limit, check_every=32)
         result = RefinementResult(self.bound, HOLDS, abstract_checked=self.reachable is not None)
-        parent: list[int] = [-1]
-        via: list[tuple] = [()]
-        fired: list[list[str]] = [[]]
-        final: list[bool] = [True]
-        step_next: list[int] = [-1]
-
-        def path_to(j: int) -> list[tuple[tuple, list[str]]]:
-            return [(via[i], fired[i]) for i in path_indices(parent, j)]
+        graph = _WorldGraph()
 
         def done(verdict: str) -> RefinementResult:
-            result.verdict, result.states, result.seconds = verdict, len(parent), time.perf_counter() - start
+            result.verdict, result.states, result.seconds = verdict, graph.size, time.perf_counter() - start
             return result
 
         try:
@@ -297,10 +400,10 @@ class Refinement:
         index = {self.fingerprint(first): 0}
         worlds: dict[int, World] = {0: first}
         i = 0
-        while i < len(parent):
+        while i < graph.size:
             if progress is not None and i & 31 == 0:
-                progress(len(parent), result.edges)
-            if (reason := budget.stop_reason(len(parent))) is not None:
+                progress(graph.size, result.edges)
+            if (reason := budget.stop_reason(graph.size)) is not None:
                 result.stop_reason = reason
                 return done(INCOMPLETE)
             world = worlds.pop(i)
@@ -311,45 +414,33 @@ class Refinement:
                     self.apply(nxt, action)
                 except InvariantViolation as err:
                     result.violation_id, result.message = err.invariant_id, str(err)
-                    result.path = path_to(i) + [(action, self._log(nxt))]
+                    result.path = [*graph.path_to(i), (action, self._log(nxt))]
                     return done(VIOLATED)
                 key = self.fingerprint(nxt)
                 j = index.get(key)
                 if j is None:
-                    j = len(parent)
-                    index[key] = j
-                    parent.append(i)
-                    via.append(action)
-                    fired.append(self._log(nxt))
-                    final.append(not nxt.scheduler.has_unfinished)
-                    step_next.append(-1)
+                    j = index[key] = graph.add(i, action, self._log(nxt), not nxt.scheduler.has_unfinished)
                     worlds[j] = nxt
                 if action == ("step",):
-                    step_next[i] = j
+                    graph.step_next[i] = j
             i += 1
         if progress is not None:
-            progress(len(parent), result.edges)
-        # LIVE-DONE: a cycle of step edges through an unfinished world is a livelock
-        color = [0] * len(parent)  # 0 new, 1 on the current walk, 2 done
-        for root in range(len(parent)):
-            walk = []
-            v = root
-            while v != -1 and color[v] == 0:
-                color[v] = 1
-                walk.append(v)
-                v = step_next[v]
-            if v != -1 and color[v] == 1:
-                cycle = walk[walk.index(v):]
-                if not all(final[c] for c in cycle):
-                    result.violation_id = "LIVE-DONE"
-                    result.message = (f"livelock: once arrivals stop, {len(cycle)} scheduler step(s) repeat forever "
-                                      "with an unfinished request")
-                    prefix = path_to(v)
-                    result.path = prefix + [(("step",), fired[c]) for c in cycle[1:]] + [(("step",), ["(back to the loop start)"])]
-                    result.loop_start = len(prefix)
-                    return done(VIOLATED)
-            for w in walk:
-                color[w] = 2
+            progress(graph.size, result.edges)
+        cycle = graph.livelock()
+        if cycle is not None:
+            result.violation_id = "LIVE-DONE"
+            result.message = (
+                f"livelock: once arrivals stop, {len(cycle)} scheduler step(s) repeat forever "
+                "with an unfinished request"
+            )
+            prefix = graph.path_to(cycle[0])
+            result.path = [
+                *prefix,
+                *((("step",), graph.fired[c]) for c in cycle[1:]),
+                (("step",), ["(back to the loop start)"]),
+            ]
+            result.loop_start = len(prefix)
+            return done(VIOLATED)
         return done(HOLDS)
 
     @staticmethod
@@ -357,8 +448,61 @@ class Refinement:
         return [f"{rid}: {source} -{event}-> {dest}" for rid, source, event, dest in world.scheduler.transition_log]
 
 
-def replay_refinement(bound: Bound | dict, actions: list[tuple], *, invariant: str | None = None,
-                      spec_path: str | None = None) -> None:
+class _WorldGraph:
+    """The worlds the refinement search found, by index (0: the initial world), as a BFS tree plus step edges.
+
+    Invariants: world `j` was first reached from world `parent[j]` by `via[j]`, firing `fired[j]` (the initial
+    world: parent -1), so parent pointers give shortest paths; `final[j]`: world `j` has no unfinished request;
+    `step_next[j]`: the world the ("step",) action leads to from `j` (-1 until `j` is expanded).
+    """
+
+    def __init__(self) -> None:
+        self.parent: list[int] = [-1]
+        self.via: list[tuple] = [()]
+        self.fired: list[list[str]] = [[]]
+        self.final: list[bool] = [True]
+        self.step_next: list[int] = [-1]
+
+    @property
+    def size(self) -> int:
+        return len(self.parent)
+
+    def add(self, parent: int, action: tuple, fired: list[str], final: bool) -> int:
+        """Record a new world reached from `parent` by `action`; its index."""
+        self.parent.append(parent)
+        self.via.append(action)
+        self.fired.append(fired)
+        self.final.append(final)
+        self.step_next.append(-1)
+        return len(self.parent) - 1
+
+    def path_to(self, j: int) -> list[tuple[tuple, list[str]]]:
+        """(action, transitions it fired) along the shortest path from the initial world to world `j`."""
+        return [(self.via[i], self.fired[i]) for i in path_indices(self.parent, j)]
+
+    def livelock(self) -> list[int] | None:
+        """LIVE-DONE: a cycle of step edges through a world with an unfinished request (its worlds, in step
+        order), or None when every cycle of step edges is final."""
+        color = [0] * self.size  # 0 new, 1 on the current walk, 2 done
+        for root in range(self.size):
+            walk = []
+            v = root
+            while v != -1 and color[v] == 0:
+                color[v] = 1
+                walk.append(v)
+                v = self.step_next[v]
+            if v != -1 and color[v] == 1:
+                cycle = walk[walk.index(v) :]
+                if not all(self.final[c] for c in cycle):
+                    return cycle
+            for w in walk:
+                color[w] = 2
+        return None
+
+
+def replay_refinement(
+    bound: Bound | dict, actions: list[tuple], *, invariant: str | None = None, spec_path: str | None = None
+) -> None:
     """Replay a refinement counterexample; raises (AssertionError) when the violation is still there."""
     if isinstance(bound, dict):
         bound = Bound.from_dict(bound)

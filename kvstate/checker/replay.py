@@ -7,20 +7,21 @@ from collections import deque
 from kvstate.checker.bounds import Bound
 from kvstate.checker.explore import Violation, deadlock, is_environment
 from kvstate.checker.invariants import STATE_PREDICATES, STEP_PREDICATES
-from kvstate.checker.model import AbstractModel, AState
+from kvstate.checker.model import AbstractModel, AbstractRequest, AbstractState, Action
 from kvstate.errors import InvariantViolation
 from kvstate.spec import load_spec
 
 
-def _check_state(model: AbstractModel, state: AState) -> None:
+def _check_state(model: AbstractModel, state: AbstractState) -> None:
     for inv_id, predicate in STATE_PREDICATES.items():
         message = predicate(model, state)
         if message:
             raise InvariantViolation(inv_id, message)
 
 
-def replay_abstract(bound: Bound | dict, steps: list[tuple], *, invariant: str | None = None,
-                    spec_path: str | None = None) -> bool:
+def replay_abstract(
+    bound: Bound | dict, steps: list[tuple], *, invariant: str | None = None, spec_path: str | None = None
+) -> bool:
     """Replay `steps` on the abstract model with the real guards and effects; raise InvariantViolation (an
     AssertionError) when an invariant fails. Returns False when a step is no longer enabled (the counterexample
     is not feasible any more: the bug is fixed), True when the whole path replayed cleanly."""
@@ -30,7 +31,7 @@ def replay_abstract(bound: Bound | dict, steps: list[tuple], *, invariant: str |
     state = model.initial()
     _check_state(model, state)
     for action in steps:
-        step = model.apply(state, tuple(action))
+        step = model.apply(state, Action(*action))
         if step is None:
             return False
         for inv_id, predicate in STEP_PREDICATES.items():
@@ -49,13 +50,13 @@ def replay_abstract(bound: Bound | dict, steps: list[tuple], *, invariant: str |
     return True
 
 
-def _fair_successors(model: AbstractModel, state: AState):
+def _fair_successors(model: AbstractModel, state: AbstractState):
     """The steps out of `state` other than environment events (never a way out under fairness: explore.py)."""
     environment = model.spec.environment_events
     return (s for s in model.successors(state) if not is_environment(s.action, environment))
 
 
-def _final_reachable(model: AbstractModel, start: AState) -> bool:
+def _final_reachable(model: AbstractModel, start: AbstractState) -> bool:
     seen, queue = {start}, deque([start])
     while queue:
         state = queue.popleft()
@@ -72,7 +73,10 @@ def _final_reachable(model: AbstractModel, start: AState) -> bool:
 def format_abstract_path(model: AbstractModel, violation: Violation) -> list[str]:
     """The counterexample as numbered steps; requests keep their names r0, r1, ... (bound order) throughout."""
     state = model.initial()
-    unsorted = tuple((model.bound.group_of(i), "", 0, 0, 0, 0, "", p, 0) for i, (p, _) in enumerate(model.bound.requests))
+    unsorted = tuple(
+        AbstractRequest(model.bound.group_of(i), "", 0, 0, 0, 0, "", p, 0)
+        for i, (p, _) in enumerate(model.bound.requests)
+    )
     perm = model.canonical_order(unsorted)  # canonical slot -> request index
     lines = ["0. initial: " + model.describe_pool(state)]
     for n, (action, after) in enumerate(violation.path, 1):
@@ -88,8 +92,11 @@ def format_abstract_path(model: AbstractModel, violation: Violation) -> list[str
         else:
             name = f"r{perm[slot]}"
             edges = ", ".join(f"{t.event}: {t.source} -> {t.dest}" for t in step.taken)
-            lines.append(f"{n}. {model.describe_action(action, name)}" + (f" [{edges}]" if edges else "") +
-                         f"; {name} now {model.describe_request(step.after_requests[slot])}; {model.describe_pool(after)}")
+            lines.append(
+                f"{n}. {model.describe_action(action, name)}"
+                + (f" [{edges}]" if edges else "")
+                + f"; {name} now {model.describe_request(step.after_requests[slot])}; {model.describe_pool(after)}"
+            )
         order = model.canonical_order(step.after_requests)
         perm = [perm[k] for k in order]
         state = model.canonical(step.after_requests, step.after_pool)

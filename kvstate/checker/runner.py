@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Mapping
-from contextlib import nullcontext
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from kvstate.checker.bounds import Bound
 from kvstate.checker.explore import HOLDS, INCOMPLETE, SKIPPED, VIOLATED, ModelResult, explore
@@ -19,8 +20,13 @@ from kvstate.checker.invariants import InvariantPlan, plan_invariants
 from kvstate.checker.model import AbstractEffects, AbstractModel
 from kvstate.checker.refinement import ObservedScheduler, Refinement, RefinementResult
 from kvstate.checker.replay import format_abstract_path
+from kvstate.errors import KVStateError
 from kvstate.semantics import Guard
-from kvstate.spec import Spec, load_spec, packaged_spec_path
+from kvstate.spec import Spec, Transition, load_spec, packaged_spec_path
+
+if TYPE_CHECKING:  # rich is imported only where a console is in use
+    from rich.console import Console
+    from rich.progress import Progress
 
 EXIT_CODES = {HOLDS: 0, VIOLATED: 1, INCOMPLETE: 3}  # 2 is the command line's usage error
 
@@ -44,35 +50,66 @@ def combine(*verdicts: str) -> str:
     return HOLDS
 
 
-def check_bound(bound: Bound, *, spec: Spec | None = None, guards: Mapping[str, Guard] | None = None,
-                effects: type = AbstractEffects, max_states: int | None = None, time_limit: float | None = None,
-                refine: bool = True, scheduler_class: type = ObservedScheduler, progress=None,
-                counterexample_dir: Path | None = None) -> BoundReport:
-    """Check one bound; `spec`, `guards`, `effects` and `scheduler_class` may be injected (planted bugs)."""
+class Injected(TypedDict, total=False):
+    """What a planted-bug test may put in place of the real semantics (`check_bound`, `run_check`)."""
+
+    guards: Mapping[str, Guard] | None  # default: kvstate.semantics.GUARDS
+    effects: type  # the abstract model's effect hooks; default AbstractEffects
+    scheduler_class: type  # the scheduler the refinement drives; default ObservedScheduler
+
+
+def check_bound(
+    bound: Bound,
+    *,
+    spec: Spec | None = None,
+    max_states: int | None = None,
+    time_limit: float | None = None,
+    refine: bool = True,
+    progress: Callable[[str, int, int], None] | None = None,
+    counterexample_dir: Path | None = None,
+    **inject: Unpack[Injected],
+) -> BoundReport:
+    """Check one bound; `spec` and the semantics (`Injected`) may be injected (planted bugs)."""
     spec = spec if spec is not None else load_spec()
     plan_invariants(spec)
     start = time.perf_counter()
-    model = AbstractModel(bound, spec, guards, effects)
+    model = AbstractModel(bound, spec, inject.get("guards"), inject.get("effects", AbstractEffects))
     if bound.abstract_model:
-        abstract = explore(model, max_states=max_states, time_limit=time_limit, keep_states=refine,
-                           progress=(lambda s, e: progress("abstract", s, e)) if progress else None)
+        abstract = explore(
+            model,
+            max_states=max_states,
+            time_limit=time_limit,
+            keep_states=refine,
+            progress=(lambda s, e: progress("abstract", s, e)) if progress else None,
+        )
     else:  # too large to enumerate (bounds.py): the refinement alone checks this bound
         abstract = ModelResult(bound, SKIPPED)
     refinement = None
     lines: list[str] = []
     if abstract.verdict != VIOLATED and refine:
         left = None if time_limit is None else max(0.01, time_limit - (time.perf_counter() - start))
-        refinement = Refinement(bound, spec, abstract.reachable if abstract.verdict == HOLDS else None,
-                                scheduler_class).explore(
-            max_states=max_states, time_limit=left,
-            progress=(lambda s, e: progress("refinement", s, e)) if progress else None)
+        refinement = Refinement(
+            bound,
+            spec,
+            abstract.reachable if abstract.verdict == HOLDS else None,
+            inject.get("scheduler_class", ObservedScheduler),
+        ).explore(
+            max_states=max_states,
+            time_limit=left,
+            progress=(lambda s, e: progress("refinement", s, e)) if progress else None,
+        )
     abstract.reachable = None  # free memory
     verdicts = [v for v in (abstract.verdict, refinement.verdict if refinement else None) if v not in (SKIPPED, None)]
     report = BoundReport(bound, abstract, refinement, combine(*verdicts) if verdicts else INCOMPLETE, lines)
     if abstract.violation is not None:
         report.violated_invariant = abstract.violation.invariant
-        lines += [f"counterexample (abstract model, bound {bound.name}): invariant {abstract.violation.invariant} "
-                  f"violated: {abstract.violation.message}", *format_abstract_path(model, abstract.violation)]
+        lines += [
+            (
+                f"counterexample (abstract model, bound {bound.name}): invariant {abstract.violation.invariant} "
+                f"violated: {abstract.violation.message}"
+            ),
+            *format_abstract_path(model, abstract.violation),
+        ]
         if counterexample_dir is not None:
             report.counterexample_file = write_abstract_test(counterexample_dir, bound, spec, abstract)
     elif refinement is not None and refinement.verdict == VIOLATED:
@@ -121,10 +158,11 @@ def _header(kind: str, bound: Bound, invariant: str, message: str, spec: Spec) -
 
 def write_abstract_test(directory: Path, bound: Bound, spec: Spec, result: ModelResult) -> Path:
     violation = result.violation
+    if violation is None:
+        raise ValueError(f"bound {bound.name}: the abstract model found no violation; there is no counterexample")
     steps = "".join(f"    {tuple(action)!r},\n" for action, _ in violation.path)
-    text = (
-        _header("abstract model", bound, violation.invariant, violation.message, spec)
-        + "from kvstate.checker.replay import replay_abstract\n\n"
+    text = _header("abstract model", bound, violation.invariant, violation.message, spec) + (
+        "from kvstate.checker.replay import replay_abstract\n\n"
         f"BOUND = {bound.to_dict()!r}\n"
         f"SPEC_PATH = {_spec_path(spec)!r}\n"
         f"INVARIANT = {violation.invariant!r}\n"
@@ -136,23 +174,23 @@ def write_abstract_test(directory: Path, bound: Bound, spec: Spec, result: Model
 
 
 def write_refinement_test(directory: Path, bound: Bound, spec: Spec, result: RefinementResult) -> Path:
+    invariant = result.violation_id
+    if invariant is None:
+        raise ValueError(f"bound {bound.name}: the refinement found no violation; there is no counterexample")
     actions = "".join(f"    {tuple(action)!r},\n" for action, _ in result.path)
-    text = (
-        _header("scheduler refinement", bound, result.violation_id, result.message, spec)
-        + "from kvstate.checker.refinement import replay_refinement\n\n"
+    text = _header("scheduler refinement", bound, invariant, result.message, spec) + (
+        "from kvstate.checker.refinement import replay_refinement\n\n"
         f"BOUND = {bound.to_dict()!r}\n"
         f"SPEC_PATH = {_spec_path(spec)!r}\n"
-        f"INVARIANT = {result.violation_id!r}\n"
+        f"INVARIANT = {invariant!r}\n"
         f"ACTIONS = [\n{actions}]\n\n\n"
-        f"def test_{_slug(bound.name)}_{_slug(result.violation_id)}():\n"
+        f"def test_{_slug(bound.name)}_{_slug(invariant)}():\n"
         "    replay_refinement(BOUND, ACTIONS, invariant=INVARIANT, spec_path=SPEC_PATH)\n"
     )
     return _write(directory / f"kvstate-counterexample-{_slug(bound.name)}.py", text)
 
 
 def _write(path: Path, text: str) -> Path:
-    from kvstate.errors import KVStateError
-
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
@@ -164,42 +202,61 @@ def _write(path: Path, text: str) -> Path:
 # ----------------------------------------------------------------------------------------------- reporting
 def describe_bound(bound: Bound) -> str:
     reqs = ", ".join(f"{p}+{m}" for p, m in bound.requests)
-    budgets = "".join(f", {label} {value}" for label, value in
-                      (("batch", bound.max_batch_size), ("tokens", bound.max_num_tokens)) if value is not None)
-    return (f"requests [{reqs}] (prompt+max_new), gpu {bound.gpu_blocks}, host {bound.host_blocks}, "
-            f"block {bound.block_size}, chunk {bound.chunk_size}, stages {bound.pipeline_stages}{budgets}"
-            + ("" if bound.cancel else ", no cancel"))
+    budgets = "".join(
+        f", {label} {value}"
+        for label, value in (("batch", bound.max_batch_size), ("tokens", bound.max_num_tokens))
+        if value is not None
+    )
+    return (
+        f"requests [{reqs}] (prompt+max_new), gpu {bound.gpu_blocks}, host {bound.host_blocks}, "
+        f"block {bound.block_size}, chunk {bound.chunk_size}, stages {bound.pipeline_stages}{budgets}"
+        + ("" if bound.cancel else ", no cancel")
+    )
 
 
 def report_lines(report: BoundReport, spec: Spec) -> list[str]:
     a = report.abstract
     total = len(spec.transitions)
     lines = [f"bound {report.bound.name}: {describe_bound(report.bound)}"]
-    coverage = (f"coverage {total - len(a.never_enabled)}/{total} transitions" if a.verdict == HOLDS
-                else "coverage not judged")
+    coverage = (
+        f"coverage {total - len(a.never_enabled)}/{total} transitions" if a.verdict == HOLDS else "coverage not judged"
+    )
     if a.verdict == SKIPPED:
         lines.append("  abstract model: not run (abstract_model = false: too large to enumerate)")
     else:
-        lines.append(f"  abstract model: {a.states} states, {a.edges} edges, {a.seconds:.2f} s ({a.rate:.0f} states/s), "
-                     f"{coverage}: {a.verdict}" + (f" ({a.stop_reason})" if a.stop_reason else ""))
+        lines.append(
+            f"  abstract model: {a.states} states, {a.edges} edges, {a.seconds:.2f} s ({a.rate:.0f} states/s), "
+            f"{coverage}: {a.verdict}" + (f" ({a.stop_reason})" if a.stop_reason else "")
+        )
     if a.verdict == HOLDS:
         if a.never_enabled:
-            lines.append("    never enabled: " + ", ".join(f"{t.source} -{t.event}-> {t.dest}" for t in a.never_enabled))
-        lines.append(f"    progress-free cycles (information, left by a fair non-environment action): "
-                     f"{a.progress_free_sccs} non-trivial SCCs with an unfinished request")
+            lines.append(
+                "    never enabled: " + ", ".join(f"{t.source} -{t.event}-> {t.dest}" for t in a.never_enabled)
+            )
+        lines.append(
+            f"    progress-free cycles (information, left by a fair non-environment action): "
+            f"{a.progress_free_sccs} non-trivial SCCs with an unfinished request"
+        )
     r = report.refinement
     if r is not None:
-        checked = ("abstraction in the model's reachable set" if r.abstract_checked
-                   else f"abstraction not matched (model {'not run' if a.verdict == SKIPPED else 'incomplete'})")
-        lines.append(f"  scheduler refinement: {r.states} states, {r.edges} edges, {r.seconds:.2f} s "
-                     f"({r.rate:.0f} states/s), {checked}: {r.verdict}" + (f" ({r.stop_reason})" if r.stop_reason else ""))
-    lines.append(f"  verdict: {report.verdict}" + (f" ({report.violated_invariant})" if report.violated_invariant else ""))
+        checked = (
+            "abstraction in the model's reachable set"
+            if r.abstract_checked
+            else f"abstraction not matched (model {'not run' if a.verdict == SKIPPED else 'incomplete'})"
+        )
+        lines.append(
+            f"  scheduler refinement: {r.states} states, {r.edges} edges, {r.seconds:.2f} s "
+            f"({r.rate:.0f} states/s), {checked}: {r.verdict}" + (f" ({r.stop_reason})" if r.stop_reason else "")
+        )
+    lines.append(
+        f"  verdict: {report.verdict}" + (f" ({report.violated_invariant})" if report.violated_invariant else "")
+    )
     return lines
 
 
 def overall_coverage(reports: list[BoundReport], spec: Spec) -> tuple[list, list]:
     """(taken somewhere, never enabled in any complete bound) over every bound whose abstract model ran."""
-    taken = set()
+    taken: set[Transition] = set()
     for r in reports:
         taken.update(r.abstract.taken)
     if all(r.abstract.verdict == SKIPPED for r in reports):
@@ -207,7 +264,7 @@ def overall_coverage(reports: list[BoundReport], spec: Spec) -> tuple[list, list
     return [t for t in spec.transitions if t in taken], [t for t in spec.transitions if t not in taken]
 
 
-def _progress_callback(bar, name: str):
+def _progress_callback(bar: Progress, name: str) -> Callable[[str, int, int], None]:
     """A `progress(phase, states, edges)` callback that updates one task of a rich progress bar."""
     task = bar.add_task(f"{name}: starting")
 
@@ -217,41 +274,68 @@ def _progress_callback(bar, name: str):
     return callback
 
 
-def run_check(bounds: list[Bound], *, spec: Spec | None = None, max_states: int | None = None,
-              time_limit: float | None = None, counterexample_dir: Path | None = Path("."), console=None,
-              show_progress: bool = False, refine: bool = True, **inject) -> tuple[int, list[BoundReport]]:
+def run_check(
+    bounds: list[Bound],
+    *,
+    spec: Spec | None = None,
+    max_states: int | None = None,
+    time_limit: float | None = None,
+    counterexample_dir: Path | None = Path("."),
+    console: Console | None = None,
+    show_progress: bool = False,
+    refine: bool = True,
+    **inject: Unpack[Injected],
+) -> tuple[int, list[BoundReport]]:
     """Check every bound, print the report; returns (exit code, reports)."""
     spec = spec if spec is not None else load_spec()
     plan: InvariantPlan = plan_invariants(spec)
-    say = console.print if console is not None else print
+    say = _printer(console)
     say(f"kvstate check: spec {spec.source}; bounds {', '.join(b.name for b in bounds)}")
     for line in plan.lines():
-        say(f"  {line}", markup=False) if console is not None else say(f"  {line}")
+        say(f"  {line}")
     reports = []
     for bound in bounds:
-        progress_ctx = nullcontext(None)
+        progress_ctx: AbstractContextManager[Progress | None] = nullcontext(None)
         if show_progress and console is not None:
             from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-            progress_ctx = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                                    console=console, transient=True)
+            progress_ctx = Progress(
+                SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True
+            )
         with progress_ctx as bar:
             callback = _progress_callback(bar, bound.name) if bar is not None else None
-            report = check_bound(bound, spec=spec, max_states=max_states, time_limit=time_limit, refine=refine,
-                                 progress=callback, counterexample_dir=counterexample_dir, **inject)
+            report = check_bound(
+                bound,
+                spec=spec,
+                max_states=max_states,
+                time_limit=time_limit,
+                refine=refine,
+                progress=callback,
+                counterexample_dir=counterexample_dir,
+                **inject,
+            )
         reports.append(report)
         for line in report_lines(report, spec) + report.counterexample:
-            say(line, markup=False, highlight=False) if console is not None else say(line)
+            say(line)
         if report.counterexample_file is not None:
-            line = f"  wrote regression test {report.counterexample_file}"
-            say(line, markup=False) if console is not None else say(line)
+            say(f"  wrote regression test {report.counterexample_file}")
     taken, never = overall_coverage(reports, spec)
     verdict = combine(*(r.verdict for r in reports))
-    summary = [f"coverage over all bounds: {len(taken)}/{len(spec.transitions)} transitions taken"
-               if taken or never else "coverage over all bounds: not judged (no abstract model ran)"]
+    summary = [
+        f"coverage over all bounds: {len(taken)}/{len(spec.transitions)} transitions taken"
+        if taken or never
+        else "coverage over all bounds: not judged (no abstract model ran)"
+    ]
     if never:
         summary.append("  never taken in any bound: " + ", ".join(f"{t.source} -{t.event}-> {t.dest}" for t in never))
     summary.append(f"verdict: {verdict} ({len(reports)} bound(s), exit {EXIT_CODES[verdict]})")
     for line in summary:
-        say(line, markup=False, highlight=False) if console is not None else say(line)
+        say(line)
     return EXIT_CODES[verdict], reports
+
+
+def _printer(console: Console | None) -> Callable[[str], None]:
+    """Print one line as plain text (no rich markup or highlighting: spec names may hold brackets)."""
+    if console is None:
+        return print
+    return lambda text: console.print(text, markup=False, highlight=False)

@@ -33,35 +33,63 @@ trace departs from the spec (exit 1). An empty trace is vacuously valid here (`l
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Iterable, Iterator, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from kvstate.spec import Spec, load_spec
-from kvstate.trace import TRACE_FIELDS
-from kvstate.untrusted import Limits, UntrustedFileError, iter_lines, open_binary, parse_json, shown
+from kvstate.spec import Spec, Transition, load_spec
+from kvstate.trace import TRACE_FIELDS, TRACE_LIMITS, TraceError, open_trace, parse_line, trace_lines
+from kvstate.untrusted import Limits, shown
 
-# a trace line is about 300 bytes; request ids are the only free-form text
-TRACE_LIMITS = Limits(max_bytes=1 << 30, max_line_bytes=1 << 16, max_depth=2, max_int_digits=19)
+# the trace format (fields, limits, reading) is kvstate.trace's; it is re-exported here with the validator
+__all__ = [
+    "CAPACITY",
+    "CONSERVATION",
+    "DONE_REASON",
+    "EDGE",
+    "FORMAT",
+    "FROM",
+    "GENERATED",
+    "INVARIANT_IDS",
+    "ITERATION",
+    "NO_HOST",
+    "RESIDENCY",
+    "RULES",
+    "STUTTER",
+    "TERMINAL",
+    "TRACE_FIELDS",
+    "TRACE_LIMITS",
+    "Divergence",
+    "TraceError",
+    "TraceReport",
+    "open_trace",
+    "parse_line",
+    "trace_lines",
+    "validate_trace",
+]
 
 # rule names (stable: tests and tools match on them)
 FORMAT, ITERATION, CAPACITY, STUTTER, EDGE, FROM = "format", "iteration", "capacity", "stutter", "edge", "from"
 RESIDENCY, NO_HOST, CONSERVATION, GENERATED = "residency", "no-host-no-suspend", "conservation", "generated"
 DONE_REASON, TERMINAL = "done-reason", "terminal"
-RULES = (FORMAT, ITERATION, CAPACITY, STUTTER, EDGE, FROM, RESIDENCY, NO_HOST, CONSERVATION, GENERATED,
-         DONE_REASON, TERMINAL)
+RULES = (
+    FORMAT,
+    ITERATION,
+    CAPACITY,
+    STUTTER,
+    EDGE,
+    FROM,
+    RESIDENCY,
+    NO_HOST,
+    CONSERVATION,
+    GENERATED,
+    DONE_REASON,
+    TERMINAL,
+)
 
 # spec invariant ids the rules report (reported only when the spec in use declares them)
 INVARIANT_IDS = ("RES-STATE", "NO-HOST-NO-SUSPEND", "CONS-GPU", "CONS-HOST", "GEN-APPEND")
-
-
-class TraceError(UntrustedFileError):
-    """The trace cannot be used: it cannot be opened or read, is over a limit of `TRACE_LIMITS`, or a line is not
-    in the format of spec/TRACE.md. `line` and `field` locate the problem; `record` is the line's object when it
-    parsed as one."""
-
-    record: dict | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +140,13 @@ class TraceReport:
         return self.divergence is None
 
 
-def validate_trace(source: str | Path | Iterable[str | bytes], spec: Spec | None = None, *,
-                   require_done: bool = True, limits: Limits = TRACE_LIMITS) -> TraceReport:
+def validate_trace(
+    source: str | Path | Iterable[str | bytes],
+    spec: Spec | None = None,
+    *,
+    require_done: bool = True,
+    limits: Limits = TRACE_LIMITS,
+) -> TraceReport:
     """Validate a trace file (a path) or its lines (an iterable of str or bytes) against `spec` (default: packaged).
 
     Stops at the first divergence; a line over `limits` is a ``format`` divergence at that line. Raises
@@ -124,71 +157,6 @@ def validate_trace(source: str | Path | Iterable[str | bytes], spec: Spec | None
         with open_trace(source) as handle:
             return _Validator(spec, str(source), limits).run(trace_lines(handle, limits, path=source), require_done)
     return _Validator(spec, "<lines>", limits).run(enumerate(source, 1), require_done)
-
-
-def open_trace(path: str | Path):
-    """`path` opened for `trace_lines`; raises `TraceError` (missing, a directory, no permission)."""
-    return open_binary(path, "trace file", TraceError)
-
-
-def trace_lines(handle, limits: Limits = TRACE_LIMITS, *, path: str | Path) -> Iterator[tuple[int, bytes]]:
-    """(line number, bytes) of each line of an open trace, within `limits` (else `TraceError` naming the line)."""
-    return iter_lines(handle, limits, "trace", path=path, error=TraceError)
-
-
-def parse_line(raw: str | bytes, number: int, *, path: str | Path | None = None,
-               limits: Limits = TRACE_LIMITS) -> dict:
-    """One trace line as an object with exactly the fields of spec/TRACE.md, in order, each of its type.
-
-    Raises `TraceError` naming the line and the field (with `record` set once the line parsed as an object).
-    """
-    if len(raw) > limits.max_line_bytes:
-        raise TraceError(f"the line is longer than {limits.max_line_bytes} bytes; a trace line is far shorter",
-                         path=path, line=number)
-    line = parse_json(raw, limits, "trace line", path=path, line=number, error=TraceError)
-
-    def refuse(message: str, field: str | None = None) -> TraceError:
-        err = TraceError(message, path=path, line=number, field=field)
-        err.record = line if isinstance(line, dict) else None
-        return err
-
-    if not isinstance(line, dict):
-        raise refuse(f"the line is a JSON {type(line).__name__}, not an object; each line must be one object with "
-                     "the fields of spec/TRACE.md")
-    missing = [f for f in TRACE_FIELDS if f not in line]
-    if missing:
-        raise refuse(f"is missing (missing fields: {', '.join(missing)}); every line has all the fields of "
-                     "spec/TRACE.md", missing[0])
-    extra = [f for f in line if f not in TRACE_FIELDS]
-    if extra:
-        raise refuse("is not a trace field; remove it or update spec/TRACE.md and the validator together",
-                     extra[0] if len(extra[0]) <= 40 else extra[0][:40] + "...")
-    if tuple(line) != TRACE_FIELDS:
-        first = next(f for f, want in zip(line, TRACE_FIELDS) if f != want)
-        raise refuse(f"is out of order; keys come in the order {', '.join(TRACE_FIELDS)}", first)
-    for field in TRACE_FIELDS:
-        types, what, minimum = _TYPES.get(field, _COUNT)
-        value = line[field]
-        bad = isinstance(value, bool) or not isinstance(value, types)
-        if not bad and minimum is not None and value < minimum:
-            bad = True
-        if bad:
-            raise refuse(f"is {shown(value)}; it must be {what}", field)
-    return line
-
-
-_NULL = type(None)
-_TYPES: dict[str, tuple[tuple[type, ...], str, int | None]] = {
-    # field -> (accepted types, description, minimum for ints)
-    "iteration": ((int,), "an integer >= 0", 0),
-    "request_id": ((int, str), "an integer or a string", None),
-    "event": ((str,), "a string (an event name)", None),
-    "from": ((str,), "a string (a state name)", None),
-    "to": ((str,), "a string (a state name)", None),
-    "gpu_capacity": ((int,), "an integer > 0", 1),
-    "done_reason": ((str, _NULL), "a string or null", None),
-}
-_COUNT = ((int,), "an integer >= 0", 0)
 
 
 class _Stop(Exception):
@@ -238,14 +206,26 @@ class _Validator:
         except _Stop as stop:
             divergence = stop.divergence
         return TraceReport(
-            source=self.source, lines=self.lines, requests=len(self.state),
+            source=self.source,
+            lines=self.lines,
+            requests=len(self.state),
             transitions=MappingProxyType(dict(sorted(self.counts.items()))),
-            final_states=MappingProxyType(dict(self.state)), divergence=divergence,
+            final_states=MappingProxyType(dict(self.state)),
+            divergence=divergence,
         )
 
     # ------------------------------------------------------------------------------------------- one line
-    def fail(self, number: int, rule: str, message: str, *, line: dict | None = None, rid: Hashable | None = None,
-             invariant: str | None = None, expected: str | None = None) -> _Stop:
+    def fail(
+        self,
+        number: int,
+        rule: str,
+        message: str,
+        *,
+        line: dict | None = None,
+        rid: Hashable | None = None,
+        invariant: str | None = None,
+        expected: str | None = None,
+    ) -> _Stop:
         observed = None
         if line is not None:
             observed = (line.get("event"), line.get("from"), line.get("to"))
@@ -255,83 +235,157 @@ class _Validator:
         return _Stop(Divergence(number, rid, rule, invariant, expected, observed, message))
 
     def check_line(self, number: int, raw: str | bytes) -> None:
+        """Check one line against every rule (module docstring, in order), then take its transition."""
         line = parse_line(raw, number, path=None if self.source == "<lines>" else self.source, limits=self.limits)
+        self._check_order(number, line)
+        transition = self._check_edge(number, line)
+        host_held = self._check_residency(number, line)
+        totals = self._check_conservation(number, line)
+        self._check_output(number, line, transition)
+        self._take(number, line, host_held, totals)
+
+    def _check_order(self, number: int, line: dict) -> None:
+        """``iteration`` and ``capacity``."""
+        if line["iteration"] < self.iteration:
+            raise self.fail(
+                number,
+                ITERATION,
+                f"iteration {line['iteration']} is below {self.iteration} of an "
+                "earlier line; lines must be written in the order the transitions happened",
+                line=line,
+            )
+        if self.gpu_capacity is not None and line["gpu_capacity"] != self.gpu_capacity:
+            raise self.fail(
+                number,
+                CAPACITY,
+                f"gpu_capacity {line['gpu_capacity']} differs from "
+                f"{self.gpu_capacity} on earlier lines; a trace covers one run of one engine",
+                line=line,
+            )
+
+    def _check_edge(self, number: int, line: dict) -> Transition:
+        """``stutter`` / ``edge`` and ``from``: the spec transition the line takes."""
         rid, event, source, dest = line["request_id"], line["event"], line["from"], line["to"]
         spec = self.spec
         held = self.state.get(rid, spec.initial)
-
-        if line["iteration"] < self.iteration:
-            raise self.fail(number, ITERATION, f"iteration {line['iteration']} is below {self.iteration} of an "
-                            "earlier line; lines must be written in the order the transitions happened", line=line)
-        if self.gpu_capacity is not None and line["gpu_capacity"] != self.gpu_capacity:
-            raise self.fail(number, CAPACITY, f"gpu_capacity {line['gpu_capacity']} differs from "
-                            f"{self.gpu_capacity} on earlier lines; a trace covers one run of one engine", line=line)
-
         transition = self.edges.get((event, source, dest))
         if transition is None:
-            raise self.fail(number, STUTTER if source == dest else EDGE, self._edge_message(event, source, dest),
-                            line=line)
+            raise self.fail(
+                number, STUTTER if source == dest else EDGE, self._edge_message(event, source, dest), line=line
+            )
         if source != held:
             if rid not in self.state:
-                why = (f"its first line must start from the spec's initial state {spec.initial!r}; "
-                       "check that the trace is complete from its start")
+                why = (
+                    f"its first line must start from the spec's initial state {spec.initial!r}; "
+                    "check that the trace is complete from its start"
+                )
             elif held in self.terminal:
-                why = (f"it already reached the terminal state {held!r} at line {self.last_line[rid]}; request ids "
-                       "are never reused within a run")
+                why = (
+                    f"it already reached the terminal state {held!r} at line {self.last_line[rid]}; request ids "
+                    "are never reused within a run"
+                )
             else:
-                why = (f"its previous line ({self.last_line[rid]}) left it in {held!r}; a transition is missing or "
-                       "lines were reordered")
+                why = (
+                    f"its previous line ({self.last_line[rid]}) left it in {held!r}; a transition is missing or "
+                    "lines were reordered"
+                )
             raise self.fail(number, FROM, f"the line starts from {source!r} but {why}", line=line, expected=held)
+        return transition
 
-        residency = spec.residency(dest)
+    def _check_residency(self, number: int, line: dict) -> set[Hashable]:
+        """``residency`` and ``no-host-no-suspend``: the requests in host states once the line is taken."""
+        rid, dest = line["request_id"], line["to"]
+        residency = self.spec.residency(dest)
         for tier in ("gpu", "host"):
             held_blocks = line[f"{tier}_blocks"]
             if residency != tier and held_blocks != 0:
-                raise self.fail(number, RESIDENCY, f"field '{tier}_blocks' is {held_blocks} but state {dest!r} has "
-                                f"residency {residency!r}; the transition's effect must move or free every {tier} "
-                                "block", line=line, invariant=self.invariant["RES-STATE"])
-
+                raise self.fail(
+                    number,
+                    RESIDENCY,
+                    f"field '{tier}_blocks' is {held_blocks} but state {dest!r} has "
+                    f"residency {residency!r}; the transition's effect must move or free every {tier} "
+                    "block",
+                    line=line,
+                    invariant=self.invariant["RES-STATE"],
+                )
         host_held = (self.host_held | {rid}) if dest in self.host_states else (self.host_held - {rid})
         if line["host_capacity"] == 0 and host_held:
             who = rid if rid in host_held else min(host_held, key=repr)
-            raise self.fail(number, NO_HOST, f"host_capacity is 0 (no host tier) but request {shown(who)} is in a host "
-                            "state; without a host tier every eviction must be a recompute-pause, and a tier that "
-                            "goes away must first drop its copies (lose_host_copy)",
-                            line=line, invariant=self.invariant["NO-HOST-NO-SUSPEND"])
+            raise self.fail(
+                number,
+                NO_HOST,
+                f"host_capacity is 0 (no host tier) but request {shown(who)} is in a host "
+                "state; without a host tier every eviction must be a recompute-pause, and a tier that "
+                "goes away must first drop its copies (lose_host_copy)",
+                line=line,
+                invariant=self.invariant["NO-HOST-NO-SUSPEND"],
+            )
+        return host_held
 
-        totals = {}
+    def _check_conservation(self, number: int, line: dict) -> dict[str, int]:
+        """``conservation``: the blocks all requests hold per tier once the line is taken."""
+        rid, totals = line["request_id"], {}
         for tier, inv in (("host", "CONS-HOST"), ("gpu", "CONS-GPU")):
             free, fenced, mine, cap = (line[f"{tier}_{k}"] for k in ("free", "fenced", "blocks", "capacity"))
             held = totals[tier] = self.total[tier] - self.blocks[tier].get(rid, 0) + mine
             counted = free + fenced + held
             if counted > cap or (tier == "host" and counted != cap):
                 exact = tier == "host"
-                raise self.fail(number, CONSERVATION, f"{tier} tier: free {free} + fenced {fenced} + blocks held by "
-                                f"all requests {held}{'' if exact else ' (at least)'} (this request's {mine}) = "
-                                f"{counted} {'!=' if exact else '>'} capacity {cap}; "
-                                + ("a block is counted twice (leaked fence or double free?)" if counted > cap else
-                                   "blocks went missing (a leak, or a request's block count is wrong)"),
-                                line=line, invariant=self.invariant[inv])
+                raise self.fail(
+                    number,
+                    CONSERVATION,
+                    f"{tier} tier: free {free} + fenced {fenced} + blocks held by "
+                    f"all requests {held}{'' if exact else ' (at least)'} (this request's {mine}) = "
+                    f"{counted} {'!=' if exact else '>'} capacity {cap}; "
+                    + (
+                        "a block is counted twice (leaked fence or double free?)"
+                        if counted > cap
+                        else "blocks went missing (a leak, or a request's block count is wrong)"
+                    ),
+                    line=line,
+                    invariant=self.invariant[inv],
+                )
+        return totals
 
+    def _check_output(self, number: int, line: dict, transition: Transition) -> None:
+        """``generated`` and ``done-reason``."""
+        rid, event, dest = line["request_id"], line["event"], line["to"]
         before = self.generated.get(rid, 0)
         if line["generated"] < before:
-            raise self.fail(number, GENERATED, f"generated fell from {before} to {line['generated']}; generated "
-                            "tokens are append-only through suspend, resume, pause and replay",
-                            line=line, invariant=self.invariant["GEN-APPEND"])
-
+            raise self.fail(
+                number,
+                GENERATED,
+                f"generated fell from {before} to {line['generated']}; generated "
+                "tokens are append-only through suspend, resume, pause and replay",
+                line=line,
+                invariant=self.invariant["GEN-APPEND"],
+            )
         reason = line["done_reason"]
         if (reason is not None) != (dest in self.terminal):
             where = "a terminal" if dest in self.terminal else "a non-terminal"
-            raise self.fail(number, DONE_REASON, f"done_reason is {shown(reason)} on a line into {where} state "
-                            f"{dest!r}; it is non-null exactly when the request ends", line=line)
+            raise self.fail(
+                number,
+                DONE_REASON,
+                f"done_reason is {shown(reason)} on a line into {where} state "
+                f"{dest!r}; it is non-null exactly when the request ends",
+                line=line,
+            )
         allowed = {transition.done_reason} if transition.done_reason else self.reasons
         if reason is not None and reason not in allowed:
-            raise self.fail(number, DONE_REASON, f"done_reason {shown(reason)} cannot end a request by {event!r}; "
-                            f"expected one of {', '.join(sorted(allowed))}", line=line)
+            raise self.fail(
+                number,
+                DONE_REASON,
+                f"done_reason {shown(reason)} cannot end a request by {event!r}; "
+                f"expected one of {', '.join(sorted(allowed))}",
+                line=line,
+            )
 
+    def _take(self, number: int, line: dict, host_held: set[Hashable], totals: dict[str, int]) -> None:
+        """Record the line's transition: the request's state, blocks and output as the line leaves them."""
+        rid = line["request_id"]
         self.iteration = line["iteration"]
         self.gpu_capacity = line["gpu_capacity"]
-        self.state[rid] = dest
+        self.state[rid] = line["to"]
         self.last_line[rid] = number
         self.generated[rid] = line["generated"]
         self.host_held = host_held
@@ -341,7 +395,7 @@ class _Validator:
                 self.blocks[tier][rid] = line[f"{tier}_blocks"]
             else:
                 self.blocks[tier].pop(rid, None)
-        self.counts[event] += 1
+        self.counts[line["event"]] += 1
 
     def _edge_message(self, event: str, source: str, dest: str) -> str:
         spec = self.spec
@@ -352,8 +406,7 @@ class _Validator:
                 return f"state {shown(name)} is not in the spec; states are {', '.join(spec.state_by_name)}"
         allowed = [f"{t.source} -> {t.dest}" for t in spec.event_by_name[event].transitions]
         kind = "declares no self-loop" if source == dest else "has no edge"
-        return (f"the spec {kind} {source} -> {dest} on {event!r}; its edges for {event!r} are "
-                f"{'; '.join(allowed)}")
+        return f"the spec {kind} {source} -> {dest} on {event!r}; its edges for {event!r} are {'; '.join(allowed)}"
 
     # ----------------------------------------------------------------------------------------- end of file
     def check_end(self) -> None:
@@ -362,9 +415,16 @@ class _Validator:
             return
         rid = min(open_requests, key=self.last_line.__getitem__)
         state = self.state[rid]
-        raise _Stop(Divergence(
-            self.last_line[rid], rid, TERMINAL, None, state, None,
-            f"the trace ends with request {shown(rid)} in {state!r} (its last line; {len(open_requests)} request(s) not "
-            f"in a terminal state {', '.join(sorted(self.terminal))}); the run was cut short or lines are missing — "
-            "pass --no-require-done to validate a partial trace",
-        ))
+        raise _Stop(
+            Divergence(
+                self.last_line[rid],
+                rid,
+                TERMINAL,
+                None,
+                state,
+                None,
+                f"the trace ends with request {shown(rid)} in {state!r} (its last line; {len(open_requests)} "
+                f"request(s) not in a terminal state {', '.join(sorted(self.terminal))}); the run was cut short or "
+                "lines are missing — pass --no-require-done to validate a partial trace",
+            )
+        )

@@ -24,10 +24,16 @@ def add_lifecycle_option(parser: argparse.ArgumentParser, what: str) -> None:
     """`--lifecycle {machine,compiled}`: which implementation fires the lifecycle's transitions in `what`."""
     from kvstate.config import LIFECYCLES
 
-    parser.add_argument("--lifecycle", choices=LIFECYCLES, default=LIFECYCLES[0],
-                        help=f"what fires the lifecycle's transitions in {what}: the transitions machine built from "
-                             "the spec (default) or the table compiled from the same spec; a differential test "
-                             "proves both give byte-identical traces")
+    parser.add_argument(
+        "--lifecycle",
+        choices=LIFECYCLES,
+        default=LIFECYCLES[0],
+        help=(
+            f"what fires the lifecycle's transitions in {what}: the transitions machine built from the spec "
+            "(default) or the table compiled from the same spec; a differential test proves both give "
+            "byte-identical traces"
+        ),
+    )
 
 
 class UsageError(KVStateError, ValueError):
@@ -144,5 +150,7 @@ def _probe_creatable(directory: Path, option: str, path: Path) -> None:
     try:
         os.rmdir(tempfile.mkdtemp(dir=ancestor))
     except OSError as err:
-        raise UsageError(f"{option} {path}: cannot create entries in {ancestor} ({err.strerror}); "
-                         "pass a path under a writable directory") from None
+        raise UsageError(
+            f"{option} {path}: cannot create entries in {ancestor} ({err.strerror}); "
+            "pass a path under a writable directory"
+        ) from None

@@ -1,9 +1,11 @@
 """`kvstate bench`: measure migration bandwidth, lifecycle/scheduler overhead and end-to-end throughput, each as
 a ratio to a baseline measured side by side in the same run; print a table, optionally write JSON and PNGs.
+`--peers` runs the groups measured beside real peers (vLLM's v1 scheduler, transformers' `generate`).
 
-Options and output paths are checked first; torch, transformers and matplotlib are imported only then (via
+Options and output paths are checked first; torch, vLLM, transformers and matplotlib are imported only then (via
 `kvstate.bench`), so `import kvstate` never imports them and a usage error takes well under a second. The
-groups run one after another under a progress display; the table fits the terminal's width.
+groups run one after another under a progress display that says what a long group is doing; the table fits
+the terminal's width.
 """
 
 from __future__ import annotations
@@ -12,40 +14,84 @@ import argparse
 import platform
 import sys
 import time
+from collections.abc import Callable
 
-from kvstate.bench import GROUPS
+from kvstate.bench import GROUPS, PEER_GROUPS, TORCH_GROUPS
 from kvstate.commands.args import (
-    UsageError, add_lifecycle_option, device_name, non_negative_int, output_dir, output_file,
+    UsageError,
+    add_lifecycle_option,
+    device_name,
+    non_negative_int,
+    output_dir,
+    output_file,
+    positive_int,
 )
-
-TORCH_GROUPS = ("migration", "end-to-end", "lifecycle")  # the groups of `kvstate.bench.run_all` that run on a torch device
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "bench",
         help="benchmark copies, scheduler overhead and end-to-end throughput against limits and peers",
-        description="Measure every figure as a ratio to a baseline run side by side in the same loop (variants "
-                    "interleaved, repeated, medians): migration copies vs one contiguous copy, the compiled "
-                    "lifecycle table vs the transitions machine, schedule() vs a nano-vllm-style peer, the engine "
-                    "vs transformers' generate, and host tier sizes vs recompute only.",
+        description=(
+            "Measure every figure as a ratio to a baseline run side by side in the same loop (variants "
+            "interleaved, repeated, medians): migration copies vs one contiguous copy, the compiled "
+            "lifecycle table vs the transitions machine, our scheduler's step vs its targets, host tier sizes "
+            "vs recompute only, and with --peers our scheduler beside vLLM 0.33's v1 Scheduler (steady "
+            "decode and recompute-only pressure at 256/1,024/4,096 requests) and the engine's decode "
+            "beside transformers' generate (batch 1, 8, 32, 64). A peer that is not installed "
+            "(scripts/install-peers) leaves its rows saying so; everything else runs."
+        ),
     )
     p.add_argument("--quick", action="store_true", help="CI-sized runs (seconds, not minutes; noisier)")
     p.add_argument("--json", metavar="PATH", help="write every figure and its raw data as JSON")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots")
-    p.add_argument("--only", action="append", choices=GROUPS,
-                   help="run only this group (repeatable; default: all)")
-    p.add_argument("--device", type=device_name, default=None,
-                   help="auto (CUDA if available), cpu, cuda or cuda:N for the migration and end-to-end groups "
-                        "(default auto)")
-    add_lifecycle_option(p, "every group but `lifecycle` (which runs both side by side)")
-    p.add_argument("--seed", type=non_negative_int("seed"), default=0,
-                   help="seed of every workload and shuffle (default %(default)s)")
+    p.add_argument("--only", action="append", choices=GROUPS, help="run only this group (repeatable; default: all)")
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help=f"run the groups measured beside real peers ({', '.join(PEER_GROUPS)}), with any --only",
+    )
+    p.add_argument(
+        "--sizes",
+        type=_positive_ints("--sizes"),
+        default=None,
+        metavar="N,N,...",
+        help=(
+            "running requests of the scheduler groups (overhead, pressure, vllm; default 256,1024,4096, "
+            "with --quick 256,1024)"
+        ),
+    )
+    p.add_argument(
+        "--batches",
+        type=_positive_ints("--batches"),
+        default=None,
+        metavar="N,N,...",
+        help="batch sizes of the transformers group (default 1,8,32,64, with --quick 1,8)",
+    )
+    p.add_argument(
+        "--device",
+        type=device_name,
+        default=None,
+        help=(
+            f"auto (CUDA if available), cpu, cuda or cuda:N for the groups that run torch "
+            f"({', '.join(TORCH_GROUPS)}; default auto)"
+        ),
+    )
+    add_lifecycle_option(
+        p, "every group but `lifecycle` and the pressure rows of `overhead` and `vllm` (which run both side by side)"
+    )
+    p.add_argument(
+        "--seed",
+        type=non_negative_int("seed"),
+        default=0,
+        help="seed of every workload and shuffle (default %(default)s)",
+    )
     p.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    groups = tuple(g for g in GROUPS if g in args.only) if args.only else GROUPS
+    chosen = set(args.only or ()) | (set(PEER_GROUPS) if args.peers else set())
+    groups = tuple(g for g in GROUPS if g in chosen) if chosen else GROUPS
     if args.device is not None and not set(groups) & set(TORCH_GROUPS):
         raise UsageError(f"--device does not apply to --only {' '.join(groups)} (pure Python); drop --device")
     json_path = output_file(args.json, "--json") if args.json else None
@@ -59,16 +105,41 @@ def _run(args: argparse.Namespace) -> int:
     device = _resolve(args.device or "auto") if set(groups) & set(TORCH_GROUPS) else "none (pure Python)"
     console = Console(file=sys.stdout)
     started = time.perf_counter()
-    sections = _run_groups(console, groups, quick=args.quick, device=device, seed=args.seed, run_all=run_all,
-                           lifecycle=args.lifecycle)
+    sections = _run_groups(
+        console,
+        groups,
+        quick=args.quick,
+        device=device,
+        seed=args.seed,
+        run_all=run_all,
+        lifecycle=args.lifecycle,
+        sizes=args.sizes,
+        batches=args.batches,
+    )
     wall = time.perf_counter() - started
-    meta = {"command": "kvstate bench" + (" --quick" if args.quick else ""), "quick": args.quick, "seed": args.seed,
-            "device": device, "groups": list(groups), "python": platform.python_version(),
-            "machine": platform.machine(), "wall_s": round(wall, 1), **_versions()}
-    console.print(render_table(sections, f"kvstate bench{' --quick' if args.quick else ''} on {device}: ratios "
-                                         "measured side by side in one run (medians of interleaved repeats)"))
-    console.print(f"{meta['torch']}, {meta['cpu_threads']} cpu threads for torch = 1; wall time {wall:.1f} s; "
-                  "↑/↓: which direction of the ratio is better")
+    command = "kvstate bench" + (" --quick" if args.quick else "") + (" --peers" if args.peers else "")
+    meta = {
+        "command": command,
+        "quick": args.quick,
+        "seed": args.seed,
+        "sizes": args.sizes,
+        "batches": args.batches,
+        "device": device,
+        "groups": list(groups),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "wall_s": round(wall, 1),
+        **_versions(),
+    }
+    console.print(
+        render_table(
+            sections, f"{command} on {device}: ratios measured side by side in one run (medians of interleaved repeats)"
+        )
+    )
+    console.print(
+        f"{meta['torch']}, {meta['cpu_threads']} cpu threads for torch = 1; wall time {wall:.1f} s; "
+        "↑/↓: which direction of the ratio is better"
+    )
     if json_path is not None:
         console.print(f"json: {write_json(document(sections, meta), json_path)}", soft_wrap=True)
     if plots_dir is not None:
@@ -77,6 +148,16 @@ def _run(args: argparse.Namespace) -> int:
         for path in write_plots(sections, plots_dir):
             console.print(f"plot: {path}", soft_wrap=True)
     return 0
+
+
+def _positive_ints(option: str) -> Callable[[str], tuple[int, ...]]:
+    """argparse type: a comma-separated list of positive integers, e.g. `32,64`."""
+    one = positive_int(option)
+
+    def parse(text: str) -> tuple[int, ...]:
+        return tuple(one(part.strip()) for part in text.split(","))
+
+    return parse
 
 
 def _resolve(device: str) -> str:
@@ -90,26 +171,38 @@ def _resolve(device: str) -> str:
 
 
 def _run_groups(console, groups: tuple[str, ...], *, run_all, **options) -> list:
-    """Run each group in turn (`kvstate.bench.run_all`) under a spinner that names it and shows elapsed time."""
+    """Run each group in turn (`kvstate.bench.run_all`) under a spinner that names it, says what a long group is
+    doing (its `progress` lines) and shows elapsed time."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     sections = []
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         for n, group in enumerate(groups, 1):
-            task = progress.add_task(f"group {n}/{len(groups)}: {group} on {options['device']}", total=None)
+            title = f"group {n}/{len(groups)}: {group} on {options['device']}"
+            task = progress.add_task(title, total=None)
+
+            def say(message: str, task=task, title=title) -> None:
+                progress.update(task, description=f"{title}: {message}")
+
             try:
-                sections += run_all(groups=(group,), **options)
+                sections += run_all(groups=(group,), progress=say, **options)
             except ValueError as err:
                 raise UsageError(str(err)) from None
             progress.remove_task(task)
     return sections
 
 
-def _versions() -> dict:
+def _versions() -> dict[str, int | str | None]:
     import os
+    from importlib import metadata
 
-    versions = {"cpu_threads": os.cpu_count()}
+    versions: dict[str, int | str | None] = {"cpu_threads": os.cpu_count()}
+    for peer in ("vllm", "transformers"):
+        try:
+            versions[peer] = metadata.version(peer)
+        except metadata.PackageNotFoundError:
+            versions[peer] = "not installed"
     try:
         import torch
 

@@ -17,20 +17,42 @@ from kvstate.commands.args import input_file, output_dir, positive_float, positi
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "check", help="model-check the spec on bounded instances and the scheduler's refinement of it",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "check",
+        help="model-check the spec on bounded instances and the scheduler's refinement of it",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--spec", metavar="PATH", default=None, help="spec TOML file (default: packaged)")
-    parser.add_argument("--bounds-file", metavar="PATH", default=None,
-                        help="bounds TOML file (default: the packaged spec/bounds.toml)")
-    parser.add_argument("--bound", metavar="NAME", action="append", default=None,
-                        help="a bound to check (repeatable; default: the file's default set)")
-    parser.add_argument("--max-states", metavar="N", type=positive_int(), default=None,
-                        help="stop each search after N states (verdict incomplete)")
-    parser.add_argument("--time-limit", metavar="S", type=positive_float, default=None,
-                        help="stop each bound's search after S seconds (verdict incomplete)")
-    parser.add_argument("--counterexample-dir", metavar="DIR", default=".",
-                        help="where a counterexample regression test is written (default: .)")
+    parser.add_argument(
+        "--bounds-file", metavar="PATH", default=None, help="bounds TOML file (default: the packaged spec/bounds.toml)"
+    )
+    parser.add_argument(
+        "--bound",
+        metavar="NAME",
+        action="append",
+        default=None,
+        help="a bound to check (repeatable; default: the file's default set)",
+    )
+    parser.add_argument(
+        "--max-states",
+        metavar="N",
+        type=positive_int(),
+        default=None,
+        help="stop each search after N states (verdict incomplete)",
+    )
+    parser.add_argument(
+        "--time-limit",
+        metavar="S",
+        type=positive_float,
+        default=None,
+        help="stop each bound's search after S seconds (verdict incomplete)",
+    )
+    parser.add_argument(
+        "--counterexample-dir",
+        metavar="DIR",
+        default=".",
+        help="where a counterexample regression test is written (default: .)",
+    )
     parser.add_argument("--no-refinement", action="store_true", help="check the abstract model only")
     parser.set_defaults(run=run)
 
@@ -49,7 +71,14 @@ def run(args: argparse.Namespace) -> int:
     bounds = select_bounds(args.bound, bounds_path)
     spec = load_spec(spec_path)
     console = Console(highlight=False, soft_wrap=True)
-    code, _ = run_check(bounds, spec=spec, max_states=args.max_states, time_limit=args.time_limit,
-                        counterexample_dir=counterexample_dir, console=console,
-                        show_progress=sys.stderr.isatty(), refine=not args.no_refinement)
+    code, _ = run_check(
+        bounds,
+        spec=spec,
+        max_states=args.max_states,
+        time_limit=args.time_limit,
+        counterexample_dir=counterexample_dir,
+        console=console,
+        show_progress=sys.stderr.isatty(),
+        refine=not args.no_refinement,
+    )
     return code

@@ -22,12 +22,28 @@ import time
 from pathlib import Path
 
 from kvstate.commands.args import (
-    UsageError, add_lifecycle_option, device_name, non_negative_int, output_dir, output_file, positive_int,
+    UsageError,
+    add_lifecycle_option,
+    device_name,
+    non_negative_int,
+    output_dir,
+    output_file,
+    positive_int,
 )
 from kvstate.commands.inject import check_fault_plan
+from kvstate.config import SchedulerConfig
 
-DEFAULTS = {"requests": 48, "gpu_blocks": 32, "host_blocks": 16, "block_size": 8, "chunk_size": 64, "seed": 0,
-            "trace": "kvstate-trace.ndjson", "device": "auto", "dtype": "float64"}
+DEFAULTS = {
+    "requests": 48,
+    "gpu_blocks": 32,
+    "host_blocks": 16,
+    "block_size": 8,
+    "chunk_size": 64,
+    "seed": 0,
+    "trace": "kvstate-trace.ndjson",
+    "device": "auto",
+    "dtype": "float64",
+}
 MIN_REQUEST_TOKENS = 2  # the smallest demo request: a 1-token prompt and 1 new token
 
 
@@ -35,10 +51,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "demo",
         help="run a seeded workload on the real executor under memory pressure and check output equivalence",
-        description="Run a seeded workload through the real executor (paged KV cache, tiny Llama model) with a GPU "
-                    "tier small enough to force suspensions and a host tier too small to take every victim, so some "
-                    "are recompute-paused and replayed; then check every output against its unpressured reference. "
-                    "Exit status 1 if any output differs or a block leaked, 2 on a usage error.",
+        description=(
+            "Run a seeded workload through the real executor (paged KV cache, tiny Llama model) with a GPU "
+            "tier small enough to force suspensions and a host tier too small to take every victim, so some "
+            "are recompute-paused and replayed; then check every output against its unpressured reference. "
+            "Exit status 1 if any output differs or a block leaked, 2 on a usage error."
+        ),
     )
     options = [
         ("--requests", int, "number of requests"),
@@ -53,20 +71,61 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for flag, kind, text in options:
         key = flag[2:].replace("-", "_")
         p.add_argument(flag, type=kind, default=DEFAULTS[key], help=f"{text} (default %(default)s)")
-    p.add_argument("--inject", action="append", default=[], metavar="KIND[:RATE]",
-                   help="inject a fault (host_alloc, copy_to_host, copy_to_gpu, corrupt_host, host_loss) with a "
-                        "probability per opportunity, or as KIND@ITERATION,...; repeat for several kinds "
-                        "(single process only: refused with --pp)")
-    p.add_argument("--no-checksums", action="store_true",
-                   help="do not checksum suspended blocks (an injected corrupt_host then garbles outputs)")
-    p.add_argument("--dtype", default=DEFAULTS["dtype"], choices=("float64", "float32"),
-                   help="model and cache dtype; float64 keeps greedy argmax immune to batching rounding "
-                        "(default %(default)s)")
-    p.add_argument("--pp", type=positive_int("pp"), default=1, metavar="N",
-                   help="pipeline stages, run as N spawned local ranks; 1 = single process (default %(default)s)")
+    p.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="KIND[:RATE]",
+        help=(
+            "inject a fault (host_alloc, copy_to_host, copy_to_gpu, corrupt_host, host_loss) with a "
+            "probability per opportunity, or as KIND@ITERATION,...; repeat for several kinds "
+            "(single process only: refused with --pp)"
+        ),
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=positive_int("micro_batches"),
+        default=None,
+        metavar="N",
+        help="with --pp: micro-batches in flight at once (default: one per stage; 1 = lockstep)",
+    )
+    p.add_argument(
+        "--compare-lockstep",
+        action="store_true",
+        help=(
+            "with --pp: run the workload again in lockstep (--micro-batches 1) and print the output "
+            "tokens/s of both and their ratio"
+        ),
+    )
+    p.add_argument(
+        "--no-checksums",
+        action="store_true",
+        help="do not checksum suspended blocks (an injected corrupt_host then garbles outputs)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=DEFAULTS["dtype"],
+        choices=("float64", "float32", "bfloat16", "float16"),
+        help=(
+            "model and cache dtype; outputs must equal their references exactly in float64 and float32, "
+            "and in bfloat16/float16 up to near-ties of the reference, which are reported "
+            "(executor.checks.GAP_TOLERANCE; default %(default)s)"
+        ),
+    )
+    p.add_argument(
+        "--pp",
+        type=positive_int("pp"),
+        default=1,
+        metavar="N",
+        help="pipeline stages, run as N spawned local ranks; 1 = single process (default %(default)s)",
+    )
     add_lifecycle_option(p, "the engine")
-    p.add_argument("--report", metavar="DIR", default=None,
-                   help="also write a visual run report of the trace (timeline, occupancy, diagram, HTML) into DIR")
+    p.add_argument(
+        "--report",
+        metavar="DIR",
+        default=None,
+        help="also write a visual run report of the trace (timeline, occupancy, diagram, HTML) into DIR",
+    )
     p.set_defaults(run=_run)
 
 
@@ -75,15 +134,23 @@ def check_args(args: argparse.Namespace) -> None:
     if args.requests <= 0:
         raise UsageError(f"--requests must be positive, got {args.requests}")  # the wording of `kvstate soak`
     if args.pp > 1 and args.inject:
-        raise UsageError(f"--inject is not supported with --pp {args.pp}: faults are injected by the "
-                         "single-process engine only; drop --pp to inject faults, or drop --inject")
+        raise UsageError(
+            f"--inject is not supported with --pp {args.pp}: faults are injected by the "
+            "single-process engine only; drop --pp to inject faults, or drop --inject"
+        )
     if args.pp > 1 and args.no_checksums:
-        raise UsageError(f"--no-checksums is not supported with --pp {args.pp}: pipeline stages do not "
-                         "checksum host copies; drop one of the two options")
+        raise UsageError(
+            f"--no-checksums is not supported with --pp {args.pp}: pipeline stages do not "
+            "checksum host copies; drop one of the two options"
+        )
+    if args.pp == 1 and (args.micro_batches is not None or args.compare_lockstep):
+        raise UsageError("--micro-batches and --compare-lockstep apply to pipeline stages only; add --pp N (N >= 2)")
     capacity = args.gpu_blocks * args.block_size
     if capacity < MIN_REQUEST_TOKENS:
-        raise UsageError(f"the GPU tier holds {capacity} token(s) (--gpu-blocks {args.gpu_blocks} x --block-size "
-                         f"{args.block_size}); the smallest request needs {MIN_REQUEST_TOKENS}: raise either")
+        raise UsageError(
+            f"the GPU tier holds {capacity} token(s) (--gpu-blocks {args.gpu_blocks} x --block-size "
+            f"{args.block_size}); the smallest request needs {MIN_REQUEST_TOKENS}: raise either"
+        )
     check_fault_plan(args.inject, args.seed)
     output_file(args.trace, "--trace")
     if args.report is not None:
@@ -112,49 +179,78 @@ def _demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from executor import Engine, EngineConfig, FaultPlan
-    from executor.checks import DEMO_MAX_NEW_TOKENS, DEMO_PROMPT_LEN, leaked_blocks, mismatches, random_workload
+    from executor.checks import DEMO_MAX_NEW_TOKENS, DEMO_PROMPT_LEN, compare, leaked_blocks, random_workload
 
     console = Console(file=sys.stdout)
     errors = Console(file=sys.stderr)
     try:
         faults = FaultPlan.parse(args.inject, seed=args.seed) if args.inject else None
-        config = EngineConfig(device=args.device, dtype=args.dtype, gpu_blocks=args.gpu_blocks,
-                              host_blocks=args.host_blocks, block_size=args.block_size,
-                              prefill_chunk_size=args.chunk_size, max_num_tokens=max(256, args.chunk_size),
-                              seed=args.seed, weights_seed=args.seed, trace_path=args.trace, faults=faults,
-                              verify_host_checksums=not args.no_checksums, lifecycle=args.lifecycle)
+        scheduler = SchedulerConfig(
+            gpu_blocks=args.gpu_blocks,
+            host_blocks=args.host_blocks,
+            block_size=args.block_size,
+            prefill_chunk_size=args.chunk_size,
+            max_num_tokens=max(256, args.chunk_size),
+            lifecycle=args.lifecycle,
+        )
+        config = EngineConfig(
+            scheduler=scheduler,
+            device=args.device,
+            dtype=args.dtype,
+            seed=args.seed,
+            weights_seed=args.seed,
+            trace_path=args.trace,
+            faults=faults,
+            verify_host_checksums=not args.no_checksums,
+        )
         engine = Engine(config)
     except (ValueError, OSError) as err:
         raise UsageError(str(err)) from None
     with engine:
         capacity = args.gpu_blocks * args.block_size
-        work = random_workload(args.requests, args.seed, DEMO_PROMPT_LEN, DEMO_MAX_NEW_TOKENS,
-                               vocab=engine.model.config.vocab_size, max_tokens=capacity)
+        work = random_workload(
+            args.requests,
+            args.seed,
+            DEMO_PROMPT_LEN,
+            DEMO_MAX_NEW_TOKENS,
+            vocab=engine.model.config.vocab_size,
+            max_tokens=capacity,
+        )
         for prompt, new in work:
             engine.add_request(prompt, new)
         host = "none" if not args.host_blocks else f"{args.host_blocks} blocks"
         if engine.scheduler.host_tier_fallback:
             host += " (allocation failed: GPU-only)"
-        console.print(f"[bold]kvstate demo[/bold]: {args.requests} requests on {engine.device} "
-                      f"({str(engine.model.dtype).removeprefix('torch.')}), GPU tier {args.gpu_blocks} blocks x "
-                      f"{args.block_size} tokens, host tier {host}")
+        console.print(
+            f"[bold]kvstate demo[/bold]: {args.requests} requests on {engine.device} "
+            f"({str(engine.model.dtype).removeprefix('torch.')}), GPU tier {args.gpu_blocks} blocks x "
+            f"{args.block_size} tokens, host tier {host}"
+        )
         _note_capped(console, capacity)
         started = time.perf_counter()
         peak = _run_with_progress(engine, console)
         wall = time.perf_counter() - started
         outputs = engine.outputs()
         checked = time.perf_counter()
-        differ = sorted(mismatches(engine, outputs), key=str)
+        comparison = compare(engine, outputs)  # the per-dtype rule: exact in float64/float32
+        differ = sorted(comparison.mismatches, key=str)
+        if comparison.accepted:
+            console.print(f"[yellow]note[/yellow]: {comparison.summary()}")
         check_time = time.perf_counter() - checked
         leaked = leaked_blocks(engine)
 
     final = engine.stats().requests_per_state
-    console.print(_table("Requests per state", ("state", "peak", "final"),
-                         [(state, peak[state], final.get(state, 0)) for state in peak]))
+    console.print(
+        _table(
+            "Requests per state",
+            ("state", "peak", "final"),
+            [(state, peak[state], final.get(state, 0)) for state in peak],
+        )
+    )
     console.print(_table("Summary", ("metric", "value"), _summary_rows(engine, wall, check_time)))
     _note_no_pressure(console, engine.totals.suspensions + engine.totals.recompute_pauses)
     traces = [(engine.trace.path, engine.trace.lines)] if engine.trace is not None else []
-    return _verdict(console, errors, args, traces, leaked, differ, len(outputs))
+    return _verdict(console, errors, args, traces=traces, leaked=leaked, differ=differ, outputs=len(outputs))
 
 
 def _note_capped(console, capacity: int) -> None:
@@ -163,15 +259,19 @@ def _note_capped(console, capacity: int) -> None:
 
     largest = DEMO_PROMPT_LEN[1] + DEMO_MAX_NEW_TOKENS[1]
     if capacity < largest:
-        console.print(f"[yellow]note[/yellow]: the GPU tier holds {capacity} tokens, so each request is capped "
-                      f"at {capacity} tokens (prompt + new; up to {largest} otherwise) to fit it alone")
+        console.print(
+            f"[yellow]note[/yellow]: the GPU tier holds {capacity} tokens, so each request is capped "
+            f"at {capacity} tokens (prompt + new; up to {largest} otherwise) to fit it alone"
+        )
 
 
 def _note_no_pressure(console, preemptions: int) -> None:
     if not preemptions:
-        console.print("[yellow]note[/yellow]: no request was suspended or recompute-paused, so this run did not "
-                      "exercise preemption; use more --requests or a GPU tier that holds several requests but "
-                      "not all of them")
+        console.print(
+            "[yellow]note[/yellow]: no request was suspended or recompute-paused, so this run did not "
+            "exercise preemption; use more --requests or a GPU tier that holds several requests but "
+            "not all of them"
+        )
 
 
 def _pipeline_demo(args: argparse.Namespace, device: str) -> int:
@@ -186,28 +286,53 @@ def _pipeline_demo(args: argparse.Namespace, device: str) -> int:
     errors = Console(file=sys.stderr)
     layers = EngineConfig().model.num_layers
     if args.pp > layers:
-        raise UsageError(f"--pp {args.pp}: the demo model has {layers} layers and every pipeline stage needs at "
-                         f"least one; use --pp between 1 and {layers}")
+        raise UsageError(
+            f"--pp {args.pp}: the demo model has {layers} layers and every pipeline stage needs at "
+            f"least one; use --pp between 1 and {layers}"
+        )
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
-        progress.add_task(f"{args.requests} requests on {args.pp} pipeline stages ({device}): starting ranks, "
-                          "running, then checking every output against the oracle", total=None)
+        progress.add_task(
+            f"{args.requests} requests on {args.pp} pipeline stages ({device}): starting ranks, "
+            "running, then checking every output against the oracle",
+            total=None,
+        )
         try:
-            summary = run_pp_demo(stages=args.pp, requests=args.requests, gpu_blocks=args.gpu_blocks,
-                                  host_blocks=args.host_blocks, block_size=args.block_size,
-                                  chunk_size=args.chunk_size, seed=args.seed, device=device, dtype=args.dtype,
-                                  trace=args.trace, lifecycle=args.lifecycle)
+            summary = run_pp_demo(
+                stages=args.pp,
+                requests=args.requests,
+                gpu_blocks=args.gpu_blocks,
+                host_blocks=args.host_blocks,
+                block_size=args.block_size,
+                chunk_size=args.chunk_size,
+                seed=args.seed,
+                device=device,
+                dtype=args.dtype,
+                trace=args.trace,
+                lifecycle=args.lifecycle,
+                micro_batches=args.micro_batches,
+                compare_lockstep=args.compare_lockstep,
+            )
         except (ValueError, OSError) as err:
             raise UsageError(str(err)) from None
     console.print(summary.header)
     _note_capped(console, args.gpu_blocks * args.block_size)
     console.print(_table("Requests per state", ("state", "peak", "final"), summary.state_rows))
     console.print(_table("Summary", ("metric", "value"), summary.summary_rows))
-    return _verdict(console, errors, args, summary.traces, summary.leaked_blocks, list(summary.differ),
-                    summary.outputs)
+    if summary.comparison is not None:
+        console.print(f"throughput: {summary.comparison}", soft_wrap=True)
+    return _verdict(
+        console,
+        errors,
+        args,
+        traces=summary.traces,
+        leaked=summary.leaked_blocks,
+        differ=list(summary.differ),
+        outputs=summary.outputs,
+    )
 
 
-def _verdict(console, errors, args, traces, leaked: int, differ: list, outputs: int) -> int:
+def _verdict(console, errors, args, *, traces, leaked: int, differ: list, outputs: int) -> int:
     """Print the trace paths, the optional report, leaks and the output-equivalence verdict; the exit status."""
     for path, lines in traces:
         console.print(f"trace: {Path(path).resolve()} ({lines} transitions)", soft_wrap=True)
@@ -219,11 +344,15 @@ def _verdict(console, errors, args, traces, leaked: int, differ: list, outputs: 
     if leaked:
         console.print(f"[bold red]LEAK[/bold red]: {leaked} blocks still allocated after every request finished")
     if differ:
-        console.print(f"[bold red]OUTPUT EQUIVALENCE: FAIL[/bold red] - {len(differ)} of {outputs} outputs "
-                      f"differ from their unpressured reference: {differ[:10]}")
+        console.print(
+            f"[bold red]OUTPUT EQUIVALENCE: FAIL[/bold red] - {len(differ)} of {outputs} outputs "
+            f"differ from their unpressured reference: {differ[:10]}"
+        )
     else:
-        console.print(f"[bold green]OUTPUT EQUIVALENCE: PASS[/bold green] - all {outputs} outputs equal "
-                      "their unpressured reference")
+        console.print(
+            f"[bold green]OUTPUT EQUIVALENCE: PASS[/bold green] - all {outputs} outputs equal "
+            "their unpressured reference"
+        )
     return 0 if not differ and not leaked else 1
 
 
@@ -233,16 +362,24 @@ def _run_with_progress(engine, console) -> dict[str, int]:
 
     peak = {s.name: 0 for s in engine.scheduler.spec.states}
     total = len(engine.scheduler.requests) + len(engine.scheduler.finished)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[status]}"))
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}"),
+    )
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("requests done", total=total, status="")
         while engine.scheduler.has_unfinished:
             stats = engine.step()
             for state, count in stats.requests_per_state.items():
                 peak[state] = max(peak.get(state, 0), count)
-            progress.update(task, completed=len(engine.scheduler.finished),
-                            status=f"suspended {stats.num_suspended}, paused {stats.num_recompute_paused}")
+            progress.update(
+                task,
+                completed=len(engine.scheduler.finished),
+                status=f"suspended {stats.num_suspended}, paused {stats.num_recompute_paused}",
+            )
     return peak
 
 
@@ -283,4 +420,3 @@ def _summary_rows(engine, wall: float, check_time: float) -> list[tuple[str, str
         ("wall time", f"{wall:.2f} s"),
         ("reference check time", f"{check_time:.2f} s"),
     ]
-

@@ -35,11 +35,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="write nothing; diff the text sources in --out against the spec and exit 1 if any differ",
     )
-    parser.add_argument("--all-edges", action="store_true",
-                        help="draw every transition as its own arrow (default: a broadcast event such as cancel is "
-                             "one arrow from 'any state'); the committed diagrams use the default")
-    parser.add_argument("--dot-timeout", type=positive_float, default=DOT_TIMEOUT_S, metavar="SECONDS",
-                        help="stop Graphviz `dot` after this long (default %(default)g s)")
+    parser.add_argument(
+        "--all-edges",
+        action="store_true",
+        help=(
+            "draw every transition as its own arrow (default: a broadcast event such as cancel is one arrow "
+            "from 'any state'); the committed diagrams use the default"
+        ),
+    )
+    parser.add_argument(
+        "--dot-timeout",
+        type=positive_float,
+        default=DOT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="stop Graphviz `dot` after this long (default %(default)g s)",
+    )
     parser.set_defaults(run=run)
 
 

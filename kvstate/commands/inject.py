@@ -29,6 +29,8 @@ def _faults_module() -> ModuleType:
         raise UsageError("--inject needs the executor package, which is not installed; reinstall kvstate")
     path = Path(next(iter(package.submodule_search_locations))) / "faults.py"
     spec = importlib.util.spec_from_file_location(PRIVATE_NAME, path)
+    if spec is None or spec.loader is None:
+        raise UsageError(f"--inject needs {path}, which cannot be loaded as a module; reinstall kvstate")
     module = importlib.util.module_from_spec(spec)
     sys.modules[PRIVATE_NAME] = module  # dataclasses look their module up while the classes are built
     spec.loader.exec_module(module)

@@ -15,15 +15,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "report",
         help="draw a run report (timeline, tier occupancy, annotated lifecycle diagram, HTML) from a trace",
-        description="Read a lifecycle trace (NDJSON, spec/TRACE.md; write one with `kvstate demo --trace PATH`) "
-                    "and write timeline.png/.svg, occupancy.png/.svg, lifecycle.dot/.svg/.png (diagram with "
-                    "each edge's firing count; images need Graphviz) and report.html (self-contained).",
+        description=(
+            "Read a lifecycle trace (NDJSON, spec/TRACE.md; write one with `kvstate demo --trace PATH`) and "
+            "write timeline.png/.svg, occupancy.png/.svg, lifecycle.dot/.svg/.png (diagram with each edge's "
+            "firing count; images need Graphviz) and report.html (self-contained)."
+        ),
     )
     p.add_argument("trace", help="trace file (NDJSON)")
     p.add_argument("--out", default="kvstate-report", help="output directory (default %(default)s)")
     p.add_argument("--spec", default=None, help="specification file the trace was produced with (default: bundled)")
-    p.add_argument("--all-edges", action="store_true",
-                   help="draw every transition as its own arrow (default: a broadcast event is one arrow)")
+    p.add_argument(
+        "--all-edges",
+        action="store_true",
+        help="draw every transition as its own arrow (default: a broadcast event is one arrow)",
+    )
     p.set_defaults(run=_run)
 
 
@@ -41,8 +46,10 @@ def _run(args: argparse.Namespace) -> int:
     with Console(stderr=True).status(f"drawing the report of {trace} into {out}"):  # a spinner on a terminal only
         result = write_report(trace, out, spec=spec, all_edges=args.all_edges)
     s = result.summary
-    print(f"kvstate report: {len(s.requests)} requests, {s.lines} transitions, iterations "
-          f"{s.first_iteration}-{s.last_iteration}")
+    print(
+        f"kvstate report: {len(s.requests)} requests, {s.lines} transitions, iterations "
+        f"{s.first_iteration}-{s.last_iteration}"
+    )
     for path in result.files:
         print(f"  {path}")
     if result.note:

@@ -3,8 +3,10 @@ pressure and injected faults, on the real executor; then every output is compare
 
 What a soak checks (the run fails, exit status 1, on any breach):
 * every request reaches `done`, as `finished` or (when the soak cancelled it) `cancelled` — none `aborted`;
-* every finished output equals its reference, and every cancelled output is a prefix of it (OUT-EQUIV); the
-  references are computed in batches on one unpressured engine (`Engine.batched_reference_outputs`);
+* every finished output equals its reference, and every cancelled output is a prefix of it (OUT-EQUIV, by the
+  per-dtype rule of `executor.checks.compare_outputs`: exact in float64 and float32; in bfloat16 and float16 a
+  divergence at a near-tie of the reference is accepted and counted); the references are computed in batches on
+  one unpressured engine (`Engine.batched_reference_outputs`);
 * no block of either tier is held and no copy is in flight at the end;
 * `Scheduler.check_invariants(output)` holds around every iteration (the engine's `check_invariants`).
 
@@ -18,12 +20,14 @@ import argparse
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, fields
 
 from kvstate.commands.args import add_lifecycle_option, device_name
 from kvstate.commands.inject import check_fault_plan
+from kvstate.config import SchedulerConfig
 from kvstate.errors import KVStateError
+from kvstate.stats import IterationStats
 
 DEFAULT_FAULTS = ("copy_to_host:0.05", "copy_to_gpu:0.05", "corrupt_host:0.05")
 
@@ -94,6 +98,7 @@ class SoakReport:
     host_tier_fallback: bool
     compared: int
     mismatches: tuple = ()
+    accepted: tuple = ()  # divergences at a near-tie of the reference, accepted in low precision (executor.checks)
     leaked_blocks: int = 0
     run_seconds: float = 0.0
     reference_seconds: float = 0.0
@@ -122,6 +127,7 @@ class SoakReport:
             ("host tier lost / fallback", f"{self.host_tier_losses} / {'yes' if self.host_tier_fallback else 'no'}"),
             ("outputs compared", str(self.compared)),
             ("mismatches", str(len(self.mismatches))),
+            ("accepted near-tie divergences", str(len(self.accepted))),
             ("leaked blocks", str(self.leaked_blocks)),
             ("run time", f"{self.run_seconds:.1f} s"),
             ("reference time", f"{self.reference_seconds:.1f} s"),
@@ -140,27 +146,45 @@ def _schedule(settings: SoakSettings) -> tuple[list[float], dict[int, float]]:
     return arrivals, cancels
 
 
-def run_soak(settings: SoakSettings, on_progress: Callable[[int, int, object], None] | None = None) -> SoakReport:
+def run_soak(
+    settings: SoakSettings, on_progress: Callable[[int, int, IterationStats | None], None] | None = None
+) -> SoakReport:
     """Run one soak to the end and compare every output; `on_progress(done, total, stats)` after each iteration."""
     import warnings
 
     from executor import Engine, EngineConfig, FaultPlan, HostTierFallbackWarning
-    from executor.checks import leaked_blocks, random_workload
+    from executor.checks import Compared, compare_outputs, leaked_blocks, random_workload
 
     plan = FaultPlan.parse(settings.faults, seed=settings.seed)
-    config = EngineConfig(
-        device=settings.device, dtype=settings.dtype, gpu_blocks=settings.gpu_blocks,
-        host_blocks=settings.host_blocks, block_size=settings.block_size, prefill_chunk_size=settings.chunk_size,
-        max_num_tokens=max(settings.max_num_tokens, settings.chunk_size), seed=settings.seed,
-        weights_seed=settings.seed, check_invariants=True, faults=plan, verify_host_checksums=settings.checksums,
+    scheduler = SchedulerConfig(
+        gpu_blocks=settings.gpu_blocks,
+        host_blocks=settings.host_blocks,
+        block_size=settings.block_size,
+        prefill_chunk_size=settings.chunk_size,
+        max_num_tokens=max(settings.max_num_tokens, settings.chunk_size),
         lifecycle=settings.lifecycle,
+    )
+    config = EngineConfig(
+        scheduler=scheduler,
+        device=settings.device,
+        dtype=settings.dtype,
+        seed=settings.seed,
+        weights_seed=settings.seed,
+        check_invariants=True,
+        faults=plan,
+        verify_host_checksums=settings.checksums,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", HostTierFallbackWarning)  # counted in the report instead
         engine = Engine(config)
-        work = random_workload(settings.requests, settings.seed, settings.prompt_len, settings.new_tokens,
-                               vocab=engine.model.config.vocab_size,
-                               max_tokens=settings.gpu_blocks * settings.block_size)
+        work = random_workload(
+            settings.requests,
+            settings.seed,
+            settings.prompt_len,
+            settings.new_tokens,
+            vocab=engine.model.config.vocab_size,
+            max_tokens=settings.gpu_blocks * settings.block_size,
+        )
         arrivals, cancel_at = _schedule(settings)
         cancel_queue = sorted((t, i) for i, t in cancel_at.items())
         ids: list = []
@@ -191,24 +215,47 @@ def run_soak(settings: SoakSettings, on_progress: Callable[[int, int, object], N
         reference_seconds = time.perf_counter() - checked
 
     finished = engine.scheduler.finished
+    prompts: dict[Hashable, list[int]] = {rid: prompt for rid, (prompt, _) in enumerate(work)}  # id = index
     reasons = [r.done_reason for r in finished.values()]
-    mismatches = []
-    for rid, request in finished.items():
-        ref = references[rid]
-        expected = ref if request.done_reason == "finished" else ref[:len(request.generated)]
-        if request.generated != expected or (request.done_reason == "cancelled" and rid not in soak_cancelled):
-            mismatches.append(rid)
+    comparison = compare_outputs(
+        engine.model,
+        (
+            Compared(rid, request.generated, references[rid], prompts[rid], partial=request.done_reason != "finished")
+            for rid, request in finished.items()
+        ),
+    )
+    mismatches = list(comparison.mismatches)
+    mismatches += [
+        rid
+        for rid, request in finished.items()
+        if request.done_reason == "cancelled" and rid not in soak_cancelled and rid not in mismatches
+    ]
     totals = engine.totals
     return SoakReport(
-        settings=settings, requests=len(work), finished=reasons.count("finished"),
-        cancelled=reasons.count("cancelled"), aborted=reasons.count("aborted"),
-        unfinished=len(work) - len(finished), iterations=totals.steps, generated_tokens=totals.generated_tokens,
-        suspensions=totals.suspensions, resumes=totals.events["resume"], recompute_pauses=totals.recompute_pauses,
-        replays=totals.events["replay"], faults=dict(totals.faults), failed_copies=totals.failed_copies,
-        checksum_mismatches=totals.checksum_mismatches, host_tier_losses=totals.host_tier_losses,
-        host_tier_fallback=engine.scheduler.host_tier_fallback, compared=len(finished),
-        mismatches=tuple(sorted(mismatches)), leaked_blocks=leaked_blocks(engine), run_seconds=run_seconds,
-        reference_seconds=reference_seconds, events=dict(totals.events),
+        settings=settings,
+        requests=len(work),
+        finished=reasons.count("finished"),
+        cancelled=reasons.count("cancelled"),
+        aborted=reasons.count("aborted"),
+        unfinished=len(work) - len(finished),
+        iterations=totals.steps,
+        generated_tokens=totals.generated_tokens,
+        suspensions=totals.suspensions,
+        resumes=totals.events["resume"],
+        recompute_pauses=totals.recompute_pauses,
+        replays=totals.events["replay"],
+        faults=dict(totals.faults),
+        failed_copies=totals.failed_copies,
+        checksum_mismatches=totals.checksum_mismatches,
+        host_tier_losses=totals.host_tier_losses,
+        host_tier_fallback=engine.scheduler.host_tier_fallback,
+        compared=len(finished),
+        mismatches=tuple(sorted(mismatches)),
+        accepted=comparison.accepted,
+        leaked_blocks=leaked_blocks(engine),
+        run_seconds=run_seconds,
+        reference_seconds=reference_seconds,
+        events=dict(totals.events),
     )
 
 
@@ -218,10 +265,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "soak",
         help="thousands of seeded requests under memory pressure and injected faults; check nothing is lost",
-        description="Run a seeded soak on the real executor: random arrivals, lengths and cancellations, a GPU tier "
-                    "far smaller than the demand, injected faults (failed copies, corrupt host copies, ...), and "
-                    "the scheduler's invariants checked around every iteration. Then compare every output with its "
-                    "unpressured reference. Exit status 1 on any mismatch, leaked block or unfinished request.",
+        description=(
+            "Run a seeded soak on the real executor: random arrivals, lengths and cancellations, a GPU tier "
+            "far smaller than the demand, injected faults (failed copies, corrupt host copies, ...), and "
+            "the scheduler's invariants checked around every iteration. Then compare every output with its "
+            "unpressured reference. Exit status 1 on any mismatch, leaked block or unfinished request."
+        ),
     )
     options = [
         ("--requests", int, "number of requests"),
@@ -237,13 +286,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for flag, kind, text in options:
         key = flag[2:].replace("-", "_")
         p.add_argument(flag, type=kind, default=getattr(defaults, key), help=f"{text} (default %(default)s)")
-    p.add_argument("--inject", action="append", metavar="KIND[:RATE]",
-                   help="inject a fault kind (host_alloc, copy_to_host, copy_to_gpu, corrupt_host, host_loss), with "
-                        "a probability or as KIND@ITERATION,...; repeat for several; 'none' for no faults "
-                        f"(default: {' '.join(DEFAULT_FAULTS)})")
-    p.add_argument("--no-checksums", action="store_true",
-                   help="do not checksum suspended blocks (corrupt_host faults then garble outputs)")
-    p.add_argument("--dtype", default=defaults.dtype, choices=("float64", "float32"), help="model and cache dtype")
+    p.add_argument(
+        "--inject",
+        action="append",
+        metavar="KIND[:RATE]",
+        help=(
+            "inject a fault kind (host_alloc, copy_to_host, copy_to_gpu, corrupt_host, host_loss), with "
+            "a probability or as KIND@ITERATION,...; repeat for several; 'none' for no faults "
+            f"(default: {' '.join(DEFAULT_FAULTS)})"
+        ),
+    )
+    p.add_argument(
+        "--no-checksums",
+        action="store_true",
+        help="do not checksum suspended blocks (corrupt_host faults then garble outputs)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=defaults.dtype,
+        choices=("float64", "float32", "bfloat16", "float16"),
+        help=(
+            "model and cache dtype; outputs are compared exactly in float64 and float32, and in lower "
+            "precision up to near-ties of the reference (executor.checks.GAP_TOLERANCE)"
+        ),
+    )
     add_lifecycle_option(p, "the engine")
     p.set_defaults(run=_run)
 
@@ -281,17 +347,29 @@ def _soak(settings: SoakSettings) -> int:
 
     console = Console(file=sys.stdout)
     host = f"{settings.host_blocks} blocks" if settings.host_blocks else "none"
-    console.print(f"[bold]kvstate soak[/bold]: {settings.requests} requests, seed {settings.seed}, GPU tier "
-                  f"{settings.gpu_blocks} blocks x {settings.block_size} tokens, host tier {host}, faults: "
-                  f"{' '.join(settings.faults) or 'none'}, checksums {'on' if settings.checksums else 'off'}")
-    columns = (TextColumn("requests done"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[status]}"))
+    console.print(
+        f"[bold]kvstate soak[/bold]: {settings.requests} requests, seed {settings.seed}, GPU tier "
+        f"{settings.gpu_blocks} blocks x {settings.block_size} tokens, host tier {host}, faults: "
+        f"{' '.join(settings.faults) or 'none'}, checksums {'on' if settings.checksums else 'off'}"
+    )
+    columns = (
+        TextColumn("requests done"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}"),
+    )
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("soak", total=settings.requests, status="")
 
-        def update(done: int, total: int, stats: object) -> None:
-            status = "" if stats is None else (f"iteration {stats.iteration}, suspended {stats.num_suspended}, "
-                                               f"paused {stats.num_recompute_paused}")
+        def update(done: int, total: int, stats: IterationStats | None) -> None:
+            status = (
+                ""
+                if stats is None
+                else (
+                    f"iteration {stats.iteration}, suspended {stats.num_suspended}, paused {stats.num_recompute_paused}"
+                )
+            )
             progress.update(task, completed=done, status=status)
 
         try:
@@ -306,10 +384,19 @@ def _soak(settings: SoakSettings) -> int:
         table.add_row(name, value)
     console.print(table)
     if report.ok:
-        console.print(f"[bold green]SOAK: PASS[/bold green] - {report.compared} outputs equal their references, "
-                      "no block leaked")
+        near = (
+            f" ({len(report.accepted)} diverge at a near-tie of the reference: accepted in {settings.dtype})"
+            if report.accepted
+            else ""
+        )
+        console.print(
+            f"[bold green]SOAK: PASS[/bold green] - {report.compared} outputs equal their references{near}, "
+            "no block leaked"
+        )
         return 0
-    console.print(f"[bold red]SOAK: FAIL[/bold red] - {len(report.mismatches)} mismatches "
-                  f"{list(report.mismatches[:10])}, {report.leaked_blocks} leaked blocks, "
-                  f"{report.unfinished} unfinished, {report.aborted} aborted")
+    console.print(
+        f"[bold red]SOAK: FAIL[/bold red] - {len(report.mismatches)} mismatches "
+        f"{list(report.mismatches[:10])}, {report.leaked_blocks} leaked blocks, "
+        f"{report.unfinished} unfinished, {report.aborted} aborted"
+    )
     return 1

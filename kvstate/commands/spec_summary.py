@@ -7,13 +7,21 @@ The tables fit the terminal's width (80 columns when output is piped): each tran
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from kvstate.commands.args import input_file
 
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from kvstate.spec import Spec, Transition
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("spec", help="validate the specification and print a summary of it",
-                                   description=__doc__)
+    parser = subparsers.add_parser(
+        "spec", help="validate the specification and print a summary of it", description=__doc__
+    )
     parser.add_argument("--spec", metavar="PATH", help="a spec TOML file (default: the packaged spec)")
     parser.set_defaults(run=_run)
 
@@ -33,29 +41,40 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def tables(spec) -> list:
+def tables(spec: Spec) -> list[Table]:
     """The states, transitions and invariants tables of `spec` (rich tables; cells fold, never truncate)."""
+    return [
+        _table(
+            "States",
+            ("state", "residency", "terminal", "meaning"),
+            [(s.name, s.residency, "yes" if s.terminal else "", s.meaning) for s in spec.states],
+        ),
+        _table(
+            "Transitions (⚠ destructive: drops the KV)",
+            ("event", "from → to", "[guard] / effect"),
+            [_transition_row(t) for t in spec.transitions],
+        ),
+        _table(
+            "Invariants",
+            ("id", "scope", "statement"),
+            [(inv.id, inv.scope, inv.statement) for inv in spec.invariants],
+        ),
+    ]
+
+
+def _transition_row(t: Transition) -> tuple[str, str, str]:
+    guard = f"[{t.guard}]" if t.guard else "[—]"
+    return ("⚠ " if t.destructive else "") + t.event, f"{t.source}\n→ {t.dest}", f"{guard}\n/ {t.effect or '—'}"
+
+
+def _table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]]) -> Table:
+    """A rich table of plain-text cells (never read as markup) that fold rather than truncate."""
     from rich.table import Table
     from rich.text import Text
 
-    class table(Table):  # noqa: N801 (a Table whose cells are plain text: "[guard]" is not markup)
-        def __init__(self, title: str, *columns: str) -> None:
-            super().__init__(title=title)
-            for column in columns:
-                self.add_column(Text(column), overflow="fold")
-
-        def add_row(self, *cells: str) -> None:
-            super().add_row(*(Text(cell) for cell in cells))
-
-    states = table("States", "state", "residency", "terminal", "meaning")
-    for s in spec.states:
-        states.add_row(s.name, s.residency, "yes" if s.terminal else "", s.meaning)
-    edges = table("Transitions (⚠ destructive: drops the KV)", "event", "from → to", "[guard] / effect")
-    for t in spec.transitions:
-        guard = f"[{t.guard}]" if t.guard else "[—]"
-        edges.add_row(("⚠ " if t.destructive else "") + t.event, f"{t.source}\n→ {t.dest}",
-                      f"{guard}\n/ {t.effect or '—'}")
-    invariants = table("Invariants", "id", "scope", "statement")
-    for inv in spec.invariants:
-        invariants.add_row(inv.id, inv.scope, inv.statement)
-    return [states, edges, invariants]
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(Text(column), overflow="fold")
+    for row in rows:
+        table.add_row(*(Text(cell) for cell in row))
+    return table

@@ -20,13 +20,19 @@ if TYPE_CHECKING:  # the checker and rich are imported when the command runs: `k
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "validate", help="check a lifecycle trace (NDJSON) against the spec",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "validate",
+        help="check a lifecycle trace (NDJSON) against the spec",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("trace", metavar="TRACE", type=Path, help="trace file written by the engine (NDJSON)")
     parser.add_argument("--spec", metavar="PATH", type=Path, default=None, help="spec TOML file (default: packaged)")
-    parser.add_argument("--require-done", action=argparse.BooleanOptionalAction, default=True,
-                        help="require every request to end in a terminal state (default: on)")
+    parser.add_argument(
+        "--require-done",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="require every request to end in a terminal state (default: on)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -42,13 +48,19 @@ def run(args: argparse.Namespace) -> int:
     console = Console(highlight=False, soft_wrap=True)
     if report.divergence is not None:
         unusable = report.divergence.rule == FORMAT
-        console.print("[bold red]UNUSABLE[/] (not a trace in the format of spec/TRACE.md)" if unusable
-                      else "[bold red]INVALID[/]", escape(report.source))
+        console.print(
+            "[bold red]UNUSABLE[/] (not a trace in the format of spec/TRACE.md)"
+            if unusable
+            else "[bold red]INVALID[/]",
+            escape(report.source),
+        )
         console.print(report.divergence.describe(), markup=False)
         return 2 if unusable else 1
     if report.lines == 0:
-        raise TraceError("the trace is empty, so nothing was validated; pass a trace written by a run that had at "
-                         "least one request", path=report.source)
+        raise TraceError(
+            "the trace is empty, so nothing was validated; pass a trace written by a run that had at least one request",
+            path=report.source,
+        )
     console.print(summary(report))
     return 0
 
@@ -57,8 +69,11 @@ def summary(report: TraceReport) -> Table:
     """A short table: lines, requests and transitions per event of a valid trace."""
     from rich.table import Table
 
-    table = Table(title=f"VALID {report.source}: {report.lines} lines, {report.requests} requests",
-                  title_justify="left", show_edge=False)
+    table = Table(
+        title=f"VALID {report.source}: {report.lines} lines, {report.requests} requests",
+        title_justify="left",
+        show_edge=False,
+    )
     table.add_column("event")
     table.add_column("transitions", justify="right")
     for event, count in report.transitions.items():

@@ -56,6 +56,7 @@ CLUSTER_COLORS = {
 }
 EDGE_FONT_SIZE = 11  # points; drawn at natural size (1 pt = 4/3 px) that is ~15 px, above the 11 px floor
 
+
 @dataclass(frozen=True, slots=True)
 class View:
     """How one drawing of a `Diagram` labels and styles its edges and what its legend says.
@@ -66,7 +67,7 @@ class View:
     """
 
     subtitle: str
-    edge_labels: Callable[[Diagram, tuple[DrawnEdge, ...]], list[Sequence[str]]]
+    edge_labels: Callable[[Diagram, tuple[DrawnEdge, ...]], Sequence[Sequence[str]]]
     edge_attributes: Callable[[Diagram, DrawnEdge], list[str]]
     legend_rows: Callable[[Diagram], list[tuple[str, str]]]
 
@@ -104,15 +105,17 @@ def render_dot(diagram: Diagram, view: View | None = None) -> str:
     if any(edge.source == ANY_STATE for edge in drawn):
         lines += ["", f"  {dot_string(ANY_STATE)} [{ANY_STATE_STYLE}, label={dot_string(diagram.any_state_label)}];"]
     lines += ["", f"  {dot_string(INITIAL_NODE)} -> {dot_string(diagram.initial)};"]
-    lines += [f"  {edge_line(edge, label, view.edge_attributes(diagram, edge))}"
-              for edge, label in zip(drawn, view.edge_labels(diagram, drawn), strict=True)]
+    lines += [
+        f"  {edge_line(edge, label, view.edge_attributes(diagram, edge))}"
+        for edge, label in zip(drawn, view.edge_labels(diagram, drawn), strict=True)
+    ]
     lines.append("}")
     return "\n".join(lines) + "\n"
 
 
 def node_line(node: Node, stroke: str) -> str:
     shape = "doublecircle" if node.final else "box"
-    return f"{dot_string(node.name)} [shape={shape}, color=\"{stroke}\", tooltip={dot_string(node.meaning)}];"
+    return f'{dot_string(node.name)} [shape={shape}, color="{stroke}", tooltip={dot_string(node.meaning)}];'
 
 
 def edge_line(edge: DrawnEdge, label_parts: Sequence[str], attributes: Sequence[str]) -> str:
@@ -154,11 +157,14 @@ def kind_meanings(diagram: Diagram) -> dict[EdgeKind, str]:
     deferred_ends = all(m.event in terminal_events for e in drawn if e.kind is EdgeKind.DEFER for m in e.members)
     return {
         EdgeKind.DROP: "destructive: drops the KV; the request must be replayed",
-        EdgeKind.HOLD: f"preemption decided, KV kept: → {', '.join(holders)} holds its blocks until "
-                       f"{exits(diagram, holders)}",
+        EdgeKind.HOLD: (
+            f"preemption decided, KV kept: → {', '.join(holders)} holds its blocks until {exits(diagram, holders)}"
+        ),
         EdgeKind.TERMINATE: "ends the request and frees its KV",
-        EdgeKind.DEFER: f"deferred {'termination' if deferred_ends else 'event'}: recorded in "
-                        f"{', '.join(loopers)}, carried out at {exits(diagram, loopers)}",
+        EdgeKind.DEFER: (
+            f"deferred {'termination' if deferred_ends else 'event'}: recorded in "
+            f"{', '.join(loopers)}, carried out at {exits(diagram, loopers)}"
+        ),
         EdgeKind.KEEP: "keeps the KV (on the GPU, or moved between tiers)",
     }
 
@@ -171,8 +177,9 @@ def lifecycle_legend_rows(diagram: Diagram) -> list[tuple[str, str]]:
     if diagram.fired is not None:
         rows.append((key(NEVER_FIRED_COLOR, "· · · light dotted"), "never fired in this trace"))
         rows.append(("<b>×N, pen width</b>", "times fired in this trace; the pen widens with log N"))
-    rows.append(("<b>event [guard] / effect</b>",
-                 "edge label; no brackets: always enabled; no effect: state change only"))
+    rows.append(
+        ("<b>event [guard] / effect</b>", "edge label; no brackets: always enabled; no effect: state change only")
+    )
     return rows + common_legend_rows(diagram)
 
 
@@ -182,8 +189,12 @@ def common_legend_rows(diagram: Diagram) -> list[tuple[str, str]]:
         ("<b>cluster</b>", "where the request's KV lives in that state"),
     ]
     if any(edge.source == ANY_STATE for edge in diagram.drawn_edges):
-        rows.append(("<b>dashed box</b>", "one arrow for the same event from every state it names; "
-                                          "kvstate diagram --all-edges draws each"))
+        rows.append(
+            (
+                "<b>dashed box</b>",
+                "one arrow for the same event from every state it names; kvstate diagram --all-edges draws each",
+            )
+        )
     return rows
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import html
 import re
-import xml.etree.ElementTree as ElementTree
+from xml.etree import ElementTree
 
 LINE_BREAKING = re.compile(r"[\x00-\x1f\x7f\x85\u2028\u2029]")
 
@@ -56,12 +56,43 @@ def dot_html(text: str) -> str:
 # ------------------------------------------------------------------------------------------------ Mermaid
 
 MERMAID_ID = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
-MERMAID_KEYWORDS = frozenset({"state", "note", "click", "class", "classdef", "style", "direction", "end", "as",
-                              "linkstyle", "callback", "call", "href", "default", "left", "right", "of"})
+MERMAID_KEYWORDS = frozenset(
+    {
+        "state",
+        "note",
+        "click",
+        "class",
+        "classdef",
+        "style",
+        "direction",
+        "end",
+        "as",
+        "linkstyle",
+        "callback",
+        "call",
+        "href",
+        "default",
+        "left",
+        "right",
+        "of",
+    }
+)
 # Mermaid's entity codes (`#59;`) themselves hold `#` and `;`, and not every diagram type decodes them, so each
 # character Mermaid's grammar gives a meaning is replaced by the Unicode look-alike a reader sees the same way.
-MERMAID_LOOKALIKES = {'"': "\u201d", "#": "\uff03", ":": "\u2236", ";": "\uff1b", "<": "\u2039", ">": "\u203a",
-                      "%": "\uff05", "&": "\uff06", "`": "\u02cb", "{": "\uff5b", "}": "\uff5d", "|": "\uff5c"}
+MERMAID_LOOKALIKES = {
+    '"': "\u201d",
+    "#": "\uff03",
+    ":": "\u2236",
+    ";": "\uff1b",
+    "<": "\u2039",
+    ">": "\u203a",
+    "%": "\uff05",
+    "&": "\uff06",
+    "`": "\u02cb",
+    "{": "\uff5b",
+    "}": "\uff5d",
+    "|": "\uff5c",
+}
 MERMAID_SPECIAL = re.compile("[" + re.escape("".join(MERMAID_LOOKALIKES)) + "]")
 
 
@@ -108,16 +139,74 @@ def html_text(text: str) -> str:
 
 
 SVG_NS = "http://www.w3.org/2000/svg"
-SVG_ELEMENTS = frozenset({"svg", "g", "title", "desc", "polygon", "polyline", "path", "ellipse", "circle", "rect",
-                          "line", "text", "tspan", "defs", "linearGradient", "radialGradient", "stop"})
+SVG_ELEMENTS = frozenset(
+    {
+        "svg",
+        "g",
+        "title",
+        "desc",
+        "polygon",
+        "polyline",
+        "path",
+        "ellipse",
+        "circle",
+        "rect",
+        "line",
+        "text",
+        "tspan",
+        "defs",
+        "linearGradient",
+        "radialGradient",
+        "stop",
+    }
+)
 SVG_UNWRAP = frozenset({"a", "switch"})  # links and switches: their drawing is kept, the wrapper is dropped
-SVG_ATTRIBUTES = frozenset({
-    "class", "width", "height", "viewBox", "preserveAspectRatio", "transform", "points", "d", "cx", "cy",
-    "r", "rx", "ry", "x", "y", "x1", "y1", "x2", "y2", "dx", "dy", "fill", "fill-opacity", "stroke",
-    "stroke-width", "stroke-dasharray", "stroke-opacity", "stroke-linecap", "stroke-linejoin", "opacity",
-    "font-family", "font-size", "font-weight", "font-style", "text-anchor", "dominant-baseline", "offset",
-    "stop-color", "stop-opacity", "gradientUnits", "gradientTransform", "version",
-})
+SVG_ATTRIBUTES = frozenset(
+    {
+        "class",
+        "width",
+        "height",
+        "viewBox",
+        "preserveAspectRatio",
+        "transform",
+        "points",
+        "d",
+        "cx",
+        "cy",
+        "r",
+        "rx",
+        "ry",
+        "x",
+        "y",
+        "x1",
+        "y1",
+        "x2",
+        "y2",
+        "dx",
+        "dy",
+        "fill",
+        "fill-opacity",
+        "stroke",
+        "stroke-width",
+        "stroke-dasharray",
+        "stroke-opacity",
+        "stroke-linecap",
+        "stroke-linejoin",
+        "opacity",
+        "font-family",
+        "font-size",
+        "font-weight",
+        "font-style",
+        "text-anchor",
+        "dominant-baseline",
+        "offset",
+        "stop-color",
+        "stop-opacity",
+        "gradientUnits",
+        "gradientTransform",
+        "version",
+    }
+)
 SVG_UNSAFE_VALUE = re.compile(r"url\s*\(|javascript:|data:|expression\s*\(", re.IGNORECASE)
 
 
@@ -165,7 +254,7 @@ def _clean(element: ElementTree.Element) -> ElementTree.Element:
 
 def _append_children(out: ElementTree.Element, element: ElementTree.Element) -> None:
     for child in element:
-        tag = _local(child.tag) if isinstance(child.tag, str) else ""
+        tag = _local(child.tag)  # a string: the default parser drops comments and processing instructions
         if tag in SVG_ELEMENTS:
             out.append(_clean(child))
         elif tag in SVG_UNWRAP:

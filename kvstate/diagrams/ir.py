@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from kvstate.spec import RESIDENCIES, Spec, Transition
 
@@ -29,7 +29,7 @@ CLUSTER_TITLES = {
 ANY_STATE = "__any_state__"  # the pseudo-node bundled broadcast edges start from
 
 
-class EdgeKind(str, Enum):
+class EdgeKind(StrEnum):
     """What a transition does to the request's KV, derived from the spec's residencies and flags."""
 
     DROP = "drop"  # destructive, into a no-KV state: the KV is dropped and the request must be replayed
@@ -118,7 +118,7 @@ class DrawnEdge:
             totals[head] = totals.get(head, 0) + (fired.get(edge.key, 0) if fired is not None else 0)
         heads = [(label + (f" ×{n}" if fired is not None else ""), guard) for (label, guard), n in totals.items()]
         if len(self.members) == 1:
-            (label, guard), = heads
+            ((label, guard),) = heads
             return (label,) if guard is None else (label, f"[{guard}]")
         return (", ".join(label + (f" [{guard}]" if guard else "") for label, guard in heads),)
 
@@ -189,8 +189,9 @@ class Diagram:
             bundled = edge.kind is EdgeKind.TERMINATE and edge.event in broadcast
             source = ANY_STATE if bundled else edge.source
             groups.setdefault((source, edge.dest, edge.effect, edge.kind, edge.origin), []).append(edge)
-        return tuple(DrawnEdge(source, dest, kind, tuple(members))
-                     for (source, dest, _, kind, _), members in groups.items())
+        return tuple(
+            DrawnEdge(source, dest, kind, tuple(members)) for (source, dest, _, kind, _), members in groups.items()
+        )
 
     @property
     def any_state_excludes(self) -> tuple[str, ...]:
@@ -225,8 +226,9 @@ def build_diagram(spec: Spec, *, all_edges: bool = False) -> Diagram:
     """The diagram of `spec`; see the module docstring for the invariants it keeps."""
     nodes = tuple(Node(name=s.name, residency=s.residency, meaning=s.meaning, final=s.terminal) for s in spec.states)
     edges = tuple(edge_of(spec, t) for t in spec.transitions)
-    return Diagram(title=spec.name, version=spec.version, initial=spec.initial, nodes=nodes, edges=edges,
-                   all_edges=all_edges)
+    return Diagram(
+        title=spec.name, version=spec.version, initial=spec.initial, nodes=nodes, edges=edges, all_edges=all_edges
+    )
 
 
 def edge_of(spec: Spec, transition: Transition) -> Edge:

@@ -17,12 +17,19 @@ from kvstate.diagrams.dot import View, common_legend_rows, dot_html, key, render
 from kvstate.diagrams.ir import Diagram, DrawnEdge, EdgeKind
 
 ORIGIN_STYLES = {  # origin -> (colour, DOT style, legend sample, meaning)
-    "scheduler": ("#1565c0", "bold", "——— blue, bold",
-                  "scheduler decision: a policy choice in a scheduling pass"),
-    "executor": ("#2e7d32", "solid", "——— green",
-                 "executor report: a forward pass produced a token, or every pipeline stage agreed"),
-    "environment": ("#e65100", "dashed", "- - - orange dashed",
-                    "environment event: client cancel, engine abort, host copy lost (no fairness, not progress)"),
+    "scheduler": ("#1565c0", "bold", "——— blue, bold", "scheduler decision: a policy choice in a scheduling pass"),
+    "executor": (
+        "#2e7d32",
+        "solid",
+        "——— green",
+        "executor report: a forward pass produced a token, or every pipeline stage agreed",
+    ),
+    "environment": (
+        "#e65100",
+        "dashed",
+        "- - - orange dashed",
+        "environment event: client cancel, engine abort, host copy lost (no fairness, not progress)",
+    ),
 }
 OTHER_ORIGIN = ("#37474f", "solid", "——— grey", "other origin")
 PROMOTION_GATE = "promotion gate"
@@ -45,14 +52,16 @@ def callouts(diagram: Diagram) -> dict[DrawnEdge, tuple[str, ...]]:
 def feeds_part(edge: DrawnEdge) -> tuple[str, ...]:
     """`⇒ list`, then `(production name)` on its own line, for each output list the members feed."""
     fed = dict.fromkeys((e.feeds, e.feeds_production_name) for e in edge.members if e.feeds)
-    return tuple(part for name, production in fed for part in (f"⇒ {name}", f"({production})" if production else "")
-                 if part)
+    return tuple(
+        part for name, production in fed for part in (f"⇒ {name}", f"({production})" if production else "") if part
+    )
 
 
 def review_edge_labels(diagram: Diagram, drawn: tuple[DrawnEdge, ...]) -> list[tuple[str, ...]]:
     marks = callouts(diagram)
-    return [tuple(f"[{mark}]" for mark in marks[edge]) + edge.head_parts(diagram.fired) + feeds_part(edge)
-            for edge in drawn]
+    return [
+        tuple(f"[{mark}]" for mark in marks[edge]) + edge.head_parts(diagram.fired) + feeds_part(edge) for edge in drawn
+    ]
 
 
 def review_edge_attributes(diagram: Diagram, edge: DrawnEdge) -> list[str]:
@@ -62,21 +71,31 @@ def review_edge_attributes(diagram: Diagram, edge: DrawnEdge) -> list[str]:
 
 def review_legend_rows(diagram: Diagram) -> list[tuple[str, str]]:
     origins = dict.fromkeys(edge.origin for edge in diagram.drawn_edges)
-    rows = [(key(color, sample), dot_html(meaning))
-            for color, _, sample, meaning in (ORIGIN_STYLES.get(origin, OTHER_ORIGIN) for origin in origins)]
+    rows = [
+        (key(color, sample), dot_html(meaning))
+        for color, _, sample, meaning in (ORIGIN_STYLES.get(origin, OTHER_ORIGIN) for origin in origins)
+    ]
     rows += [
-        ("<b>⇒ list (production name)</b>", "the scheduler-output list a request taking the edge is listed in, "
-                                            "and the production engine's name for that list"),
+        (
+            "<b>⇒ list (production name)</b>",
+            (
+                "the scheduler-output list a request taking the edge is listed in, "
+                "and the production engine's name for that list"
+            ),
+        ),
         (f"<b>[{PROMOTION_GATE}]</b>", "a suspended request's host copy given up to make room for a victim"),
-        (f"<b>[{CONSENSUS_POINT}]</b>", "the deferred reset of a multi-stage recompute-pause, once every stage "
-                                        "agrees"),
+        (f"<b>[{CONSENSUS_POINT}]</b>", "the deferred reset of a multi-stage recompute-pause, once every stage agrees"),
         ("<b>event [guard]</b>", "edge label; each edge's effect is in the lifecycle view and transitions.md"),
     ]
     return rows + common_legend_rows(diagram)
 
 
-REVIEW_VIEW = View(": who decides each edge, which output list it feeds", review_edge_labels,
-                   review_edge_attributes, review_legend_rows)
+REVIEW_VIEW = View(
+    ": who decides each edge, which output list it feeds",
+    review_edge_labels,
+    review_edge_attributes,
+    review_legend_rows,
+)
 
 
 def render_review_dot(diagram: Diagram) -> str:

@@ -30,20 +30,23 @@ def render_image(dot_source: str, fmt: str = "svg", *, timeout: float = DOT_TIME
     if program is None:
         return None
     try:
-        done = subprocess.run([program, f"-T{fmt}"], input=dot_source.encode("utf-8"), capture_output=True,
-                              timeout=timeout, check=False)
+        done = subprocess.run(
+            [program, f"-T{fmt}"], input=dot_source.encode("utf-8"), capture_output=True, timeout=timeout, check=False
+        )
     except subprocess.TimeoutExpired as err:
         raise KVStateError(
             f"Graphviz `dot` did not finish drawing the diagram within {timeout:g} s and was stopped; the spec is "
             "probably too large to lay out: draw a smaller spec, or allow more time with --dot-timeout SECONDS"
         ) from err
     except OSError as err:
-        raise KVStateError(f"cannot run Graphviz `dot` ({program}): {err.strerror}; check the Graphviz "
-                           "installation") from err
+        raise KVStateError(
+            f"cannot run Graphviz `dot` ({program}): {err.strerror}; check the Graphviz installation"
+        ) from err
     if done.returncode != 0:
         stderr = done.stderr.decode("utf-8", "replace").strip()
-        raise KVStateError(f"Graphviz `dot` rejected the generated DOT source (exit {done.returncode}): {stderr}; "
-                           "report this as a bug")
+        raise KVStateError(
+            f"Graphviz `dot` rejected the generated DOT source (exit {done.returncode}): {stderr}; report this as a bug"
+        )
     if fmt != "svg":
         return done.stdout
     try:

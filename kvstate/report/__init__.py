@@ -11,7 +11,7 @@ lazily), `diagram`, `html`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvstate.diagrams import DOT_MISSING
@@ -19,19 +19,20 @@ from kvstate.report.model import TraceError, TraceSummary, load_lines, summarize
 from kvstate.spec import Spec, load_spec
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class ReportFiles:
-    """What `write_report` wrote; `note` explains a skipped image (no Graphviz)."""
+    """What `write_report` wrote: every file (`html`, the page, among them); `note` explains a skipped image."""
 
     out_dir: Path
-    files: list[Path] = field(default_factory=list)
-    html: Path | None = None
-    summary: TraceSummary | None = None
+    files: tuple[Path, ...]
+    html: Path
+    summary: TraceSummary
     note: str = ""
 
 
-def write_report(trace: str | Path, out_dir: str | Path, *, spec: Spec | None = None,
-                 all_edges: bool = False) -> ReportFiles:
+def write_report(
+    trace: str | Path, out_dir: str | Path, *, spec: Spec | None = None, all_edges: bool = False
+) -> ReportFiles:
     """Read `trace`, write every report file into `out_dir` (created), and return what was written.
 
     `all_edges` draws every transition as its own arrow (default: broadcast events bundled)."""
@@ -41,38 +42,39 @@ def write_report(trace: str | Path, out_dir: str | Path, *, spec: Spec | None = 
 
     spec = spec or load_spec()
     summary = summarize(load_lines(trace))
-    unknown = sorted({k for k in summary.edge_counts} - {(t.event, t.source, t.dest) for t in spec.transitions})
+    unknown = sorted(set(summary.edge_counts) - {(t.event, t.source, t.dest) for t in spec.transitions})
     if unknown:
-        raise TraceError(f"trace {trace} has transitions the spec does not define, e.g. {unknown[:3]}; "
-                         "report it against the spec that produced it (--spec)")
+        raise TraceError(
+            f"trace {trace} has transitions the spec does not define, e.g. {unknown[:3]}; "
+            "report it against the spec that produced it (--spec)"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    result = ReportFiles(out, summary=summary)
     figures = write_figures(summary, spec, out)
-    for paths in figures.values():
-        result.files += paths
+    files = [path for paths in figures.values() for path in paths]
     diagram, dot = annotated_diagram(spec, summary.edge_counts, all_edges=all_edges)
     review = review_dot(spec, all_edges=all_edges)
     for name, text in (("lifecycle.dot", dot), ("lifecycle-review.dot", review)):
         (out / name).write_text(text, encoding="utf-8")
-        result.files.append(out / name)
-    svg = render(dot, "svg")
-    review_svg = None
-    if svg is None:
-        result.note = f"lifecycle diagram images skipped: {DOT_MISSING}"
-    else:
-        review_svg = render(review, "svg")
-        for name, data in (("lifecycle.svg", svg), ("lifecycle.png", render(dot, "png")),
-                           ("lifecycle-review.svg", review_svg)):
+        files.append(out / name)
+    svg = render(dot, "svg")  # None: no Graphviz, and every image below is skipped
+    images = {
+        "lifecycle.svg": svg,
+        "lifecycle.png": render(dot, "png") if svg is not None else None,
+        "lifecycle-review.svg": render(review, "svg") if svg is not None else None,
+    }
+    for name, data in images.items():
+        if data is not None:
             (out / name).write_bytes(data)
-            result.files.append(out / name)
+            files.append(out / name)
+    note = "" if svg is not None else f"lifecycle diagram images skipped: {DOT_MISSING}"
     pngs = {name: paths[0] for name, paths in figures.items()}
-    result.html = out / "report.html"
-    page = render_html(summary, Path(trace).name, pngs, {"lifecycle": svg, "review": review_svg}, diagram,
-                       result.note)
-    result.html.write_text(page, encoding="utf-8")
-    result.files.append(result.html)
-    return result
+    page = render_html(
+        summary, Path(trace).name, pngs, {"lifecycle": svg, "review": images["lifecycle-review.svg"]}, diagram, note
+    )
+    html = out / "report.html"
+    html.write_text(page, encoding="utf-8")
+    return ReportFiles(out, (*files, html), html, summary, note)
 
 
 __all__ = ["ReportFiles", "TraceError", "TraceSummary", "summarize", "write_report"]

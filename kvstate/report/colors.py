@@ -18,8 +18,10 @@ SHADES = {  # per residency; for gpu and host the first shade is the diagram's s
     "none": ("#bdbdbd", "#e0e0e0", CLUSTER_COLORS["none"][1], "#424242"),
 }
 DESTRUCTIVE_HATCH_COLOR = "#c62828"  # matplotlib has no "red3"; this is Graphviz red3's neighbour
-COLOR_KEY = ("green = KV on GPU, blue = KV on host, grey = no KV; grey hatched red = KV dropped, replay pending "
-             "(the red of the diagram's destructive edges)")
+COLOR_KEY = (
+    "green = KV on GPU, blue = KV on host, grey = no KV; grey hatched red = KV dropped, replay pending "
+    "(the red of the diagram's destructive edges)"
+)
 
 
 def state_colors(spec: Spec) -> dict[str, str]:

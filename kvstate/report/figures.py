@@ -52,13 +52,18 @@ def timeline(summary: TraceSummary, spec: Spec):
     fig, ax = plt.subplots(figsize=(12, height))
     for row, rid in enumerate(summary.requests):
         for span in summary.spans[rid]:
-            ax.broken_barh([(span.start, span.end - span.start)], (row - 0.4, 0.8),
-                           facecolors=colors.get(span.state, "white"), linewidth=0,
-                           hatch=HATCH if hatched(spec, span.state) else None,
-                           edgecolor=DESTRUCTIVE_HATCH_COLOR if hatched(spec, span.state) else None)
+            ax.broken_barh(
+                [(span.start, span.end - span.start)],
+                (row - 0.4, 0.8),
+                facecolors=colors.get(span.state, "white"),
+                linewidth=0,
+                hatch=HATCH if hatched(spec, span.state) else None,
+                edgecolor=DESTRUCTIVE_HATCH_COLOR if hatched(spec, span.state) else None,
+            )
     step = max(1, -(-n // MAX_LABELLED_ROWS))
-    ax.set_yticks(range(0, n, step), [mpl_text(str(summary.requests[i])) for i in range(0, n, step)],
-                  fontsize=8 if n > 30 else 9)
+    ax.set_yticks(
+        range(0, n, step), [mpl_text(str(summary.requests[i])) for i in range(0, n, step)], fontsize=8 if n > 30 else 9
+    )
     ax.set_ylim(n - 0.5, -0.5)
     ax.set_xlim(summary.first_iteration, summary.last_iteration + 1)
     ax.set_xlabel("scheduler iteration")
@@ -66,11 +71,17 @@ def timeline(summary: TraceSummary, spec: Spec):
     ax.set_title(f"Request lifecycle over iterations ({n} requests, {summary.lines} transitions)")
     ax.grid(axis="x", alpha=0.3)
     integer_ticks(ax.xaxis)
-    handles = [Patch(facecolor=c, label=mpl_text(s), hatch=HATCH if hatched(spec, s) else None,
-                     edgecolor=DESTRUCTIVE_HATCH_COLOR if hatched(spec, s) else c)
-               for s, c in colors.items() if any(sp.state == s for spans in summary.spans.values() for sp in spans)]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, title="state",
-              frameon=False)
+    handles = [
+        Patch(
+            facecolor=c,
+            label=mpl_text(s),
+            hatch=HATCH if hatched(spec, s) else None,
+            edgecolor=DESTRUCTIVE_HATCH_COLOR if hatched(spec, s) else c,
+        )
+        for s, c in colors.items()
+        if any(sp.state == s for spans in summary.spans.values() for sp in spans)
+    ]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, title="state", frameon=False)
     fig.text(0.01, 0.005, f"{COLOR_KEY}; blank: not yet traced, or done", fontsize=8, color="#555555")
     return fig
 
@@ -90,7 +101,7 @@ def binned_peaks(rows: list[dict[str, int]], tier: str, k: int) -> tuple[list[in
     """(first iteration, peak held, peak held + fenced) of each run of `k` rows."""
     starts, held, total = [], [], []
     for i in range(0, len(rows), k):
-        chunk = rows[i:i + k]
+        chunk = rows[i : i + k]
         starts.append(chunk[0]["iteration"])
         held.append(max(r[f"{tier}_held"] for r in chunk))
         total.append(max(r[f"{tier}_held"] + r[f"{tier}_fenced"] for r in chunk))
@@ -102,18 +113,25 @@ def occupancy(summary: TraceSummary):
     plt = _pyplot()
     rows = summary.occupancy
     has_host = any(r["host_capacity"] for r in rows)
-    fig, axes = plt.subplots(2 if has_host else 1, 1, figsize=(12, 6 if has_host else 3.4), sharex=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(2 if has_host else 1, 1, figsize=(12, 6 if has_host else 3.4), sharex=True, squeeze=False)
     k = bin_size(len(rows))
     palette = {"gpu": ("#2e7d32", "#ffb300"), "host": ("#1565c0", "#ffb300")}
-    for ax, tier in zip(axes[:, 0], ("gpu", "host") if has_host else ("gpu",)):
+    for ax, tier in zip(axes[:, 0], ("gpu", "host") if has_host else ("gpu",), strict=True):
         starts, held, total = binned_peaks(rows, tier, k)
         capacity = max(r[f"{tier}_capacity"] for r in rows)
-        edges = starts + [starts[-1] + k]  # one step polygon per series: no seams between columns
-        ax.fill_between(edges, held + held[-1:], step="post", color=palette[tier][0], linewidth=0,
-                        label="held by requests")
-        ax.fill_between(edges, held + held[-1:], total + total[-1:], step="post", color=palette[tier][1],
-                        linewidth=0, label="fenced (copy in flight)")
+        edges = [*starts, starts[-1] + k]  # one step polygon per series: no seams between columns
+        ax.fill_between(
+            edges, held + held[-1:], step="post", color=palette[tier][0], linewidth=0, label="held by requests"
+        )
+        ax.fill_between(
+            edges,
+            held + held[-1:],
+            total + total[-1:],
+            step="post",
+            color=palette[tier][1],
+            linewidth=0,
+            label="fenced (copy in flight)",
+        )
         ax.axhline(capacity, color="black", linewidth=1, linestyle="--", label=f"capacity {capacity}")
         ax.set_ylim(0, capacity * 1.08 if capacity else 1)
         ax.set_ylabel(f"{'GPU' if tier == 'gpu' else 'host'} tier blocks")
@@ -129,5 +147,7 @@ def occupancy(summary: TraceSummary):
 
 
 def write_figures(summary: TraceSummary, spec: Spec, out_dir: Path) -> dict[str, list[Path]]:
-    return {"timeline": save(timeline(summary, spec), out_dir, "timeline"),
-            "occupancy": save(occupancy(summary), out_dir, "occupancy")}
+    return {
+        "timeline": save(timeline(summary, spec), out_dir, "timeline"),
+        "occupancy": save(occupancy(summary), out_dir, "occupancy"),
+    }

@@ -70,9 +70,11 @@ def summarize(lines: Iterable[dict]) -> TraceSummary:
         if not s.lines:
             s.first_iteration = it
         elif it < s.last_iteration:
-            raise TraceError(f"transition {s.lines + 1}: iteration {it} is below {s.last_iteration} of the line "
-                             "before; lines must be in the order the transitions happened (`kvstate validate` "
-                             "checks a trace)")
+            raise TraceError(
+                f"transition {s.lines + 1}: iteration {it} is below {s.last_iteration} of the line "
+                "before; lines must be in the order the transitions happened (`kvstate validate` "
+                "checks a trace)"
+            )
         s.lines += 1
         s.last_iteration = it
         if rid not in current:
@@ -95,7 +97,7 @@ def summarize(lines: Iterable[dict]) -> TraceSummary:
         if rid not in ended and end > since:
             s.spans[rid].append(Span(state, since, end))  # still active when the trace ends
     dense = s.last_iteration - s.first_iteration < MAX_OCCUPANCY_ROWS
-    previous = None
+    previous = by_iteration[s.first_iteration]  # the first line's iteration: every later one carries a value
     for it in range(s.first_iteration, s.last_iteration + 1) if dense else sorted(by_iteration):
         previous = by_iteration.get(it, previous)
         s.occupancy.append({"iteration": it, **previous})
@@ -106,6 +108,12 @@ def _occupancy(line: dict) -> dict[str, int]:
     out = {}
     for tier in ("gpu", "host"):
         capacity, free, fenced = line[f"{tier}_capacity"], line[f"{tier}_free"], line[f"{tier}_fenced"]
-        out.update({f"{tier}_capacity": capacity, f"{tier}_free": free, f"{tier}_fenced": fenced,
-                    f"{tier}_held": capacity - free - fenced})
+        out.update(
+            {
+                f"{tier}_capacity": capacity,
+                f"{tier}_free": free,
+                f"{tier}_fenced": fenced,
+                f"{tier}_held": capacity - free - fenced,
+            }
+        )
     return out

@@ -11,8 +11,8 @@ import pytest
 
 from kvstate.bench.migration import layout_plans
 from kvstate.bench.overhead import scheduler_section, transition_section
-from kvstate.bench.peer_scheduler import PeerScheduler, PeerSeq
 from kvstate.bench.results import Row, Section
+from kvstate.bench.stepping import OursDriver, Workload
 from kvstate.bench.table import document, render_table, write_json
 from kvstate.bench.timing import interleaved, medians
 from kvstate.cli import main
@@ -20,8 +20,13 @@ from kvstate.cli import main
 
 def test_interleaved_runs_every_variant_every_round_in_seeded_order():
     calls = []
-    samples = interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=4, warmup=1,
-                          seed=3, setup={"a": lambda: calls.append("setup a")})
+    samples = interleaved(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+        repeats=4,
+        warmup=1,
+        seed=3,
+        setup={"a": lambda: calls.append("setup a")},
+    )
     assert set(samples) == {"a", "b"} and all(len(v) == 4 for v in samples.values())
     assert calls.count("a") == calls.count("b") == calls.count("setup a") == 5
     assert all(calls[i + 1] == "a" for i, c in enumerate(calls) if c == "setup a")
@@ -49,19 +54,30 @@ def test_layout_plans_come_from_the_pool():
     assert 1 < len(layout_plans("random", 32, seed=1)[0].runs()) < 32
 
 
-def test_peer_scheduler_prefills_decodes_and_preempts():
-    peer = PeerScheduler(num_blocks=3, block_size=2, max_num_seqs=8)
-    seqs = [PeerSeq(2), PeerSeq(2)]
-    for s in seqs:
-        peer.add(s)
-    scheduled, prefill = peer.schedule()
-    assert prefill and scheduled == seqs and peer.free_blocks == 1
-    peer.postprocess(scheduled)  # 3 tokens each: the next token needs no new block
-    scheduled, prefill = peer.schedule()
-    assert not prefill and len(scheduled) == 2
-    peer.postprocess(scheduled)  # 4 tokens each: both need a block, only one is free
-    scheduled, _ = peer.schedule()
-    assert len(scheduled) == 1 and len(peer.waiting) == 1  # the last one was preempted (LIFO)
+@pytest.mark.parametrize("size", [16, 48])
+def test_steady_workload_decodes_everyone_every_step_and_pressure_preempts(size):
+    steps = 20
+    steady = OursDriver(Workload(size, "steady", steps))
+    settling = len(steady.step_s)
+    for _ in range(steps):
+        steady.step()
+    assert steady.scheduled[settling:] == [size] * steps and steady.preempted == [0] * (settling + steps)
+    assert len(steady.step_s) == len(steady.schedule_s) == settling + steps
+    assert all(whole >= part > 0 for whole, part in zip(steady.step_s, steady.schedule_s, strict=True))
+    pressure = Workload(size, "pressure", steps)
+    assert pressure.gpu_blocks < steady.workload.gpu_blocks and pressure.max_new_tokens > steps
+    squeezed = OursDriver(pressure, lifecycle="compiled")
+    for _ in range(steps):
+        squeezed.step()
+    assert max(squeezed.scheduled[-steps:]) < size  # the GPU tier no longer holds everyone
+    requests = squeezed.scheduler.requests.values()
+    assert any(r.num_recomputed_tokens for r in requests)  # victims were recompute-paused and replayed
+    assert not any(r.generated and r.final_token_produced for r in requests)  # nobody finished
+
+
+def test_workload_rejects_unknown_regimes():
+    with pytest.raises(ValueError, match="regime"):
+        Workload(16, "idle", 3)
 
 
 def test_overhead_sections_have_positive_ratios():
@@ -69,8 +85,9 @@ def test_overhead_sections_have_positive_ratios():
     rows = [row for s in sections for row in s.rows]
     assert rows and all(r.value > 0 and r.baseline > 0 and r.ratio > 0 for r in rows)
     assert sections[0].rows[0].met in (True, False)
-    assert set(sections[1].data["us_per_call"]) == {f"{n} {r} {w}" for n in (16, 32) for r in ("steady", "pressure")
-                                                   for w in ("ours", "peer")}
+    assert set(sections[1].data["figures"]) == {f"{n} steady ours" for n in (16, 32)} | {
+        f"{n} pressure ours {k}" for n in (16, 32) for k in ("machine", "compiled")
+    }
 
 
 def test_table_and_json(tmp_path):
@@ -87,10 +104,12 @@ def test_table_and_json(tmp_path):
 
 
 def test_import_kvstate_bench_and_report_import_no_torch_or_matplotlib():
-    code = ("import sys, kvstate, kvstate.bench, kvstate.bench.migration, kvstate.bench.end_to_end, "
-            "kvstate.bench.plots, kvstate.report, kvstate.cli; kvstate.cli.build_parser(); "
-            "bad = [m for m in ('torch', 'matplotlib', 'transformers') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, kvstate, kvstate.bench, kvstate.bench.migration, kvstate.bench.end_to_end, "
+        "kvstate.bench.plots, kvstate.report, kvstate.cli; kvstate.cli.build_parser(); "
+        "bad = [m for m in ('torch', 'matplotlib', 'transformers') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -98,8 +117,23 @@ def test_bench_command_writes_json_and_plots(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     pytest.importorskip("torch")
     path = tmp_path / "bench.json"
-    assert main(["bench", "--quick", "--only", "overhead", "--only", "migration", "--json", str(path),
-                 "--plots", str(tmp_path / "plots")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--quick",
+                "--only",
+                "overhead",
+                "--only",
+                "migration",
+                "--json",
+                str(path),
+                "--plots",
+                str(tmp_path / "plots"),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(path.read_text())
     names = [s["name"] for s in doc["sections"]]
     assert names == ["migration", "transition", "scheduler"]
@@ -109,8 +143,10 @@ def test_bench_command_writes_json_and_plots(tmp_path, capsys):
             assert row["ratio"] is not None and row["ratio"] > 0 and math.isfinite(row["value"])
     migration = doc["sections"][0]
     assert {(s["op"], s["layout"]) for s in migration["data"]["series"]} == {
-        (op, layout) for op in ("suspend", "resume") for layout in ("contiguous", "alternating", "random")}
+        (op, layout) for op in ("suspend", "resume") for layout in ("contiguous", "alternating", "random")
+    }
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["migration.png", "scheduler.png"]
+    assert doc["meta"]["vllm"] and doc["meta"]["transformers"]  # a version or "not installed"
     assert (tmp_path / "plots" / "migration.png").read_bytes()[:4] == b"\x89PNG"
     assert "ratio" in capsys.readouterr().out
 
@@ -123,10 +159,13 @@ def test_end_to_end_quick_structure():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        decode, host = end_to_end.run(quick=True, device="cpu")
+        (host,) = end_to_end.run(quick=True, device="cpu")
+        decode = end_to_end.decode_section(shape=end_to_end.DecodeShape((1, 3), 8, 6, 1), device="cpu")
     finally:
         torch.set_num_threads(threads)
-    assert decode.rows[0].ratio > 0 and decode.data["outputs_equal"] == decode.data["batch"]
+    assert [row.name.split(",")[1] for row in decode.rows] == [" batch 1", " batch 3"]
+    assert all(row.ratio > 0 for row in decode.rows)
+    assert {b: d["outputs_equal"] for b, d in decode.data["per_batch"].items()} == {1: 1, 3: 3}
     runs = host.data["runs"]
     assert set(runs) == {"none", "small", "large"}
     assert runs["none"]["suspensions"] == 0 and runs["none"]["recomputed"] > 0
@@ -139,8 +178,9 @@ def test_lifecycle_and_pressure_sections_compare_side_by_side():
     from kvstate.bench.overhead import lifecycle_section, pressure_section
 
     lifecycle = lifecycle_section(size=32, repeats=1)
-    assert set(lifecycle.data["us_per_call"]) == {f"{r} {k}" for r in ("steady", "pressure")
-                                                  for k in ("machine", "compiled")}
+    assert set(lifecycle.data["us_per_call"]) == {
+        f"{r} {k}" for r in ("steady", "pressure") for k in ("machine", "compiled")
+    }
     assert all(row.baseline > 0 and row.value > 0 for row in lifecycle.rows)
     pressure = pressure_section(sizes=(32,), steps=3)
     (row,) = pressure.rows

@@ -12,8 +12,9 @@ from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan  # noqa: E402
 
 
 def _cache(dtype=torch.float32) -> PagedKVCache:
-    cache = PagedKVCache(32, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype, device="cpu",
-                         num_host_blocks=16)
+    cache = PagedKVCache(
+        32, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype, device="cpu", num_host_blocks=16
+    )
     cache.device_cache.copy_(torch.arange(cache.device_cache.numel()).view_as(cache.device_cache))
     cache.host_cache.copy_(-torch.arange(cache.host_cache.numel()).view_as(cache.host_cache) - 1)
     return cache
@@ -34,8 +35,9 @@ def test_fragmented_plans_copy_exactly_their_blocks(name, dtype):
     cache = _cache(dtype)
     plan = MigrationPlan(0, "r", direction, pairs)
     assert len(plan.runs()) > GATHER_MIN_RUNS
-    source, dest = (cache.device_cache, cache.host_cache) if direction == TO_HOST else \
-        (cache.host_cache, cache.device_cache)
+    source, dest = (
+        (cache.device_cache, cache.host_cache) if direction == TO_HOST else (cache.host_cache, cache.device_cache)
+    )
     before_source, before_dest = source.clone(), dest.clone()
     fence = cache.execute(plan)
     assert fence.done()

@@ -14,8 +14,7 @@ from importlib import import_module
 
 import pytest
 
-from kvstate.checker import (HOLDS, VIOLATED, AbstractEffects, Bound, check_bound, replay_refinement,
-                             select_bounds)
+from kvstate.checker import HOLDS, VIOLATED, AbstractEffects, Bound, check_bound, replay_refinement, select_bounds
 from kvstate.semantics import GUARDS
 from kvstate.spec import Spec, load_spec
 from kvstate.validate import validate_spec
@@ -33,8 +32,10 @@ def never(request, pool) -> bool:
 def edit_event(spec: Spec, event: str, **changes) -> Spec:
     """A copy of `spec` with `changes` applied to every transition of `event`; validated (a well-formed spec)."""
     assert event in spec.event_by_name, f"the packaged spec has no event {event!r}"
-    events = tuple(replace(e, transitions=tuple(replace(t, **changes) for t in e.transitions)) if e.name == event
-                   else e for e in spec.events)
+    events = tuple(
+        replace(e, transitions=tuple(replace(t, **changes) for t in e.transitions)) if e.name == event else e
+        for e in spec.events
+    )
     return replace(spec, events=events)
 
 
@@ -74,8 +75,9 @@ def suspend_that_frees_nothing() -> tuple[Spec, dict]:
     only suspend and resume each other forever."""
     spec = load_spec()
     suspend = spec.event_by_name["suspend"].transitions[0]
-    states = tuple(replace(s, residency=spec.residency(suspend.source)) if s.name == suspend.dest else s
-                   for s in spec.states)
+    states = tuple(
+        replace(s, residency=spec.residency(suspend.source)) if s.name == suspend.dest else s for s in spec.states
+    )
     spec = valid(replace(spec, states=states))
     guards = {**GUARDS, **{t.guard: never for t in spec.event_by_name["recompute_pause"].transitions if t.guard}}
     return spec, guards
@@ -92,8 +94,15 @@ def test_suspend_resume_ping_pong_is_a_livelock(cancel):
     spec, guards = suspend_that_frees_nothing()
     # two requests fill the GPU tier and both need a block to decode; a whole (replay) prompt per chunk, so a
     # request whose host copy the environment drops replays in one go instead of deadlocking the other
-    bound = Bound(name="ping_pong", requests=((2, 2), (2, 2)), gpu_blocks=4, host_blocks=4, block_size=1,
-                  chunk_size=4, cancel=cancel)
+    bound = Bound(
+        name="ping_pong",
+        requests=((2, 2), (2, 2)),
+        gpu_blocks=4,
+        host_blocks=4,
+        block_size=1,
+        chunk_size=4,
+        cancel=cancel,
+    )
     text = live_done(check_bound(bound, spec=spec, guards=guards, effects=MovesNothing, refine=False))
     loop = text.split(LOOP_MARK)[1]
     assert "takes event suspend" in loop and "takes event resume" in loop and "computes" not in loop
@@ -168,8 +177,15 @@ def test_pipeline_livelock_bound_holds():
 
 # The lasso `kvstate check --bound pipeline_livelock` printed on the scheduler of 8a505f5 (the 5-step loop starts
 # after the 25th action); the regression file it wrote holds the same actions.
-LIVELOCK_8A505F5 = [("submit", 0), ("submit", 1), ("submit", 2), *[("step",)] * 9, ("submit", 3), ("submit", 4),
-                    *[("step",)] * 16]
+LIVELOCK_8A505F5 = [
+    ("submit", 0),
+    ("submit", 1),
+    ("submit", 2),
+    *[("step",)] * 9,
+    ("submit", 3),
+    ("submit", 4),
+    *[("step",)] * 16,
+]
 
 
 def test_the_8a505f5_pipeline_livelock_path_now_finishes():

@@ -29,8 +29,13 @@ def always(request, pool) -> bool:
 @pytest.mark.parametrize("bound", ["default", "no_host"])
 def test_suspend_without_host_room(bound):
     guards = {**GUARDS, "host_room_for_all_blocks": always}
-    text = caught(check_bound(BOUNDS[bound], guards=guards, refine=False),
-                  "OWN-EXCL", "CONS-HOST", "HOST-CAP", "NO-HOST-NO-SUSPEND")
+    text = caught(
+        check_bound(BOUNDS[bound], guards=guards, refine=False),
+        "OWN-EXCL",
+        "CONS-HOST",
+        "HOST-CAP",
+        "NO-HOST-NO-SUSPEND",
+    )
     assert "suspend" in text
 
 
@@ -65,13 +70,24 @@ def test_victim_chosen_twice(monkeypatch):
 
     def ignores_victims(self, candidate, step):
         cap = self.config.max_preemptions_per_request
-        return (id(candidate) not in step.scheduled and not candidate.about_to_finish
-                and (cap is None or candidate.num_suspensions + candidate.num_recompute_pauses < cap))
+        return (
+            id(candidate) not in step.scheduled
+            and not candidate.about_to_finish
+            and (cap is None or candidate.num_suspensions + candidate.num_recompute_pauses < cap)
+        )
 
     # recompute-pause disabled and a host tier too small for any victim: a victim can be neither suspended
     # nor paused, so only the victims set keeps it from being chosen again
-    bound = Bound(name="victims", requests=((2, 3), (2, 3)), gpu_blocks=5, host_blocks=1, block_size=1,
-                  chunk_size=2, recompute_pause=False, env_cancels=0)
+    bound = Bound(
+        name="victims",
+        requests=((2, 3), (2, 3)),
+        gpu_blocks=5,
+        host_blocks=1,
+        block_size=1,
+        chunk_size=2,
+        recompute_pause=False,
+        env_cancels=0,
+    )
     monkeypatch.setattr(Scheduler, "_victim_eligible", ignores_victims)
     text = caught(check_bound(bound), "VICTIM-ONCE")
     assert "scheduler refinement" in text
@@ -79,8 +95,10 @@ def test_victim_chosen_twice(monkeypatch):
 
 def test_spec_edit_resume_to_done(tmp_path):
     text = packaged_spec_path().read_text()
-    edited = text.replace('{ source = ["suspended"], dest = "running", guard = "gpu_room_for_all_blocks"',
-                          '{ source = ["suspended"], dest = "done", guard = "gpu_room_for_all_blocks"')
+    edited = text.replace(
+        '{ source = ["suspended"], dest = "running", guard = "gpu_room_for_all_blocks"',
+        '{ source = ["suspended"], dest = "done", guard = "gpu_room_for_all_blocks"',
+    )
     path = tmp_path / "lifecycle.toml"
     path.write_text(edited)
     report = check_bound(BOUNDS["default"], spec=load_spec(path), counterexample_dir=tmp_path)
@@ -90,8 +108,7 @@ def test_spec_edit_resume_to_done(tmp_path):
 
 
 def test_consensus_that_replays_a_cancelled_request():
-    guards = {**GUARDS, "replay_still_wanted": always,
-              "termination_requested": lambda request, pool: False}
+    guards = {**GUARDS, "replay_still_wanted": always, "termination_requested": lambda request, pool: False}
     caught(check_bound(BOUNDS["pipeline2"], guards=guards, refine=False), "RESET-TERMINATED", "PP-TERMINATE")
 
 

@@ -15,12 +15,32 @@ from kvstate.scheduler import Scheduler
 # four requests and a tight GPU tier: enough contention for every rule to matter; only the scheduler refinement
 # runs (its step simulation is what these tests plant into), so each bound takes seconds
 BOUNDS = {
-    "policy": Bound.from_dict({"requests": [[2, 3], [2, 3], [2, 3], [1, 3]], "gpu_blocks": 6, "host_blocks": 3,
-                               "block_size": 1, "chunk_size": 2, "env_cancels": 0, "env_host_losses": 0,
-                               "abstract_model": False}, name="policy"),
-    "worth": Bound.from_dict({"requests": [[2, 3], [1, 2], [1, 2], [4, 2]], "gpu_blocks": 7, "host_blocks": 2,
-                              "block_size": 1, "chunk_size": 2, "env_cancels": 0, "env_host_losses": 0,
-                              "abstract_model": False}, name="worth"),
+    "policy": Bound.from_dict(
+        {
+            "requests": [[2, 3], [2, 3], [2, 3], [1, 3]],
+            "gpu_blocks": 6,
+            "host_blocks": 3,
+            "block_size": 1,
+            "chunk_size": 2,
+            "env_cancels": 0,
+            "env_host_losses": 0,
+            "abstract_model": False,
+        },
+        name="policy",
+    ),
+    "worth": Bound.from_dict(
+        {
+            "requests": [[2, 3], [1, 2], [1, 2], [4, 2]],
+            "gpu_blocks": 7,
+            "host_blocks": 2,
+            "block_size": 1,
+            "chunk_size": 2,
+            "env_cancels": 0,
+            "env_host_losses": 0,
+            "abstract_model": False,
+        },
+        name="worth",
+    ),
 }
 
 
@@ -94,6 +114,7 @@ def test_skipping_a_readmission_that_does_not_fit_is_caught(monkeypatch: pytest.
 def test_room_on_its_way_counted_by_every_requester_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The collapse: waiting requesters do not reserve the room they count on, so later ones wait for the same
     blocks instead of taking a victim."""
+
     def unreserved_wait(self, request, reserved, step):
         step.waited = True
         step.waiting.add(id(request))

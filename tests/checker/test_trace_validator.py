@@ -31,8 +31,12 @@ def sim_trace(host_blocks: int, pipeline_stages: int = 1, seed: int = 0) -> list
     def tracer(request, transition) -> None:
         records.append(trace_record(sched, request, transition))
 
-    sched = Scheduler(SchedulerConfig(gpu_blocks=12, host_blocks=host_blocks, block_size=2, prefill_chunk_size=4,
-                                      pipeline_stages=pipeline_stages), on_transition=tracer)
+    sched = Scheduler(
+        SchedulerConfig(
+            gpu_blocks=12, host_blocks=host_blocks, block_size=2, prefill_chunk_size=4, pipeline_stages=pipeline_stages
+        ),
+        on_transition=tracer,
+    )
     rng = random.Random(seed)
     for i in range(10):
         prompt = rng.randint(2, 8)
@@ -78,7 +82,7 @@ def test_declared_self_loops_are_accepted_and_undeclared_stutters_rejected():
     loops = [t for t in SPEC.transitions if t.source == t.dest]
     assert loops, "the spec declares deferred terminations as self-loops"
     loop = loops[0]
-    path = _path_to(loop.source) + [loop] + _path_to_terminal(loop.source)
+    path = [*_path_to(loop.source), loop, *_path_to_terminal(loop.source)]
     report = validate_trace(dumps(_walk(path)))
     assert report.ok, report.divergence.describe()
     assert report.transitions[loop.event] >= 1
@@ -107,8 +111,15 @@ def test_empty_trace_is_valid_and_blank_lines_are_skipped_but_keep_line_numbers(
 # ------------------------------------------------------------------------------------------ corruptions
 
 
-def assert_rejected(records_or_lines, line: int, rule: str, invariant: str | None = None, *, field: str | None = None,
-                    require_done: bool = True):
+def assert_rejected(
+    records_or_lines,
+    line: int,
+    rule: str,
+    invariant: str | None = None,
+    *,
+    field: str | None = None,
+    require_done: bool = True,
+):
     lines = records_or_lines if isinstance(records_or_lines[0], str) else dumps(records_or_lines)
     report = validate_trace(lines, require_done=require_done)
     assert not report.ok, f"corruption at line {line} not detected"
@@ -161,11 +172,11 @@ def test_host_tier_gone_while_a_request_stays_suspended_is_rejected(pressured):
     hosts = set(SPEC.states_with_residency("host"))
     i = first(pressured, lambda r: r["to"] in hosts)
     j = first(pressured, lambda r: r["request_id"] != pressured[i]["request_id"] and r["to"] not in hosts, i + 1)
-    assert all(r["request_id"] != pressured[i]["request_id"] for r in pressured[i + 1:j]), "still suspended at j"
+    assert all(r["request_id"] != pressured[i]["request_id"] for r in pressured[i + 1 : j]), "still suspended at j"
     corrupted = [dict(r) for r in pressured]
     corrupted[j].update(host_capacity=0, host_free=0, host_fenced=0)
     d = assert_rejected(corrupted, j + 1, vt.NO_HOST, "NO-HOST-NO-SUSPEND")
-    state_at_j = {r["request_id"]: r["to"] for r in pressured[:j + 1]}
+    state_at_j = {r["request_id"]: r["to"] for r in pressured[: j + 1]}
     named = [rid for rid, state in state_at_j.items() if state in hosts and repr(rid) in d.message]
     assert named, d.message
 
@@ -188,13 +199,16 @@ def test_more_blocks_than_capacity_is_rejected(pressured, tier, invariant):
 
 def test_generated_decreasing_is_rejected(pressured):
     seen: dict = {}
+    at = None  # the first line of a request that had already generated a token on an earlier line
     for i, r in enumerate(pressured):
         if seen.get(r["request_id"], 0) > 0:
+            at = i
             break
         seen[r["request_id"]] = r["generated"]
+    assert at is not None, "the trace must have a request with a line after its first token"
     corrupted = [dict(r) for r in pressured]
-    corrupted[i]["generated"] = seen[r["request_id"]] - 1
-    assert_rejected(corrupted, i + 1, vt.GENERATED, "GEN-APPEND")
+    corrupted[at]["generated"] = seen[pressured[at]["request_id"]] - 1
+    assert_rejected(corrupted, at + 1, vt.GENERATED, "GEN-APPEND")
 
 
 def test_iteration_going_backwards_is_rejected(pressured):
@@ -233,8 +247,17 @@ def test_missing_field_is_rejected_naming_the_field(pressured, field):
     assert_rejected(corrupted, i + 1, vt.FORMAT, field=field)
 
 
-@pytest.mark.parametrize("field, value", [("gpu_blocks", "3"), ("gpu_free", -1), ("generated", True),
-                                          ("gpu_capacity", 0), ("request_id", [1]), ("done_reason", 0)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("gpu_blocks", "3"),
+        ("gpu_free", -1),
+        ("generated", True),
+        ("gpu_capacity", 0),
+        ("request_id", [1]),
+        ("done_reason", 0),
+    ],
+)
 def test_wrong_field_type_is_rejected_naming_the_field(pressured, field, value):
     i = len(pressured) // 2
     corrupted = [dict(r) for r in pressured]
@@ -335,8 +358,12 @@ def test_a_trace_written_by_the_torch_engine_validates(tmp_path):
     try:
         model = LlamaModel.from_seed(ModelConfig(), 0, dtype=torch.float64, device="cpu")
         path = tmp_path / "engine.ndjson"
-        with Engine(EngineConfig(device="cpu", gpu_blocks=16, host_blocks=6, block_size=4, trace_path=path),
-                    model=model) as engine:
+        with Engine(
+            EngineConfig(
+                device="cpu", scheduler=SchedulerConfig(gpu_blocks=16, host_blocks=6, block_size=4), trace_path=path
+            ),
+            model=model,
+        ) as engine:
             submit_all(engine, random_workload(10, 3, (4, 30), (8, 24)))
             for _ in range(5):
                 engine.step()
@@ -365,7 +392,7 @@ def _path_to(state: str) -> list:
         for t in SPEC.transitions:
             if t.source == here and t.dest not in seen:
                 seen.add(t.dest)
-                frontier.append((t.dest, path + [t]))
+                frontier.append((t.dest, [*path, t]))
     raise AssertionError(f"{state} unreachable")
 
 
@@ -380,13 +407,26 @@ def _walk(path: list, request_id: int = 7) -> list[dict]:
     for n, t in enumerate(path):
         residency = SPEC.residency(t.dest)
         generated += residency == "gpu"
-        records.append({
-            "iteration": n, "request_id": request_id, "event": t.event, "from": t.source, "to": t.dest,
-            "gpu_blocks": int(residency == "gpu"), "host_blocks": int(residency == "host"),
-            "gpu_free": 4 - (residency == "gpu"), "host_free": 4 - (residency == "host"), "gpu_fenced": 0,
-            "host_fenced": 0, "gpu_capacity": 4, "host_capacity": 4, "generated": generated, "computed_tokens": 0,
-            "done_reason": (t.done_reason or "finished") if t.dest in TERMINAL else None,
-        })
+        records.append(
+            {
+                "iteration": n,
+                "request_id": request_id,
+                "event": t.event,
+                "from": t.source,
+                "to": t.dest,
+                "gpu_blocks": int(residency == "gpu"),
+                "host_blocks": int(residency == "host"),
+                "gpu_free": 4 - (residency == "gpu"),
+                "host_free": 4 - (residency == "host"),
+                "gpu_fenced": 0,
+                "host_fenced": 0,
+                "gpu_capacity": 4,
+                "host_capacity": 4,
+                "generated": generated,
+                "computed_tokens": 0,
+                "done_reason": (t.done_reason or "finished") if t.dest in TERMINAL else None,
+            }
+        )
     return records
 
 
@@ -410,9 +450,12 @@ def per_line_bound_holds(r: dict, tier: str) -> bool:
 
 def test_host_conservation_is_exact_on_real_traces(pressured):
     totals = held_by_all(pressured, "host")
-    assert all(r["host_free"] + r["host_fenced"] + h == r["host_capacity"] for r, h in zip(pressured, totals))
-    assert max(totals) > 0 and any(h > r["host_blocks"] for r, h in zip(pressured, totals)), \
+    assert all(
+        r["host_free"] + r["host_fenced"] + h == r["host_capacity"] for r, h in zip(pressured, totals, strict=True)
+    )
+    assert max(totals) > 0 and any(h > r["host_blocks"] for r, h in zip(pressured, totals, strict=True)), (
         "the trace must have lines where other requests hold host blocks"
+    )
 
 
 @pytest.mark.parametrize("delta", [-1, +1])
@@ -440,10 +483,13 @@ def test_a_host_count_off_by_one_on_another_request_line_is_rejected(pressured, 
 
 def test_gpu_blocks_counted_over_all_requests_catch_what_the_per_line_bound_missed(pressured):
     totals = held_by_all(pressured, "gpu")
-    slack = [r["gpu_capacity"] - r["gpu_free"] - r["gpu_fenced"] - t for r, t in zip(pressured, totals)]
+    slack = [r["gpu_capacity"] - r["gpu_free"] - r["gpu_fenced"] - t for r, t in zip(pressured, totals, strict=True)]
     assert min(slack) >= 0  # the GPU law holds on the real trace, with last-seen counts as lower bounds
-    i = next(i for i, r in enumerate(pressured)
-             if r["gpu_free"] + r["gpu_fenced"] + r["gpu_blocks"] + slack[i] + 1 <= r["gpu_capacity"])
+    i = next(
+        i
+        for i, r in enumerate(pressured)
+        if r["gpu_free"] + r["gpu_fenced"] + r["gpu_blocks"] + slack[i] + 1 <= r["gpu_capacity"]
+    )
     corrupted = [dict(r) for r in pressured]
     corrupted[i]["gpu_free"] += slack[i] + 1  # one more free block than there can be
     assert per_line_bound_holds(corrupted[i], "gpu"), "the old per-line bound would have missed it"

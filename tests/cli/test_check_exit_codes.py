@@ -23,15 +23,22 @@ def test_check_help_documents_every_exit_code(capsys):
     assert main(["check", "--help"]) == 0
     text = capsys.readouterr().out
     documented = {int(code): word for code, word in re.findall(r"^\s+(\d)\s+(\w+)", text, flags=re.M)}
-    assert documented == {EXIT_CODES[HOLDS]: HOLDS, EXIT_CODES[VIOLATED]: VIOLATED, USAGE_ERROR: "unusable",
-                          EXIT_CODES[INCOMPLETE]: INCOMPLETE}
+    assert documented == {
+        EXIT_CODES[HOLDS]: HOLDS,
+        EXIT_CODES[VIOLATED]: VIOLATED,
+        USAGE_ERROR: "unusable",
+        EXIT_CODES[INCOMPLETE]: INCOMPLETE,
+    }
 
 
-@pytest.mark.parametrize("content, words", [
-    ("[bounds.x]\nrequests = 'many'\n", "bound 'x'"),
-    ("not = [toml", "not valid TOML"),
-    ("", "expected tables [bounds.NAME]"),
-])
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        ("[bounds.x]\nrequests = 'many'\n", "bound 'x'"),
+        ("not = [toml", "not valid TOML"),
+        ("", "expected tables [bounds.NAME]"),
+    ],
+)
 def test_an_unusable_bounds_file_is_exit_2(tmp_path, capsys, content, words):
     path = tmp_path / "bounds.toml"
     path.write_text(content)

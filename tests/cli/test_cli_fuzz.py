@@ -146,8 +146,12 @@ COUNT_OPTIONS = {
     "bench": ["--seed"],
     "generate": ["--max-new-tokens", "--seed"],
 }
-OUTPUT_OPTIONS = {"demo": ["--trace", "--report"], "bench": ["--json", "--plots"], "diagram": ["--out"],
-                  "check": ["--counterexample-dir"]}
+OUTPUT_OPTIONS = {
+    "demo": ["--trace", "--report"],
+    "bench": ["--json", "--plots"],
+    "diagram": ["--out"],
+    "check": ["--counterexample-dir"],
+}
 REQUIRED = {"generate": ["--checkpoint", "/tmp", "hi"]}
 
 
@@ -157,11 +161,15 @@ def malformed(draw) -> list[str]:
     command = draw(st.sampled_from(sorted(set(COUNT_OPTIONS) | set(OUTPUT_OPTIONS))))
     bad = []
     if command in COUNT_OPTIONS:
-        bad += [[flag, draw(st.sampled_from(BAD_COUNT))]
-                for flag in draw(st.lists(st.sampled_from(COUNT_OPTIONS[command]), max_size=3, unique=True))]
+        bad += [
+            [flag, draw(st.sampled_from(BAD_COUNT))]
+            for flag in draw(st.lists(st.sampled_from(COUNT_OPTIONS[command]), max_size=3, unique=True))
+        ]
     if command in OUTPUT_OPTIONS:
-        bad += [[flag, draw(st.sampled_from(BAD_PATH))]
-                for flag in draw(st.lists(st.sampled_from(OUTPUT_OPTIONS[command]), max_size=2, unique=True))]
+        bad += [
+            [flag, draw(st.sampled_from(BAD_PATH))]
+            for flag in draw(st.lists(st.sampled_from(OUTPUT_OPTIONS[command]), max_size=2, unique=True))
+        ]
     if not bad:
         flag = draw(st.sampled_from(COUNT_OPTIONS.get(command) or OUTPUT_OPTIONS[command]))
         bad = [[flag, draw(st.sampled_from(BAD_COUNT if command in COUNT_OPTIONS else BAD_PATH))]]
@@ -169,7 +177,9 @@ def malformed(draw) -> list[str]:
     return [command, *REQUIRED.get(command, []), *(part for pair in order for part in pair)]
 
 
-@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(argv=malformed())
 def test_generated_malformed_command_lines_are_refused(run_cli, argv):
     code, out, err = run_cli(argv)

@@ -41,11 +41,30 @@ def test_spec_command_fits_a_piped_80_column_terminal(capsys, monkeypatch):
 
 
 def test_bench_table_fits_80_columns():
-    rows = [Row("migration", "suspend copy of 512 blocks of 64 KiB, merged runs", 4.2, "GB/s",
-                "one contiguous copy of the same bytes", 15.0, target="ratio >= 0.7", met=False,
-                note="per-block copies; merged runs close the gap"),
-            Row("overhead", "schedule() steady decode, 1,024 running", 0.25, "ms", "nano-vllm-style peer", 0.25,
-                better="lower", target="ratio <= 1.5", met=True)]
+    rows = [
+        Row(
+            "migration",
+            "suspend copy of 512 blocks of 64 KiB, merged runs",
+            4.2,
+            "GB/s",
+            "one contiguous copy of the same bytes",
+            15.0,
+            target="ratio >= 0.7",
+            met=False,
+            note="per-block copies; merged runs close the gap",
+        ),
+        Row(
+            "overhead",
+            "schedule() steady decode, 1,024 running",
+            0.25,
+            "ms",
+            "nano-vllm-style peer",
+            0.25,
+            better="lower",
+            target="ratio <= 1.5",
+            met=True,
+        ),
+    ]
     text = rendered([render_table([Section("x", rows, {})], "kvstate bench: ratios measured side by side")])
     assert max(len(line) for line in text.splitlines()) <= WIDTH
     flat = " ".join(text.split())

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import shutil
-import xml.etree.ElementTree as ElementTree
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 
@@ -42,8 +42,11 @@ def test_check_fails_with_a_diff_when_a_label_changes(tmp_path: Path, capsys: py
     out = capsys.readouterr().out
     assert "DIFFERS:" in out
     assert any(line.startswith("+") and f"{event.label} renamed" in line for line in out.splitlines())
-    assert any(line.startswith("-") and f"{event.label} renamed" not in line and event.label in line
-               for line in out.splitlines() if not line.startswith("---"))
+    assert any(
+        line.startswith("-") and f"{event.label} renamed" not in line and event.label in line
+        for line in out.splitlines()
+        if not line.startswith("---")
+    )
 
 
 def test_check_counts_missing_files_as_differing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -136,12 +136,16 @@ def test_bundled_drawing_draws_every_transition_exactly_once(spec: Spec, sources
     assert len(drawn) < len(spec.transitions), "bundling draws fewer arrows"
     for arrow in drawn:
         assert {(e.dest, e.effect, e.kind, e.origin) for e in arrow.members} == {
-            (arrow.dest, arrow.effect, arrow.kind, arrow.origin)}
+            (arrow.dest, arrow.effect, arrow.kind, arrow.origin)
+        }
         assert arrow.source == ANY_STATE or {e.source for e in arrow.members} == {arrow.source}
     broadcast = diagram.broadcast_events
     assert broadcast, "the spec has events enabled in every non-terminal state"
-    into_terminal = {(t.event, t.source, t.dest) for t in spec.transitions
-                     if t.event in broadcast and spec.state_by_name[t.dest].terminal}
+    into_terminal = {
+        (t.event, t.source, t.dest)
+        for t in spec.transitions
+        if t.event in broadcast and spec.state_by_name[t.dest].terminal
+    }
     assert into_terminal == {e.key for arrow in drawn if arrow.source == ANY_STATE for e in arrow.members}
     arrows = [line for line in sources[DOT_FILE].splitlines() if " -> " in line and INITIAL_NODE not in line]
     assert len(arrows) == len(drawn)
@@ -162,7 +166,8 @@ def test_only_kv_dropping_edges_carry_the_destructive_style(spec: Spec, all_sour
     mermaid_marked = [line for line in all_sources[MERMAID_FILE].splitlines() if f": {DESTRUCTIVE_MARK}" in line]
     expected = sum(drops_kv(spec, t) for t in spec.transitions)
     assert 0 < expected < sum(t.destructive for t in spec.transitions) < len(spec.transitions), (
-        "the spec should have KV-dropping, other destructive and non-destructive edges")
+        "the spec should have KV-dropping, other destructive and non-destructive edges"
+    )
     assert len(destructive_lines) == len(mermaid_marked) == expected
 
 
@@ -179,7 +184,7 @@ def test_edge_kinds_follow_residency_and_the_legend_names_each_kind_drawn(spec: 
     kinds = {arrow.kind for arrow in diagram.drawn_edges}
     assert kinds == set(EdgeKind), "the packaged spec draws every kind"
     dot = sources[DOT_FILE]
-    legend = dot[dot.index("label=<<"):dot.index("</table>>")]
+    legend = dot[dot.index("label=<<") : dot.index("</table>>")]
     meanings = kind_meanings(diagram)
     for kind in kinds:
         assert KIND_KEYS[kind][1] in legend and meanings[kind].split(":")[0] in legend
@@ -223,7 +228,7 @@ def test_review_view_styles_edges_by_origin_and_names_what_they_feed(spec: Spec,
     lines = [line for line in review.splitlines() if " -> " in line and INITIAL_NODE not in line]
     diagram = build_diagram(spec)
     assert len(lines) == len(diagram.drawn_edges)
-    for line, arrow in zip(lines, diagram.drawn_edges):
+    for line, arrow in zip(lines, diagram.drawn_edges, strict=True):
         assert f'color="{ORIGIN_STYLES[arrow.origin][0]}"' in line
         for edge in arrow.members:
             event = spec.event_by_name[edge.event]

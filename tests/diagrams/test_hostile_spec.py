@@ -11,9 +11,9 @@ import json
 import re
 import shutil
 import subprocess
-import xml.etree.ElementTree as ElementTree
 from dataclasses import replace
 from html.parser import HTMLParser
+from xml.etree import ElementTree
 
 import pytest
 
@@ -49,8 +49,12 @@ def rename_state(spec: Spec, old: str, new: str) -> Spec:
     name = {old: new}.get
     states = tuple(replace(s, name=name(s.name, s.name)) for s in spec.states)
     events = tuple(
-        replace(e, transitions=tuple(replace(t, source=name(t.source, t.source), dest=name(t.dest, t.dest))
-                                     for t in e.transitions))
+        replace(
+            e,
+            transitions=tuple(
+                replace(t, source=name(t.source, t.source), dest=name(t.dest, t.dest)) for t in e.transitions
+            ),
+        )
         for e in spec.events
     )
     return replace(spec, states=states, events=events, initial=name(spec.initial, spec.initial))
@@ -66,8 +70,9 @@ def hostile(payload: str) -> Spec:
     return replace(spec, name=payload, states=states, events=events)
 
 
-@pytest.fixture(params=STATE_PAYLOADS, ids=["mermaid-click", "script", "triple-quote", "dot-breakout", "md-link",
-                                            "newlines"])
+@pytest.fixture(
+    params=STATE_PAYLOADS, ids=["mermaid-click", "script", "triple-quote", "dot-breakout", "md-link", "newlines"]
+)
 def payload(request: pytest.FixtureRequest) -> str:
     return request.param
 
@@ -80,15 +85,15 @@ def diagram(request: pytest.FixtureRequest, payload: str) -> Diagram:
 # ------------------------------------------------------------------------------------------------------ DOT
 
 DOT_STATEMENT = re.compile(
-    r'^(// .*'  # the one comment, first line
-    r'|digraph lifecycle \{|\}'
-    r'|  (rankdir|newrank|nodesep|ranksep|fontname|labelloc|label)=.*;'
-    r'|  (node|edge) \[.*\];'
-    r'|  subgraph cluster_(gpu|host|none) \{|  \}'
+    r"^(// .*"  # the one comment, first line
+    r"|digraph lifecycle \{|\}"
+    r"|  (rankdir|newrank|nodesep|ranksep|fontname|labelloc|label)=.*;"
+    r"|  (node|edge) \[.*\];"
+    r"|  subgraph cluster_(gpu|host|none) \{|  \}"
     r'|    label=".*";|    fontsize=15; .*;|    style=.*;'
     r'|\s+"(?:[^"\\]|\\.)*" \[.*\];'  # a node
     r'|  "(?:[^"\\]|\\.)*" -> "(?:[^"\\]|\\.)*"( \[.*\])?;'  # an edge
-    r'|)$'
+    r"|)$"
 )
 
 
@@ -121,7 +126,7 @@ def test_rendered_svg_has_no_link_and_shows_the_payload(payload: str) -> None:
     svg = render_svg(render_dot(build_diagram(hostile(payload)))).decode()
     assert "<a" not in svg and "href" not in svg and "<script" not in svg
     texts = {element.text.strip() for element in ElementTree.fromstring(svg).iter() if element.text}
-    assert one_line(payload.split("\n")[0]).strip() in texts, "the hostile name is still shown, literally"
+    assert one_line(payload.split("\n", maxsplit=1)[0]).strip() in texts, "the hostile name is still shown, literally"
 
 
 def test_dot_string_escapes_every_way_out() -> None:
@@ -198,8 +203,7 @@ HOSTILE_SVG = """<?xml version="1.0"?>
 def test_safe_svg_keeps_the_drawing_and_drops_every_active_part() -> None:
     clean = safe_svg(HOSTILE_SVG)
     assert "kept" in clean and "<polygon" in clean and 'viewBox="0 0 10 10"' in clean
-    for bad in ("javascript", "alert", "onload", "<script", "<a", "href", "foreignObject", "<image", "<use",
-                'id="'):
+    for bad in ("javascript", "alert", "onload", "<script", "<a", "href", "foreignObject", "<image", "<use", 'id="'):
         assert bad not in clean, bad
 
 
@@ -238,7 +242,7 @@ def every_payload() -> Spec:
     """The packaged spec with every payload at once: each non-initial state renamed to one, the spec's name one."""
     spec = load_spec()
     others = [s.name for s in spec.states if s.name != spec.initial]
-    for state, payload in zip(others, STATE_PAYLOADS):
+    for state, payload in zip(others[: len(STATE_PAYLOADS)], STATE_PAYLOADS, strict=True):
         spec = rename_state(spec, state, payload)
     return replace(spec, name=DOT_BREAKOUT)
 
@@ -254,12 +258,39 @@ def test_report_of_a_hostile_spec_is_inert(tmp_path) -> None:
     terminal = spec.terminal_states[0]
     first = spec.transitions[0]
     end = next(t for t in spec.transitions if t.dest == terminal and t.source == first.dest)
-    common = {"gpu_blocks": 0, "host_blocks": 0, "host_free": 4, "gpu_fenced": 0, "host_fenced": 0,
-              "gpu_capacity": 8, "host_capacity": 4, "generated": 0, "computed_tokens": 0}
-    lines = [{"iteration": 1, "request_id": payload, "event": first.event, "from": first.source,
-              "to": first.dest, "gpu_free": 6, "done_reason": None, **common},
-             {"iteration": 3, "request_id": payload, "event": end.event, "from": end.source, "to": end.dest,
-              "gpu_free": 8, "done_reason": "finished", **common}]
+    common = {
+        "gpu_blocks": 0,
+        "host_blocks": 0,
+        "host_free": 4,
+        "gpu_fenced": 0,
+        "host_fenced": 0,
+        "gpu_capacity": 8,
+        "host_capacity": 4,
+        "generated": 0,
+        "computed_tokens": 0,
+    }
+    lines = [
+        {
+            "iteration": 1,
+            "request_id": payload,
+            "event": first.event,
+            "from": first.source,
+            "to": first.dest,
+            "gpu_free": 6,
+            "done_reason": None,
+            **common,
+        },
+        {
+            "iteration": 3,
+            "request_id": payload,
+            "event": end.event,
+            "from": end.source,
+            "to": end.dest,
+            "gpu_free": 8,
+            "done_reason": "finished",
+            **common,
+        },
+    ]
     trace = tmp_path / "t.ndjson"
     trace.write_text("".join(json.dumps({key: line[key] for key in TRACE_FIELDS}) + "\n" for line in lines))
     result = write_report(trace, tmp_path / "out", spec=spec)
@@ -282,10 +313,12 @@ def test_report_of_a_hostile_spec_is_inert(tmp_path) -> None:
 
 
 def chain(states: int) -> Diagram:
-    nodes = tuple(Node(f"s{i}", "gpu" if i % 2 else "none", "a state of a long chain", i == states - 1)
-                  for i in range(states))
-    edges = tuple(Edge(f"s{i}", f"s{i + 1}", "step", "step", None, None, False, EdgeKind.KEEP)
-                  for i in range(states - 1))
+    nodes = tuple(
+        Node(f"s{i}", "gpu" if i % 2 else "none", "a state of a long chain", i == states - 1) for i in range(states)
+    )
+    edges = tuple(
+        Edge(f"s{i}", f"s{i + 1}", "step", "step", None, None, False, EdgeKind.KEEP) for i in range(states - 1)
+    )
     return Diagram("chain", 1, "s0", nodes, edges, all_edges=True)
 
 

@@ -7,22 +7,25 @@ Every test here is marked `distributed`; the spawning ones start two gloo ranks 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from executor import Engine, EngineConfig
 from executor.checks import random_workload
 from executor.pytest_fixtures import single_thread_torch
-from kvstate import load_spec
+from kvstate import SchedulerConfig, load_spec
 from kvstate.checker import validate_trace
 
 SPEC = load_spec()
 __all__ = ["SPEC", "check_trace", "pressured", "references", "single_thread_torch", "workload"]
 
 
-def pressured(**overrides) -> EngineConfig:
-    """A small GPU tier (16 blocks x 4 tokens) that forces preemption, with invariant checks on rank 0."""
-    settings = {"device": "cpu", "gpu_blocks": 16, "host_blocks": 6, "block_size": 4, "prefill_chunk_size": 16,
-                "max_num_tokens": 64, "check_invariants": True, **overrides}
-    return EngineConfig(**settings)
+def pressured(host_blocks: int = 6, **overrides) -> EngineConfig:
+    """A small GPU tier (16 blocks x 4 tokens) that forces preemption, with invariant checks on rank 0;
+    `overrides` are EngineConfig fields."""
+    scheduler = SchedulerConfig(
+        gpu_blocks=16, host_blocks=host_blocks, block_size=4, prefill_chunk_size=16, max_num_tokens=64
+    )
+    return EngineConfig(**{"scheduler": scheduler, "device": "cpu", "check_invariants": True, **overrides})
 
 
 def workload(count: int = 10, seed: int = 1) -> list[tuple[list[int], int]]:
@@ -31,8 +34,10 @@ def workload(count: int = 10, seed: int = 1) -> list[tuple[list[int], int]]:
 
 def references(config: EngineConfig, work) -> dict:
     """{id: Engine.reference} of each (prompt, max_new_tokens), ids = positions (single process, same weights)."""
-    with Engine(EngineConfig(**{**config.__dict__, "trace_path": None, "host_blocks": 0,
-                                "check_invariants": False})) as oracle:
+    oracle_config = replace(
+        config, trace_path=None, check_invariants=False, scheduler=replace(config.scheduler, host_blocks=0)
+    )
+    with Engine(oracle_config) as oracle:
         return {rid: oracle.reference(prompt, new, request_id=rid) for rid, (prompt, new) in enumerate(work)}
 
 

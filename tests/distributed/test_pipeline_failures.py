@@ -47,7 +47,7 @@ def _listening(pids: set[int]) -> list[tuple[int, str, int]]:
                 continue
             address, port = fields[1].split(":")
             raw = bytes.fromhex(address)
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # /proc writes 32-bit words host-order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # /proc writes 32-bit words host-order
             found.append((inodes[fields[9]], socket.inet_ntop(family, raw), int(port, 16)))
     return found
 
@@ -90,7 +90,7 @@ def _run_and_act(tmp_path, monkeypatch, act, requests: int = 24):
 
     thread = threading.Thread(target=watcher)
     thread.start()
-    with pytest.raises(Exception) as info:  # noqa: PT011 - the type is asserted by each test
+    with pytest.raises(Exception) as info:
         run_pipeline(config, workload(requests, seed=3), world_size=2)
     raised = time.monotonic()
     thread.join()
@@ -116,8 +116,9 @@ def test_a_killed_rank_is_one_clear_line_and_the_run_listens_on_loopback_only(tm
 
 
 def test_a_stopped_rank_fails_the_run_within_its_timeout(tmp_path, monkeypatch):
-    err, seconds, _ = _run_and_act(tmp_path, monkeypatch,
-                                   lambda context: os.kill(context.processes[1].pid, signal.SIGSTOP))
+    err, seconds, _ = _run_and_act(
+        tmp_path, monkeypatch, lambda context: os.kill(context.processes[1].pid, signal.SIGSTOP)
+    )
     assert isinstance(err, RankLost), err
     message = str(err)
     assert "\n" not in message and "rank 1" in message and "stopped" in message, message

@@ -90,8 +90,9 @@ def test_no_reset_before_every_stage_acknowledged(scenario, delay, request):
             assert pause["paused"] + delay < pause["agreed"] <= pause["released"], pause
             assert pause["acked"] <= pause["agreed"], pause
     # the same pauses, agreed and released at the same iterations, on both ranks
-    assert [(p["request_id"], p["agreed"], p["released"]) for p in result.ranks[0].pauses] == \
-        [(p["request_id"], p["agreed"], p["released"]) for p in result.ranks[1].pauses]
+    assert [(p["request_id"], p["agreed"], p["released"]) for p in result.ranks[0].pauses] == [
+        (p["request_id"], p["agreed"], p["released"]) for p in result.ranks[1].pauses
+    ]
     # in the trace: after recompute_pause -> awaiting_consensus, only deferred self-loops until consensus,
     # which comes at least `delay` iterations later and releases the blocks
     for rank in result.ranks:
@@ -118,9 +119,12 @@ def test_cancel_while_awaiting_consensus_terminates_instead_of_replaying(scenari
     assert len(cancelled) == 1
     lines = [(line["event"], line["from"], line["to"]) for line in driver.trace if line["request_id"] == cancelled[0]]
     at = lines.index(("cancel", "awaiting_consensus", "awaiting_consensus"))
-    assert lines[at - 1] == ("recompute_pause", "running", "awaiting_consensus") or \
-        lines[at - 1] == ("recompute_pause", "replaying", "awaiting_consensus")
-    assert lines[at + 1:] == [("consensus", "awaiting_consensus", "done")]
+    assert lines[at - 1] == ("recompute_pause", "running", "awaiting_consensus") or lines[at - 1] == (
+        "recompute_pause",
+        "replaying",
+        "awaiting_consensus",
+    )
+    assert lines[at + 1 :] == [("consensus", "awaiting_consensus", "done")]
     assert [p["outcome"] for p in driver.pauses if p["request_id"] == cancelled[0]][-1] == "done"
 
 

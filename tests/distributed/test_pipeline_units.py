@@ -9,8 +9,18 @@ import pytest
 import torch
 
 from executor import LlamaModel, ModelConfig, PagedBatch, SeqChunk
-from executor.pipeline import (ConsensusBook, MirrorBook, MirrorDiverged, PipelineConfig, PipelineConfigError,
-                               StageCache, StageModel, agree_host_tier, run_rank, stage_layers)
+from executor.pipeline import (
+    ConsensusBook,
+    MirrorBook,
+    MirrorDiverged,
+    PipelineConfig,
+    PipelineConfigError,
+    StageCache,
+    StageModel,
+    agree_host_tier,
+    run_rank,
+    stage_layers,
+)
 from executor.pipeline.comm import Comm
 from executor.pipeline.config import as_requests
 from kvstate.errors import InvariantViolation

@@ -27,7 +27,7 @@ def readme_snippets() -> list[tuple[str, str, str, int]]:
     snippets = []
     for match in FENCE.finditer(README):
         line = README.count("\n", 0, match.start()) + 1
-        headings = re.findall(r"^## (.+)$", README[:match.start()], flags=re.M)
+        headings = re.findall(r"^## (.+)$", README[: match.start()], flags=re.M)
         section = headings[-1] if headings else ""
         language, code = match.groups()
         if section in SKIPPED_SECTIONS or "python3 -m venv" in code:
@@ -50,18 +50,22 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("readme")
 
 
-@pytest.mark.parametrize("section, language, code, line", SNIPPETS,
-                         ids=[f"line{line}-{language}" for _, language, _, line in SNIPPETS])
+@pytest.mark.parametrize(
+    "section, language, code, line", SNIPPETS, ids=[f"line{line}-{language}" for _, language, _, line in SNIPPETS]
+)
 def test_readme_snippet_runs_as_written(workdir, section, language, code, line):
     path = workdir / f"snippet_line{line}.{'py' if language == 'python' else 'sh'}"
     path.write_text(code, encoding="utf-8")
     command = [sys.executable, str(path)] if language == "python" else ["bash", "-euo", "pipefail", str(path)]
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     try:
-        done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True,
-                              timeout=SNIPPET_TIMEOUT_S)
+        done = subprocess.run(
+            command, check=False, cwd=workdir, env=env, capture_output=True, text=True, timeout=SNIPPET_TIMEOUT_S
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"README.md line {line} ({section}): the {language} snippet ran past {SNIPPET_TIMEOUT_S} s")
-    assert done.returncode == 0, (f"README.md line {line} ({section}): the {language} snippet failed with exit "
-                                  f"status {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
+    assert done.returncode == 0, (
+        f"README.md line {line} ({section}): the {language} snippet failed with exit "
+        f"status {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    )
     assert "Traceback" not in done.stderr

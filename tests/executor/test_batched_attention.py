@@ -15,8 +15,15 @@ BLOCK = 4
 
 def _cache(model, blocks: int) -> PagedKVCache:
     c = model.config
-    return PagedKVCache(blocks, num_layers=c.num_layers, block_size=BLOCK, num_kv_heads=c.num_kv_heads,
-                        head_dim=c.head_dim, dtype=model.dtype, device="cpu")
+    return PagedKVCache(
+        blocks,
+        num_layers=c.num_layers,
+        block_size=BLOCK,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        dtype=model.dtype,
+        device="cpu",
+    )
 
 
 def _unbatched(batch: PagedBatch) -> PagedBatch:
@@ -37,14 +44,15 @@ def _schedule(seed: int, requests: int = 6):
         free = free[need:]
     done = [0] * requests
     passes = []
-    while any(d < len(s) for d, s in zip(done, seqs)):
+    while any(d < len(s) for d, s in zip(done, seqs, strict=True)):
         chunks = []
         for i in rng.sample(range(requests), requests):
             if done[i] < len(seqs[i]):
                 n = 1 if done[i] and rng.random() < 0.6 else rng.randint(1, 7)
                 n = min(n, len(seqs[i]) - done[i])
-                chunks.append((i, SeqChunk(tuple(seqs[i][done[i]:done[i] + n]), done[i], tables[i],
-                                           rng.random() < 0.8)))
+                chunks.append(
+                    (i, SeqChunk(tuple(seqs[i][done[i] : done[i] + n]), done[i], tables[i], rng.random() < 0.8))
+                )
                 done[i] += n
         passes.append(chunks)
     return passes, seqs
@@ -73,7 +81,7 @@ def test_schedule_equals_dense(tiny_model, seed):
     dense = [tiny_model.forward_dense(s) for s in seqs]
     for chunks in passes:
         out = tiny_model.forward_paged(PagedBatch.build([c for _, c in chunks], BLOCK), cache)
-        rows = [(i, c.start + len(c.tokens) - 1) for i, c in chunks if c.sample]
+        rows = [(i, c.start + len(c.tokens) - 1) for i, c in chunks if c.produces_token]
         assert out.shape[0] == len(rows)
         for row, (i, pos) in enumerate(rows):
             torch.testing.assert_close(out[row], dense[i][pos], rtol=1e-10, atol=1e-10)

@@ -13,8 +13,25 @@ from kvstate.cli import main
 
 def test_demo_runs_and_passes(tmp_path, capsys):
     trace = tmp_path / "demo.ndjson"
-    code = main(["demo", "--requests", "8", "--gpu-blocks", "12", "--host-blocks", "4", "--block-size", "4",
-                 "--device", "cpu", "--seed", "1", "--trace", str(trace)])
+    code = main(
+        [
+            "demo",
+            "--requests",
+            "8",
+            "--gpu-blocks",
+            "12",
+            "--host-blocks",
+            "4",
+            "--block-size",
+            "4",
+            "--device",
+            "cpu",
+            "--seed",
+            "1",
+            "--trace",
+            str(trace),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "OUTPUT EQUIVALENCE: PASS" in out
@@ -25,15 +42,47 @@ def test_demo_runs_and_passes(tmp_path, capsys):
 
 
 def test_demo_without_host_tier(tmp_path, capsys):
-    code = main(["demo", "--requests", "6", "--gpu-blocks", "12", "--host-blocks", "0", "--block-size", "4",
-                 "--device", "cpu", "--trace", str(tmp_path / "t.ndjson")])
+    code = main(
+        [
+            "demo",
+            "--requests",
+            "6",
+            "--gpu-blocks",
+            "12",
+            "--host-blocks",
+            "0",
+            "--block-size",
+            "4",
+            "--device",
+            "cpu",
+            "--trace",
+            str(tmp_path / "t.ndjson"),
+        ]
+    )
     assert code == 0
     assert "PASS" in capsys.readouterr().out
 
 
 def test_demo_writes_a_report_of_its_trace(tmp_path, capsys):
-    code = main(["demo", "--requests", "6", "--gpu-blocks", "12", "--host-blocks", "4", "--block-size", "4",
-                 "--device", "cpu", "--trace", str(tmp_path / "t.ndjson"), "--report", str(tmp_path / "report")])
+    code = main(
+        [
+            "demo",
+            "--requests",
+            "6",
+            "--gpu-blocks",
+            "12",
+            "--host-blocks",
+            "4",
+            "--block-size",
+            "4",
+            "--device",
+            "cpu",
+            "--trace",
+            str(tmp_path / "t.ndjson"),
+            "--report",
+            str(tmp_path / "report"),
+        ]
+    )
     out = capsys.readouterr().out.replace("\n", "")
     assert code == 0
     html = tmp_path / "report" / "report.html"
@@ -43,8 +92,25 @@ def test_demo_writes_a_report_of_its_trace(tmp_path, capsys):
 @pytest.mark.distributed
 def test_demo_on_two_pipeline_stages(tmp_path, capsys):
     trace = tmp_path / "pp.ndjson"
-    code = main(["demo", "--pp", "2", "--requests", "6", "--gpu-blocks", "12", "--host-blocks", "4",
-                 "--block-size", "4", "--device", "cpu", "--trace", str(trace)])
+    code = main(
+        [
+            "demo",
+            "--pp",
+            "2",
+            "--requests",
+            "6",
+            "--gpu-blocks",
+            "12",
+            "--host-blocks",
+            "4",
+            "--block-size",
+            "4",
+            "--device",
+            "cpu",
+            "--trace",
+            str(trace),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "pipeline stages" in out and "OUTPUT EQUIVALENCE: PASS" in out
@@ -65,8 +131,23 @@ def test_import_kvstate_does_not_import_torch():
 
 @pytest.mark.cuda
 def test_demo_on_cuda(tmp_path, capsys):
-    code = main(["demo", "--requests", "8", "--gpu-blocks", "12", "--host-blocks", "4", "--block-size", "4",
-                 "--device", "cuda", "--trace", str(tmp_path / "t.ndjson")])
+    code = main(
+        [
+            "demo",
+            "--requests",
+            "8",
+            "--gpu-blocks",
+            "12",
+            "--host-blocks",
+            "4",
+            "--block-size",
+            "4",
+            "--device",
+            "cuda",
+            "--trace",
+            str(tmp_path / "t.ndjson"),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "on cuda" in out and "PASS" in out
@@ -93,8 +174,23 @@ def test_demo_with_more_stages_than_layers_says_what_to_pass(tmp_path, capsys):
 
 
 def test_demo_says_when_requests_are_capped_to_fit_the_gpu_tier(tmp_path, capsys):
-    code = main(["demo", "--requests", "3", "--gpu-blocks", "2", "--block-size", "8", "--host-blocks", "0",
-                 "--device", "cpu", "--trace", str(tmp_path / "t.ndjson")])
+    code = main(
+        [
+            "demo",
+            "--requests",
+            "3",
+            "--gpu-blocks",
+            "2",
+            "--block-size",
+            "8",
+            "--host-blocks",
+            "0",
+            "--device",
+            "cpu",
+            "--trace",
+            str(tmp_path / "t.ndjson"),
+        ]
+    )
     out = " ".join(capsys.readouterr().out.split())
     assert code == 0 and "PASS" in out
     assert "each request is capped at 16 tokens" in out

@@ -7,7 +7,7 @@ import torch
 
 from executor import Engine, EngineConfig, HostTierFallbackWarning, InvalidTokenId, LlamaModel, SamplingParams
 from executor.checks import leaked_blocks, mismatches, random_workload, submit_all
-from kvstate.config import ConfigError, RequestRejected
+from kvstate.config import ConfigError, RequestRejected, SchedulerConfig
 from kvstate.scheduler import UnknownRequestId
 
 
@@ -37,7 +37,7 @@ def test_scheduler_validation_is_delegated(make_engine):
 
 def test_config_errors_are_clear(tiny_model):
     with pytest.raises(ConfigError, match="gpu_blocks"):
-        Engine(EngineConfig(device="cpu", gpu_blocks=0), model=tiny_model)
+        Engine(EngineConfig(device="cpu", scheduler=SchedulerConfig(gpu_blocks=0)), model=tiny_model)
     with pytest.raises(ValueError, match="dtype"):
         Engine(EngineConfig(device="cpu", dtype="int8"), model=tiny_model)
     with pytest.raises(ValueError, match="shared model"):
@@ -55,8 +55,11 @@ def test_no_leak_after_run(make_engine):
 
 def test_host_tier_allocation_failure_falls_back_to_gpu_only(tiny_model):
     with pytest.warns(HostTierFallbackWarning, match="GPU-only"):
-        engine = Engine(EngineConfig(device="cpu", gpu_blocks=16, host_blocks=8, block_size=4, check_invariants=True,
-                                     simulate_host_alloc_failure=True), model=tiny_model)
+        sizes = SchedulerConfig(gpu_blocks=16, host_blocks=8, block_size=4)
+        engine = Engine(
+            EngineConfig(device="cpu", scheduler=sizes, check_invariants=True, simulate_host_alloc_failure=True),
+            model=tiny_model,
+        )
     with engine:
         assert engine.cache.host_cache is None and not engine.scheduler.pool.has_host_tier
         assert engine.scheduler.host_tier_fallback and engine.stats().host_tier_fallback
@@ -91,7 +94,7 @@ def test_cancel_mid_run(make_engine):
     for rid in cancelled.values():
         assert finished[rid].done_reason == "cancelled"
         full = engine.reference_outputs([rid])[rid]
-        assert outputs[rid] == full[:len(outputs[rid])] and len(outputs[rid]) < len(full)
+        assert outputs[rid] == full[: len(outputs[rid])] and len(outputs[rid]) < len(full)
     assert sum(r.done_reason == "finished" for r in finished.values()) == len(ids) - len(cancelled)
     assert not mismatches(engine, outputs)
     assert leaked_blocks(engine) == 0
@@ -130,7 +133,7 @@ def test_stop_tokens_end_requests_like_the_reference(make_engine):
         full = engine.reference(prompt, new)
         engine.add_request(prompt, new, stop_token_ids=[full[len(full) // 2]])
     outputs = engine.run()
-    assert any(len(out) < new for out, (_, new) in zip(outputs.values(), work))
+    assert any(len(out) < new for out, (_, new) in zip(outputs.values(), work, strict=True))
     assert not mismatches(engine, outputs)
 
 
@@ -149,17 +152,23 @@ def test_step_statistics(make_engine):
 
 
 def test_reference_ignores_pressure_settings(tiny_model):
-    big = Engine(EngineConfig(device="cpu", gpu_blocks=64, block_size=16), model=tiny_model)
-    small = Engine(EngineConfig(device="cpu", gpu_blocks=5, host_blocks=2, block_size=2, prefill_chunk_size=3),
-                   model=tiny_model)
+    big = Engine(EngineConfig(device="cpu", scheduler=SchedulerConfig(gpu_blocks=64, block_size=16)), model=tiny_model)
+    small = Engine(
+        EngineConfig(
+            device="cpu", scheduler=SchedulerConfig(gpu_blocks=5, host_blocks=2, block_size=2, prefill_chunk_size=3)
+        ),
+        model=tiny_model,
+    )
     prompt = list(range(40, 50))
     assert big.reference(prompt, 7) == small.reference(prompt, 7)
     assert len(big.reference(prompt, 7)) == 7
 
 
 def test_default_engine_builds_its_own_seeded_model():
-    with Engine(EngineConfig(device="cpu", gpu_blocks=8, weights_seed=1)) as a, \
-            Engine(EngineConfig(device="cpu", gpu_blocks=8, weights_seed=1)) as b:
+    with (
+        Engine(EngineConfig(device="cpu", scheduler=SchedulerConfig(gpu_blocks=8), weights_seed=1)) as a,
+        Engine(EngineConfig(device="cpu", scheduler=SchedulerConfig(gpu_blocks=8), weights_seed=1)) as b,
+    ):
         assert a.model.dtype == torch.float64
         assert torch.equal(a.model.embed_tokens.weight, b.model.embed_tokens.weight)
         assert a.model is not b.model

@@ -50,12 +50,16 @@ def test_chunked_prefill_smaller_than_prompts(make_engine, equivalent):
     equivalent(engine, outputs)
 
 
-@pytest.mark.parametrize("sampling", [
-    SamplingParams(temperature=0.8, seed=7),
-    SamplingParams(temperature=1.3, top_k=20, seed=11),
-    SamplingParams(temperature=1.0, top_p=0.9),
-    SamplingParams(temperature=0.7, top_k=50, top_p=0.8, seed=3),
-], ids=["temperature", "top-k", "top-p", "all"])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(temperature=0.8, seed=7),
+        SamplingParams(temperature=1.3, top_k=20, seed=11),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.8, seed=3),
+    ],
+    ids=["temperature", "top-k", "top-p", "all"],
+)
 def test_seeded_sampling(make_engine, equivalent, sampling):
     engine = make_engine(gpu_blocks=16, host_blocks=6, block_size=4, prefill_chunk_size=7, seed=123)
     submit(engine, workload(10, 5, (4, 30), (4, 20)), sampling)

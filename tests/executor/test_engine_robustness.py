@@ -27,7 +27,7 @@ from executor.checks import leaked_blocks, random_workload
 from executor.engine import EngineBroken, EngineBusy, FinishedRequest
 from kvstate import load_spec
 from kvstate.checker import validate_trace
-from kvstate.config import ConfigError
+from kvstate.config import ConfigError, SchedulerConfig
 from kvstate.scheduler import UnknownRequestId
 from kvstate.trace import TraceWriter
 
@@ -43,7 +43,7 @@ class Injected(Exception):
 @pytest.fixture(scope="module")
 def references(tiny_model) -> dict:
     """{id: reference output} of WORK (ids = positions), on the shared tiny model."""
-    with Engine(EngineConfig(device="cpu", **PRESSURED), model=tiny_model) as engine:
+    with Engine(EngineConfig(device="cpu", scheduler=SchedulerConfig(**PRESSURED)), model=tiny_model) as engine:
         for prompt, new in WORK:
             engine.add_request(prompt, new)
         return engine.batched_reference_outputs()
@@ -151,6 +151,16 @@ def _patch(engine, monkeypatch, obj, name, **kwargs):
     return lambda: wrapper.fired
 
 
+def _raising_hook(event: str):
+    """An install(engine, monkeypatch) that makes the first `event` transition's hook raise (`hook_raising_on`)."""
+
+    def install(engine, monkeypatch):
+        hook = hook_raising_on(engine, event)
+        return lambda: hook.fired
+
+    return install
+
+
 def _trace_disk_full(engine, monkeypatch):
     """The trace file is /dev/full from the 20th transition on: writes fail with ENOSPC, as on a full disk."""
     original = TraceWriter.__call__
@@ -167,39 +177,64 @@ def _trace_disk_full(engine, monkeypatch):
 
 # point -> (install(engine, monkeypatch) -> fired(), expected outcome)
 POINTS = {
-    "schedule (before planning)": (lambda e, m: _patch(e, m, e.scheduler, "schedule",
-                                                       when=lambda: e.scheduler.iteration >= 6), "settled"),
-    "schedule (mid-pass, after a suspend)": (lambda e, m: (lambda h: lambda: h.fired)(hook_raising_on(e, "suspend")),
-                                             "settled"),
-    "schedule (mid-pass, after a resume)": (lambda e, m: (lambda h: lambda: h.fired)(hook_raising_on(e, "resume")),
-                                            "settled"),
+    "schedule (before planning)": (
+        lambda e, m: _patch(e, m, e.scheduler, "schedule", when=lambda: e.scheduler.iteration >= 6),
+        "settled",
+    ),
+    "schedule (mid-pass, after a suspend)": (
+        _raising_hook("suspend"),
+        "settled",
+    ),
+    "schedule (mid-pass, after a resume)": (
+        _raising_hook("resume"),
+        "settled",
+    ),
     "schedule (mid-pass, after a recompute-pause)": (
-        lambda e, m: (lambda h: lambda: h.fired)(hook_raising_on(e, "recompute_pause")), "settled"),
+        _raising_hook("recompute_pause"),
+        "settled",
+    ),
     "invariant check": (lambda e, m: _patch(e, m, e.scheduler, "check_invariants", when=in_flight(e)), "settled"),
     "issue copies": (lambda e, m: _patch(e, m, e.cache, "migrate"), "settled"),
     "forward": (lambda e, m: _patch(e, m, e.model, "forward_paged", when=in_flight(e)), "settled"),
-    "forward (KeyboardInterrupt)": (lambda e, m: _patch(e, m, e.model, "forward_paged", when=in_flight(e),
-                                                        exc=KeyboardInterrupt()), "settled"),
+    "forward (KeyboardInterrupt)": (
+        lambda e, m: _patch(e, m, e.model, "forward_paged", when=in_flight(e), exc=KeyboardInterrupt()),
+        "settled",
+    ),
     "sampling": (lambda e, m: _patch(e, m, engine_module, "sample_batch", when=in_flight(e)), "settled"),
     "wait on a fence": (_flaky_fences, "settled"),
     "record a suspend": (lambda e, m: _patch(e, m, e, "_after_suspend"), "settled"),
-    "complete_migrations": (lambda e, m: _patch(e, m, e.scheduler, "complete_migrations", when=in_flight(e)),
-                            "settled"),
-    "complete_step (before applying)": (lambda e, m: _patch(e, m, e.scheduler, "complete_step",
-                                                            when=lambda: e.scheduler.iteration >= 6), "settled"),
-    "complete_step (part applied)": (lambda e, m: (lambda h: lambda: h.fired)(hook_raising_on(e, "finish")),
-                                     "broken"),
-    "statistics after the step": (lambda e, m: _patch(e, m, e, "stats", when=lambda: e.scheduler.iteration >= 6),
-                                  "settled"),
-    "trace write": (lambda e, m: _patch(e, m, TraceWriter, "__call__", when=lambda: e.scheduler.iteration >= 6,
-                                        exc=OSError(errno.ENOSPC, "No space left on device")), "broken"),
+    "complete_migrations": (
+        lambda e, m: _patch(e, m, e.scheduler, "complete_migrations", when=in_flight(e)),
+        "settled",
+    ),
+    "complete_step (before applying)": (
+        lambda e, m: _patch(e, m, e.scheduler, "complete_step", when=lambda: e.scheduler.iteration >= 6),
+        "settled",
+    ),
+    "complete_step (part applied)": (_raising_hook("finish"), "broken"),
+    "statistics after the step": (
+        lambda e, m: _patch(e, m, e, "stats", when=lambda: e.scheduler.iteration >= 6),
+        "settled",
+    ),
+    "trace write": (
+        lambda e, m: _patch(
+            e,
+            m,
+            TraceWriter,
+            "__call__",
+            when=lambda: e.scheduler.iteration >= 6,
+            exc=OSError(errno.ENOSPC, "No space left on device"),
+        ),
+        "broken",
+    ),
     "trace write (/dev/full)": (_trace_disk_full, "broken"),
 }
 
 
 @pytest.mark.parametrize("point", list(POINTS))
-def test_one_exception_at_any_point_of_a_step_is_settled_or_breaks_cleanly(point, make_engine, references,
-                                                                            tmp_path, monkeypatch):
+def test_one_exception_at_any_point_of_a_step_is_settled_or_breaks_cleanly(
+    point, make_engine, references, tmp_path, monkeypatch
+):
     engine = pressured(make_engine, tmp_path)
     install, expected = POINTS[point]
     fired = install(engine, monkeypatch)
@@ -219,9 +254,12 @@ def test_one_exception_at_any_point_of_a_step_is_settled_or_breaks_cleanly(point
     assert message.startswith("the engine is broken: ") and "create a new Engine" in message
     assert isinstance(info.value.__cause__, (Injected, OSError))
     calls = {
-        "step": engine.step, "run": engine.run, "add_request": lambda: engine.add_request([1, 2], 2),
+        "step": engine.step,
+        "run": engine.run,
+        "add_request": lambda: engine.add_request([1, 2], 2),
         "cancel": lambda: engine.cancel(next(iter(engine.scheduler.requests), 0)),
-        "lose_host_tier": engine.lose_host_tier, "stream": lambda: list(engine.stream()),
+        "lose_host_tier": engine.lose_host_tier,
+        "stream": lambda: list(engine.stream()),
     }
     for name, call in calls.items():
         with pytest.raises(EngineBroken) as again:
@@ -273,9 +311,15 @@ def test_a_failed_step_waits_on_every_fence_and_close_drains_the_copy_stream(mak
 def test_calls_from_inside_the_on_transition_hook_are_refused(call, make_engine, references, tmp_path):
     engine = pressured(make_engine, tmp_path)
     original, refused, read = engine.scheduler.on_transition, [], []
-    calls = {"step": engine.step, "run": engine.run, "cancel": lambda: engine.cancel(0),
-             "add_request": lambda: engine.add_request([1, 2], 2), "take_finished": engine.take_finished,
-             "lose_host_tier": engine.lose_host_tier, "close": engine.close}
+    calls = {
+        "step": engine.step,
+        "run": engine.run,
+        "cancel": lambda: engine.cancel(0),
+        "add_request": lambda: engine.add_request([1, 2], 2),
+        "take_finished": engine.take_finished,
+        "lose_host_tier": engine.lose_host_tier,
+        "close": engine.close,
+    }
 
     def hook(request, transition):
         original(request, transition)
@@ -331,7 +375,7 @@ def _in_threads(*targets):
     def guarded(target):
         try:
             target()
-        except BaseException as err:  # noqa: BLE001 - reported by the test
+        except BaseException as err:
             errors.append(err)
 
     threads = [threading.Thread(target=guarded, args=(t,)) for t in targets]
@@ -436,29 +480,51 @@ def test_unsupported_dtypes_are_refused_at_construction(dtype):
         EngineConfig(device="cpu", dtype=dtype)
 
 
-@pytest.mark.parametrize(("field", "value", "message"), [
-    ("seed", "x", "EngineConfig.seed must be an int, got str 'x'"),
-    ("weights_seed", 1.5, "weights_seed must be an int"),
-    ("gpu_blocks", True, "gpu_blocks must be an int"),
-    ("check_invariants", "yes", "check_invariants must be True or False, got 'yes'"),
-    ("verify_host_checksums", 1, "verify_host_checksums must be True or False"),
-    ("max_preemptions_per_request", "3", "max_preemptions_per_request must be an int or None"),
-    ("trace_path", 7, "trace_path must be a path"),
-    ("model", {}, "model must be an executor.ModelConfig"),
-    ("device", 0, "device must be 'auto'"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("seed", "x", "EngineConfig.seed must be an int, got str 'x'"),
+        ("weights_seed", 1.5, "weights_seed must be an int"),
+        ("check_invariants", "yes", "check_invariants must be True or False, got 'yes'"),
+        ("verify_host_checksums", 1, "verify_host_checksums must be True or False"),
+        ("trace_path", 7, "trace_path must be a path"),
+        ("model", {}, "model must be an executor.ModelConfig"),
+        ("device", 0, "device must be 'auto'"),
+        ("scheduler", {"gpu_blocks": 8}, "EngineConfig.scheduler must be a kvstate.SchedulerConfig .*, got dict"),
+    ],
+)
 def test_config_types_are_checked_at_construction(field, value, message):
     with pytest.raises(ConfigError, match=message):
         EngineConfig(**{field: value})
 
 
-@pytest.mark.parametrize(("sizes", "message"), [
-    ({"gpu_blocks": 10**9}, r"gpu_blocks=1000000000 \+ host_blocks=0 needs .* GiB of host memory"),
-    ({"host_blocks": 10**12}, r"host_blocks=1000000000000 needs .* GiB of host memory"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("gpu_blocks", True, "gpu_blocks must be a positive integer, got True"),
+        ("max_preemptions_per_request", "3", "max_preemptions_per_request must be a positive integer or None"),
+    ],
+)
+def test_scheduler_config_types_are_checked_at_construction(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(scheduler=SchedulerConfig(**{"gpu_blocks": 8, field: value}))
+
+
+def test_an_engine_config_refuses_several_pipeline_stages():
+    with pytest.raises(ConfigError, match="pipeline_stages is 2; keep it 1"):
+        EngineConfig(device="cpu", scheduler=SchedulerConfig(gpu_blocks=8, pipeline_stages=2))
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        ({"gpu_blocks": 10**9}, r"gpu_blocks=1000000000 \+ host_blocks=0 needs .* GiB of host memory"),
+        ({"gpu_blocks": 256, "host_blocks": 10**12}, r"host_blocks=1000000000000 needs .* GiB of host memory"),
+    ],
+)
 def test_pool_sizes_beyond_the_machine_are_refused_before_allocating(sizes, message, tiny_model):
     with pytest.raises(ConfigError, match=message):
-        Engine(EngineConfig(device="cpu", **sizes), model=tiny_model)
+        Engine(EngineConfig(device="cpu", scheduler=SchedulerConfig(**sizes)), model=tiny_model)
 
 
 # ------------------------------------------------------------------------------------ every step, every event
@@ -542,8 +608,10 @@ def _transitions(make_engine, monkeypatch) -> list[tuple[str, bool]]:
     return seen
 
 
-@pytest.mark.parametrize("occasions", [pytest.param(range(80), marks=pytest.mark.slow, id="every"),
-                                       pytest.param((0, 14, 36, 50), id="regressions")])
+@pytest.mark.parametrize(
+    "occasions",
+    [pytest.param(range(80), marks=pytest.mark.slow, id="every"), pytest.param((0, 14, 36, 50), id="regressions")],
+)
 def test_a_forward_failure_at_any_step_is_settled(make_engine, monkeypatch, occasions):
     """Regression (forward calls 14, 36 and 50): a discarded step left a prefilling request holding blocks for a
     larger chunk than the one planned next, which the scheduler then subtracted from its block count
@@ -552,8 +620,9 @@ def test_a_forward_failure_at_any_step_is_settled(make_engine, monkeypatch, occa
     assert set(outcomes.values()) == {"settled"}
 
 
-@pytest.mark.parametrize("every", [pytest.param(1, marks=pytest.mark.slow, id="every"),
-                                   pytest.param(None, id="first-of-each-event")])
+@pytest.mark.parametrize(
+    "every", [pytest.param(1, marks=pytest.mark.slow, id="every"), pytest.param(None, id="first-of-each-event")]
+)
 def test_a_hook_failure_at_any_transition_is_settled_or_breaks_cleanly(make_engine, monkeypatch, every):
     """A transition fired inside schedule() or fail_migration (admit, suspend, resume, pause, replay, ...) is
     settled; one fired inside complete_step (catch-up, finish) means part of the iteration was applied, so the

@@ -42,8 +42,9 @@ def test_iterations_are_monotonic_and_fallback_runs_trace_too(make_engine, tmp_p
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine, path = _run_traced(make_engine, tmp_path, gpu_blocks=16, host_blocks=6, block_size=4,
-                                   simulate_host_alloc_failure=True)
+        engine, path = _run_traced(
+            make_engine, tmp_path, gpu_blocks=16, host_blocks=6, block_size=4, simulate_host_alloc_failure=True
+        )
     report = validate_trace(path, SPEC)  # iterations non-decreasing; NO-HOST-NO-SUSPEND
     assert report.ok, report.divergence.describe()
     lines = list(read_trace(path))

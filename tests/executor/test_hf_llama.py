@@ -26,18 +26,20 @@ def test_round_trip(tmp_path, tied):
 
 def test_engine_loads_a_checkpoint(tmp_path):
     from executor import Engine, EngineConfig
+    from kvstate.config import SchedulerConfig
 
     model = LlamaModel.from_seed(seed=4)
     save_hf_llama(model, tmp_path)
-    with Engine(EngineConfig(checkpoint=str(tmp_path), device="cpu", gpu_blocks=8)) as engine:
+    config = EngineConfig(checkpoint=str(tmp_path), device="cpu", scheduler=SchedulerConfig(gpu_blocks=8))
+    with Engine(config) as engine:
         rid = engine.add_request([1, 2, 3], 5)
         out = engine.run()[rid]
-    logits = model.forward_dense([1, 2, 3] + out[:-1])
+    logits = model.forward_dense([1, 2, 3, *out[:-1]])
     assert out == logits[2:].argmax(-1).tolist()
 
 
 def test_bad_checkpoints(tmp_path):
-    with pytest.raises(CheckpointError, match="config.json"):
+    with pytest.raises(CheckpointError, match=r"config\.json"):
         load_hf_llama(tmp_path)
     model = LlamaModel.from_seed()
     save_hf_llama(model, tmp_path)
@@ -58,16 +60,24 @@ def test_transformers_agrees(tmp_path, tied):
 
     model = LlamaModel.from_seed(ModelConfig(tie_word_embeddings=tied), seed=2, dtype=torch.float32)
     save_hf_llama(model, tmp_path)
-    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32,
-                                                       attn_implementation="eager").eval()
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        str(tmp_path), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     tokens = [int(t) for t in torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(0))]
     with torch.no_grad():
         expected = hf(torch.tensor([tokens])).logits[0]
     assert expected.abs().mean() > 0.1
     torch.testing.assert_close(model.forward_dense(tokens), expected, rtol=1e-4, atol=1e-4)
     c = model.config
-    cache = PagedKVCache(12, num_layers=c.num_layers, block_size=4, num_kv_heads=c.num_kv_heads,
-                         head_dim=c.head_dim, dtype=torch.float32, device="cpu")
+    cache = PagedKVCache(
+        12,
+        num_layers=c.num_layers,
+        block_size=4,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        dtype=torch.float32,
+        device="cpu",
+    )
     table = tuple(range(11, 1, -1))
     prefix = model.forward_paged(PagedBatch.build([SeqChunk(tuple(tokens[:30]), 0, table)], 4), cache)
     torch.testing.assert_close(prefix[0], expected[29], rtol=1e-4, atol=1e-4)
@@ -82,9 +92,15 @@ def test_load_a_checkpoint_written_by_transformers(tmp_path, tied):
     transformers = pytest.importorskip("transformers")
     c = ModelConfig(tie_word_embeddings=tied)
     hf_config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.rms_norm_eps,
         tie_word_embeddings=tied,
     )
     torch.manual_seed(0)
@@ -131,34 +147,40 @@ def refused(path, *needles: str) -> CheckpointError:
     return err
 
 
-@pytest.mark.parametrize("text, needles", [
-    ('{"vocab_size": 512,', ("config.json:1", "not a JSON object")),
-    ("[1, 2]", ("config.json", "must be an object")),
-    ('{"a": ' + "[" * 5000 + "]" * 5000 + "}", ("config.json", "nested too deeply")),
-    ('{"a": ' + "[" * 20 + "]" * 20 + "}", ("config.json", "nested deeper than 8")),
-    ('{"rope_theta": NaN}', ("config.json", "NaN is not allowed")),
-    ('{"rope_theta": 1e999}', ("config.json", "'rope_theta'", "not a finite number")),
-    ('{"hidden_size": ' + "1" * 5000 + "}", ("config.json", "too many to read")),
-])
+@pytest.mark.parametrize(
+    "text, needles",
+    [
+        ('{"vocab_size": 512,', ("config.json:1", "not a JSON object")),
+        ("[1, 2]", ("config.json", "must be an object")),
+        ('{"a": ' + "[" * 5000 + "]" * 5000 + "}", ("config.json", "nested too deeply")),
+        ('{"a": ' + "[" * 20 + "]" * 20 + "}", ("config.json", "nested deeper than 8")),
+        ('{"rope_theta": NaN}', ("config.json", "NaN is not allowed")),
+        ('{"rope_theta": 1e999}', ("config.json", "'rope_theta'", "not a finite number")),
+        ('{"hidden_size": ' + "1" * 5000 + "}", ("config.json", "too many to read")),
+    ],
+)
 def test_malformed_config_json_is_a_checkpoint_error(tmp_path, text, needles):
     path, _ = saved(tmp_path)
     (path / "config.json").write_text(text)
     refused(path, *needles)
 
 
-@pytest.mark.parametrize("changes, needles", [
-    ({"num_attention_heads": None}, ("'num_attention_heads'", "must be an integer")),
-    ({"hidden_size": "64"}, ("'hidden_size'", "must be an integer")),
-    ({"hidden_size": 10**30}, ("'hidden_size'", "more than 19 digits")),
-    ({"vocab_size": 10**12}, ("'vocab_size'", "between 1 and")),
-    ({"num_hidden_layers": 0}, ("'num_hidden_layers'", "between 1 and")),
-    ({"rope_theta": "nan"}, ("'rope_theta'", "must be a number")),
-    ({"rms_norm_eps": -1e-6}, ("'rms_norm_eps'", "> 0")),
-    ({"rms_norm_eps": 0}, ("'rms_norm_eps'", "> 0")),
-    ({"tie_word_embeddings": "yes"}, ("'tie_word_embeddings'", "true or false")),
-    ({"rope_parameters": "default"}, ("'rope_parameters'", "must be an object")),
-    ({"num_key_value_heads": 3}, ("no model this engine can build", "num_kv_heads")),
-])
+@pytest.mark.parametrize(
+    "changes, needles",
+    [
+        ({"num_attention_heads": None}, ("'num_attention_heads'", "must be an integer")),
+        ({"hidden_size": "64"}, ("'hidden_size'", "must be an integer")),
+        ({"hidden_size": 10**30}, ("'hidden_size'", "more than 19 digits")),
+        ({"vocab_size": 10**12}, ("'vocab_size'", "between 1 and")),
+        ({"num_hidden_layers": 0}, ("'num_hidden_layers'", "between 1 and")),
+        ({"rope_theta": "nan"}, ("'rope_theta'", "must be a number")),
+        ({"rms_norm_eps": -1e-6}, ("'rms_norm_eps'", "> 0")),
+        ({"rms_norm_eps": 0}, ("'rms_norm_eps'", "> 0")),
+        ({"tie_word_embeddings": "yes"}, ("'tie_word_embeddings'", "true or false")),
+        ({"rope_parameters": "default"}, ("'rope_parameters'", "must be an object")),
+        ({"num_key_value_heads": 3}, ("no model this engine can build", "num_kv_heads")),
+    ],
+)
 def test_wrong_config_fields_are_refused_naming_the_field(tmp_path, changes, needles):
     path, _ = saved(tmp_path, **changes)
     err = refused(path, "config.json", *needles)
@@ -208,11 +230,14 @@ def test_a_sharded_checkpoint_loads(tmp_path):
     assert load_hf_llama(path).config == LlamaModel.from_seed().config
 
 
-@pytest.mark.parametrize("name_of", [
-    lambda outside: "../outside/stolen.safetensors",
-    lambda outside: str(outside / "stolen.safetensors"),  # absolute
-    lambda outside: "sub/../../outside/stolen.safetensors",
-])
+@pytest.mark.parametrize(
+    "name_of",
+    [
+        lambda outside: "../outside/stolen.safetensors",
+        lambda outside: str(outside / "stolen.safetensors"),  # absolute
+        lambda outside: "sub/../../outside/stolen.safetensors",
+    ],
+)
 def test_shard_names_leading_out_of_the_checkpoint_are_refused(tmp_path, name_of):
     path, index = sharded(tmp_path)
     outside = tmp_path / "outside"
@@ -223,7 +248,7 @@ def test_shard_names_leading_out_of_the_checkpoint_are_refused(tmp_path, name_of
 
 
 def test_a_symlinked_shard_escaping_the_directory_is_refused(tmp_path):
-    path, index = sharded(tmp_path)
+    path, _index = sharded(tmp_path)
     outside = tmp_path / "elsewhere.safetensors"
     (path / "model-00002-of-00002.safetensors").rename(outside)
     (path / "model-00002-of-00002.safetensors").symlink_to(outside)
@@ -231,7 +256,7 @@ def test_a_symlinked_shard_escaping_the_directory_is_refused(tmp_path):
 
 
 def test_missing_and_truncated_shards_and_bad_indexes_are_refused(tmp_path):
-    path, index = sharded(tmp_path)
+    path, _index = sharded(tmp_path)
     shard = path / "model-00002-of-00002.safetensors"
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])

@@ -12,25 +12,42 @@ import transitions
 
 from executor import Engine, EngineConfig, FaultPlan
 from executor.checks import DEMO_MAX_NEW_TOKENS, DEMO_PROMPT_LEN, random_workload
+from kvstate.config import SchedulerConfig
 
 DEMO = {"gpu_blocks": 32, "host_blocks": 16, "block_size": 8, "prefill_chunk_size": 64, "max_num_tokens": 256}
 
 
 def run(tmp_path: Path, lifecycle: str, requests: int, faults: FaultPlan | None = None) -> tuple[bytes, dict]:
     trace = tmp_path / f"{lifecycle}.ndjson"
-    config = EngineConfig(device="cpu", **DEMO, seed=0, weights_seed=0, trace_path=trace, faults=faults,
-                          verify_host_checksums=faults is not None, lifecycle=lifecycle)
+    config = EngineConfig(
+        device="cpu",
+        scheduler=SchedulerConfig(**DEMO, lifecycle=lifecycle),
+        seed=0,
+        weights_seed=0,
+        trace_path=trace,
+        faults=faults,
+        verify_host_checksums=faults is not None,
+    )
     with Engine(config) as engine:
-        work = random_workload(requests, 0, DEMO_PROMPT_LEN, DEMO_MAX_NEW_TOKENS, vocab=engine.model.config.vocab_size,
-                               max_tokens=DEMO["gpu_blocks"] * DEMO["block_size"])
+        work = random_workload(
+            requests,
+            0,
+            DEMO_PROMPT_LEN,
+            DEMO_MAX_NEW_TOKENS,
+            vocab=engine.model.config.vocab_size,
+            max_tokens=DEMO["gpu_blocks"] * DEMO["block_size"],
+        )
         for prompt, new in work:
             engine.add_request(prompt, new)
         outputs = engine.run()
     return trace.read_bytes(), outputs
 
 
-@pytest.mark.parametrize("faults", [None, FaultPlan.of(3, copy_to_host=0.15, copy_to_gpu=0.15, corrupt_host=0.15,
-                                                       host_loss=[60])], ids=["demo", "faults"])
+@pytest.mark.parametrize(
+    "faults",
+    [None, FaultPlan.of(3, copy_to_host=0.15, copy_to_gpu=0.15, corrupt_host=0.15, host_loss=[60])],
+    ids=["demo", "faults"],
+)
 def test_engine_traces_are_byte_identical(tmp_path: Path, faults: FaultPlan | None) -> None:
     machine = run(tmp_path, "machine", 48 if faults is None else 32, faults)
     compiled = run(tmp_path, "compiled", 48 if faults is None else 32, faults)
@@ -40,8 +57,9 @@ def test_engine_traces_are_byte_identical(tmp_path: Path, faults: FaultPlan | No
     assert all(events), f"the workload must preempt both ways, got (suspend, recompute_pause) = {events}"
 
 
-def test_the_default_engine_fires_transitions_through_the_machine(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_default_engine_fires_transitions_through_the_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The transitions machine is what runs: count its constructions and triggers during an engine run."""
     counts = {"machines": 0, "triggers": 0}
     machine_init, trigger = transitions.Machine.__init__, transitions.core.Event.trigger

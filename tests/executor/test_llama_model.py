@@ -12,8 +12,15 @@ from executor import LlamaModel, ModelConfig, PagedBatch, PagedKVCache, SeqChunk
 
 def _cache(model: LlamaModel, blocks: int, block_size: int) -> PagedKVCache:
     c = model.config
-    return PagedKVCache(blocks, num_layers=c.num_layers, block_size=block_size, num_kv_heads=c.num_kv_heads,
-                        head_dim=c.head_dim, dtype=model.dtype, device="cpu")
+    return PagedKVCache(
+        blocks,
+        num_layers=c.num_layers,
+        block_size=block_size,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        dtype=model.dtype,
+        device="cpu",
+    )
 
 
 def _paged_logits_per_position(model, sequences, block_size, chunk, blocks=256, seed=0):
@@ -33,13 +40,13 @@ def _paged_logits_per_position(model, sequences, block_size, chunk, blocks=256, 
         for i, seq in enumerate(sequences):
             if done[i] < len(seq):
                 n = min(chunk, len(seq) - done[i])
-                chunks.append(SeqChunk(tuple(seq[done[i]:done[i] + n]), done[i], tables[i], True))
+                chunks.append(SeqChunk(tuple(seq[done[i] : done[i] + n]), done[i], tables[i], True))
                 owners.append((i, n))
         # every token's logits: run each chunk with sample rows at every token, by building one batch per token
         batch = PagedBatch.build(chunks, block_size)
         out = model.forward_paged(batch, cache)
         for row, (i, n) in enumerate(owners):
-            logits[i].append(out[row:row + 1])
+            logits[i].append(out[row : row + 1])
             done[i] += n
     return {i: torch.cat(rows) for i, rows in logits.items()}
 
@@ -85,7 +92,7 @@ def test_table_too_short_is_refused():
 
 def test_seeded_weights_are_reproducible_and_seed_dependent():
     a, b, c = LlamaModel.from_seed(seed=5), LlamaModel.from_seed(seed=5), LlamaModel.from_seed(seed=6)
-    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(pa, pb), name
     assert not torch.equal(a.embed_tokens.weight, c.embed_tokens.weight)
 

@@ -6,12 +6,14 @@ import pytest
 import torch
 
 from executor import CompletedFence, EventFence, HostTierAllocationError, PagedKVCache
+from kvstate.config import SchedulerConfig
 from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan
 
 
 def _cache(gpu=16, host=8, device="cpu", dtype=torch.float32) -> PagedKVCache:
-    return PagedKVCache(gpu, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype, device=device,
-                        num_host_blocks=host)
+    return PagedKVCache(
+        gpu, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype, device=device, num_host_blocks=host
+    )
 
 
 def _fill(tensor: torch.Tensor) -> None:
@@ -109,10 +111,14 @@ def test_cuda_copies_run_on_the_copy_stream_with_an_event_fence():
     assert torch.equal(cache.host_cache[0:32], expected)
 
 
+DELAY = 20_000_000  # torch.cuda._sleep cycles: ~10-20 ms, far longer than any copy or kernel below
+
+
 @pytest.mark.cuda
 def test_cuda_copy_waits_for_prior_compute_and_compute_waits_for_the_fence():
     """A copy issued right after a kernel that writes its source sees the kernel's result; a kernel ordered
-    after the fence sees the copied data."""
+    after the fence sees the copied data even when the copy stream is held back (and, as the control shows,
+    would not without the fence: the check is not racy by luck)."""
     cache = _cache(gpu=64, host=64, device="cuda", dtype=torch.float32)
     big = torch.randn(4096, 4096, device="cuda")
     for _ in range(4):
@@ -121,23 +127,87 @@ def test_cuda_copy_waits_for_prior_compute_and_compute_waits_for_the_fence():
     fence = cache.execute(MigrationPlan(0, "r", TO_HOST, tuple((i, i) for i in range(8))))
     fence.wait()
     assert torch.all(cache.host_cache[0:8] == 3.0)
-    cache.host_cache[8:16].fill_(5.0)
-    fence = cache.execute(MigrationPlan(1, "r", TO_GPU, tuple((8 + i, 20 + i) for i in range(8))))
-    fence.order_before(torch.cuda.current_stream())
-    total = cache.device_cache[20:28].sum()  # runs on the compute stream after the fence
-    assert total.item() == 5.0 * cache.device_cache[20:28].numel()
-    assert fence.done()
+    cache.copy_delay_cycles = DELAY  # the copy engine is slow from now on
+    for plan_id, (first, fenced) in enumerate(((20, True), (40, False)), start=1):
+        cache.host_cache[8:16].fill_(5.0 + plan_id)
+        torch.cuda.synchronize()
+        fence = cache.execute(MigrationPlan(plan_id, "r", TO_GPU, tuple((8 + i, first + i) for i in range(8))))
+        if fenced:
+            fence.order_before(torch.cuda.current_stream())
+        total = cache.device_cache[first : first + 8].sum()  # runs on the compute stream
+        seen = total.item()
+        fence.wait()
+        expected = (5.0 + plan_id) * cache.device_cache[first : first + 8].numel()
+        if fenced:
+            assert seen == expected and fence.done()
+        else:  # the control: without the fence the compute stream read the blocks before the copy landed
+            assert seen == 0.0 and cache.device_cache[first : first + 8].sum().item() == expected
 
 
 @pytest.mark.cuda
-def test_cuda_engine_outputs_equal_references():
+@pytest.mark.parametrize("layout", ["alternating", "random"])
+def test_cuda_fragmented_plans_are_staged_with_one_transfer_per_direction(layout):
+    """A fragmented plan is one gather (or scatter) on the device and one DMA per direction; the data round-trips
+    exactly, also with the copy stream held back."""
+    from kvstate.bench.migration import layout_plans
+
+    suspend, resume, gpu_blocks = layout_plans(layout, 16, seed=3)
+    cache = _cache(gpu=gpu_blocks, host=16, device="cuda", dtype=torch.float32)
+    cache.copy_delay_cycles = DELAY
+    cache.device_cache.normal_()
+    ids = [src for src, _ in suspend.pairs]
+    original = cache.device_cache[ids].clone()
+    cache.execute(suspend).wait()
+    assert cache.num_transfers == 1 and cache.num_copies == len(suspend.runs()) > 1
+    cache.device_cache.zero_()
+    fence = cache.execute(resume)
+    fence.order_before(torch.cuda.current_stream())
+    back = cache.device_cache[[dst for _, dst in resume.pairs]].clone()  # read on the compute stream
+    fence.wait()
+    assert torch.equal(back, original) and cache.num_transfers == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "float16"])
+def test_cuda_engine_outputs_equal_references(dtype):
+    """Every dtype on CUDA (float32 is the engine's default there) under pressure, by the per-dtype rule
+    (`executor.checks`: exact in float64 and float32), with the copy stream held back."""
     from executor import Engine, EngineConfig
     from executor.checks import leaked_blocks, mismatches, random_workload, submit_all
 
-    with Engine(EngineConfig(device="cuda", dtype="float64", gpu_blocks=16, host_blocks=6, block_size=4,
-                             check_invariants=True)) as engine:
+    with Engine(
+        EngineConfig(
+            device="cuda",
+            dtype=dtype,
+            scheduler=SchedulerConfig(gpu_blocks=16, host_blocks=6, block_size=4),
+            check_invariants=True,
+        )
+    ) as engine:
+        engine.cache.copy_delay_cycles = DELAY // 10
         submit_all(engine, random_workload(12, 1, (4, 30), (4, 24)))
         outputs = engine.run()
         assert engine.totals.suspensions > 0 and engine.totals.recompute_pauses > 0
         assert not mismatches(engine, outputs)
         assert leaked_blocks(engine) == 0
+
+
+@pytest.mark.cuda
+def test_cuda_engine_without_resume_fences_garbles_outputs(monkeypatch):
+    """The control of the test above: with the copy stream held back and the resume fences removed, outputs
+    differ from their references, so passing with the fences is not luck."""
+    from executor import Engine, EngineConfig, EventFence
+    from executor.checks import mismatches, random_workload, submit_all
+
+    with Engine(
+        EngineConfig(
+            device="cuda", dtype="float32", scheduler=SchedulerConfig(gpu_blocks=16, host_blocks=6, block_size=4)
+        )
+    ) as engine:
+        engine.cache.copy_delay_cycles = DELAY
+        submit_all(engine, random_workload(12, 1, (4, 30), (4, 24)))
+        with monkeypatch.context() as patch:
+            patch.setattr(EventFence, "order_before", lambda self, stream: None)
+            outputs = engine.run()
+        engine.cache.copy_delay_cycles = 0
+        assert engine.totals.events["resume"] > 0
+        assert mismatches(engine, outputs)

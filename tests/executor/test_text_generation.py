@@ -9,11 +9,16 @@ import pytest
 from executor import CheckpointError, Engine, EngineConfig, LlamaModel, save_hf_llama
 from executor.text import check_fits, generate_text, load_tokenizer
 from kvstate.cli import main
+from kvstate.config import SchedulerConfig
 
 tokenizers = pytest.importorskip("tokenizers")
 
-CORPUS = ["the quick brown fox jumps over the lazy dog", "a paged cache keeps keys and values in blocks",
-          "suspend copies blocks to the host tier; replay recomputes them", "héllo wörld, naïve café"] * 20
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "a paged cache keeps keys and values in blocks",
+    "suspend copies blocks to the host tier; replay recomputes them",
+    "héllo wörld, naïve café",
+] * 20
 
 
 def train_tokenizer(vocab_size: int = 300):
@@ -23,8 +28,12 @@ def train_tokenizer(vocab_size: int = 300):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<eos>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(CORPUS, trainer)
     return tokenizer
 
@@ -46,7 +55,9 @@ def test_generate_text_streams_the_decoding_of_the_reference_tokens(checkpoint):
     tokenizer = load_tokenizer(checkpoint)
     assert tokenizer.eos_token_ids == (tokenizer.tokenizer.token_to_id("<eos>"),)
     prompt = "the lazy fox"
-    with Engine(EngineConfig(checkpoint=str(checkpoint), device="cpu", gpu_blocks=16, block_size=4)) as engine:
+    with Engine(
+        EngineConfig(checkpoint=str(checkpoint), device="cpu", scheduler=SchedulerConfig(gpu_blocks=16, block_size=4))
+    ) as engine:
         pieces = list(generate_text(engine, prompt, max_new_tokens=12))
         reference = engine.reference(tokenizer.encode(prompt), 12, stop_token_ids=tokenizer.eos_token_ids)
     assert len(pieces) > 1 and all(pieces)  # streamed, not one piece at the end
@@ -55,8 +66,20 @@ def test_generate_text_streams_the_decoding_of_the_reference_tokens(checkpoint):
 
 def test_generate_command_prints_the_same_text(checkpoint, capsys):
     prompt = "héllo wörld"
-    code = main(["generate", "--checkpoint", str(checkpoint), "--max-new-tokens", "10", "--device", "cpu",
-                 "--dtype", "float64", prompt])
+    code = main(
+        [
+            "generate",
+            "--checkpoint",
+            str(checkpoint),
+            "--max-new-tokens",
+            "10",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float64",
+            prompt,
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     tokenizer = load_tokenizer(checkpoint)
@@ -69,13 +92,16 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(checkpoint, tmp
     tokenizer = train_tokenizer()
     tokenizer.add_tokens([f"word{i}" for i in range(600 - tokenizer.get_vocab_size())])
     tokenizer.save(str(tmp_path / "tokenizer.json"))
-    with Engine(EngineConfig(checkpoint=str(checkpoint), device="cpu", gpu_blocks=8)) as engine:
-        with pytest.raises(CheckpointError, match="600 token ids but the model's vocabulary has 512"):
-            check_fits(load_tokenizer(tmp_path), engine)
+    config = EngineConfig(checkpoint=str(checkpoint), device="cpu", scheduler=SchedulerConfig(gpu_blocks=8))
+    with (
+        Engine(config) as engine,
+        pytest.raises(CheckpointError, match="600 token ids but the model's vocabulary has 512"),
+    ):
+        check_fits(load_tokenizer(tmp_path), engine)
 
 
 def test_missing_or_malformed_tokenizer_is_a_clear_error(tmp_path, checkpoint, capsys):
-    with pytest.raises(CheckpointError, match="tokenizer.json not found"):
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json not found"):
         load_tokenizer(tmp_path)
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="not a tokenizers JSON file"):

@@ -66,19 +66,24 @@ def test_frequencies_follow_the_distribution():
     params = SamplingParams(temperature=1.0)
     draws = [sample_token(probs.log(), params, seed=5, request_id=0, position=p) for p in range(3000)]
     freq = [draws.count(i) / len(draws) for i in range(3)]
-    assert all(abs(f - p) < 0.04 for f, p in zip(freq, probs.tolist()))
+    assert all(abs(f - p) < 0.04 for f, p in zip(freq, probs.tolist(), strict=True))
 
 
 def test_batch_matches_single_draws_and_params_seed_overrides():
     logits = torch.stack([_logits(i) for i in range(4)])
-    params = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, top_k=5, seed=9),
-              SamplingParams()]
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.5, top_k=5, seed=9),
+        SamplingParams(),
+    ]
     ids, positions = ["a", "b", "c", "d"], [3, 4, 5, 6]
     batch = sample_batch(logits, params, seed=1, request_ids=ids, positions=positions)
     single = [sample_token(logits[i], params[i], seed=1, request_id=ids[i], position=positions[i]) for i in range(4)]
     assert batch == single
-    assert sample_token(logits[2], params[2], seed=1, request_id="c", position=5) == \
-        sample_token(logits[2], params[2], seed=2, request_id="c", position=5)
+    assert sample_token(logits[2], params[2], seed=1, request_id="c", position=5) == sample_token(
+        logits[2], params[2], seed=2, request_id="c", position=5
+    )
 
 
 def test_params_validation():
@@ -94,6 +99,7 @@ def test_the_engine_samples_token_i_at_position_prompt_len_plus_i():
     prefilled in chunks and a seed of the engine's config make the position the only thing left to get wrong."""
     from executor.engine import Engine, EngineConfig
     from executor.model import LlamaModel, ModelConfig
+    from kvstate.config import SchedulerConfig
 
     config = ModelConfig()
     model = LlamaModel.from_seed(config, 0, dtype=torch.float64, device="cpu")
@@ -102,11 +108,19 @@ def test_the_engine_samples_token_i_at_position_prompt_len_plus_i():
     prompt, max_new, seed, rid = list(range(1, 11)), 12, 1234, "pinned"
     params = SamplingParams(temperature=1.0)
     uniform = torch.zeros(config.vocab_size, dtype=torch.float64)
-    expected = [sample_token(uniform, params, seed=seed, request_id=rid, position=len(prompt) + i)
-                for i in range(max_new)]
+    expected = [
+        sample_token(uniform, params, seed=seed, request_id=rid, position=len(prompt) + i) for i in range(max_new)
+    ]
     assert len(set(expected)) > max_new // 2  # the draws differ from position to position
-    engine = Engine(EngineConfig(device="cpu", seed=seed, gpu_blocks=16, block_size=4, prefill_chunk_size=4,
-                                 check_invariants=True), model=model)
+    engine = Engine(
+        EngineConfig(
+            device="cpu",
+            seed=seed,
+            check_invariants=True,
+            scheduler=SchedulerConfig(gpu_blocks=16, block_size=4, prefill_chunk_size=4),
+        ),
+        model=model,
+    )
     try:
         engine.add_request(prompt, max_new, sampling=params, request_id=rid)
         assert engine.run()[rid] == expected

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from executor import EngineClosed, GREEDY, InvalidTokenId, RequestNotActive
+from executor import GREEDY, EngineClosed, InvalidTokenId, RequestNotActive
 from executor.checks import leaked_blocks, random_workload, submit_all
 from kvstate.cli import main
 from kvstate.config import ConfigError, RequestRejected, SchedulerConfig
@@ -49,8 +49,14 @@ BAD_REQUESTS = [
 
 def _engine_snapshot(engine):
     s = engine.scheduler
-    return ({rid: (r.state, tuple(r.generated)) for rid, r in s.requests.items()}, sorted(map(str, s.finished)),
-            s.pool.usage(), s.iteration, list(engine._submissions), engine.totals.steps)
+    return (
+        {rid: (r.state, tuple(r.generated)) for rid, r in s.requests.items()},
+        sorted(map(str, s.finished)),
+        s.pool.usage(),
+        s.iteration,
+        list(engine._submissions),
+        engine.totals.steps,
+    )
 
 
 @pytest.fixture
@@ -75,8 +81,11 @@ def _finishes_like_the_reference(engine):
     assert leaked_blocks(engine) == 0
 
 
-@pytest.mark.parametrize("prompt, max_new_tokens, kwargs, error, message", BAD_REQUESTS,
-                         ids=[f"{i}-{m[:28]}" for i, (*_, m) in enumerate(BAD_REQUESTS)])
+@pytest.mark.parametrize(
+    "prompt, max_new_tokens, kwargs, error, message",
+    BAD_REQUESTS,
+    ids=[f"{i}-{m[:28]}" for i, (*_, m) in enumerate(BAD_REQUESTS)],
+)
 def test_engine_refuses_bad_requests_and_keeps_serving(busy_engine, prompt, max_new_tokens, kwargs, error, message):
     before = _engine_snapshot(busy_engine)
     with pytest.raises(error, match=message) as info:
@@ -92,11 +101,14 @@ def test_tensors_are_accepted_as_token_ids(busy_engine):
     assert len(busy_engine.outputs()[rid]) <= 3
 
 
-@pytest.mark.parametrize("request_id, message", [
-    ("nope", "'nope': it is unknown"),
-    ("done", "'done': it has already finished"),
-    ([1], "request ids are str or int, got list"),
-])
+@pytest.mark.parametrize(
+    "request_id, message",
+    [
+        ("nope", "'nope': it is unknown"),
+        ("done", "'done': it has already finished"),
+        ([1], "request ids are str or int, got list"),
+    ],
+)
 def test_cancelling_what_is_not_active_is_refused(busy_engine, request_id, message):
     before = _engine_snapshot(busy_engine)
     with pytest.raises(RequestNotActive, match=message) as info:
@@ -109,10 +121,15 @@ def test_cancelling_what_is_not_active_is_refused(busy_engine, request_id, messa
 def test_a_closed_engine_refuses_to_be_driven_but_can_be_inspected(busy_engine):
     busy_engine.close()
     before = _engine_snapshot(busy_engine)
-    for call in (busy_engine.step, busy_engine.run, lambda: next(busy_engine.stream()),
-                 lambda: busy_engine.add_request([1], 1), lambda: busy_engine.cancel("live"),
-                 busy_engine.lose_host_tier):
-        with pytest.raises(EngineClosed, match="after close\\(\\).*create a new Engine") as info:
+    for call in (
+        busy_engine.step,
+        busy_engine.run,
+        lambda: next(busy_engine.stream()),
+        lambda: busy_engine.add_request([1], 1),
+        lambda: busy_engine.cancel("live"),
+        busy_engine.lose_host_tier,
+    ):
+        with pytest.raises(EngineClosed, match=r"after close\(\).*create a new Engine") as info:
             call()
         assert isinstance(info.value, ValueError)
     assert _engine_snapshot(busy_engine) == before
@@ -120,10 +137,14 @@ def test_a_closed_engine_refuses_to_be_driven_but_can_be_inspected(busy_engine):
     busy_engine.close()  # closing twice is harmless
 
 
-@pytest.mark.parametrize("prompt, max_new_tokens, kwargs, message", [
-    (p, m, kw, msg) for p, m, kw, err, msg in BAD_REQUESTS
-    if err is RequestRejected and "sampling" not in kw and "max_position" not in msg
-])
+@pytest.mark.parametrize(
+    "prompt, max_new_tokens, kwargs, message",
+    [
+        (p, m, kw, msg)
+        for p, m, kw, err, msg in BAD_REQUESTS
+        if err is RequestRejected and "sampling" not in kw and "max_position" not in msg
+    ],
+)
 def test_scheduler_submit_refuses_the_same_inputs_and_changes_nothing(prompt, max_new_tokens, kwargs, message):
     sched = Scheduler(SchedulerConfig(gpu_blocks=16, block_size=4))
     sched.submit([1], 4, request_id="live")
@@ -135,27 +156,33 @@ def test_scheduler_submit_refuses_the_same_inputs_and_changes_nothing(prompt, ma
     assert ({rid: r.state for rid, r in sched.requests.items()}, sched.pool.usage(), list(sched.waiting)) == before
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"gpu_blocks": 0}, "gpu_blocks must be a positive integer"),
-    ({"host_blocks": -1}, "host_blocks must be an integer >= 0"),
-    ({"max_preemptions_per_request": True}, "max_preemptions_per_request must be a positive integer or None"),
-    ({"enable_recompute_pause": "no"}, "enable_recompute_pause must be True or False"),
-    ({"enable_recompute_pause": False}, "enable_recompute_pause=False with host_blocks=0"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"gpu_blocks": 0}, "gpu_blocks must be a positive integer"),
+        ({"host_blocks": -1}, "host_blocks must be an integer >= 0"),
+        ({"max_preemptions_per_request": True}, "max_preemptions_per_request must be a positive integer or None"),
+        ({"enable_recompute_pause": "no"}, "enable_recompute_pause must be True or False"),
+        ({"enable_recompute_pause": False}, "enable_recompute_pause=False with host_blocks=0"),
+    ],
+)
 def test_bad_configurations_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         SchedulerConfig(**{"gpu_blocks": 8, **overrides})
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["demo", "--inject", "melt_gpu"], "unknown fault kind 'melt_gpu'"),
-    (["demo", "--inject", "copy_to_host:7"], r"probability in \[0, 1\]"),
-    (["demo", "--requests", "0"], "--requests must be positive"),
-    (["demo", "--gpu-blocks", "-2"], "gpu_blocks must be a positive integer"),
-    (["soak", "--requests", "0"], "--requests must be positive"),
-    (["soak", "--cancel-rate", "1.5"], r"--cancel-rate must be in \[0, 1\]"),
-    (["soak", "--inject", "host_loss@x"], "iterations must be integers"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["demo", "--inject", "melt_gpu"], "unknown fault kind 'melt_gpu'"),
+        (["demo", "--inject", "copy_to_host:7"], r"probability in \[0, 1\]"),
+        (["demo", "--requests", "0"], "--requests must be positive"),
+        (["demo", "--gpu-blocks", "-2"], "gpu_blocks must be a positive integer"),
+        (["soak", "--requests", "0"], "--requests must be positive"),
+        (["soak", "--cancel-rate", "1.5"], r"--cancel-rate must be in \[0, 1\]"),
+        (["soak", "--inject", "host_loss@x"], "iterations must be integers"),
+    ],
+)
 def test_the_cli_refuses_bad_options_with_exit_status_2(argv, message, capsys, tmp_path):
     assert main([*argv, "--trace", str(tmp_path / "t.ndjson")] if argv[0] == "demo" else argv) == 2
     err = capsys.readouterr().err

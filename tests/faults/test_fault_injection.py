@@ -21,6 +21,7 @@ from kvstate.errors import PoolError
 from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan
 from kvstate.scheduler import Scheduler
 from kvstate.sim import SimExecutor, reference_output
+from kvstate.step import Step
 
 SPEC = load_spec()
 EDGES = {(t.source, t.event, t.dest) for t in SPEC.transitions}
@@ -37,13 +38,16 @@ def test_fault_plan_parses_the_cli_forms():
     assert plan.fires("host_loss", 3) and plan.fires("host_loss", 9)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("melt_gpu", "unknown fault kind 'melt_gpu'"),
-    ("copy_to_host:2", r"probability in \[0, 1\]"),
-    ("copy_to_host:often", "is not a number"),
-    ("host_loss@soon", "iterations must be integers"),
-    ("host_loss@", "no iteration"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("melt_gpu", "unknown fault kind 'melt_gpu'"),
+        ("copy_to_host:2", r"probability in \[0, 1\]"),
+        ("copy_to_host:often", "is not a number"),
+        ("host_loss@soon", "iterations must be integers"),
+        ("host_loss@", "no iteration"),
+    ],
+)
 def test_fault_plan_refuses_malformed_options(text, message):
     with pytest.raises(FaultPlanError, match=message) as info:
         FaultPlan.parse([text], seed=0)
@@ -79,8 +83,11 @@ def test_injector_counts_what_fired():
 
 # ------------------------------------------------------------------------------- Scheduler.fail_migration
 def _pressured(seed: int, host_blocks: int = 6, **kw) -> tuple[Scheduler, SimExecutor]:
-    sched = Scheduler(SchedulerConfig(gpu_blocks=12, host_blocks=host_blocks, block_size=2, prefill_chunk_size=6,
-                                      max_num_tokens=16, **kw))
+    sched = Scheduler(
+        SchedulerConfig(
+            gpu_blocks=12, host_blocks=host_blocks, block_size=2, prefill_chunk_size=6, max_num_tokens=16, **kw
+        )
+    )
     rng = random.Random(seed)
     for _ in range(10):
         p = rng.randint(2, 10)
@@ -89,32 +96,39 @@ def _pressured(seed: int, host_blocks: int = 6, **kw) -> tuple[Scheduler, SimExe
 
 
 def _step_failing(ex: SimExecutor, fails) -> list:
-    """`SimExecutor.step`, but every plan for which `fails(plan)` is true is reported failed before the copies
-    (its destination slots are scribbled on first, as a copy that failed half-way would leave them)."""
+    """`SimExecutor.step`, but every plan for which `fails(plan)` is true is reported failed instead of copied
+    (its destination slots are scribbled on first, as a copy that failed half-way would leave them), and the step
+    carries on with the amended output."""
     sched = ex.scheduler
-    out = sched.schedule()
-    sched.check_invariants(out)
+    step = Step.begin(sched)
+    sched.check_invariants(step.output)
+    as_scheduled = step.scheduled.to_dict()
     failed = []
-    for plan in list(out.migrations):
-        if fails(plan):
-            dest = ex.host if plan.direction == TO_HOST else ex.gpu
-            for _, dst in plan.pairs[: len(plan.pairs) // 2]:
-                dest[dst] = [-1] * len(dest[dst])  # garbage: must never be read
-            before = sched.get(plan.request_id).state
-            request = sched.fail_migration(out, plan)
-            edge = (before, "lose_host_copy" if plan.direction == TO_HOST else "recompute_pause", request.state)
-            assert edge in EDGES, f"fail_migration took {edge}, which is not a spec edge"
-            assert plan not in out.migrations and plan.plan_id not in sched.pool.in_flight
-            assert request in out.recompute_paused and request not in out.suspended + out.resumed
-            sched.check_invariants(out)  # OUT-DISJOINT, OUT-STATE, conservation, residency
-            failed.append(plan)
-    for plan in out.migrations:
-        source, dest = (ex.gpu, ex.host) if plan.direction == TO_HOST else (ex.host, ex.gpu)
-        for src, dst in plan.pairs:
-            dest[dst] = list(source[src])
-    sched.complete_migrations(out)
-    sampled = ex.compute(out)
-    sched.complete_step(out, sampled)
+    for plan in step.to_issue():
+        if not fails(plan):
+            step.issued(plan, ex.copy(plan))
+            continue
+        dest = ex.host if plan.direction == TO_HOST else ex.gpu
+        for _, dst in plan.pairs[: len(plan.pairs) // 2]:
+            dest[dst] = [-1] * len(dest[dst])  # garbage: must never be read
+        before, out = sched.get(plan.request_id).state, step.output
+        step.issued(plan, None)  # the copy failed: Scheduler.fail_migration, then the amended output
+        failure, amended = step.failures[-1], step.output
+        request = failure.request
+        assert failure.plan == plan and request is sched.get(plan.request_id) and amended == out.amended(failure)
+        assert failure.event == ("lose_host_copy" if plan.direction == TO_HOST else "recompute_pause")
+        edge = (before, failure.event, request.state)
+        assert edge in EDGES, f"fail_migration took {edge}, which is not a spec edge"
+        assert plan not in amended.migrations and plan.plan_id not in sched.pool.in_flight
+        assert request in amended.recompute_paused and request not in amended.suspended + amended.resumed
+        assert plan in out.migrations and request not in out.recompute_paused  # the amended output is unchanged
+        sched.check_invariants(amended)  # OUT-DISJOINT, OUT-STATE, conservation, residency
+        failed.append(plan)
+    assert step.scheduled.to_dict() == as_scheduled  # schedule()'s output is never mutated
+    for plan, _ in step.to_wait():
+        step.waited(plan)
+    step.complete_migrations()
+    step.finish(ex.compute(step.output))
     sched.check_invariants()
     return failed
 
@@ -143,7 +157,9 @@ def test_a_failed_copy_is_rolled_back_to_a_replay_and_loses_nothing(direction, s
             failed.append(plan)
             assert request.state == "recompute_paused" and request.num_gpu_blocks == request.num_host_blocks == 0
             # GEN-APPEND and RESET-PROMPT: its tokens are kept and become part of the replay prompt
-            assert request.generated[:len(generated_before[request.request_id])] == generated_before[request.request_id]
+            assert (
+                request.generated[: len(generated_before[request.request_id])] == generated_before[request.request_id]
+            )
             assert request.prefill_tokens == request.prompt + tuple(request.generated)
     assert failed, f"no {direction} migration happened, the workload needs more pressure"
     _finish_and_check(sched, ex)
@@ -163,22 +179,52 @@ def _schedule_until(sched: Scheduler, ex: SimExecutor, direction: str):
 
 
 def _snapshot(sched: Scheduler):
-    return ({r.request_id: (r.state, tuple(r.generated)) for r in sched.requests.values()}, sched.pool.usage(),
-            sorted(sched.pool.in_flight))
+    return (
+        {r.request_id: (r.state, tuple(r.generated)) for r in sched.requests.values()},
+        sched.pool.usage(),
+        sorted(sched.pool.in_flight),
+    )
 
 
 def test_fail_migration_refuses_what_it_cannot_undo_and_changes_nothing():
     sched, ex = _pressured(0)
     out, plan = _schedule_until(sched, ex, TO_HOST)
-    sched.fail_migration(out, plan)
+    amended = out.amended(sched.fail_migration(out, plan))
     before = _snapshot(sched)
-    with pytest.raises(PoolError, match="not an in-flight migration of this output"):
-        sched.fail_migration(out, plan)  # reported twice
+    for output in (out, amended):  # the output it was planned in, and the amended one carried on with
+        with pytest.raises(PoolError, match="not an in-flight migration of this output"):
+            sched.fail_migration(output, plan)  # reported twice
     stranger = MigrationPlan(10_000, plan.request_id, TO_HOST, plan.pairs)
     with pytest.raises(PoolError, match="not an in-flight migration of this output"):
-        sched.fail_migration(out, stranger)  # not a plan of this output
+        sched.fail_migration(amended, stranger)  # not a plan of this output
     assert _snapshot(sched) == before
-    sched.check_invariants(out)
+    sched.check_invariants(amended)
+
+
+def test_a_step_completes_migrations_only_once_every_plan_is_waited_on_or_failed():
+    sched, ex = _pressured(0)
+    for _ in range(300):
+        step = Step.begin(sched)
+        if step.output.migrations:
+            break
+        step.finish(ex.compute(step.output))
+    else:
+        raise AssertionError("no migration was planned")
+    plans = step.to_issue()
+    with pytest.raises(PoolError, match=f"{len(plans)} migration plans .* are not yet issued or waited on"):
+        step.complete_migrations()
+    assert sorted(sched.pool.in_flight) == sorted(p.plan_id for p in plans)  # nothing was told
+    for plan in plans:
+        step.issued(plan, ex.copy(plan))
+    with pytest.raises(PoolError, match="not yet issued or waited on"):
+        step.complete_migrations()  # issued, not waited on (a failed plan needs no wait: _step_failing)
+    assert [p for p, _ in step.to_wait()] == plans and step.to_issue() == []
+    for plan, _ in step.to_wait():
+        step.waited(plan)
+    step.complete_migrations()
+    assert not sched.pool.in_flight
+    step.finish(ex.compute(step.output))
+    sched.check_invariants()
 
 
 def test_fail_migration_refuses_a_request_that_ended_since_the_pass():
@@ -345,7 +391,7 @@ def test_every_fault_at_once_with_cancellations(make_engine):
         if request.done_reason == "finished":
             assert request.generated == references[rid]
         else:
-            assert request.generated == references[rid][:len(request.generated)]
+            assert request.generated == references[rid][: len(request.generated)]
     assert leaked_blocks(engine) == 0
 
 
@@ -372,8 +418,23 @@ def test_a_faulty_run_leaves_a_trace_of_spec_edges_only(make_engine, tmp_path):
 def test_demo_with_injected_faults_still_passes(capsys, tmp_path):
     from kvstate.cli import main
 
-    argv = ["demo", "--device", "cpu", "--requests", "16", "--seed", "2", "--trace", str(tmp_path / "t.ndjson"),
-            "--inject", "copy_to_host:0.3", "--inject", "copy_to_gpu:0.3", "--inject", "corrupt_host:0.5"]
+    argv = [
+        "demo",
+        "--device",
+        "cpu",
+        "--requests",
+        "16",
+        "--seed",
+        "2",
+        "--trace",
+        str(tmp_path / "t.ndjson"),
+        "--inject",
+        "copy_to_host:0.3",
+        "--inject",
+        "copy_to_gpu:0.3",
+        "--inject",
+        "corrupt_host:0.5",
+    ]
     assert main(argv) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "OUTPUT EQUIVALENCE: PASS" in out and "faults injected" in out and "copy_to_host" in out

@@ -14,8 +14,9 @@ from kvstate.checker.trace import validate_trace
 def test_a_faulty_run_trace_keeps_exact_host_conservation(make_engine, tmp_path):
     path = tmp_path / "faults.ndjson"
     faults = FaultPlan.of(4, copy_to_host=0.3, copy_to_gpu=0.3, corrupt_host=0.3, host_loss=[80])
-    engine = make_engine(gpu_blocks=16, host_blocks=8, block_size=4, faults=faults, trace_path=path,
-                         verify_host_checksums=True)
+    engine = make_engine(
+        gpu_blocks=16, host_blocks=8, block_size=4, faults=faults, trace_path=path, verify_host_checksums=True
+    )
     submit_all(engine, random_workload(14, 1, (4, 30), (4, 24)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", HostTierFallbackWarning)

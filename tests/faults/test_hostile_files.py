@@ -27,17 +27,31 @@ from kvstate.untrusted import Limits, UntrustedFileError, iter_lines, read_json
 
 SPEC = load_spec()
 ADMIT = next(t for t in SPEC.transitions if t.source == SPEC.initial)  # read from the spec, never re-typed
-FINISH = next(t for t in SPEC.transitions if t.source == ADMIT.dest and t.dest in SPEC.terminal_states
-              and t.done_reason)
+FINISH = next(
+    t for t in SPEC.transitions if t.source == ADMIT.dest and t.dest in SPEC.terminal_states and t.done_reason
+)
 
 
 def record(iteration: int, rid: object, transition, *, gpu_blocks: int = 0, gpu_free: int = 8) -> dict:
     """One trace line in the TRACE.md format (GPU capacity 8, no host tier)."""
-    values = {"iteration": iteration, "request_id": rid, "event": transition.event, "from": transition.source,
-              "to": transition.dest, "gpu_blocks": gpu_blocks, "host_blocks": 0, "gpu_free": gpu_free,
-              "host_free": 0, "gpu_fenced": 0, "host_fenced": 0, "gpu_capacity": 8, "host_capacity": 0,
-              "generated": 0, "computed_tokens": 0,
-              "done_reason": transition.done_reason if transition.dest in SPEC.terminal_states else None}
+    values = {
+        "iteration": iteration,
+        "request_id": rid,
+        "event": transition.event,
+        "from": transition.source,
+        "to": transition.dest,
+        "gpu_blocks": gpu_blocks,
+        "host_blocks": 0,
+        "gpu_free": gpu_free,
+        "host_free": 0,
+        "gpu_fenced": 0,
+        "host_fenced": 0,
+        "gpu_capacity": 8,
+        "host_capacity": 0,
+        "generated": 0,
+        "computed_tokens": 0,
+        "done_reason": transition.done_reason if transition.dest in SPEC.terminal_states else None,
+    }
     assert tuple(values) == TRACE_FIELDS
     return values
 
@@ -47,8 +61,9 @@ def good_trace(last_iteration: int = 3) -> list[dict]:
 
 
 def write_lines(path: Path, lines: list[dict | str | bytes]) -> Path:
-    data = b"".join(x if isinstance(x, bytes) else (x if isinstance(x, str) else json.dumps(x)).encode() + b"\n"
-                    for x in lines)
+    data = b"".join(
+        x if isinstance(x, bytes) else (x if isinstance(x, str) else json.dumps(x)).encode() + b"\n" for x in lines
+    )
     path.write_bytes(data)
     return path
 
@@ -95,12 +110,15 @@ def test_a_file_over_the_size_limit_is_refused_at_the_line_that_crosses_it(tmp_p
     assert d.rule == vt.FORMAT and "larger than 1000 bytes" in d.message and d.line == 1001
 
 
-@pytest.mark.parametrize("payload, message", [
-    ("[" * 100_000, "longer than"),  # over the line limit: refused before parsing
-    ("[" * 30_000, "nested too deeply"),  # under it: Python's parser would raise RecursionError
-    ('{"iteration": ' + "[" * 20 + "1" + "]" * 20 + "}", "nested deeper than 2"),
-    ("1" * 5000, "too many to read"),  # over Python's integer-string limit
-])
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        ("[" * 100_000, "longer than"),  # over the line limit: refused before parsing
+        ("[" * 30_000, "nested too deeply"),  # under it: Python's parser would raise RecursionError
+        ('{"iteration": ' + "[" * 20 + "1" + "]" * 20 + "}", "nested deeper than 2"),
+        ("1" * 5000, "too many to read"),  # over Python's integer-string limit
+    ],
+)
 def test_deep_nesting_and_huge_numbers_are_refused_as_format(tmp_path, capsys, payload, message):
     path = write_lines(tmp_path / "t.ndjson", [good_trace()[0], payload])
     d = validate_trace(path).divergence
@@ -126,7 +144,7 @@ def test_a_huge_request_id_is_not_echoed(tmp_path, capsys):
     rid = "i" * 60_000  # under the line limit, so the line parses; the edge is wrong so the CLI reports it
     lines = [record(1, rid, ADMIT)]
     lines[0]["event"] = "x" * 1000
-    code, out, err = cli(capsys, str(write_lines(tmp_path / "t.ndjson", lines)))
+    code, out, _err = cli(capsys, str(write_lines(tmp_path / "t.ndjson", lines)))
     assert code == 1 and "INVALID" in out
     assert len(out) < 2000 and "60000 characters" in out
 
@@ -158,13 +176,16 @@ def spec_file(tmp_path: Path, text: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("text, message", [
-    ("x = " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
-    ("x = " + "{a = " * 3000 + "1" + "}" * 3000 + "\n", "nested too deeply"),
-    ("x" + ".x" * 100 + " = 1\n", "nested deeper than 16"),  # dotted keys nest without recursion
-    ("[spec]\nversion = " + "1" * 5000 + "\n", "too many to read"),
-    ("[spec]\nversion = " + "1" * 30 + "\n", "more than 19 digits"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("x = " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
+        ("x = " + "{a = " * 3000 + "1" + "}" * 3000 + "\n", "nested too deeply"),
+        ("x" + ".x" * 100 + " = 1\n", "nested deeper than 16"),  # dotted keys nest without recursion
+        ("[spec]\nversion = " + "1" * 5000 + "\n", "too many to read"),
+        ("[spec]\nversion = " + "1" * 30 + "\n", "more than 19 digits"),
+    ],
+)
 def test_hostile_spec_nesting_and_numbers_are_a_spec_error(tmp_path, capsys, text, message):
     path = spec_file(tmp_path, text)
     with pytest.raises(SpecError, match=message) as info:
@@ -196,13 +217,16 @@ def test_a_trace_with_iteration_1e9_is_summarized_in_bounded_memory(tmp_path):
     assert summary.last_iteration == 10**9 and summary.spans["a"][-1].end == 10**9
 
 
-@pytest.mark.parametrize("line, field", [
-    ('{"iteration": "1"}', None),  # a missing field comes first: named
-    (json.dumps({**good_trace()[0], "iteration": "1"}), "iteration"),
-    (json.dumps({**good_trace()[0], "request_id": [[1]]}), "request_id"),
-    (json.dumps({**good_trace()[0], "gpu_free": 10**30}), "gpu_free"),
-    ("[" * 30_000, None),
-])
+@pytest.mark.parametrize(
+    "line, field",
+    [
+        ('{"iteration": "1"}', None),  # a missing field comes first: named
+        (json.dumps({**good_trace()[0], "iteration": "1"}), "iteration"),
+        (json.dumps({**good_trace()[0], "request_id": [[1]]}), "request_id"),
+        (json.dumps({**good_trace()[0], "gpu_free": 10**30}), "gpu_free"),
+        ("[" * 30_000, None),
+    ],
+)
 def test_the_report_refuses_wrong_types_deep_nesting_and_big_ints_naming_line_and_field(tmp_path, line, field):
     path = write_lines(tmp_path / "t.ndjson", [good_trace()[0], line])
     with pytest.raises(TraceError) as info:

@@ -56,9 +56,16 @@ class RecordingScheduler(Scheduler):
 
 def _thrash(cap: int | None, seed: int, host_blocks: int) -> RecordingScheduler:
     """Twelve long requests on a GPU tier that holds about two of them."""
-    sched = RecordingScheduler(SchedulerConfig(gpu_blocks=12, host_blocks=host_blocks, block_size=2,
-                                               prefill_chunk_size=8, max_num_tokens=32,
-                                               max_preemptions_per_request=cap))
+    sched = RecordingScheduler(
+        SchedulerConfig(
+            gpu_blocks=12,
+            host_blocks=host_blocks,
+            block_size=2,
+            prefill_chunk_size=8,
+            max_num_tokens=32,
+            max_preemptions_per_request=cap,
+        )
+    )
     rng = random.Random(seed)
     for _ in range(12):
         p = rng.randint(4, 14)
@@ -81,8 +88,8 @@ def test_the_cap_bounds_preemptions_by_other_requests_and_everyone_finishes(cap,
     for seed in range(8):
         sched = _thrash(cap, seed, host_blocks)
         assert max(sched.by_others.values(), default=0) <= cap
-        worst_total = max(worst_total, max(r.num_suspensions + r.num_recompute_pauses
-                                           for r in sched.finished.values()))
+        most = max(r.num_suspensions + r.num_recompute_pauses for r in sched.finished.values())
+        worst_total = max(worst_total, most)
     assert worst_total > 0  # the workload really thrashes
 
 
@@ -93,8 +100,9 @@ def test_without_the_cap_other_requests_preempt_a_request_more_often(host_blocks
 
 
 def test_thrashing_on_the_real_executor_with_a_cap_finishes_every_request(make_engine):
-    engine = make_engine(gpu_blocks=12, host_blocks=0, block_size=4, prefill_chunk_size=16,
-                         max_preemptions_per_request=1)
+    engine = make_engine(
+        gpu_blocks=12, host_blocks=0, block_size=4, prefill_chunk_size=16, max_preemptions_per_request=1
+    )
     submit_all(engine, random_workload(16, 5, (16, 30), (8, 16), max_tokens=48))
     outputs = engine.run()
     assert engine.totals.recompute_pauses > 16  # thrash: more preemptions than requests
@@ -116,7 +124,7 @@ def test_the_detector_names_requests_and_pool_state_instead_of_hanging():
             passes += 1
             sched.complete_step(out, {r.request_id: 7 for r in out.scheduled})  # copies never reported complete
     message = str(info.value)
-    stalled = [r for r in sched.requests.values()]
+    stalled = list(sched.requests.values())
     assert stalled and passes < 100
     for request in stalled:
         assert f"{request.request_id!r}:{request.state}" in message
@@ -127,7 +135,7 @@ def test_the_detector_names_requests_and_pool_state_instead_of_hanging():
 
 # ------------------------------------------------------------------------------- configurations that stall
 def test_no_recompute_pause_and_no_host_tier_is_refused():
-    with pytest.raises(ConfigError, match="no way to evict a victim.*enable recompute-pause"):
+    with pytest.raises(ConfigError, match=r"no way to evict a victim.*enable recompute-pause"):
         SchedulerConfig(gpu_blocks=8, host_blocks=0, enable_recompute_pause=False)
     # never preempts, or can still suspend: accepted
     SchedulerConfig(gpu_blocks=8, host_blocks=0, enable_recompute_pause=False, capacity_policy="guaranteed_no_evict")
@@ -137,12 +145,13 @@ def test_no_recompute_pause_and_no_host_tier_is_refused():
 def test_without_recompute_pause_a_full_host_tier_stalls_and_the_detector_says_so():
     """Known limit: with recompute-pause disabled, a host tier that fills up leaves victims that can be neither
     suspended nor paused. The detector turns that into an error naming the requests and the full host tier."""
-    sched = Scheduler(SchedulerConfig(gpu_blocks=8, host_blocks=4, block_size=2, enable_recompute_pause=False,
-                                      no_progress_limit=8))
+    sched = Scheduler(
+        SchedulerConfig(gpu_blocks=8, host_blocks=4, block_size=2, enable_recompute_pause=False, no_progress_limit=8)
+    )
     rng = random.Random(20)
     for _ in range(8):
         sched.submit([rng.randrange(1000) for _ in range(rng.randint(2, 8))], rng.randint(4, 12))
-    with pytest.raises(SchedulerStalled, match="'host_free': 2.*enable recompute-pause"):
+    with pytest.raises(SchedulerStalled, match=r"'host_free': 2.*enable recompute-pause"):
         SimExecutor(sched).run(2_000)
     assert sched.suspended and sched.has_unfinished
 
@@ -156,10 +165,13 @@ def test_removing_the_host_tier_is_refused_without_recompute_pause_and_changes_n
     while not sched.suspended:
         ex.step()
     before = ({r.request_id: r.state for r in sched.requests.values()}, sched.pool.usage(), sched.host_tier_fallback)
-    with pytest.raises(PoolError, match="enable_recompute_pause=False.*would stall"):
+    with pytest.raises(PoolError, match=r"enable_recompute_pause=False.*would stall"):
         sched.set_host_capacity(0)
-    assert ({r.request_id: r.state for r in sched.requests.values()}, sched.pool.usage(),
-            sched.host_tier_fallback) == before
+    assert (
+        {r.request_id: r.state for r in sched.requests.values()},
+        sched.pool.usage(),
+        sched.host_tier_fallback,
+    ) == before
     ex.run(5_000)
     assert not sched.has_unfinished
 
@@ -167,7 +179,7 @@ def test_removing_the_host_tier_is_refused_without_recompute_pause_and_changes_n
 def test_the_engine_refuses_a_fallback_it_could_not_serve(make_engine):
     with pytest.raises(ConfigError, match="host_blocks=0"):
         make_engine(gpu_blocks=8, host_blocks=0, enable_recompute_pause=False)
-    with pytest.raises(ConfigError, match="could not allocate|simulated failure.*enable recompute-pause"):
+    with pytest.raises(ConfigError, match=r"could not allocate|simulated failure.*enable recompute-pause"):
         make_engine(gpu_blocks=8, host_blocks=8, enable_recompute_pause=False, faults=FaultPlan.of(0, host_alloc=1.0))
 
 

@@ -49,10 +49,19 @@ def enabled(edges: tuple[Transition, ...], outcomes: dict[str, bool]) -> tuple[T
 class FakeRequest:
     """Just what guards read (kvstate.semantics.RequestView); compares by identity."""
 
-    def __init__(self, request_id: object, *, blocks_for_first_chunk: int = 1, num_gpu_blocks: int = 0,
-                 num_host_blocks: int = 0, final_token_produced: bool = False, replay_complete: bool = False,
-                 termination_reason: str | None = None, suspended_in_pass: int | None = None,
-                 kv_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        request_id: object,
+        *,
+        blocks_for_first_chunk: int = 1,
+        num_gpu_blocks: int = 0,
+        num_host_blocks: int = 0,
+        final_token_produced: bool = False,
+        replay_complete: bool = False,
+        termination_reason: str | None = None,
+        suspended_in_pass: int | None = None,
+        kv_tokens: int = 0,
+    ) -> None:
         self.request_id = request_id
         self.suspended_in_pass = suspended_in_pass
         self.kv_tokens = kv_tokens
@@ -151,7 +160,9 @@ def test_recording_hooks_implement_every_effect() -> None:
     assert EFFECTS and all(callable(getattr(hooks, name, None)) for name in EFFECTS)
 
 
-@pytest.mark.parametrize("outcomes", forced_outcomes(), ids=lambda o: "+".join(g for grp in GROUPS for g in grp if o[g]))
+@pytest.mark.parametrize(
+    "outcomes", forced_outcomes(), ids=lambda o: "+".join(g for grp in GROUPS for g in grp if o[g])
+)
 def test_machine_allows_exactly_the_spec_edges(outcomes: dict[str, bool]) -> None:
     lifecycle = Lifecycle(SPEC, guards={name: (lambda r, p, v=value: v) for name, value in outcomes.items()})
     pool = FakePool()
@@ -307,44 +318,119 @@ def test_some_pairs_are_rejectable() -> None:
 
 # (state, event, request fields, pool, guard of the edge expected, or None for GuardRejected)
 REAL_GUARD_CASES = {
-    "admit-fits": ("waiting", "admit", {"blocks_for_first_chunk": 4}, FakePool(gpu_free_blocks=4), "gpu_room_for_first_chunk"),
+    "admit-fits": (
+        "waiting",
+        "admit",
+        {"blocks_for_first_chunk": 4},
+        FakePool(gpu_free_blocks=4),
+        "gpu_room_for_first_chunk",
+    ),
     "admit-short-one": ("waiting", "admit", {"blocks_for_first_chunk": 4}, FakePool(gpu_free_blocks=3), None),
-    "suspend-host-room": ("running", "suspend", {"num_gpu_blocks": 5},
-                          FakePool(host_free_blocks=5, has_host_tier=True), "host_room_for_all_blocks"),
-    "suspend-host-short-one": ("running", "suspend", {"num_gpu_blocks": 5},
-                               FakePool(host_free_blocks=4, has_host_tier=True), None),
-    "suspend-no-host-tier": ("running", "suspend", {"num_gpu_blocks": 5},
-                             FakePool(host_free_blocks=100, has_host_tier=False), None),
-    "resume-gpu-room": ("suspended", "resume", {"num_host_blocks": 6}, FakePool(gpu_free_blocks=6, has_host_tier=True),
-                        "gpu_room_for_all_blocks"),
-    "resume-gpu-short-one": ("suspended", "resume", {"num_host_blocks": 6},
-                             FakePool(gpu_free_blocks=5, host_free_blocks=100, has_host_tier=True), None),
+    "suspend-host-room": (
+        "running",
+        "suspend",
+        {"num_gpu_blocks": 5},
+        FakePool(host_free_blocks=5, has_host_tier=True),
+        "host_room_for_all_blocks",
+    ),
+    "suspend-host-short-one": (
+        "running",
+        "suspend",
+        {"num_gpu_blocks": 5},
+        FakePool(host_free_blocks=4, has_host_tier=True),
+        None,
+    ),
+    "suspend-no-host-tier": (
+        "running",
+        "suspend",
+        {"num_gpu_blocks": 5},
+        FakePool(host_free_blocks=100, has_host_tier=False),
+        None,
+    ),
+    "resume-gpu-room": (
+        "suspended",
+        "resume",
+        {"num_host_blocks": 6},
+        FakePool(gpu_free_blocks=6, has_host_tier=True),
+        "gpu_room_for_all_blocks",
+    ),
+    "resume-gpu-short-one": (
+        "suspended",
+        "resume",
+        {"num_host_blocks": 6},
+        FakePool(gpu_free_blocks=5, host_free_blocks=100, has_host_tier=True),
+        None,
+    ),
     "pause-single-stage": ("running", "recompute_pause", {}, FakePool(pipeline_stages=1), "single_stage"),
     "pause-multi-stage": ("running", "recompute_pause", {}, FakePool(pipeline_stages=4), "multi_stage"),
     "pause-replaying-multi-stage": ("replaying", "recompute_pause", {}, FakePool(pipeline_stages=2), "multi_stage"),
-    "promote-with-host-tier": ("suspended", "recompute_pause", {"num_host_blocks": 3, "suspended_in_pass": 7,
-                                                                "kv_tokens": 3},
-                               FakePool(has_host_tier=True, pass_number=7, promotion_worth=4), "same_pass_promotion"),
-    "promote-without-host-tier": ("suspended", "recompute_pause", {"num_host_blocks": 3, "suspended_in_pass": 7},
-                                  FakePool(has_host_tier=False, gpu_free_blocks=100, pass_number=7,
-                                           promotion_worth=4), None),
-    "promote-suspended-in-an-earlier-pass": ("suspended", "recompute_pause", {"suspended_in_pass": 6, "kv_tokens": 3},
-                                             FakePool(has_host_tier=True, pass_number=7, promotion_worth=4), None),
-    "promote-between-passes": ("suspended", "recompute_pause", {"suspended_in_pass": 7, "kv_tokens": 3},
-                               FakePool(has_host_tier=True, pass_number=None, promotion_worth=4), None),
-    "promote-worth-as-much-as-the-victim": ("suspended", "recompute_pause", {"suspended_in_pass": 7, "kv_tokens": 4},
-                                            FakePool(has_host_tier=True, pass_number=7, promotion_worth=4), None),
-    "replay-fits": ("recompute_paused", "replay", {"blocks_for_first_chunk": 2}, FakePool(gpu_free_blocks=2),
-                    "gpu_room_for_first_chunk"),
-    "replay-short-one": ("recompute_paused", "replay", {"blocks_for_first_chunk": 2}, FakePool(gpu_free_blocks=1), None),
+    "promote-with-host-tier": (
+        "suspended",
+        "recompute_pause",
+        {"num_host_blocks": 3, "suspended_in_pass": 7, "kv_tokens": 3},
+        FakePool(has_host_tier=True, pass_number=7, promotion_worth=4),
+        "same_pass_promotion",
+    ),
+    "promote-without-host-tier": (
+        "suspended",
+        "recompute_pause",
+        {"num_host_blocks": 3, "suspended_in_pass": 7},
+        FakePool(has_host_tier=False, gpu_free_blocks=100, pass_number=7, promotion_worth=4),
+        None,
+    ),
+    "promote-suspended-in-an-earlier-pass": (
+        "suspended",
+        "recompute_pause",
+        {"suspended_in_pass": 6, "kv_tokens": 3},
+        FakePool(has_host_tier=True, pass_number=7, promotion_worth=4),
+        None,
+    ),
+    "promote-between-passes": (
+        "suspended",
+        "recompute_pause",
+        {"suspended_in_pass": 7, "kv_tokens": 3},
+        FakePool(has_host_tier=True, pass_number=None, promotion_worth=4),
+        None,
+    ),
+    "promote-worth-as-much-as-the-victim": (
+        "suspended",
+        "recompute_pause",
+        {"suspended_in_pass": 7, "kv_tokens": 4},
+        FakePool(has_host_tier=True, pass_number=7, promotion_worth=4),
+        None,
+    ),
+    "replay-fits": (
+        "recompute_paused",
+        "replay",
+        {"blocks_for_first_chunk": 2},
+        FakePool(gpu_free_blocks=2),
+        "gpu_room_for_first_chunk",
+    ),
+    "replay-short-one": (
+        "recompute_paused",
+        "replay",
+        {"blocks_for_first_chunk": 2},
+        FakePool(gpu_free_blocks=1),
+        None,
+    ),
     "catch-up-done": ("replaying", "catch_up", {"replay_complete": True}, FakePool(), "replay_complete"),
     "catch-up-not-yet": ("replaying", "catch_up", {"replay_complete": False}, FakePool(gpu_free_blocks=100), None),
     "finish-final-token": ("running", "finish", {"final_token_produced": True}, FakePool(), "final_token_produced"),
     "finish-too-early": ("running", "finish", {"final_token_produced": False}, FakePool(gpu_free_blocks=100), None),
-    "consensus-replays": ("awaiting_consensus", "consensus", {"termination_reason": None}, FakePool(pipeline_stages=2),
-                          "replay_still_wanted"),
-    "consensus-terminates": ("awaiting_consensus", "consensus", {"termination_reason": "cancelled"},
-                             FakePool(pipeline_stages=2), "termination_requested"),
+    "consensus-replays": (
+        "awaiting_consensus",
+        "consensus",
+        {"termination_reason": None},
+        FakePool(pipeline_stages=2),
+        "replay_still_wanted",
+    ),
+    "consensus-terminates": (
+        "awaiting_consensus",
+        "consensus",
+        {"termination_reason": "cancelled"},
+        FakePool(pipeline_stages=2),
+        "termination_requested",
+    ),
 }
 
 
@@ -369,16 +455,23 @@ def test_real_guards(impl, case) -> None:
 
 
 @given(
-    fields=st.fixed_dictionaries({
-        "blocks_for_first_chunk": st.integers(0, 8),
-        "num_gpu_blocks": st.integers(0, 8),
-        "num_host_blocks": st.integers(0, 8),
-        "final_token_produced": st.booleans(),
-        "replay_complete": st.booleans(),
-        "termination_reason": st.sampled_from([None, "finished", "cancelled", "aborted"]),
-    }),
-    pool=st.builds(FakePool, gpu_free_blocks=st.integers(0, 8), host_free_blocks=st.integers(0, 8),
-                   has_host_tier=st.booleans(), pipeline_stages=st.integers(1, 4)),
+    fields=st.fixed_dictionaries(
+        {
+            "blocks_for_first_chunk": st.integers(0, 8),
+            "num_gpu_blocks": st.integers(0, 8),
+            "num_host_blocks": st.integers(0, 8),
+            "final_token_produced": st.booleans(),
+            "replay_complete": st.booleans(),
+            "termination_reason": st.sampled_from([None, "finished", "cancelled", "aborted"]),
+        }
+    ),
+    pool=st.builds(
+        FakePool,
+        gpu_free_blocks=st.integers(0, 8),
+        host_free_blocks=st.integers(0, 8),
+        has_host_tier=st.booleans(),
+        pipeline_stages=st.integers(1, 4),
+    ),
 )
 def test_real_exclusive_guards_are_exclusive(fields: dict, pool: FakePool) -> None:
     """What the spec declares exclusive is exclusive in the real semantics: at most one guard of a group holds."""
@@ -418,8 +511,10 @@ def test_requests_with_equal_fields_stay_independent(impl, request_type) -> None
 def test_machine_never_registers_models() -> None:
     lifecycle = Lifecycle(SPEC)
     pool = FakePool(gpu_free_blocks=100, host_free_blocks=100, has_host_tier=True, pipeline_stages=1)
-    requests = [FakeRequest(f"req-{i}", num_gpu_blocks=2, num_host_blocks=2, replay_complete=True,
-                            final_token_produced=True) for i in range(300)]
+    requests = [
+        FakeRequest(f"req-{i}", num_gpu_blocks=2, num_host_blocks=2, replay_complete=True, final_token_produced=True)
+        for i in range(300)
+    ]
     # a path through admit, suspend, resume, recompute-pause, replay, catch-up and finish
     path = ("admit", "suspend", "resume", "recompute_pause", "replay", "catch_up", "finish")
     for request in requests:

@@ -38,10 +38,15 @@ def workloads(draw) -> Workload:
     block_size = draw(st.integers(1, 2))
     gpu_blocks = draw(st.integers(4, 10))
     capacity = gpu_blocks * block_size
-    config = {"gpu_blocks": gpu_blocks, "block_size": block_size,
-              "host_blocks": draw(st.sampled_from([0, 3, 8])),
-              "prefill_chunk_size": draw(st.integers(1, 4)), "max_num_tokens": draw(st.integers(4, 12)),
-              "max_batch_size": draw(st.integers(2, 4)), "pipeline_stages": draw(st.integers(1, 2))}
+    config = {
+        "gpu_blocks": gpu_blocks,
+        "block_size": block_size,
+        "host_blocks": draw(st.sampled_from([0, 3, 8])),
+        "prefill_chunk_size": draw(st.integers(1, 4)),
+        "max_num_tokens": draw(st.integers(4, 12)),
+        "max_batch_size": draw(st.integers(2, 4)),
+        "pipeline_stages": draw(st.integers(1, 2)),
+    }
     arrivals = []
     for _ in range(draw(st.integers(1, 6))):
         prompt_len = draw(st.integers(1, max(1, capacity // 2)))
@@ -56,8 +61,10 @@ def workloads(draw) -> Workload:
 def run_sim(workload: Workload, lifecycle: str, max_steps: int = 400) -> tuple[str, dict, str]:
     """(trace text, outputs, how it ended) of `workload` on the real scheduler with `lifecycle`."""
     lines: list[str] = []
-    scheduler = Scheduler(SchedulerConfig(**workload.config, lifecycle=lifecycle),
-                          on_transition=lambda r, t: lines.append(json.dumps(trace_record(scheduler, r, t))))
+    scheduler = Scheduler(
+        SchedulerConfig(**workload.config, lifecycle=lifecycle),
+        on_transition=lambda r, t: lines.append(json.dumps(trace_record(scheduler, r, t))),
+    )
     sim = SimExecutor(scheduler)
     ended = "done"
     try:
@@ -100,9 +107,20 @@ def test_both_implementations_really_run() -> None:
     assert isinstance(Scheduler(SchedulerConfig(gpu_blocks=4, lifecycle="compiled")).lifecycle, TransitionTable)
 
 
-PRESSURED = Workload({"gpu_blocks": 6, "block_size": 1, "host_blocks": 2, "prefill_chunk_size": 2,
-                      "max_num_tokens": 8, "max_batch_size": 4, "pipeline_stages": 1},
-                     ((0, (69, 16, 47), 3), (2, (8, 77, 1), 3), (1, (29, 24, 91), 3), (2, (60, 50, 81), 2)), (), None)
+PRESSURED = Workload(
+    {
+        "gpu_blocks": 6,
+        "block_size": 1,
+        "host_blocks": 2,
+        "prefill_chunk_size": 2,
+        "max_num_tokens": 8,
+        "max_batch_size": 4,
+        "pipeline_stages": 1,
+    },
+    ((0, (69, 16, 47), 3), (2, (8, 77, 1), 3), (1, (29, 24, 91), 3), (2, (60, 50, 81), 2)),
+    (),
+    None,
+)
 
 
 def test_the_pressured_workload_exercises_suspend_and_recompute_pause() -> None:
@@ -124,10 +142,12 @@ def _planted(kind: str, guard: str, wrong) -> object:
 @pytest.mark.parametrize("kind", ["machine", "compiled"])
 def test_a_planted_difference_in_either_implementation_is_caught(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """One implementation's suspend guard wants one spare host block: the traces must differ."""
+
     def host_room_off_by_one(request, pool) -> bool:
         return pool.has_host_tier and pool.host_free_blocks > request.num_gpu_blocks
 
-    monkeypatch.setattr(kvstate.scheduler, "make_lifecycle", _planted(kind, "host_room_for_all_blocks",
-                                                                       host_room_off_by_one))
+    monkeypatch.setattr(
+        kvstate.scheduler, "make_lifecycle", _planted(kind, "host_room_for_all_blocks", host_room_off_by_one)
+    )
     with pytest.raises(AssertionError, match="differ"):
         assert_same(PRESSURED)

@@ -20,8 +20,9 @@ def pressured_pass(host_blocks: int, id_kind: type = str) -> tuple[Scheduler, Sc
     """GPU 15 blocks of 1 token, chunks of 6. Pass 2 preempts the two tail requests so the first can continue:
     with a 6-block host tier it suspends one and recompute-pauses the other (with a copy plan); without one it
     recompute-pauses both and schedules a context chunk."""
-    sched = Scheduler(SchedulerConfig(gpu_blocks=15, host_blocks=host_blocks, block_size=1, prefill_chunk_size=6,
-                                      max_num_tokens=14))
+    sched = Scheduler(
+        SchedulerConfig(gpu_blocks=15, host_blocks=host_blocks, block_size=1, prefill_chunk_size=6, max_num_tokens=14)
+    )
     names = ["p", "x", "y"] if id_kind is str else [10, 11, 12]
     sched.submit(list(range(1, 14)), 1, request_id=names[0])
     sched.submit(list(range(21, 29)), 2, request_id=names[1])
@@ -51,7 +52,7 @@ def test_json_round_trip_keeps_every_list_migrations_and_chunks(host_blocks: int
     assert back == out
     assert ids_of(back) == ids_of(out)
     for name, requests in out.lists():  # the receiver's own request objects, by identity
-        assert all(a is b for a, b in zip(getattr(back, name), requests))
+        assert all(a is b for a, b in zip(getattr(back, name), requests, strict=True))
     assert back.migrations == out.migrations
     assert back.chunk_tokens == out.chunk_tokens
     assert back.num_fitting_requests == out.num_fitting_requests
@@ -71,7 +72,7 @@ def test_pickle_round_trip_keeps_recompute_paused_and_migrations(host_blocks: in
 
 
 def test_construction_without_recompute_paused_defaults_to_empty() -> None:
-    sched, out = pressured_pass(0)
+    sched, _out = pressured_pass(0)
     p = sched.get("p")
     by_keyword = SchedulerOutput(context=[p], chunk_tokens={"p": 1})
     assert by_keyword.recompute_paused == []
@@ -129,7 +130,7 @@ def test_check_output_detects_a_request_listed_twice() -> None:
 
 
 def test_check_output_detects_a_paused_request_also_listed_as_suspended() -> None:
-    sched, out = pressured_pass(6)
+    _sched, out = pressured_pass(6)
     y = out.recompute_paused[0]
     bad = SchedulerOutput(suspended=[y], recompute_paused=[y])
     with pytest.raises(InvariantViolation) as info:
@@ -138,7 +139,7 @@ def test_check_output_detects_a_paused_request_also_listed_as_suspended() -> Non
 
 
 def test_check_output_detects_a_request_in_the_wrong_state_for_its_list() -> None:
-    sched, out = pressured_pass(6)
+    _sched, out = pressured_pass(6)
     x = out.suspended[0]
     assert x.state == "suspended"
     with pytest.raises(InvariantViolation) as info:
@@ -188,14 +189,17 @@ def test_from_dict_refuses_chunks_for_unscheduled_requests_and_scheduled_request
     refused(d, sched, "no 'chunk_tokens' entry")
 
 
-@pytest.mark.parametrize("change, needles", [
-    (lambda m: m.update(direction="sideways"), ("'sideways'", "'to_host' or 'to_gpu'")),
-    (lambda m: m["pairs"][0].__setitem__(0, -1), ("a block id", ">= 0")),
-    (lambda m: m.update(pairs=[[1, 2, 3]]), ("[source block, destination block]",)),
-    (lambda m: m.update(pairs="12"), ("'pairs' must be a list",)),
-    (lambda m: m.pop("pairs"), ("lacks 'pairs'",)),
-    (lambda m: m.update(plan_id=-3), ("'plan_id'", ">= 0")),
-])
+@pytest.mark.parametrize(
+    "change, needles",
+    [
+        (lambda m: m.update(direction="sideways"), ("'sideways'", "'to_host' or 'to_gpu'")),
+        (lambda m: m["pairs"][0].__setitem__(0, -1), ("a block id", ">= 0")),
+        (lambda m: m.update(pairs=[[1, 2, 3]]), ("[source block, destination block]",)),
+        (lambda m: m.update(pairs="12"), ("'pairs' must be a list",)),
+        (lambda m: m.pop("pairs"), ("lacks 'pairs'",)),
+        (lambda m: m.update(plan_id=-3), ("'plan_id'", ">= 0")),
+    ],
+)
 def test_from_dict_refuses_malformed_migrations(change, needles) -> None:
     sched, d = wire(6)
     assert d["migrations"]

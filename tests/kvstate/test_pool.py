@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvstate.errors import InvariantViolation, PoolError
-from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan, TieredBlockPool
+from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan, TieredBlockPool, ceil_div
 
 
 def snapshot(pool: TieredBlockPool, *owners: object) -> tuple:
@@ -133,7 +133,7 @@ def test_resume_fences_host_sources_until_complete() -> None:
     # while the copy back is in flight, another request cannot take the fenced host blocks
     pool.allocate("b", 1)
     plan_b = pool.suspend("b")
-    assert set(d for _, d in plan_b.pairs).isdisjoint(host_sources)
+    assert {d for _, d in plan_b.pairs}.isdisjoint(host_sources)
     pool.complete(plan)
     assert pool.usage()["host_fenced"] == 0 and pool.host_free_blocks == 2
     assert_conserved(pool)
@@ -221,7 +221,7 @@ def test_check_invariants_detects_a_block_listed_by_two_owners() -> None:
     a = pool.allocate("a", 2)
     pool.allocate("b", 1)
     pool.check_invariants()
-    pool.gpu.blocks_of["b"].append(a[0])  # corrupt: block a[0] now listed by a and by b
+    pool.gpu.blocks_of["b"] += (a[0],)  # corrupt: block a[0] now listed by a and by b
     with pytest.raises(InvariantViolation) as info:
         pool.check_invariants()
     assert info.value.invariant_id == "OWN-EXCL"
@@ -296,3 +296,29 @@ def test_release_during_an_in_flight_copy_keeps_its_destinations_fenced_until_co
     assert pool.usage()["gpu_fenced"] == pool.usage()["host_fenced"] == 0
     assert pool.gpu_free_blocks == 4 and pool.host_free_blocks == 4
     assert_conserved(pool)
+
+
+# ------------------------------------------------------------------------------- block tables are values
+
+
+def test_a_block_table_read_earlier_is_not_changed_by_later_allocations_or_release() -> None:
+    """Tables are immutable tuples replaced on change (no copy per read): what a caller holds stays as it was."""
+    pool = TieredBlockPool(gpu_blocks=6)
+    pool.allocate("a", 2)
+    before = pool.gpu_blocks("a")
+    view = pool.gpu_block_tables()
+    pool.allocate("a", 1)
+    assert len(before) == 2 and len(pool.gpu_blocks("a")) == 3 and pool.gpu_blocks("a")[:2] == before
+    assert view["a"] == pool.gpu_blocks("a")  # the view follows the pool
+    pool.release("a")
+    assert len(before) == 2 and "a" not in view and pool.gpu_blocks("a") == ()
+    with pytest.raises(TypeError):
+        view["a"] = (0,)  # read-only
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("numerator", range(40))
+@pytest.mark.parametrize("denominator", [1, 2, 3, 16])
+def test_ceil_div_is_the_smallest_count_that_covers(numerator: int, denominator: int) -> None:
+    blocks = ceil_div(numerator, denominator)
+    assert (blocks * denominator >= numerator and (blocks - 1) * denominator < numerator) or numerator == blocks == 0

@@ -18,8 +18,9 @@ LIMIT = 3
 def run_with_one_token_chunks(seed: int) -> int:
     """A pressured workload with 1-token chunks and a detector limit of 3 passes; returns the longest run of
     passes in which nothing but replay chunks was computed."""
-    sched = Scheduler(SchedulerConfig(gpu_blocks=10, block_size=1, prefill_chunk_size=1, max_num_tokens=4,
-                                      no_progress_limit=LIMIT))
+    sched = Scheduler(
+        SchedulerConfig(gpu_blocks=10, block_size=1, prefill_chunk_size=1, max_num_tokens=4, no_progress_limit=LIMIT)
+    )
     rng = random.Random(seed)
     work = {}
     for i in range(5):
@@ -46,8 +47,11 @@ def test_long_replays_in_one_token_chunks_are_progress() -> None:
 def test_a_replay_livelock_is_reported_by_the_detector(monkeypatch: pytest.MonkeyPatch) -> None:
     """Planted: a waiting requester is a victim again (the two-stage livelock of issue 11 comes back)."""
     monkeypatch.setitem(scheduler_module.VICTIM_EXCLUSIONS, "waiting_this_pass", lambda s, candidate, step: False)
-    sched = Scheduler(SchedulerConfig(gpu_blocks=9, block_size=2, max_batch_size=3, max_num_tokens=10,
-                                      prefill_chunk_size=4, pipeline_stages=2))
+    sched = Scheduler(
+        SchedulerConfig(
+            gpu_blocks=9, block_size=2, max_batch_size=3, max_num_tokens=10, prefill_chunk_size=4, pipeline_stages=2
+        )
+    )
     rng = random.Random(0)
     for i, (p, m) in enumerate([(8, 10), (6, 1), (6, 2), (9, 4), (9, 3)]):
         sched.submit([rng.randrange(1000) for _ in range(p)], m, request_id=i)

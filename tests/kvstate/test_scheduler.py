@@ -138,8 +138,13 @@ def test_decoding_victim_is_the_tail_not_the_requester() -> None:
 
 def test_tail_first_follows_admission_order_not_arrival_order() -> None:
     sched = make(9, 7, prefill_chunk_size=1)
-    for rid, prompt, m in [("b", [18, 7, 13], 3), ("c", [17, 35, 43, 37], 1), ("a", [21, 27], 4), ("d", [22], 7),
-                           ("e", [17, 2, 22], 1)]:
+    for rid, prompt, m in [
+        ("b", [18, 7, 13], 3),
+        ("c", [17, 35, 43, 37], 1),
+        ("a", [21, 27], 4),
+        ("d", [22], 7),
+        ("e", [17, 2, 22], 1),
+    ]:
         sched.submit(prompt, m, request_id=rid)
     ex = SimExecutor(sched)
     for _ in range(6):
@@ -206,7 +211,8 @@ def test_request_about_to_produce_its_final_token_is_never_preempted() -> None:
     out = ex.step()  # a takes the last free block; b needs one too
     assert sched.get("a") in out.generation and sched.get("a").state == "done"  # a finished in this very pass
     assert b not in out.recompute_paused and b not in out.suspended and b.num_recompute_pauses == 0, (
-        f"b (budget left 1, decoding) was preempted: {b.state}")
+        f"b (budget left 1, decoding) was preempted: {b.state}"
+    )
 
 
 def test_preemption_cap_protects_a_request_that_reached_it() -> None:
@@ -218,8 +224,8 @@ def test_preemption_cap_protects_a_request_that_reached_it() -> None:
         for _ in range(3):
             ex.step()
         c = sched.get("c")
-        # x finished in pass 2, when c was suspended; c was resumed in pass 3: it is the tail of the admission order; a takes the one free block,
-        # then b needs one
+        # x finished in pass 2, when c was suspended; c was resumed in pass 3: it is the tail of the admission order;
+        # a takes the one free block, then b needs one
         assert ids(sched.admitted) == ["a", "b", "c"] and c.num_suspensions == 1
         assert sched.pool.gpu_free_blocks == 1 and not c.about_to_finish
         return sched, ex, ex.step()
@@ -258,7 +264,7 @@ def test_reset_for_replay_builds_the_replay_prompt_and_clears_kv_state() -> None
     assert sched.pool.gpu_blocks("b") == () and sched.pool.host_blocks("b") == ()
     # the replay recomputes the whole replay prompt, untruncated, before b produces another token
     replayed = 0
-    while b.state != "done" and b.state != "running":
+    while b.state not in {"done", "running"}:
         out = ex.step()
         if b in out.replay:
             assert len(b.generated) == len(generated) or b.state == "running"
@@ -458,9 +464,9 @@ def test_ending_an_unknown_or_finished_request_raises_unknown_request_id(verb: s
     sched = make(8)
     sched.submit([1], 1, request_id="x")
     run_and_check(SimExecutor(sched))
-    with pytest.raises(UnknownRequestId, match="'nope'.*unknown"):
+    with pytest.raises(UnknownRequestId, match=r"'nope'.*unknown"):
         getattr(sched, verb)("nope")
-    with pytest.raises(UnknownRequestId, match="'x'.*already finished") as info:
+    with pytest.raises(UnknownRequestId, match=r"'x'.*already finished") as info:
         getattr(sched, verb)("x")
     assert isinstance(info.value, KeyError)
     assert sched.get("x").done_reason == "finished"  # unchanged

@@ -9,6 +9,8 @@ import json
 import pytest
 
 from kvstate.config import SchedulerConfig
+from kvstate.errors import InvariantViolation
+from kvstate.output import planned_chunks
 from kvstate.scheduler import Scheduler
 from kvstate.sim import SimExecutor
 
@@ -17,8 +19,17 @@ BLOCK_BYTES = 4096
 
 def scenario(host_blocks: int, pipeline_stages: int = 1) -> tuple[Scheduler, SimExecutor]:
     """GPU 15 blocks of 1 token, chunks of 6: pass 2 preempts the two tail requests (see test_scheduler)."""
-    sched = Scheduler(SchedulerConfig(gpu_blocks=15, host_blocks=host_blocks, block_size=1, prefill_chunk_size=6,
-                                      max_num_tokens=14, pipeline_stages=pipeline_stages, block_bytes=BLOCK_BYTES))
+    sched = Scheduler(
+        SchedulerConfig(
+            gpu_blocks=15,
+            host_blocks=host_blocks,
+            block_size=1,
+            prefill_chunk_size=6,
+            max_num_tokens=14,
+            pipeline_stages=pipeline_stages,
+            block_bytes=BLOCK_BYTES,
+        )
+    )
     sched.submit(list(range(1, 14)), 1, request_id="p")
     sched.submit(list(range(21, 29)), 2, request_id="x")
     sched.submit([31, 32, 33, 34, 35], 2, request_id="y")
@@ -106,3 +117,41 @@ def test_stats_to_dict_is_json_safe(host_blocks: int) -> None:
     assert d["suspended_kv_tokens"] == stats.suspended_kv_tokens
     d["requests_per_state"]["running"] = -1  # the dict is a copy: the stats stay as they were
     assert stats.requests_per_state["running"] != -1
+
+
+def test_requests_per_state_are_counted_on_transitions_and_checked_against_a_recount() -> None:
+    """The per-state counts are kept by transitions (no walk per step); `check_invariants` recounts (STATS-COUNT)."""
+    sched, ex = scenario(host_blocks=6)
+    while sched.has_unfinished:
+        ex.step()
+        recount = {state: len(in_state(sched, state)) for state in sched.active_per_state}
+        assert {s: n for s, n in sched.stats().requests_per_state.items() if s in recount} == recount
+    sched.active_per_state["running"] += 1  # a planted drift
+    with pytest.raises(InvariantViolation) as info:
+        sched.check_invariants()
+    assert info.value.invariant_id == "STATS-COUNT"
+
+
+@pytest.mark.parametrize("lifecycle", ["machine", "compiled"])
+def test_steady_decode_fires_no_lifecycle_event(lifecycle: str) -> None:
+    """Once every request decodes, a step (schedule, chunk planning, completion) changes no state, whichever
+    lifecycle implementation runs: what the per-step cost target relies on."""
+    fired = []
+    sched = Scheduler(
+        SchedulerConfig(
+            gpu_blocks=64, block_size=4, max_batch_size=8, max_num_tokens=64, prefill_chunk_size=4, lifecycle=lifecycle
+        ),
+        on_transition=lambda request, transition: fired.append(transition.event),
+    )
+    for i in range(8):
+        sched.submit(list(range(1 + i % 4)), 20)
+    out = sched.schedule()
+    sched.complete_step(out, {c.request.request_id: 1 for c in planned_chunks(out, sched.pool) if c.produces_token})
+    assert fired == ["admit"] * 8
+    for _ in range(10):
+        out = sched.schedule()
+        chunks = planned_chunks(out, sched.pool)
+        assert len(chunks) == 8 and all(c.produces_token and len(c.tokens) == 1 for c in chunks)
+        sched.complete_step(out, {c.request.request_id: 1 for c in chunks})
+        sched.check_invariants(out)
+    assert fired == ["admit"] * 8

@@ -54,15 +54,18 @@ def test_stop_tokens_end_a_request_after_the_stop_token() -> None:
     reference = adapter.reference([5, 6], 10, ())
     request_id = adapter.submit([5, 6], 10, (reference[3],))
     run_to_completion(adapter)
-    assert adapter.outputs()[request_id] == reference[:reference.index(reference[3]) + 1]
+    assert adapter.outputs()[request_id] == reference[: reference.index(reference[3]) + 1]
 
 
-@pytest.mark.parametrize("prompt, max_new_tokens, message", [
-    ([], 1, "prompt cannot be empty"),
-    ([1000], 1, "out of vocabulary"),
-    ([1] * 32, 1, "exceeds vLLM's max_model_len=32"),
-    ([1] * 30, 3, "exceeds vLLM's max_model_len=32"),
-])
+@pytest.mark.parametrize(
+    "prompt, max_new_tokens, message",
+    [
+        ([], 1, "prompt cannot be empty"),
+        ([1000], 1, "out of vocabulary"),
+        ([1] * 32, 1, "exceeds vLLM's max_model_len=32"),
+        ([1] * 30, 3, "exceeds vLLM's max_model_len=32"),
+    ],
+)
 def test_refusals_are_value_errors_that_change_nothing(prompt, max_new_tokens, message) -> None:
     adapter = VLLMAdapter(**SHAPE)
     with pytest.raises(ValueError, match=message):

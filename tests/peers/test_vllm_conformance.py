@@ -27,15 +27,16 @@ STEPS = 40
 SHAPE = dict(gpu_blocks=8, block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
 
 NoPrefixCacheMachine = conformance_machine(lambda: VLLMAdapter(**SHAPE), name="NoPrefixCacheMachine")
-PrefixCacheMachine = conformance_machine(lambda: VLLMAdapter(prefix_caching=True, **SHAPE),
-                                         name="PrefixCacheMachine")
+PrefixCacheMachine = conformance_machine(lambda: VLLMAdapter(prefix_caching=True, **SHAPE), name="PrefixCacheMachine")
 
 TestNoPrefixCache = NoPrefixCacheMachine.TestCase
 TestPrefixCache = PrefixCacheMachine.TestCase
 for _case in (TestNoPrefixCache, TestPrefixCache):
-    _case.settings = settings(_case.settings, stateful_step_count=STEPS,
-                              **({} if MAX_EXAMPLES is None else {"max_examples": min(MAX_EXAMPLES,
-                                                                                     settings().max_examples)}))
+    _case.settings = settings(
+        _case.settings,
+        stateful_step_count=STEPS,
+        **({} if MAX_EXAMPLES is None else {"max_examples": min(MAX_EXAMPLES, settings().max_examples)}),
+    )
 del _case
 
 

@@ -31,8 +31,11 @@ def expect_violation(invariant_id: str, steps) -> None:
         raise
 
 
-@pytest.mark.xfail(raises=InvariantViolation, strict=True,
-                   reason="LIVE-REFUSE, design difference: vLLM caps at max_model_len instead of refusing")
+@pytest.mark.xfail(
+    raises=InvariantViolation,
+    strict=True,
+    reason="LIVE-REFUSE, design difference: vLLM caps at max_model_len instead of refusing",
+)
 def test_finding_1_vllm_accepts_a_request_over_max_model_len() -> None:
     def steps() -> None:  # as Hypothesis printed it (docs/vllm-findings.md)
         state = CappedMachine()

@@ -16,10 +16,12 @@ import pytest
 
 from kvstate.report.html import MIN_LABEL_PX
 
-BROWSER = next((shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome")
-                if shutil.which(name)), None)
-pytestmark = pytest.mark.skipif(BROWSER is None or shutil.which("dot") is None,
-                                reason="needs Chromium and Graphviz `dot` installed")
+BROWSER = next(
+    (shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome") if shutil.which(name)), None
+)
+pytestmark = pytest.mark.skipif(
+    BROWSER is None or shutil.which("dot") is None, reason="needs Chromium and Graphviz `dot` installed"
+)
 WINDOW = "1280,2000"  # the default page width of issue 15
 CONSOLE = re.compile(r":CONSOLE(?::\d+|\(\d+\))\] \"(?P<message>.*)\", source: (?P<source>.*)")
 
@@ -46,9 +48,23 @@ PROBE = """<script>
 
 def run_browser(page, screenshot):
     done = subprocess.run(
-        [BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--enable-logging=stderr",
-         "--v=0", f"--window-size={WINDOW}", f"--screenshot={screenshot}", page.as_uri()],
-        capture_output=True, text=True, timeout=120, check=False)
+        [
+            BROWSER,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--enable-logging=stderr",
+            "--v=0",
+            f"--window-size={WINDOW}",
+            f"--screenshot={screenshot}",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     messages = [match for line in done.stderr.splitlines() if (match := CONSOLE.search(line))]
     return done, messages
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvstate import load_spec
+from kvstate import SchedulerConfig, load_spec
 from kvstate.cli import main
 from kvstate.diagrams.dot import CLUSTER_COLORS
 from kvstate.report import TraceError, summarize, write_report
@@ -16,10 +16,24 @@ from kvstate.report.model import Span
 
 
 def _line(it, rid, event, src, dst, gpu_free=6, gpu_fenced=0, host_free=4, host_fenced=0, reason=None):
-    return {"iteration": it, "request_id": rid, "event": event, "from": src, "to": dst, "gpu_blocks": 0,
-            "host_blocks": 0, "gpu_free": gpu_free, "host_free": host_free, "gpu_fenced": gpu_fenced,
-            "host_fenced": host_fenced, "gpu_capacity": 8, "host_capacity": 4, "generated": 0,
-            "computed_tokens": 0, "done_reason": reason}
+    return {
+        "iteration": it,
+        "request_id": rid,
+        "event": event,
+        "from": src,
+        "to": dst,
+        "gpu_blocks": 0,
+        "host_blocks": 0,
+        "gpu_free": gpu_free,
+        "host_free": host_free,
+        "gpu_fenced": gpu_fenced,
+        "host_fenced": host_fenced,
+        "gpu_capacity": 8,
+        "host_capacity": 4,
+        "generated": 0,
+        "computed_tokens": 0,
+        "done_reason": reason,
+    }
 
 
 LINES = [
@@ -92,7 +106,7 @@ def test_write_report_files_and_self_contained_html(tmp_path):
 
 def test_without_graphviz_the_diagram_is_skipped_with_a_note(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    import kvstate.report.diagram as diagram
+    from kvstate.report import diagram
 
     monkeypatch.setattr(diagram, "render", lambda dot, fmt: None)
     result = write_report(_write(tmp_path / "t.ndjson", LINES), tmp_path / "out")
@@ -121,7 +135,11 @@ def test_report_command_on_a_real_engine_trace(tmp_path, capsys):
     from executor.checks import random_workload, submit_all
 
     trace = tmp_path / "t.ndjson"
-    with Engine(EngineConfig(device="cpu", gpu_blocks=16, host_blocks=6, block_size=4, trace_path=trace)) as engine:
+    with Engine(
+        EngineConfig(
+            device="cpu", scheduler=SchedulerConfig(gpu_blocks=16, host_blocks=6, block_size=4), trace_path=trace
+        )
+    ) as engine:
         submit_all(engine, random_workload(10, 1, (4, 30), (4, 24)))
         engine.run()
         assert engine.totals.suspensions > 0

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import re
 import shutil
-import xml.etree.ElementTree as ElementTree
 from collections import Counter
 from html.parser import HTMLParser
+from xml.etree import ElementTree
 
 import pytest
 
@@ -33,9 +33,9 @@ class DiagramBoxes(HTMLParser):
     def handle_starttag(self, tag, attrs):
         if tag == "div" and ("class", "diagram") in attrs:
             line, column = self.getpos()
-            offset = sum(len(text) for text in self.page.splitlines(keepends=True)[:line - 1]) + column
+            offset = sum(len(text) for text in self.page.splitlines(keepends=True)[: line - 1]) + column
             start = self.page.index("<svg", offset)
-            self.svgs.append(self.page[start:self.page.index("</svg>", start) + len("</svg>")])
+            self.svgs.append(self.page[start : self.page.index("</svg>", start) + len("</svg>")])
 
 
 @pytest.mark.skipif(not HAS_DOT, reason="Graphviz `dot` is not installed")
@@ -80,7 +80,7 @@ def test_header_colour_key_matches_the_colours_drawn(small_report) -> None:
     assert spec.state_by_name[dropped[0]].residency == "none" and colors[dropped[0]] in SHADES["none"]
     assert "grey hatched red" in COLOR_KEY and DESTRUCTIVE_HATCH_COLOR.startswith("#c")
     for state, color in colors.items():
-        red, green, blue = (int(color[i:i + 2], 16) for i in (1, 3, 5))
+        red, green, blue = (int(color[i : i + 2], 16) for i in (1, 3, 5))
         hue = {"gpu": green > max(red, blue), "host": blue > max(red, green), "none": red == green == blue}
         assert hue[spec.state_by_name[state].residency], f"{state} is drawn {color}, not its residency's hue"
     assert COLOR_KEY in small_report.html.read_text().replace("&#x27;", "'")
@@ -92,8 +92,18 @@ def test_occupancy_has_integer_ticks_and_bins_long_runs():
     from kvstate.report.model import TraceSummary
 
     assert bin_size(MAX_COLUMNS) == 1 and bin_size(MAX_COLUMNS + 1) == 2 and bin_size(10 * MAX_COLUMNS) == 10
-    rows = [{"iteration": i, "gpu_held": i % 5, "gpu_fenced": 3 if i == 6 else 0, "gpu_capacity": 7,
-             "host_held": 0, "host_fenced": 0, "host_capacity": 3} for i in range(1, 1001)]
+    rows = [
+        {
+            "iteration": i,
+            "gpu_held": i % 5,
+            "gpu_fenced": 3 if i == 6 else 0,
+            "gpu_capacity": 7,
+            "host_held": 0,
+            "host_fenced": 0,
+            "host_capacity": 3,
+        }
+        for i in range(1, 1001)
+    ]
     starts, held, total = binned_peaks(rows, "gpu", 4)
     assert starts[:3] == [1, 5, 9] and held[:2] == [4, 3] and total[:2] == [4, 4], "a fenced peak stays visible"
     assert max(total) == 4 and len(starts) == 250

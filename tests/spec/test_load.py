@@ -64,10 +64,10 @@ def test_packaged_spec_names_are_unique() -> None:
     # states, events, guards and effects share no names either (they end up side by side in the
     # transitions machine, the diagrams and the semantics module)
     namespaces = {kind: set(kinds[kind]) for kind in ("state", "event", "guard", "effect")}
-    for a in namespaces:
-        for b in namespaces:
+    for a, names_a in namespaces.items():
+        for b, names_b in namespaces.items():
             if a < b:
-                assert not namespaces[a] & namespaces[b], f"{a} and {b} names overlap"
+                assert not names_a & names_b, f"{a} and {b} names overlap"
     # the semantics the spec uses are exactly the ones defined
     assert spec.guard_names == set(GUARDS)
     assert spec.effect_names == EFFECTS
@@ -99,9 +99,7 @@ def test_load_from_explicit_path(tmp_path: Path, as_str: bool) -> None:
 
 
 def test_load_from_explicit_path_reads_that_file(tmp_path: Path) -> None:
-    data_text = PACKAGED_TEXT.replace(
-        f'name = "{PACKAGED_DATA["spec"]["name"]}"', 'name = "a different lifecycle"', 1
-    )
+    data_text = PACKAGED_TEXT.replace(f'name = "{PACKAGED_DATA["spec"]["name"]}"', 'name = "a different lifecycle"', 1)
     assert data_text != PACKAGED_TEXT
     path = tmp_path / "renamed.toml"
     path.write_text(data_text, encoding="utf-8")
@@ -109,9 +107,7 @@ def test_load_from_explicit_path_reads_that_file(tmp_path: Path) -> None:
 
 
 def test_load_without_validation_returns_an_invalid_spec(tmp_path: Path) -> None:
-    data_text = PACKAGED_TEXT.replace(
-        f'initial = "{PACKAGED_DATA["spec"]["initial"]}"', 'initial = "nowhere"', 1
-    )
+    data_text = PACKAGED_TEXT.replace(f'initial = "{PACKAGED_DATA["spec"]["initial"]}"', 'initial = "nowhere"', 1)
     path = tmp_path / "bad_initial.toml"
     path.write_text(data_text, encoding="utf-8")
     assert load_spec(path, validate=False).initial == "nowhere"
@@ -294,8 +290,11 @@ def test_wrong_shape_is_refused_naming_file_and_entry(mutate) -> None:
     assert phrase in message
 
 
-@pytest.mark.parametrize("mutate", [_bad_residency, _missing_label, _transitions_a_table, _bad_scope],
-                         ids=lambda f: f.__name__.lstrip("_").replace("_", "-"))
+@pytest.mark.parametrize(
+    "mutate",
+    [_bad_residency, _missing_label, _transitions_a_table, _bad_scope],
+    ids=lambda f: f.__name__.lstrip("_").replace("_", "-"),
+)
 def test_wrong_shape_in_a_file_names_the_file(tmp_path: Path, mutate) -> None:
     """The same shape errors reached through `load_spec` name the file on disk."""
     data = packaged_data()
@@ -337,7 +336,9 @@ def _to_toml(data: dict) -> str:
         raise TypeError(v)
 
     def is_table(item) -> bool:
-        return isinstance(item, dict) or (isinstance(item, list) and bool(item) and all(isinstance(x, dict) for x in item))
+        return isinstance(item, dict) or (
+            isinstance(item, list) and bool(item) and all(isinstance(x, dict) for x in item)
+        )
 
     lines: list[str] = []
     for key, item in sorted(data.items(), key=lambda kv: is_table(kv[1])):  # plain keys before tables

@@ -56,9 +56,13 @@ def renamed(renamed_path: Path):
 @pytest.mark.parametrize("host_blocks, stages", [(6, 1), (0, 1), (4, 2)])
 def test_the_scheduler_runs_a_pressured_workload_on_renamed_states(renamed, host_blocks: int, stages: int) -> None:
     lines: list[str] = []
-    scheduler = Scheduler(SchedulerConfig(gpu_blocks=12, host_blocks=host_blocks, block_size=2, prefill_chunk_size=4,
-                                          pipeline_stages=stages), renamed,
-                          on_transition=lambda r, t: lines.append(json.dumps(trace_record(scheduler, r, t))))
+    scheduler = Scheduler(
+        SchedulerConfig(
+            gpu_blocks=12, host_blocks=host_blocks, block_size=2, prefill_chunk_size=4, pipeline_stages=stages
+        ),
+        renamed,
+        on_transition=lambda r, t: lines.append(json.dumps(trace_record(scheduler, r, t))),
+    )
     rng = random.Random(host_blocks + stages)
     work = {}
     for i in range(8):

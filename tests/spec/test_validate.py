@@ -88,15 +88,17 @@ def no_way_out(data: dict) -> list[list[str]]:
 def cannot_reach_terminal(data: dict) -> list[list[str]]:
     initial = data["spec"]["initial"]
     data["states"] += [new_state("ping"), new_state("pong")]
-    data["events"].append({
-        "name": "bounce",
-        "label": "bounce",
-        "transitions": [
-            {"source": [initial], "dest": "ping"},
-            {"source": ["ping"], "dest": "pong"},
-            {"source": ["pong"], "dest": "ping"},
-        ],
-    })
+    data["events"].append(
+        {
+            "name": "bounce",
+            "label": "bounce",
+            "transitions": [
+                {"source": [initial], "dest": "ping"},
+                {"source": ["ping"], "dest": "pong"},
+                {"source": ["pong"], "dest": "ping"},
+            ],
+        }
+    )
     return [
         ["non-terminal state 'ping' can never reach a terminal state"],
         ["non-terminal state 'pong' can never reach a terminal state"],
@@ -107,15 +109,23 @@ def ambiguous_guards(data: dict) -> list[list[str]]:
     # a second edge from suspended on resume, with a guard not declared exclusive with the first one
     resume = event_entry(data, "resume")["transitions"]
     first = resume[0]
-    resume.append({"source": first["source"], "dest": "recompute_paused", "guard": "same_pass_promotion",
-                   "effect": "release_kv_and_reset"})
+    resume.append(
+        {
+            "source": first["source"],
+            "dest": "recompute_paused",
+            "guard": "same_pass_promotion",
+            "effect": "release_kv_and_reset",
+        }
+    )
     (source,) = first["source"]
-    return [[
-        f"event 'resume' from state {source!r} has two transitions",
-        f"to {first['dest']!r} guarded by {first['guard']}",
-        "to 'recompute_paused' guarded by same_pass_promotion",
-        "are not declared mutually exclusive",
-    ]]
+    return [
+        [
+            f"event 'resume' from state {source!r} has two transitions",
+            f"to {first['dest']!r} guarded by {first['guard']}",
+            "to 'recompute_paused' guarded by same_pass_promotion",
+            "are not declared mutually exclusive",
+        ]
+    ]
 
 
 def exclusivity_not_declared(data: dict) -> list[list[str]]:
@@ -129,8 +139,12 @@ def exclusivity_not_declared(data: dict) -> list[list[str]]:
                 pairs.setdefault(source, []).append(edge)
         for source, edges in pairs.items():
             if len(edges) > 1 and all(e.get("guard") in group["guards"] for e in edges):
-                problems.append([f"event {event['name']!r} from state {source!r} has two transitions",
-                                 "are not declared mutually exclusive"])
+                problems.append(
+                    [
+                        f"event {event['name']!r} from state {source!r} has two transitions",
+                        "are not declared mutually exclusive",
+                    ]
+                )
     assert problems, "the dropped group must have been relied on"
     return problems
 
@@ -141,10 +155,12 @@ def ambiguous_unguarded(data: dict) -> list[list[str]]:
     assert "guard" not in edges[0]
     terminal = terminal_name(data)
     edges.append({"source": [source], "dest": terminal, "effect": "release_kv_and_terminate"})
-    return [[
-        f"event 'lose_host_copy' from state {source!r} has two transitions",
-        f"to {edges[0]['dest']!r} guarded by nothing, to {terminal!r} guarded by nothing",
-    ]]
+    return [
+        [
+            f"event 'lose_host_copy' from state {source!r} has two transitions",
+            f"to {edges[0]['dest']!r} guarded by nothing, to {terminal!r} guarded by nothing",
+        ]
+    ]
 
 
 def guard_without_semantics(data: dict) -> list[list[str]]:

@@ -18,7 +18,11 @@ SMALL = SchedulerConfig(gpu_blocks=8, host_blocks=8, block_size=4, prefill_chunk
 
 def test_the_profiles_keep_their_values_and_none_has_a_deadline() -> None:
     assert {name: (p.max_examples, p.deadline) for name, p in PROFILES.items()} == {
-        "ci": (40, None), "thorough": (200, None), "dev": (40, None), "long": (5000, None)}
+        "ci": (40, None),
+        "thorough": (200, None),
+        "dev": (40, None),
+        "long": (5000, None),
+    }
     assert all(PROFILES[name].derandomize and PROFILES[name].print_blob for name in ("ci", "thorough"))
     for name in PROFILES:
         assert settings.get_profile(name).max_examples == PROFILES[name].max_examples
@@ -31,7 +35,7 @@ def test_the_environment_variable_chooses_the_profile_in_a_fresh_process() -> No
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == chosen
     env = {**os.environ, PROFILE_ENV: "bogus"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     assert out.returncode != 0 and "names no kvstate Hypothesis profile" in out.stderr
 
 
@@ -51,5 +55,6 @@ class SmallVocab(KVStateAdapter):
 
 def test_token_ids_are_drawn_from_the_adapters_vocabulary() -> None:
     machine = conformance_machine(lambda: SmallVocab(SMALL, vocab=7), name="SmallVocab")
-    run_state_machine_as_test(machine, settings=settings(max_examples=10, stateful_step_count=20, database=None,
-                                                         derandomize=True))
+    run_state_machine_as_test(
+        machine, settings=settings(max_examples=10, stateful_step_count=20, database=None, derandomize=True)
+    )

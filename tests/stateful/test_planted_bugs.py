@@ -36,8 +36,13 @@ def find_failure(machine: type, error: type[BaseException] = InvariantViolation)
     Derandomized, so that a planted bug is found the same way every run (no flaky test). Shrinking is off: the
     raw failing case is enough to name the invariant, and shrinking stateful cases costs minutes.
     """
-    run_settings = settings(stateful_step_count=50, database=None, report_multiple_bugs=False, derandomize=True,
-                            phases=[Phase.explicit, Phase.reuse, Phase.generate])
+    run_settings = settings(
+        stateful_step_count=50,
+        database=None,
+        report_multiple_bugs=False,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    )
     with pytest.raises(error) as caught:
         run_state_machine_as_test(machine, settings=run_settings)
     replay_printed_steps(machine, caught.value, error)
@@ -52,7 +57,7 @@ def replay_printed_steps(machine: type, err: BaseException, error: type[BaseExce
     program = report[start:end]
     assert re.search(r"^state\.\w+\(", program, flags=re.M), report
     with pytest.raises(error) as replayed:
-        exec(program, {machine.__name__: machine, "Submission": Submission})  # noqa: S102 - our own report
+        exec(program, {machine.__name__: machine, "Submission": Submission})
     assert getattr(replayed.value, "invariant_id", None) == getattr(err, "invariant_id", None)
 
 
@@ -79,8 +84,9 @@ class ReplayForgetsGenerated(_Effects):
 
 
 def test_a_replay_prompt_without_the_generated_tokens_breaks_output_equivalence() -> None:
-    machine = conformance_machine(adapter_with(NO_HOST, scheduler_factory=scheduler_with_effects(ReplayForgetsGenerated)),
-                                  name="ForgetfulReplay")
+    machine = conformance_machine(
+        adapter_with(NO_HOST, scheduler_factory=scheduler_with_effects(ReplayForgetsGenerated)), name="ForgetfulReplay"
+    )
     assert find_failure(machine).invariant_id == "OUT-EQUIV"
 
 
@@ -94,8 +100,9 @@ class ResetClearsGenerated(_Effects):
 
 
 def test_a_reset_that_drops_generated_tokens_breaks_append_only_output() -> None:
-    machine = conformance_machine(adapter_with(NO_HOST, scheduler_factory=scheduler_with_effects(ResetClearsGenerated)),
-                                  name="ClearingReset")
+    machine = conformance_machine(
+        adapter_with(NO_HOST, scheduler_factory=scheduler_with_effects(ResetClearsGenerated)), name="ClearingReset"
+    )
     assert find_failure(machine).invariant_id == "GEN-APPEND"
 
 
@@ -110,8 +117,9 @@ class FinishLeaksBlocks(_Effects):
 
 
 def test_blocks_kept_after_finish_are_caught_as_a_leak() -> None:
-    machine = conformance_machine(adapter_with(WITH_HOST, scheduler_factory=scheduler_with_effects(FinishLeaksBlocks)),
-                                  name="LeakyFinish")
+    machine = conformance_machine(
+        adapter_with(WITH_HOST, scheduler_factory=scheduler_with_effects(FinishLeaksBlocks)), name="LeakyFinish"
+    )
     assert find_failure(machine).invariant_id == "RES-STATE"
 
 

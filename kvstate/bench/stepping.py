@@ -1,0 +1,199 @@
+"""Scheduler workloads, and drivers that step a scheduler through one, timing each step's phases.
+
+A `Workload` is `size` requests with staggered prompt lengths (1 to 16 tokens, so block boundaries fall on
+different steps) that never finish while measured, blocks of 16 tokens, a token budget of 16 per request and
+whole-prompt prefill chunks (vLLM's default: no per-request prefill cap):
+
+* `steady`: the GPU tier holds every request for the whole run: every step decodes every request, nobody is
+  preempted, no lifecycle event fires.
+* `pressure`: the GPU tier holds about 4/3 blocks per request, so once prompts grow past one block every step
+  preempts by recompute (the victim's KV is dropped) and readmits and re-prefills earlier victims.
+
+`OursDriver` steps `kvstate.Scheduler` as the executor does: `schedule()`, `planned_chunks()` (what the forward
+reads), `complete_migrations()` and `complete_step()`. A driver's `step()` appends the seconds of `schedule()`
+alone and of the whole step to `schedule_s` and `step_s`, and the requests scheduled and preempted to `scheduled`
+and `preempted`; the model's reply (one sampled token per request that finished its chunk) is built outside the
+timed calls. Times are the calling thread's CPU time (`CLOCK`, `time.thread_time`): these machines are shared,
+and wall time under contention would measure the neighbours. `kvstate.bench.vllm_peer.VLLMDriver` keeps the same
+contract for vLLM's scheduler. `measure` runs drivers in one interleaved loop and returns a `Figures` per driver.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvstate.bench.timing import interleaved
+from kvstate.config import SchedulerConfig
+from kvstate.output import planned_chunks
+from kvstate.scheduler import Scheduler
+
+BLOCK_SIZE = 16
+REGIMES = ("steady", "pressure")
+SETTLE_STEPS = {"steady": 3, "pressure": 2 * BLOCK_SIZE + 3}  # steps taken before measuring: the regime is reached
+MAX_NEW_TOKENS = 1000  # nobody finishes while measured (capped to what fits one request alone)
+TOKEN = 1  # the token every sampled position produces (no stop tokens: it never ends a request)
+CLOCK = time.thread_time  # CPU seconds of this thread
+
+
+@dataclass(frozen=True)
+class Workload:
+    """`size` decoding requests in `regime`; `steps`: how many steps will be measured after settling."""
+
+    size: int
+    regime: str
+    steps: int
+
+    def __post_init__(self) -> None:
+        if self.regime not in REGIMES:
+            raise ValueError(f"regime must be one of {REGIMES}, got {self.regime!r}")
+        if self.size < 1 or self.steps < 0:
+            raise ValueError(f"size must be >= 1 and steps >= 0, got size={self.size}, steps={self.steps}")
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [list(range(1 + i % BLOCK_SIZE)) for i in range(self.size)]
+
+    @property
+    def gpu_blocks(self) -> int:
+        if self.regime == "pressure":
+            return self.size * 2 // 3 * 2
+        longest = BLOCK_SIZE + SETTLE_STEPS["steady"] + self.steps + 1  # tokens of the longest request at the end
+        return self.size * -(-longest // BLOCK_SIZE)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return min(MAX_NEW_TOKENS, (self.gpu_blocks - 1) * BLOCK_SIZE - BLOCK_SIZE)
+
+    @property
+    def token_budget(self) -> int:
+        return self.size * BLOCK_SIZE
+
+
+class Driver(Protocol):
+    """What `measure` steps: settled into its workload's regime, it records every `step()`'s phases."""
+
+    workload: Workload
+    schedule_s: list[float]
+    step_s: list[float]
+    scheduled: list[int]
+    preempted: list[int]
+
+    def step(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Figures:
+    """Medians of one driver's measured steps (µs), and the work they did (means per step)."""
+
+    size: int
+    schedule_us: float
+    step_us: float
+    scheduled_per_step: float
+    preempted_per_step: float
+
+    @property
+    def schedule_us_per_request(self) -> float:
+        return self.schedule_us / self.size
+
+    @property
+    def step_us_per_request(self) -> float:
+        return self.step_us / self.size
+
+    def to_dict(self) -> dict:
+        return {
+            "size": self.size,
+            "schedule_us": self.schedule_us,
+            "step_us": self.step_us,
+            "schedule_us_per_request": self.schedule_us_per_request,
+            "step_us_per_request": self.step_us_per_request,
+            "scheduled_per_step": self.scheduled_per_step,
+            "preempted_per_step": self.preempted_per_step,
+        }
+
+
+class OursDriver:
+    """`kvstate.Scheduler` on a workload, settled into its regime; every `step()` is one full iteration."""
+
+    def __init__(self, workload: Workload, *, lifecycle: str = "machine", host_blocks: int = 0) -> None:
+        self.workload = workload
+        config = SchedulerConfig(
+            gpu_blocks=workload.gpu_blocks,
+            host_blocks=host_blocks,
+            block_size=BLOCK_SIZE,
+            max_batch_size=workload.size,
+            max_num_tokens=workload.token_budget,
+            prefill_chunk_size=workload.token_budget,
+            no_progress_limit=1_000_000,
+            lifecycle=lifecycle,
+        )
+        self.scheduler = Scheduler(config)
+        ids = [self.scheduler.submit(prompt, workload.max_new_tokens).request_id for prompt in workload.prompts]
+        self._sampled = dict.fromkeys(ids, TOKEN)  # what the model returns; complete_step reads the produced ones
+        self.schedule_s: list[float] = []
+        self.step_s: list[float] = []
+        self.scheduled: list[int] = []
+        self.preempted: list[int] = []
+        for _ in range(SETTLE_STEPS[workload.regime]):
+            self.step()
+
+    def step(self) -> None:
+        scheduler = self.scheduler
+        start = CLOCK()
+        out = scheduler.schedule()
+        scheduled = CLOCK()
+        planned_chunks(out, scheduler.pool)
+        scheduler.complete_migrations(out)
+        scheduler.complete_step(out, self._sampled)
+        end = CLOCK()
+        self.schedule_s.append(scheduled - start)
+        self.step_s.append(end - start)
+        self.scheduled.append(len(out.scheduled))
+        self.preempted.append(len(out.recompute_paused) + len(out.suspended))
+
+
+def _clear(driver: Driver) -> None:
+    for samples in (driver.schedule_s, driver.step_s, driver.scheduled, driver.preempted):
+        samples.clear()
+
+
+def measure(
+    drivers: Mapping[str, Driver],
+    *,
+    repeats: int,
+    warmup: int = 2,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Figures]:
+    """Step every driver `warmup + repeats` times, in one loop, in a seeded shuffled order each round
+    (`timing.interleaved`); medians of the measured steps. Drivers time their own phases."""
+    for driver in drivers.values():
+        _clear(driver)
+    rounds = {"n": 0}
+
+    def counted(step: Callable[[], None]) -> Callable[[], None]:
+        def call() -> None:
+            step()
+            rounds["n"] += 1
+            if progress is not None and rounds["n"] % len(drivers) == 0:
+                progress(f"round {rounds['n'] // len(drivers)}/{warmup + repeats}")
+
+        return call
+
+    interleaved({name: counted(d.step) for name, d in drivers.items()}, repeats=repeats, warmup=warmup, seed=seed)
+    return {
+        name: Figures(
+            size=d.workload.size,
+            schedule_us=statistics.median(d.schedule_s[warmup:]) * 1e6,
+            step_us=statistics.median(d.step_s[warmup:]) * 1e6,
+            scheduled_per_step=statistics.fmean(d.scheduled[warmup:]),
+            preempted_per_step=statistics.fmean(d.preempted[warmup:]),
+        )
+        for name, d in drivers.items()
+    }
+
+
+__all__ = ["BLOCK_SIZE", "REGIMES", "Driver", "Figures", "OursDriver", "Workload", "measure"]

@@ -1,0 +1,58 @@
+"""Without the peers, the peer groups still measure ours and say "not installed" (vLLM and transformers hidden
+with a monkeypatched import failure, so this runs whether or not they are installed)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+
+from kvstate.bench.peers import NOT_INSTALLED, vllm_section
+from kvstate.cli import main
+
+
+@pytest.fixture
+def no_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what `import vllm` sees when it is not installed
+    for module in ("kvstate.adapters.vllm", "kvstate.bench.vllm_peer"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+
+
+def test_vllm_rows_say_not_installed_and_ours_is_still_measured(no_vllm) -> None:
+    section = vllm_section(sizes=(16,), repeats=2)
+    assert "vllm is not installed" in section.data["missing"]
+    assert set(section.data["figures"]) == {
+        "16 steady ours machine",
+        "16 pressure ours machine",
+        "16 pressure ours compiled",
+    }
+    assert len(section.rows) == 6  # schedule() and step: steady, and pressure with each lifecycle
+    for row in section.rows:
+        assert row.baseline is None and row.baseline_name == NOT_INSTALLED and row.met is None
+        assert row.value > 0 and math.isnan(row.ratio) and row.to_dict()["ratio"] is None
+        assert "µs/request" in row.note
+
+
+def test_bench_peers_without_peers_prints_not_installed_and_writes_json(no_vllm, monkeypatch, tmp_path, capsys) -> None:
+    pytest.importorskip("torch")
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.setenv("COLUMNS", "100")
+    path = tmp_path / "peers.json"
+    assert main(["bench", "--peers", "--quick", "--sizes", "16", "--batches", "1,2", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["meta"]["groups"] == ["vllm", "transformers"] and doc["meta"]["sizes"] == [16]
+    vllm, decode = doc["sections"]
+    assert [s["name"] for s in doc["sections"]] == ["vllm", "decode"]
+    assert decode["data"]["missing"] and list(decode["data"]["per_batch"]) == ["1", "2"]
+    for row in vllm["rows"] + decode["rows"]:
+        assert row["baseline"] is None and row["ratio"] is None and "not installed" in row["baseline_name"]
+        assert row["value"] > 0
+    assert "not installed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text", ["0", "1,x", ""])
+def test_sizes_and_batches_must_be_positive_integers(text, capsys) -> None:
+    assert main(["bench", "--peers", "--sizes", text]) == 2
+    assert "--sizes" in capsys.readouterr().err

@@ -1,0 +1,80 @@
+"""Which device and backend every pipeline rank uses (`executor.pipeline.assign_devices`), tested on the CPU: NCCL
+never gets two ranks on one GPU (it would fail at the first collective with a duplicate-GPU error), so that is
+refused up front with the fix. Not marked `distributed`: pure functions, run by default."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from executor.engine import EngineConfig
+from executor.pipeline import PipelineConfig, PipelineConfigError, assign_devices, rank_cores, run_pipeline
+
+
+def test_the_cpu_runs_gloo_on_every_rank():
+    for device in ("cpu", "auto"):
+        assignment = assign_devices(device, "auto", 3, cuda_count=0)
+        assert assignment.backend == "gloo" and assignment.devices == ("cpu", "cpu", "cpu")
+    with pytest.raises(PipelineConfigError, match=r"nccl.*needs CUDA"):
+        assign_devices("cpu", "nccl", 2, cuda_count=4)
+
+
+def test_cuda_puts_local_rank_r_on_gpu_r_mod_count_with_nccl():
+    assignment = assign_devices("auto", "auto", 2, cuda_count=2)
+    assert assignment.backend == "nccl" and assignment.devices == ("cuda:0", "cuda:1")
+    assert assign_devices("cuda", "auto", 3, cuda_count=4).devices == ("cuda:0", "cuda:1", "cuda:2")
+    assert assign_devices("cuda", "gloo", 2, cuda_count=2).backend == "gloo"
+    assert assign_devices("cuda:1", "auto", 1, cuda_count=2).devices == ("cuda:1",)
+
+
+@pytest.mark.parametrize(("device", "stages", "gpus"), [("auto", 2, 1), ("cuda", 3, 2), ("cuda:0", 2, 4)])
+def test_two_ranks_on_one_gpu_are_refused_with_the_fix(device, stages, gpus):
+    with pytest.raises(PipelineConfigError, match=r"two ranks on one GPU.*duplicate GPU.*use device 'cpu'"):
+        assign_devices(device, "auto", stages, cuda_count=gpus)
+
+
+def test_cuda_without_a_gpu_or_an_unknown_device_is_refused():
+    with pytest.raises(PipelineConfigError, match="no CUDA device is visible"):
+        assign_devices("cuda", "auto", 2, cuda_count=0)
+    with pytest.raises(PipelineConfigError, match=r"cuda:3.*not visible"):
+        assign_devices("cuda:3", "auto", 1, cuda_count=2)
+    with pytest.raises(PipelineConfigError, match="device must be"):
+        assign_devices("tpu", "auto", 1, cuda_count=0)
+
+
+def test_run_pipeline_refuses_before_any_rank_starts(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    config = PipelineConfig(engine=EngineConfig(device="auto"))
+    with pytest.raises(PipelineConfigError, match="two ranks on one GPU"):
+        run_pipeline(config, [([1, 2, 3], 2)], world_size=2)
+
+
+def test_micro_batches_default_to_one_per_stage_and_one_means_lockstep():
+    assert PipelineConfig().micro_batches_for(3) == 3 and PipelineConfig().micro_batches_for(1) == 1
+    assert PipelineConfig(micro_batches=1).micro_batches_for(2) == 1
+    with pytest.raises(PipelineConfigError, match="micro_batches"):
+        PipelineConfig(micro_batches=0)
+
+
+def test_the_demo_refuses_micro_batch_options_without_pipeline_stages(capsys):
+    from kvstate.cli import main
+
+    for option in (["--micro-batches", "2"], ["--compare-lockstep"]):
+        assert main(["demo", "--device", "cpu", *option]) == 2
+        assert "apply to pipeline stages only; add --pp N" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("world", "cores"), [(2, [0, 1]), (2, [3, 1, 2, 0, 5]), (3, [4, 6, 8]), (1, [0, 1])])
+def test_every_rank_gets_its_own_cores_and_all_cores_are_used(world, cores):
+    shares = [rank_cores(rank, world, cores) for rank in range(world)]
+    assert all(shares)
+    assert set().union(*shares) == set(cores) and sum(len(s) for s in shares) == len(cores)  # disjoint, cover all
+    assert all(max(a) < min(b) for a, b in itertools.pairwise(shares))  # contiguous shares, in rank order
+
+
+def test_fewer_cores_than_ranks_leaves_the_affinity_alone():
+    assert rank_cores(0, 3, [0, 1]) is None and rank_cores(2, 3, {7}) is None
