@@ -16,12 +16,16 @@ stops ends it within `timeout_s` (default `DEMO_TIMEOUT_S`) with a one-line `Ran
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from executor.pipeline.config import PipelineConfig
 from executor.pipeline.launch import PipelineResult, run_pipeline
+
+if TYPE_CHECKING:
+    from executor.engine import EngineConfig
 
 DEMO_TIMEOUT_S = 60.0  # bound of every wait on a peer rank: a dead or stopped rank fails the demo this fast
 
@@ -88,17 +92,8 @@ def run_pp_demo(  # noqa: PLR0913 - keyword-only, one per `kvstate demo --pp` fl
 ) -> PipelineDemoSummary:
     """Run the demo workload on `stages` spawned ranks and check every output against the oracle; with
     `compare_lockstep` (and several micro-batches in flight), run it again in lockstep and check that too."""
-    import torch
-
-    from executor.checks import (
-        DEMO_MAX_NEW_TOKENS,
-        DEMO_PROMPT_LEN,
-        Compared,
-        compare_outputs,
-        format_bytes,
-        random_workload,
-    )
-    from executor.engine import Engine, EngineConfig
+    from executor.checks import DEMO_MAX_NEW_TOKENS, DEMO_PROMPT_LEN, random_workload
+    from executor.engine import EngineConfig
     from kvstate.config import SchedulerConfig
 
     scheduler = SchedulerConfig(
@@ -136,28 +131,7 @@ def run_pp_demo(  # noqa: PLR0913 - keyword-only, one per `kvstate demo --pp` fl
         )
     driver = result.driver
     checked = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        oracle_config = replace(engine_config, trace_path=None, scheduler=replace(scheduler, host_blocks=0))
-        with Engine(oracle_config) as oracle:
-            references = {rid: oracle.reference(prompt, new, request_id=rid) for rid, (prompt, new) in enumerate(work)}
-            mismatched = {
-                rid
-                for run in (result, lockstep)
-                if run is not None
-                for rid in compare_outputs(
-                    oracle.model,
-                    (
-                        Compared(rid, run.outputs[rid], references[rid], work[rid][0])
-                        for rid, reason in run.driver.done_reasons.items()
-                        if reason == "finished"
-                    ),
-                ).mismatches
-            }
-            differ = tuple(rid for rid in references if rid in mismatched)  # request ids in ascending order
-    finally:
-        torch.set_num_threads(threads)
+    differ = _mismatched(engine_config, work, (run for run in (result, lockstep) if run is not None))
     check_time = time.perf_counter() - checked
     host = driver.host_tier
     host_text = "none" if not host_blocks else f"{host_blocks} blocks"
@@ -168,8 +142,59 @@ def run_pp_demo(  # noqa: PLR0913 - keyword-only, one per `kvstate demo --pp` fl
         f"kvstate demo --pp {stages}: {requests} requests on {device} ({dtype}), GPU tier {gpu_blocks} blocks x "
         f"{block_size} tokens per stage, host tier {host_text}; {layers}"
     )
-    totals, events = driver.totals, driver.totals.get("events", {})
-    rows = (
+    rows = _rows(stages, result, wall, check_time)
+    states = tuple((s, driver.peak_states.get(s, 0), driver.final_states.get(s, 0)) for s in driver.peak_states)
+    traces = (
+        tuple((str(_trace_path(config, r.rank).resolve()), len(r.trace)) for r in result.ranks)
+        if trace is not None
+        else ()
+    )
+    leaked = driver.leaked_blocks + (lockstep.driver.leaked_blocks if lockstep is not None else 0)
+    return PipelineDemoSummary(header, states, rows, traces, differ, len(result.outputs), leaked, result, lockstep)
+
+
+def _mismatched(
+    engine_config: EngineConfig, work: list[tuple[list[int], int]], runs: Iterable[PipelineResult]
+) -> tuple:
+    """Ids (ascending) of finished requests whose output in any of `runs` fails the per-dtype equality rule against
+    the oracle: the same request alone on one GPU-only engine."""
+    import torch
+
+    from executor.checks import Compared, compare_outputs
+    from executor.engine import Engine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        oracle_config = replace(
+            engine_config, trace_path=None, scheduler=replace(engine_config.scheduler, host_blocks=0)
+        )
+        with Engine(oracle_config) as oracle:
+            references = {rid: oracle.reference(prompt, new, request_id=rid) for rid, (prompt, new) in enumerate(work)}
+            mismatched = {
+                rid
+                for run in runs
+                for rid in compare_outputs(
+                    oracle.model,
+                    (
+                        Compared(rid, run.outputs[rid], references[rid], work[rid][0])
+                        for rid, reason in run.driver.done_reasons.items()
+                        if reason == "finished"
+                    ),
+                ).mismatches
+            }
+    finally:
+        torch.set_num_threads(threads)
+    return tuple(rid for rid in references if rid in mismatched)  # request ids in ascending order
+
+
+def _rows(stages: int, result: PipelineResult, wall: float, check_time: float) -> tuple[tuple[str, str], ...]:
+    """The summary table: what rank 0 counted over the run."""
+    from executor.checks import format_bytes
+
+    driver = result.driver
+    totals, events, host = driver.totals, driver.totals.get("events", {}), driver.host_tier
+    return (
         ("requests", str(len(driver.done_reasons))),
         ("pipeline stages", str(stages)),
         ("micro-batches in flight", str(driver.micro_batches) + (" (lockstep)" if driver.micro_batches == 1 else "")),
@@ -190,14 +215,6 @@ def run_pp_demo(  # noqa: PLR0913 - keyword-only, one per `kvstate demo --pp` fl
         ("wall time (incl. process start)", f"{wall:.2f} s"),
         ("reference check time", f"{check_time:.2f} s"),
     )
-    states = tuple((s, driver.peak_states.get(s, 0), driver.final_states.get(s, 0)) for s in driver.peak_states)
-    traces = (
-        tuple((str(_trace_path(config, r.rank).resolve()), len(r.trace)) for r in result.ranks)
-        if trace is not None
-        else ()
-    )
-    leaked = driver.leaked_blocks + (lockstep.driver.leaked_blocks if lockstep is not None else 0)
-    return PipelineDemoSummary(header, states, rows, traces, differ, len(result.outputs), leaked, result, lockstep)
 
 
 def _trace_path(config: PipelineConfig, rank: int) -> Path:

@@ -22,12 +22,16 @@ import sys
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from kvstate.commands.args import add_lifecycle_option, device_name
 from kvstate.commands.inject import check_fault_plan
 from kvstate.config import SchedulerConfig
 from kvstate.errors import KVStateError
 from kvstate.stats import IterationStats
+
+if TYPE_CHECKING:  # annotations only: `import kvstate` never imports torch
+    from executor import Engine, EngineConfig
 
 DEFAULT_FAULTS = ("copy_to_host:0.05", "copy_to_gpu:0.05", "corrupt_host:0.05")
 
@@ -146,16 +150,10 @@ def _schedule(settings: SoakSettings) -> tuple[list[float], dict[int, float]]:
     return arrivals, cancels
 
 
-def run_soak(
-    settings: SoakSettings, on_progress: Callable[[int, int, IterationStats | None], None] | None = None
-) -> SoakReport:
-    """Run one soak to the end and compare every output; `on_progress(done, total, stats)` after each iteration."""
-    import warnings
+def _engine_config(settings: SoakSettings) -> EngineConfig:
+    """The engine a soak runs: invariants checked around every step, the settings' faults injected."""
+    from executor import EngineConfig, FaultPlan
 
-    from executor import Engine, EngineConfig, FaultPlan, HostTierFallbackWarning
-    from executor.checks import Compared, compare_outputs, leaked_blocks, random_workload
-
-    plan = FaultPlan.parse(settings.faults, seed=settings.seed)
     scheduler = SchedulerConfig(
         gpu_blocks=settings.gpu_blocks,
         host_blocks=settings.host_blocks,
@@ -164,19 +162,63 @@ def run_soak(
         max_num_tokens=max(settings.max_num_tokens, settings.chunk_size),
         lifecycle=settings.lifecycle,
     )
-    config = EngineConfig(
+    return EngineConfig(
         scheduler=scheduler,
         device=settings.device,
         dtype=settings.dtype,
         seed=settings.seed,
         weights_seed=settings.seed,
         check_invariants=True,
-        faults=plan,
+        faults=FaultPlan.parse(settings.faults, seed=settings.seed),
         verify_host_checksums=settings.checksums,
     )
+
+
+def _drive(
+    engine: Engine,
+    work: list[tuple[list[int], int]],
+    settings: SoakSettings,
+    on_progress: Callable[[int, int, IterationStats | None], None] | None,
+) -> tuple[list[Hashable], set[Hashable]]:
+    """Submit `work` at its arrival times, cancel at the cancellation times, and step until every request ended;
+    returns the submitted ids (request id = index in `work`) and the ids the soak cancelled."""
+    arrivals, cancel_at = _schedule(settings)
+    cancel_queue = sorted((t, i) for i, t in cancel_at.items())
+    ids: list[Hashable] = []
+    soak_cancelled: set[Hashable] = set()
+    clock, next_arrival, next_cancel = 0, 0, 0
+    while next_arrival < len(work) or engine.scheduler.has_unfinished:
+        if not engine.scheduler.has_unfinished and arrivals[next_arrival] > clock:
+            clock = int(arrivals[next_arrival])  # idle: skip to the next arrival
+        while next_arrival < len(work) and arrivals[next_arrival] <= clock:
+            prompt, new = work[next_arrival]
+            ids.append(engine.add_request(prompt, new, request_id=next_arrival))
+            next_arrival += 1
+        while next_cancel < len(cancel_queue) and cancel_queue[next_cancel][0] <= clock:
+            rid = cancel_queue[next_cancel][1]
+            next_cancel += 1
+            if rid in engine.scheduler.requests:  # still active: cancel it wherever it is
+                engine.cancel(rid)
+                soak_cancelled.add(rid)
+        stats = engine.step() if engine.scheduler.has_unfinished else None
+        clock += 1
+        if on_progress is not None:
+            on_progress(len(engine.scheduler.finished), len(work), stats)
+    return ids, soak_cancelled
+
+
+def run_soak(
+    settings: SoakSettings, on_progress: Callable[[int, int, IterationStats | None], None] | None = None
+) -> SoakReport:
+    """Run one soak to the end and compare every output; `on_progress(done, total, stats)` after each iteration."""
+    import warnings
+
+    from executor import Engine, HostTierFallbackWarning
+    from executor.checks import Compared, compare_outputs, leaked_blocks, random_workload
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", HostTierFallbackWarning)  # counted in the report instead
-        engine = Engine(config)
+        engine = Engine(_engine_config(settings))
         work = random_workload(
             settings.requests,
             settings.seed,
@@ -185,30 +227,9 @@ def run_soak(
             vocab=engine.model.config.vocab_size,
             max_tokens=settings.gpu_blocks * settings.block_size,
         )
-        arrivals, cancel_at = _schedule(settings)
-        cancel_queue = sorted((t, i) for i, t in cancel_at.items())
-        ids: list = []
-        soak_cancelled: set = set()
-        clock, next_arrival, next_cancel = 0, 0, 0
         started = time.perf_counter()
         with engine:
-            while next_arrival < len(work) or engine.scheduler.has_unfinished:
-                if not engine.scheduler.has_unfinished and arrivals[next_arrival] > clock:
-                    clock = int(arrivals[next_arrival])  # idle: skip to the next arrival
-                while next_arrival < len(work) and arrivals[next_arrival] <= clock:
-                    prompt, new = work[next_arrival]
-                    ids.append(engine.add_request(prompt, new, request_id=next_arrival))
-                    next_arrival += 1
-                while next_cancel < len(cancel_queue) and cancel_queue[next_cancel][0] <= clock:
-                    rid = cancel_queue[next_cancel][1]
-                    next_cancel += 1
-                    if rid in engine.scheduler.requests:  # still active: cancel it wherever it is
-                        engine.cancel(rid)
-                        soak_cancelled.add(rid)
-                stats = engine.step() if engine.scheduler.has_unfinished else None
-                clock += 1
-                if on_progress is not None:
-                    on_progress(len(engine.scheduler.finished), len(work), stats)
+            ids, soak_cancelled = _drive(engine, work, settings, on_progress)
             run_seconds = time.perf_counter() - started
         checked = time.perf_counter()
         references = engine.batched_reference_outputs(ids, batch_size=settings.reference_batch)
