@@ -210,6 +210,7 @@ def describe_bound(bound: Bound) -> str:
     return (
         f"requests [{reqs}] (prompt+max_new), gpu {bound.gpu_blocks}, host {bound.host_blocks}, "
         f"block {bound.block_size}, chunk {bound.chunk_size}, stages {bound.pipeline_stages}{budgets}"
+        + (f", {bound.micro_batches} micro-batches in flight" if bound.micro_batches > 1 else "")
         + ("" if bound.cancel else ", no cancel")
     )
 
