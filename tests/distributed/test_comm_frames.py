@@ -5,6 +5,7 @@ dtype, and messages received in the order they were posted."""
 from __future__ import annotations
 
 import pickle
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -49,9 +50,13 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def test_messages_and_attached_tensors_arrive_whole_and_in_order(tmp_path):
+def test_messages_and_attached_tensors_arrive_whole_and_in_order(tmp_path, monkeypatch):
     import torch.multiprocessing as mp
 
+    # The spawned ranks unpickle `_rank` by this module's name (tests.distributed...), so they need the repository
+    # root on their path; spawn hands them this process's sys.path. Appended, not prepended: where the project is
+    # installed non-editable, `kvstate` must still come from the installation (it maps spec/ into the package).
+    monkeypatch.setattr(sys, "path", [*sys.path, str(Path(__file__).resolve().parents[2])])
     with loopback_store(2, 60.0) as port:
         mp.start_processes(_rank, args=(port, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
     got = pickle.loads((tmp_path / "got.pkl").read_bytes())
