@@ -24,7 +24,6 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
 from kvstate.bench.timing import interleaved
 from kvstate.config import SchedulerConfig
@@ -73,8 +72,10 @@ class Workload:
         return self.size * BLOCK_SIZE
 
 
-class Driver(Protocol):
-    """What `measure` steps: settled into its workload's regime, it records every `step()`'s phases."""
+class Driver:
+    """What `measure` steps: settled into its workload's regime, it records every `step()`'s phases.
+
+    Invariant: the four sample lists have one entry per recorded step, in step order (`record`)."""
 
     workload: Workload
     schedule_s: list[float]
@@ -82,7 +83,25 @@ class Driver(Protocol):
     scheduled: list[int]
     preempted: list[int]
 
-    def step(self) -> None: ...
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def settle(self) -> None:
+        """Start with no samples and step into the workload's regime (those steps are not measured)."""
+        self.schedule_s, self.step_s, self.scheduled, self.preempted = [], [], [], []
+        for _ in range(SETTLE_STEPS[self.workload.regime]):
+            self.step()
+        self.clear()
+
+    def record(self, schedule_s: float, step_s: float, scheduled: int, preempted: int) -> None:
+        self.schedule_s.append(schedule_s)
+        self.step_s.append(step_s)
+        self.scheduled.append(scheduled)
+        self.preempted.append(preempted)
+
+    def clear(self) -> None:
+        for samples in (self.schedule_s, self.step_s, self.scheduled, self.preempted):
+            samples.clear()
 
 
 @dataclass(frozen=True)
@@ -115,7 +134,7 @@ class Figures:
         }
 
 
-class OursDriver:
+class OursDriver(Driver):
     """`kvstate.Scheduler` on a workload, settled into its regime; every `step()` is one full iteration."""
 
     def __init__(self, workload: Workload, *, lifecycle: str = "machine", host_blocks: int = 0) -> None:
@@ -133,12 +152,7 @@ class OursDriver:
         self.scheduler = Scheduler(config)
         ids = [self.scheduler.submit(prompt, workload.max_new_tokens).request_id for prompt in workload.prompts]
         self._sampled = dict.fromkeys(ids, TOKEN)  # what the model returns; complete_step reads the produced ones
-        self.schedule_s: list[float] = []
-        self.step_s: list[float] = []
-        self.scheduled: list[int] = []
-        self.preempted: list[int] = []
-        for _ in range(SETTLE_STEPS[workload.regime]):
-            self.step()
+        self.settle()
 
     def step(self) -> None:
         scheduler = self.scheduler
@@ -149,15 +163,7 @@ class OursDriver:
         scheduler.complete_migrations(out)
         scheduler.complete_step(out, self._sampled)
         end = CLOCK()
-        self.schedule_s.append(scheduled - start)
-        self.step_s.append(end - start)
-        self.scheduled.append(len(out.scheduled))
-        self.preempted.append(len(out.recompute_paused) + len(out.suspended))
-
-
-def _clear(driver: Driver) -> None:
-    for samples in (driver.schedule_s, driver.step_s, driver.scheduled, driver.preempted):
-        samples.clear()
+        self.record(scheduled - start, end - start, len(out.scheduled), len(out.recompute_paused) + len(out.suspended))
 
 
 def measure(
@@ -171,7 +177,7 @@ def measure(
     """Step every driver `warmup + repeats` times, in one loop, in a seeded shuffled order each round
     (`timing.interleaved`); medians of the measured steps. Drivers time their own phases."""
     for driver in drivers.values():
-        _clear(driver)
+        driver.clear()
     rounds = {"n": 0}
 
     def counted(step: Callable[[], None]) -> Callable[[], None]:

@@ -20,11 +20,11 @@ logging.getLogger("vllm").setLevel(logging.ERROR)  # also where vLLM leaves its 
 
 # The adapter first (it selects vLLM's CPU platform before any other vLLM module is imported).
 from kvstate.adapters.vllm import VLLM_VERSION, VLLMAdapter  # noqa: E402, I001
-from kvstate.bench.stepping import BLOCK_SIZE, CLOCK, SETTLE_STEPS, TOKEN, Workload  # noqa: E402
+from kvstate.bench.stepping import BLOCK_SIZE, CLOCK, TOKEN, Driver, Workload  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 
 
-class VLLMDriver:
+class VLLMDriver(Driver):
     """vLLM's scheduler on a workload, settled into its regime; every `step()` is one full iteration
     (`stepping.Driver`)."""
 
@@ -42,12 +42,7 @@ class VLLMDriver:
         for prompt in workload.prompts:
             adapter.submit(prompt, workload.max_new_tokens)
         self.scheduler = adapter.scheduler
-        self.schedule_s: list[float] = []
-        self.step_s: list[float] = []
-        self.scheduled: list[int] = []
-        self.preempted: list[int] = []
-        for _ in range(SETTLE_STEPS[workload.regime]):
-            self.step()
+        self.settle()
 
     def step(self) -> None:
         scheduler = self.scheduler
@@ -58,10 +53,12 @@ class VLLMDriver:
         replied = CLOCK()
         scheduler.update_from_output(out, reply)
         end = CLOCK()
-        self.schedule_s.append(scheduled - start)
-        self.step_s.append((scheduled - start) + (end - replied))
-        self.scheduled.append(len(out.num_scheduled_tokens))
-        self.preempted.append(len(out.preempted_req_ids or ()))
+        self.record(
+            scheduled - start,
+            (scheduled - start) + (end - replied),
+            len(out.num_scheduled_tokens),
+            len(out.preempted_req_ids or ()),
+        )
 
     def _model_reply(self, out) -> ModelRunnerOutput:
         """What the model runner returns for `out` (schedule() has already advanced the computed tokens)."""
