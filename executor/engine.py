@@ -325,18 +325,9 @@ class Engine:
                 f"{dtype} on {self.device}; move the model or change EngineConfig.device/dtype"
             )
         self.model = model
-        mc = model.config
-        check_memory(config, mc, dtype, self.device)
+        check_memory(config, model.config, dtype, self.device)
         try:
-            self.cache = PagedKVCache(
-                sc.gpu_blocks,
-                num_layers=mc.num_layers,
-                block_size=sc.block_size,
-                num_kv_heads=mc.num_kv_heads,
-                head_dim=mc.head_dim,
-                dtype=dtype,
-                device=self.device,
-            )
+            self.cache = PagedKVCache.for_model(model, sc.gpu_blocks, block_size=sc.block_size, device=self.device)
         except (RuntimeError, MemoryError) as err:  # torch's out-of-memory errors are RuntimeErrors
             raise ConfigError(
                 f"could not allocate the device tier of gpu_blocks={sc.gpu_blocks} on "
@@ -721,16 +712,13 @@ class Engine:
         if not chunks:
             return {}
         logits = self.model.forward_paged(self._planner.plan(chunks), self.cache)
-        ids, params, positions = [], [], []
-        submissions = self._submissions
-        for c in chunks:
-            if c.produces_token:
-                rid = c.request.request_id
-                ids.append(rid)
-                params.append(submissions[rid].sampling)
-                positions.append(c.start + len(c.tokens))
-        if not ids:
+        producing = [i for i, produces in enumerate(chunks.produces_token) if produces]  # read column by column
+        if not producing:
             return {}
+        requests, starts, inputs, submissions = chunks.requests, chunks.starts, chunks.tokens, self._submissions
+        ids = [requests[i].request_id for i in producing]
+        params = [submissions[rid].sampling for rid in ids]
+        positions = [starts[i] + len(inputs[i]) for i in producing]
         tokens = sample_batch(logits, params, seed=self.config.seed, request_ids=ids, positions=positions)
         return dict(zip(ids, tokens, strict=True))
 

@@ -46,7 +46,7 @@ from typing import Protocol
 
 import torch
 
-from executor.model import host_longs
+from executor.model import ModelConfig, host_longs
 from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan
 
 GATHER_MIN_RUNS = 4  # a CPU plan with more runs than this is copied by one gather/scatter, not run by run
@@ -154,8 +154,41 @@ def block_shape(num_layers: int, block_size: int, num_kv_heads: int, head_dim: i
     return (num_layers, 2, block_size, num_kv_heads, head_dim)
 
 
+class ShapedModel(Protocol):
+    """What a cache is shaped after: a model's configuration and the dtype of its weights."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+
 class PagedKVCache:
     """Device tier and (after `attach_host_tier`) host tier tensors, plus the copy machinery between them."""
+
+    @classmethod
+    def for_model(
+        cls,
+        model: ShapedModel,
+        num_gpu_blocks: int,
+        *,
+        block_size: int,
+        device: str | torch.device,
+        num_layers: int | None = None,
+    ) -> PagedKVCache:
+        """A device tier of `num_gpu_blocks` blocks shaped for `model`: its KV heads, head size and dtype, and every
+        layer (or `num_layers`: a pipeline stage holds only its own)."""
+        c = model.config
+        return cls(
+            num_gpu_blocks,
+            num_layers=c.num_layers if num_layers is None else num_layers,
+            block_size=block_size,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            dtype=model.dtype,
+            device=device,
+        )
 
     def __init__(
         self,
@@ -179,6 +212,8 @@ class PagedKVCache:
         self.block_size = block_size
         self.dtype = dtype
         self.device_cache = torch.zeros((num_gpu_blocks, *self.block_shape), dtype=dtype, device=self.device)
+        # per layer: views of its keys and of its values (made once; the forward reads them every layer)
+        self._layer_views = tuple((self.device_cache[:, i, 0], self.device_cache[:, i, 1]) for i in range(num_layers))
         self.host_cache: torch.Tensor | None = None
         self.num_copies = 0  # merged runs copied so far (one per run of each plan)
         self.num_transfers = 0  # copy calls between the tiers so far (a staged plan: one per run of host ids)
@@ -260,10 +295,10 @@ class PagedKVCache:
     # ---- per-layer views used by attention
     def layer_keys(self, layer: int) -> torch.Tensor:
         """View ``[num_gpu_blocks, block_size, num_kv_heads, head_dim]`` of one layer's keys (writes go through)."""
-        return self.device_cache[:, layer, 0]
+        return self._layer_views[layer][0]
 
     def layer_values(self, layer: int) -> torch.Tensor:
-        return self.device_cache[:, layer, 1]
+        return self._layer_views[layer][1]
 
     # ---- migration
     def execute(self, plan: MigrationPlan) -> Fence:

@@ -10,12 +10,13 @@ Two forward paths share every kernel:
 * `forward_paged(batch, cache)`: a flattened batch of prefill chunks and decode tokens from many requests. Each
   token's K and V are written into its request's block table slot, then each request attends over its whole
   context gathered from the cache: batched, one padded and masked `scaled_dot_product_attention` for all decode
-  requests and one for all multi-token chunks, each reading its requests' blocks with one `index_select`; the
-  plan (block ids, masks, row maps) is built once per forward by `PagedBatch.build` and shared by all layers;
-  every index list of a batch becomes one tensor with one upload (pinned and non-blocking on CUDA), and
-  `BatchPlanner` keeps the decode plan from one step to the next while the batch is unchanged (only tokens,
-  positions and the blocks of requests that crossed into a new block are new). Returns logits only for the rows
-  that sample.
+  requests and one for all multi-token chunks, each reading its requests' blocks with one `index_select` and
+  attending up to the group's longest context (no mask at all when every decode context has the same length); the
+  plan (block ids, masks, row maps) is built once per forward by `PagedBatch.build` and shared by all layers, as
+  are the rotary factors; every index list of a batch becomes one tensor with one upload (pinned and
+  non-blocking on CUDA), and `BatchPlanner` keeps the decode plan from one step to the next while the batch is
+  unchanged (only tokens, positions and the blocks of requests that crossed into a new block are new), reading
+  the scheduler's batch column by column. Returns logits only for the rows that sample.
 * `forward_dense(tokens)`: one sequence, no cache (the reference the paged path is tested against).
 
 Invariants kept:
@@ -35,9 +36,10 @@ from __future__ import annotations
 import array
 import functools
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -98,6 +100,47 @@ class BatchChunk(Protocol):
     def produces_token(self) -> bool: ...
 
 
+class BatchColumns(Protocol):
+    """A batch of chunks that also holds them as parallel columns (entry i of each is chunk i's):
+    `kvstate.output.PlannedBatch` is one. Batch planning reads the columns instead of a record per chunk."""
+
+    @property
+    def starts(self) -> Sequence[int]: ...
+
+    @property
+    def tokens(self) -> Sequence[tuple[int, ...]]: ...
+
+    @property
+    def block_tables(self) -> Sequence[tuple[int, ...]]: ...
+
+    @property
+    def produces_token(self) -> Sequence[bool]: ...
+
+
+class _Columns(NamedTuple):
+    """The chunks of one batch as columns (see `BatchColumns`)."""
+
+    starts: Sequence[int]
+    tokens: Sequence[tuple[int, ...]]
+    block_tables: Sequence[tuple[int, ...]]
+    produces_token: Sequence[bool]
+
+
+def _columns(chunks: Sequence[BatchChunk]) -> _Columns:
+    """`chunks` as columns: a `BatchColumns` batch gives its own, any other sequence is read chunk by chunk.
+    (A batch is taken for a `BatchColumns` when it has `block_tables`: isinstance on a runtime-checkable protocol
+    costs more than planning a small batch.)"""
+    if getattr(chunks, "block_tables", None) is not None:
+        batch = cast("BatchColumns", chunks)
+        return _Columns(batch.starts, batch.tokens, batch.block_tables, batch.produces_token)
+    return _Columns(
+        [c.start for c in chunks],
+        [c.tokens for c in chunks],
+        [c.block_table for c in chunks],
+        [c.produces_token for c in chunks],
+    )
+
+
 class LayerCache(Protocol):
     """What the attention layers read of a paged KV cache: per layer, views of its keys and values shaped
     ``[num_blocks, block_size, num_kv_heads, head_dim]`` that writes go through (`PagedKVCache` is one)."""
@@ -129,17 +172,21 @@ class _SeqView(NamedTuple):  # a tuple: built once per request per forward pass,
 
 @dataclass(frozen=True, slots=True)
 class _AttnGroup:
-    """Requests whose attention runs as one batched call: ``B`` requests, queries padded to ``Q`` rows each, keys
-    padded to ``K = num_blocks * block_size`` positions each. Built once per forward, shared by every layer.
+    """Requests whose attention runs as one batched call: ``B`` requests, queries padded to ``Q`` rows each, the
+    blocks of each gathered up to ``num_blocks``, and keys read up to ``K = num_keys``, the longest context in the
+    group (``<= num_blocks * block_size``: slots past every request's context are not read). Built once per
+    forward, shared by every layer.
 
     Padding never changes a request's result: a padded query row repeats one of the request's real rows (and is
     dropped afterwards); a padded key (a slot past the request's context, or a whole padding block, which is
     the request's own first block again) is masked to -inf before the softmax, so its probability is exactly 0.
+    `mask` is None only when no key is padding: one query per request and every context exactly ``K`` long.
     """
 
     num_seqs: int  # B
     num_queries: int  # Q
     num_blocks: int  # blocks gathered per request
+    num_keys: int  # K: key positions 0 .. K - 1 of each request are read
     query_rows: torch.Tensor | None  # [B * Q] rows of the flattened batch; None: rows row_start .. + B * Q
     row_start: int
     blocks: torch.Tensor  # [B * num_blocks] block ids (index_select over a layer's blocks)
@@ -192,10 +239,11 @@ class _TokenRows(NamedTuple):
     out_order: list[int] | None  # None: the groups' outputs are already in batch order
 
 
-def _group_lists(views: Sequence[_SeqView], block_size: int) -> tuple[dict, list[int]]:
+def _group_lists(views: Sequence[_SeqView]) -> tuple[dict, list[int]]:
     """The batched-attention plan of `views` as integer lists, and the flattened-batch rows of its outputs."""
     num_queries = max(v.end - v.begin for v in views)
     num_blocks = max(len(v.table) for v in views)
+    num_keys = max(v.start + v.end - v.begin for v in views)  # the longest context
     blocks: list[int] = []
     for v in views:
         blocks.extend(v.table)
@@ -204,7 +252,7 @@ def _group_lists(views: Sequence[_SeqView], block_size: int) -> tuple[dict, list
         rows = [v.begin for v in views]
         query_pos = [v.start for v in views]
         valid = list(range(len(views)))
-        full = all(v.start + 1 == num_blocks * block_size for v in views)
+        full = all(v.start + 1 == num_keys for v in views)
     else:
         rows, query_pos, valid = [], [], []  # per (request, query slot); padding repeats the request's last row
         for i, v in enumerate(views):
@@ -221,6 +269,7 @@ def _group_lists(views: Sequence[_SeqView], block_size: int) -> tuple[dict, list
         "num_seqs": len(views),
         "num_queries": num_queries,
         "num_blocks": num_blocks,
+        "num_keys": num_keys,
         "row_start": rows[0],
         "blocks": blocks,
         "query_pos": None if full else query_pos,
@@ -237,9 +286,9 @@ def _key_positions(num_keys: int, device: torch.device) -> torch.Tensor:
         return torch.arange(num_keys, device=device)
 
 
-def _attention_mask(query_pos: torch.Tensor, plan: dict, block_size: int) -> torch.Tensor:
+def _attention_mask(query_pos: torch.Tensor, plan: dict) -> torch.Tensor:
     """``[B, 1, Q, K]``: key position <= query position (causal, and nothing past a request's context)."""
-    key_pos = _key_positions(plan["num_blocks"] * block_size, query_pos.device)
+    key_pos = _key_positions(plan["num_keys"], query_pos.device)
     return (key_pos <= query_pos[:, None]).view(plan["num_seqs"], 1, plan["num_queries"], -1)
 
 
@@ -269,35 +318,30 @@ class PagedBatch:
         offsets: list[int] = []
         seqs: list[_SeqView] = []
         sample_rows: list[int] = []
-        for chunk in chunks:
-            n = len(chunk.tokens)
-            end_pos = chunk.start + n
+        for start, tokens, table, produces in zip(*_columns(chunks), strict=True):
+            n = len(tokens)
+            end_pos = start + n
             needed = -(-end_pos // block_size)
-            if n == 0 or len(chunk.block_table) < needed:
+            if n == 0 or len(table) < needed:
                 raise ValueError(
-                    f"chunk of {n} tokens at {chunk.start} needs {needed} blocks, table has "
-                    f"{len(chunk.block_table)}; allocate before computing"
+                    f"chunk of {n} tokens at {start} needs {needed} blocks, table has {len(table)}; "
+                    "allocate before computing"
                 )
             begin = len(ids)
-            ids.extend(chunk.tokens)
-            if n == 1:
-                positions.append(chunk.start)
-                blocks.append(chunk.block_table[chunk.start // block_size])
-                offsets.append(chunk.start % block_size)
-            else:
-                for pos in range(chunk.start, end_pos):
-                    positions.append(pos)
-                    blocks.append(chunk.block_table[pos // block_size])
-                    offsets.append(pos % block_size)
-            seqs.append(_SeqView(begin, begin + n, chunk.start, tuple(chunk.block_table[:needed])))
-            if chunk.produces_token:
+            ids.extend(tokens)
+            for pos in range(start, end_pos):
+                positions.append(pos)
+                blocks.append(table[pos // block_size])
+                offsets.append(pos % block_size)
+            seqs.append(_SeqView(begin, begin + n, start, tuple(table[:needed])))
+            if produces:
                 sample_rows.append(begin + n - 1)
 
         plans: list[dict] = []
         order: list[int] = []  # flattened-batch row of each output row of the groups, concatenated
         for members in ([s for s in seqs if s.end - s.begin == 1], [s for s in seqs if s.end - s.begin > 1]):
             if members:
-                plan, group_rows = _group_lists(members, block_size)
+                plan, group_rows = _group_lists(members)
                 plans.append(plan)
                 order.extend(group_rows)
         inverse = None
@@ -306,16 +350,11 @@ class PagedBatch:
             for k, row in enumerate(order):
                 inverse[row] = k
         rows = _TokenRows(ids, positions, blocks, offsets, sample_rows, inverse)
-        return cls._upload(rows, tuple(seqs), plans, block_size, device)
+        return cls._upload(rows, tuple(seqs), plans, device)
 
     @classmethod
     def _upload(
-        cls,
-        rows: _TokenRows,
-        seqs: tuple[_SeqView, ...],
-        plans: list[dict],
-        block_size: int,
-        device: torch.device | str,
+        cls, rows: _TokenRows, seqs: tuple[_SeqView, ...], plans: list[dict], device: torch.device | str
     ) -> PagedBatch:
         """One upload of every index list, then the masks on the device, then the batch."""
         packer = _Indices()
@@ -326,12 +365,13 @@ class PagedBatch:
         host, views = packer.upload(device)
         groups = []
         for plan, h in zip(plans, group_handles, strict=True):
-            mask = _attention_mask(views[h["query_pos"]], plan, block_size) if "query_pos" in h else None
+            mask = _attention_mask(views[h["query_pos"]], plan) if "query_pos" in h else None
             groups.append(
                 _AttnGroup(
                     plan["num_seqs"],
                     plan["num_queries"],
                     plan["num_blocks"],
+                    plan["num_keys"],
                     views[h["rows"]] if "rows" in h else None,
                     plan["row_start"],
                     views[h["blocks"]],
@@ -361,17 +401,32 @@ class BatchPlanner:
     place: new tokens and positions, and a request that crossed into a new block gets that block written into
     its slot of the padded block list. Anything else (a new or departed request, a prefill chunk, a request
     whose context outgrew the plan's blocks, a changed table) is built from scratch with `PagedBatch.build`.
+    The chunks are read as columns (`BatchColumns`), so a steady step does a few list passes, not a loop body
+    per request.
 
     Invariants kept: `plan(chunks)` holds the same values as `PagedBatch.build(chunks, ...)` (so the logits are
-    the same); block tables are owned exclusively, so "the same table" identifies "the same request".
+    the same); block tables are owned exclusively, so "the same table" identifies "the same request"; a table
+    given as the very object of the previous step (the scheduler's pool keeps one immutable tuple per request
+    until it changes) is that table, any other is compared block by block with the blocks the plan holds.
     """
 
-    __slots__ = ("_blocks", "_num_blocks", "_starts", "_tables", "block_size", "builds", "device", "reuses")
+    __slots__ = (
+        "_blocks",
+        "_given",
+        "_num_blocks",
+        "_starts",
+        "_tables",
+        "block_size",
+        "builds",
+        "device",
+        "reuses",
+    )
 
     def __init__(self, block_size: int, device: torch.device | str = "cpu") -> None:
         self.block_size = block_size
         self.device = torch.device(device)
         self._tables: list[tuple[int, ...]] | None = None  # per request: its blocks covering its context
+        self._given: list[tuple[int, ...]] = []  # per request: the block table object it was last planned with
         self._starts: list[int] = []  # per request: the position of its last decoded token
         self._blocks: list[int] = []  # the padded block list of the decode group, `_num_blocks` per request
         self._num_blocks = 0
@@ -379,75 +434,88 @@ class BatchPlanner:
         self.reuses = 0  # decode plans reused
 
     def plan(self, chunks: Sequence[BatchChunk]) -> PagedBatch:
-        batch = self._advance(chunks)
+        columns = _columns(chunks)
+        batch = self._advance(columns)
         if batch is not None:
             self.reuses += 1
             return batch
         batch = PagedBatch.build(chunks, self.block_size, self.device)
         self.builds += 1
-        self._remember(chunks, batch)
+        self._remember(columns, batch)
         return batch
 
-    def _remember(self, chunks: Sequence[BatchChunk], batch: PagedBatch) -> None:
+    def _remember(self, columns: _Columns, batch: PagedBatch) -> None:
         """Keep the plan of a decode-only batch whose every request samples (the steady decode step)."""
         self._tables = None
-        if not chunks or not all(len(c.tokens) == 1 and c.produces_token for c in chunks):
+        if not columns.starts or not _all_decode(columns):
             return
         if batch.groups is None:
             raise AssertionError("a decode-only batch is planned as one attention group")
         (group,) = batch.groups
         self._tables = [s.table for s in batch.seqs]
-        self._starts = [c.start for c in chunks]
+        self._given = list(columns.block_tables)
+        self._starts = list(columns.starts)
         self._num_blocks = group.num_blocks
         self._blocks = []
         for table in self._tables:
             self._blocks.extend(table)
             self._blocks.extend(table[:1] * (group.num_blocks - len(table)))
 
-    def _advance(self, chunks: Sequence[BatchChunk]) -> PagedBatch | None:
+    def _advance(self, columns: _Columns) -> PagedBatch | None:
         """The previous decode plan moved one position on, or None when it does not apply."""
-        tables, starts, blocks = self._tables, self._starts, self._blocks
-        if tables is None or len(chunks) != len(tables):
+        tables, size, width = self._tables, self.block_size, self._num_blocks
+        positions = list(columns.starts)
+        if (
+            tables is None
+            or len(positions) != len(tables)
+            or positions != [p + 1 for p in self._starts]
+            or not _all_decode(columns)
+        ):
             return None
-        size, width = self.block_size, self._num_blocks
-        ids, positions, slot_blocks, offsets = [], [], [], []
-        grown: list[tuple[int, tuple[int, ...]]] = []  # (request index, its table with the new block)
-        for i, chunk in enumerate(chunks):
-            start, table = chunk.start, tables[i]
-            if start != starts[i] + 1 or len(chunk.tokens) != 1 or not chunk.produces_token:
+        given = columns.block_tables
+        if not all(map(operator.is_, given, self._given)) and not all(
+            new[: len(table)] == table for new, table in zip(given, tables, strict=True)
+        ):
+            return None  # some request's blocks are not the ones the plan holds: another request
+        block_index = [p // size for p in positions]
+        grown = [i for i, (k, table) in enumerate(zip(block_index, tables, strict=True)) if k == len(table)]
+        for i in grown:  # crossed into a new block (allocated by the scheduler before this step)
+            k = block_index[i]
+            if k >= width or len(given[i]) <= k:
                 return None
-            k = start // size
-            if k == len(table):  # crossed into a new block
-                if k >= width or chunk.block_table[:k] != table or len(chunk.block_table) <= k:
-                    return None
-                table = chunk.block_table[: k + 1]
-                grown.append((i, table))
-            elif chunk.block_table[: k + 1] != table:
-                return None
-            ids.append(chunk.tokens[0])
-            positions.append(start)
-            slot_blocks.append(table[k])
-            offsets.append(start % size)
-        for i, table in grown:
-            tables[i] = table
-            blocks[i * width + len(table) - 1] = table[-1]
+        for i in grown:
+            tables[i] = given[i][: block_index[i] + 1]
+            self._blocks[i * width + block_index[i]] = given[i][block_index[i]]
+        self._given = list(given)
         self._starts = positions
-        rows = range(len(chunks))
-        seqs = tuple(map(_SeqView._make, zip(rows, range(1, len(chunks) + 1), positions, tables, strict=True)))
-        full = min(positions) == max(positions) == width * size - 1
+        n = len(positions)
+        seqs = tuple(map(_SeqView._make, zip(range(n), range(1, n + 1), positions, tables, strict=True)))
+        num_keys = max(positions) + 1
         plan = {
-            "num_seqs": len(chunks),
+            "num_seqs": n,
             "num_queries": 1,
             "num_blocks": width,
+            "num_keys": num_keys,
             "row_start": 0,
-            "blocks": blocks,
-            "query_pos": None if full else positions,
+            "blocks": self._blocks,
+            "query_pos": None if min(positions) + 1 == num_keys else positions,
             "rows": None,
             "valid": None,
         }
-        return PagedBatch._upload(
-            _TokenRows(ids, positions, slot_blocks, offsets, list(rows), None), seqs, [plan], size, self.device
+        rows = _TokenRows(
+            [tokens[0] for tokens in columns.tokens],
+            positions,
+            [table[k] for table, k in zip(tables, block_index, strict=True)],
+            [p % size for p in positions],
+            list(range(n)),
+            None,
         )
+        return PagedBatch._upload(rows, seqs, [plan], self.device)
+
+
+def _all_decode(columns: _Columns) -> bool:
+    """Every chunk is one token that samples (a decode step)."""
+    return all(columns.produces_token) and all(len(tokens) == 1 for tokens in columns.tokens)
 
 
 class RMSNorm(nn.Module):
@@ -475,17 +543,19 @@ def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor
 def rotary_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin ``[T, head_dim]`` for each position (angles computed in float64, then cast)."""
-    angles = positions.to(torch.float64)[:, None] * _inv_freq(head_dim, theta, positions.device)[None, :]
-    angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    """The rotary factors of each position for `apply_rotary`, ``[T, 1, head_dim]`` each (broadcast over heads):
+    cos, and sin with its first half negated (the sign of Hugging Face's ``rotate_half``). Angles are computed in
+    float64, then cast. Computed once per forward pass and shared by every layer."""
+    angles = positions.to(torch.float64)[:, None, None] * _inv_freq(head_dim, theta, positions.device)
+    sin = angles.sin()
+    return torch.cat((angles, angles), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, head_dim]`` (the rotate-half convention of Hugging Face Llama)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """Rotate ``x [T, heads, head_dim]`` by the factors of `rotary_cos_sin`: Hugging Face Llama's
+    ``x * cos + rotate_half(x) * sin``, written as ``x * cos + roll(x, half) * signed sin`` (``roll`` swaps the
+    halves; ``-x2 * s`` and ``x2 * -s`` are the same float, so the result is bit for bit the same)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
@@ -523,18 +593,18 @@ class Attention(nn.Module):
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: PagedBatch | None, cache: LayerCache | None
     ) -> torch.Tensor:
         t, heads = h.shape[0], self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(h)
-        qk = apply_rotary(qkv[:, : heads * self.head_dim].view(t, heads, self.head_dim), cos, sin)  # q and k heads
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, heads * self.head_dim :].view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(h).view(t, heads + self.num_kv_heads, self.head_dim)  # q heads, k heads, v heads
+        q, k = apply_rotary(qkv[:, :heads], cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
+        v = qkv[:, heads:]
         if batch is None:  # dense: one sequence starting at position 0
             out = causal_attention(q, k, v, 0)
         else:
             if cache is None:
                 raise ValueError("a paged batch indexes cache blocks: pass the cache its block tables refer to")
             keys, values = cache.layer_keys(self.layer), cache.layer_values(self.layer)
-            keys[batch.slot_blocks, batch.slot_offsets] = k
-            values[batch.slot_blocks, batch.slot_offsets] = v
+            slots = (batch.slot_blocks, batch.slot_offsets)
+            keys.index_put_(slots, k)
+            values.index_put_(slots, v)
             if batch.groups is None:
                 out = self._attend_per_sequence(q, keys, values, batch)
             else:
@@ -551,12 +621,15 @@ class Attention(nn.Module):
         b, nq, dim = group.num_seqs, group.num_queries, self.head_dim
         heads, kv_heads = self.num_heads, self.num_kv_heads
         if group.query_rows is None:
-            gq = q[group.row_start : group.row_start + b * nq]
+            gq = q if q.shape[0] == b * nq else q[group.row_start : group.row_start + b * nq]
         else:
             gq = q.index_select(0, group.query_rows)
-        span = group.num_blocks * keys.shape[1]
-        gk = keys.index_select(0, group.blocks).view(b, span, kv_heads, dim).transpose(1, 2)
-        gv = values.index_select(0, group.blocks).view(b, span, kv_heads, dim).transpose(1, 2)
+        span, read = group.num_blocks * keys.shape[1], group.num_keys
+        gk = keys.index_select(0, group.blocks).view(b, span, kv_heads, dim)
+        gv = values.index_select(0, group.blocks).view(b, span, kv_heads, dim)
+        if read < span:  # nobody's context reaches the last slots
+            gk, gv = gk[:, :read], gv[:, :read]
+        gk, gv = gk.transpose(1, 2), gv.transpose(1, 2)
         if nq == 1:  # decode: the query heads sharing a KV head are that head's query rows, [B, Hkv, H / Hkv, D]
             out = F.scaled_dot_product_attention(
                 gq.reshape(b, kv_heads, heads // kv_heads, dim), gk, gv, attn_mask=group.mask

@@ -68,25 +68,34 @@ class PlannedBatch(Sequence[PlannedChunk]):
 
 
 def planned_chunks(output: SchedulerOutput, pool: TieredBlockPool) -> PlannedBatch:
-    """The forward pass of `output`, in batch order: the rest of a prefill chunk (of the prompt, or of the replay
-    prompt) or the last generated token of a decode step. Requests ended since the output was planned drop out: they
-    no longer hold the GPU blocks their chunk would write. Block tables are the pool's own (immutable) tuples.
-    Built column by column (`PlannedBatch`): it runs for every scheduled request on every step."""
-    requests = output.scheduled
-    found = list(map(pool.gpu_block_tables().get, [request.request_id for request in requests]))
-    block_tables = cast("list[tuple[int, ...]]", found)  # once requests without a table dropped out
-    if not all(found):
-        kept = [i for i, table in enumerate(block_tables) if table]
-        requests, block_tables = [requests[i] for i in kept], [block_tables[i] for i in kept]
+    """The forward pass of `output`, in batch order (`output.scheduled`): the rest of a prefill chunk (of the prompt,
+    or of the replay prompt) or the last generated token of a decode step. Requests ended since the output was
+    planned drop out: they no longer hold the GPU blocks their chunk would write. Block tables are the pool's own
+    (immutable) tuples. Built column by column (`PlannedBatch`), the decode steps (the bulk of a batch) without a
+    per-request branch: it runs for every scheduled request on every step."""
+    tables = pool.gpu_block_tables()
+    prefilling, prefill_tables = _holding_blocks(output.context + output.replay, tables)
+    decoding, decode_tables = _holding_blocks(output.generation, tables)
     chunk_tokens = output.chunk_tokens
-    starts = [request.num_computed_tokens for request in requests]
-    tokens, produces = [], []
-    for request, start in zip(requests, starts, strict=True):
-        prefill = request.prefill_tokens
-        end = start + chunk_tokens[request.request_id]
-        tokens.append(prefill[start:end] if start < len(prefill) else (request.generated[-1],))
-        produces.append(end >= len(prefill))
-    return PlannedBatch(requests, starts, tokens, block_tables, produces)
+    starts = [request.num_computed_tokens for request in prefilling]
+    ends = [start + chunk_tokens[request.request_id] for request, start in zip(prefilling, starts, strict=True)]
+    tokens = [request.prefill_tokens[start:end] for request, start, end in zip(prefilling, starts, ends, strict=True)]
+    produces = [end >= len(request.prefill_tokens) for request, end in zip(prefilling, ends, strict=True)]
+    starts += [request.num_computed_tokens for request in decoding]
+    tokens += [request.last_token for request in decoding]
+    produces += [True] * len(decoding)
+    return PlannedBatch(prefilling + decoding, starts, tokens, prefill_tables + decode_tables, produces)
+
+
+def _holding_blocks(
+    requests: list[Request], tables: Mapping[Hashable, tuple[int, ...]]
+) -> tuple[list[Request], list[tuple[int, ...]]]:
+    """The requests that still hold GPU blocks, in order, and their block tables."""
+    found = list(map(tables.get, [request.request_id for request in requests]))
+    if all(found):
+        return requests, cast("list[tuple[int, ...]]", found)
+    kept = [i for i, table in enumerate(found) if table]
+    return [requests[i] for i in kept], [cast("tuple[int, ...]", found[i]) for i in kept]
 
 
 @dataclass(frozen=True, slots=True)

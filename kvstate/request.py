@@ -4,7 +4,10 @@ Invariants kept:
 * `state` changes only through the lifecycle machine (`kvstate.lifecycle`), which writes it under the name
   `STATE_ATTRIBUTE`; here that name is a property over the plain attribute `state`, so the scheduler's hot loops
   read a request's state as one attribute load (no call) on every request of every step;
-* `generated` is append-only (GEN-APPEND): `append_token` is its only writer;
+* `generated` is append-only (GEN-APPEND): `append_token` is its only writer, and keeps `final_token_produced`
+  (whether its last token ends the request) and `last_token` (it, as the one-token input of the next decode step:
+  planning a step allocates nothing per decoding request, which keeps large batches clear of the garbage
+  collector) with it;
 * after `reset_for_replay`, `prefill_tokens` = original prompt + every generated token, the remaining budget
   is `max_new_tokens - len(generated)`, and every KV-derived counter is zero (RESET-*); its admission number is
   kept (a replay is not the newest admission, so it does not become the next tail victim);
@@ -22,7 +25,7 @@ from kvstate.lifecycle import STATE_ATTRIBUTE
 from kvstate.pool import ceil_div
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One request. Compares by identity. Satisfies `kvstate.RequestView`.
 
@@ -36,7 +39,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     arrival: int = 0
     block_size: int = 16
-    generated: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list, init=False)  # written by `append_token` only (GEN-APPEND)
     prefill_tokens: tuple[int, ...] = ()
     num_computed_tokens: int = 0
     admission: int = -1
@@ -51,6 +54,8 @@ class Request:
     suspended_in_pass: int | None = None
     replay_high_water: int = 0
     state: str = field(default="", init=False)  # written only by the lifecycle, as `STATE_ATTRIBUTE` below
+    final_token_produced: bool = field(default=False, init=False)  # `append_token`'s verdict on `generated[-1]`
+    last_token: tuple[int, ...] = field(default=(), init=False)  # `(generated[-1],)`: a decode step's input
 
     def __post_init__(self) -> None:
         self.prompt = tuple(self.prompt)
@@ -121,23 +126,19 @@ class Request:
         return True
 
     def append_token(self, token: int) -> bool:
-        """Append a sampled token; True when it is the final one (`final_token_produced`)."""
+        """Append a sampled token; True when it is the final one: a stop token, or the last of its budget. The
+        verdict stays readable as `final_token_produced` (a `RequestView` property, here a plain attribute)."""
         token = int(token)
-        self.generated.append(token)
-        return self._is_final(token, len(self.generated))
+        generated = self.generated
+        generated.append(token)
+        self.last_token = (token,)
+        self.final_token_produced = final = token in self.stop_token_ids or len(generated) >= self.max_new_tokens
+        return final
 
     # ---- RequestView
     @property
     def blocks_for_first_chunk(self) -> int:
         return ceil_div(self.planned_chunk, self.block_size)
-
-    @property
-    def final_token_produced(self) -> bool:
-        return bool(self.generated) and self._is_final(self.generated[-1], len(self.generated))
-
-    def _is_final(self, token: int, count: int) -> bool:
-        """`token`, the `count`-th generated, ends the request: a stop token, or the last of its budget."""
-        return token in self.stop_token_ids or count >= self.max_new_tokens
 
     @property
     def replay_complete(self) -> bool:

@@ -59,7 +59,7 @@ def _by_admission(request: Request) -> int:
 
 VICTIM_EXCLUSIONS: Mapping[str, Callable[[Scheduler, Request, SchedulingPass], bool]] = {
     "the_requester": lambda s, candidate, step: candidate is step.requester,
-    "scheduled_this_pass": lambda s, candidate, step: id(candidate) in step.scheduled,
+    "scheduled_this_pass": lambda s, candidate, step: candidate.request_id in step.output.chunk_tokens,
     "waiting_this_pass": lambda s, candidate, step: id(candidate) in step.waiting,
     "victim_this_pass": lambda s, candidate, step: id(candidate) in step.victims,
     "about_to_finish": lambda s, candidate, step: candidate.about_to_finish,
@@ -80,11 +80,10 @@ class SchedulingPass:
     def __init__(self, config: SchedulerConfig, pool: TieredBlockPool, number: int | None) -> None:
         self.pool = pool
         self.number = number
-        self.output = SchedulerOutput()
+        self.output: SchedulerOutput = SchedulerOutput()
         self.tokens_left = config.max_num_tokens
         self.slots_left = config.max_batch_size
         self.victims: set[int] = set()
-        self.scheduled: set[int] = set()
         self.waiting: set[int] = set()
         self.suspended: list[Request] = []  # suspended in this pass and not promoted, in suspension order
         self.pending_free = 0
@@ -94,6 +93,11 @@ class SchedulingPass:
         self.requester: Request | None = None  # the request the pass is making room for
         self.step_blocks: dict[Hashable, int] = {}  # blocks allocated for a resident request's step of this pass
         self.record = PassRecord()
+
+    def charge(self, tokens: int, slots: int) -> None:
+        """Spend `tokens` of the token budget and `slots` batch slots on requests scheduled in this pass."""
+        self.tokens_left -= tokens
+        self.slots_left -= slots
 
     # ---- PoolView
     @property
@@ -358,29 +362,38 @@ class Scheduler:
         requests with prompt or replay tokens left (scheduled next, by the caller, in arrival order; once the budget
         is spent the walk stops, and so would the caller). A request whose step is in flight is skipped. The steady
         state — an active request whose last block still has room — costs a few attribute reads: no lifecycle
-        event, no pool call, no Python call."""
-        out, block_size, active = step.output, self.config.block_size, self._active
+        event, no pool call, no Python call; a step that opens a new block takes a free one directly, and only a
+        step that finds none goes through `_schedule_resident` (which may preempt)."""
+        out, block_size, active, pool = step.output, self.config.block_size, self._active, self.pool
         decode_list = getattr(out, self._chunk_list[active]["decode"])
-        chunk_tokens, scheduled, victims = out.chunk_tokens, step.scheduled, step.victims  # the pass's own, kept
+        chunk_tokens, victims = out.chunk_tokens, step.victims  # the pass's own containers, filled in place
         in_flight, continuing = self.in_flight, []
+        decodes = 0  # decode steps taken by the fast path below and not yet charged to the pass's budgets
+        room = min(step.slots_left, step.tokens_left)  # decode steps the budgets allow (each takes 1 slot, 1 token)
         for request in tuple(self.resident):  # a copy: a victim taken on the way leaves `resident`
             if in_flight and request.request_id in in_flight:
                 continue  # its step is still in the pipeline: a request is in one micro-batch in flight at most
             if request.num_computed_tokens < len(request.prefill_tokens):
                 continuing.append(request)
                 continue
-            if step.slots_left == 0 or step.tokens_left == 0:
+            if decodes == room:
                 break
             if request.state != active or (victims and id(request) in victims):
                 continue
-            if request.num_computed_tokens < request.num_gpu_blocks * block_size:
-                decode_list.append(request)
-                chunk_tokens[request.request_id] = 1
-                scheduled.add(id(request))
-                step.tokens_left -= 1
-                step.slots_left -= 1
-            else:
-                self._schedule_resident(request, step)
+            if request.num_computed_tokens == request.num_gpu_blocks * block_size:  # its step opens a new block
+                if not pool.can_allocate(1):  # none is free: room is made, or waited for, by the general path
+                    step.charge(decodes, decodes)  # the pass's budgets are exact before it may preempt
+                    decodes = 0
+                    self._schedule_resident(request, step)
+                    room = min(step.slots_left, step.tokens_left)
+                    continue
+                pool.allocate(request.request_id, 1)
+                request.num_gpu_blocks += 1
+                step.step_blocks[request.request_id] = 1
+            decode_list.append(request)
+            chunk_tokens[request.request_id] = 1
+            decodes += 1
+        step.charge(decodes, decodes)
         return continuing
 
     def _schedule_resident(self, request: Request, step: SchedulingPass) -> None:
@@ -406,9 +419,7 @@ class Scheduler:
         lists = self._chunk_list[request.state]
         getattr(out, lists["prefill" if request.is_prefilling else "decode"]).append(request)
         out.chunk_tokens[request.request_id] = tokens
-        step.scheduled.add(id(request))
-        step.tokens_left -= tokens
-        step.slots_left -= 1
+        step.charge(tokens, 1)
 
     # ------------------------------------------------------------------------------------------ preemption
     def _make_room(self, request: Request, need: int, step: SchedulingPass) -> bool:
@@ -423,7 +434,7 @@ class Scheduler:
             victim = self._pick_victim(step)
             if victim is None:
                 protected = request.about_to_finish or self._capped(request)
-                if protected and (step.scheduled or step.pending_free):
+                if protected and (step.output.chunk_tokens or step.pending_free):
                     self._wait(request, min(short, step.pending_free), step)
                     return False  # requests scheduled in this pass, or pending copies, will free room
                 self._preempt(request, step)

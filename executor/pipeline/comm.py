@@ -16,6 +16,7 @@ machine, so a pipeline pass sends one message per hop. On NCCL the attached tens
 from __future__ import annotations
 
 import pickle
+import struct
 from collections import deque
 from datetime import timedelta
 from typing import Any
@@ -23,7 +24,14 @@ from typing import Any
 import torch
 
 FRAME_BYTES = 64 * 1024  # every message's first part: a pass's message and hidden states usually fit in one
-_HEADER = 16  # int64 length of the frame's content after the header, int64 length of the pickled part
+_HEADER_FORMAT = struct.Struct("<qq")  # length of the frame's content after the header, length of its pickled part
+_HEADER = _HEADER_FORMAT.size
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of `tensor` (moved to the CPU, made contiguous), without a copy when it already is both."""
+    flat = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8)
+    return flat.numpy().data
 
 
 def init_process_group(
@@ -92,18 +100,21 @@ class Comm:
     def send_message(self, obj: Any, dst: int, tensor: torch.Tensor | None = None) -> None:
         """Post a picklable `obj`, with `tensor` attached, to `dst` without waiting (`recv_message` takes both)."""
         inline = tensor is not None and self._object_device is None
-        raw = tensor.detach().contiguous().cpu().view(-1).view(torch.uint8) if tensor is not None and inline else None
+        raw = _raw_bytes(tensor) if tensor is not None and inline else None
         pickled = pickle.dumps((obj, None if tensor is None else (tuple(tensor.shape), str(tensor.dtype), inline)))
-        content = len(pickled) + (raw.numel() if raw is not None else 0)
-        frame = torch.empty(max(FRAME_BYTES, _HEADER + content), dtype=torch.uint8)
-        frame[:_HEADER].view(torch.int64).copy_(torch.tensor([content, len(pickled)], dtype=torch.int64))
-        frame[_HEADER : _HEADER + len(pickled)] = torch.frombuffer(bytearray(pickled), dtype=torch.uint8)
+        end = _HEADER + len(pickled)
+        content = len(pickled) + (len(raw) if raw is not None else 0)
+        frame = bytearray(max(FRAME_BYTES, _HEADER + content))  # assembled as bytes: one allocation, no tensor ops
+        _HEADER_FORMAT.pack_into(frame, 0, content, len(pickled))
+        frame[_HEADER:end] = pickled
         if raw is not None:
-            frame[_HEADER + len(pickled) : _HEADER + content] = raw
-        device = self._object_device or "cpu"
-        self.send(frame[:FRAME_BYTES].to(device), dst)
-        if frame.numel() > FRAME_BYTES:
-            self.send(frame[FRAME_BYTES:].to(device), dst)
+            frame[end : end + len(raw)] = raw
+        buffer = torch.frombuffer(frame, dtype=torch.uint8)  # shares `frame` (and keeps it alive)
+        if self._object_device is not None:
+            buffer = buffer.to(self._object_device)
+        self.send(buffer[:FRAME_BYTES], dst)
+        if buffer.numel() > FRAME_BYTES:
+            self.send(buffer[FRAME_BYTES:], dst)
         if tensor is not None and not inline:
             self.send(tensor, dst)
 
@@ -114,12 +125,13 @@ class Comm:
         frame = torch.empty(FRAME_BYTES, dtype=torch.uint8, device=device)
         self._dist.recv(frame, src=src)
         frame = frame.cpu()
-        content, pickled = frame[:_HEADER].view(torch.int64).tolist()
+        content, pickled = _HEADER_FORMAT.unpack_from(frame.numpy().data)
         if _HEADER + content > FRAME_BYTES:
             rest = torch.empty(_HEADER + content - FRAME_BYTES, dtype=torch.uint8, device=device)
             self._dist.recv(rest, src=src)
             frame = torch.cat((frame, rest.cpu()))
-        obj, attached = pickle.loads(frame[_HEADER : _HEADER + pickled].numpy().tobytes())
+        view = frame.numpy().data
+        obj, attached = pickle.loads(view[_HEADER : _HEADER + pickled])
         if attached is None:
             return obj, None
         shape, dtype_name, inline = attached

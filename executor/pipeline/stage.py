@@ -78,15 +78,8 @@ class StageModel(nn.Module):
 
     def make_cache(self, gpu_blocks: int, block_size: int, device: torch.device) -> PagedKVCache:
         """A paged cache of `gpu_blocks` blocks holding only this stage's layers."""
-        c = self.config
-        return PagedKVCache(
-            gpu_blocks,
-            num_layers=len(self.layer_range),
-            block_size=block_size,
-            num_kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim,
-            dtype=self.dtype,
-            device=device,
+        return PagedKVCache.for_model(
+            self, gpu_blocks, block_size=block_size, device=device, num_layers=len(self.layer_range)
         )
 
     @torch.inference_mode()

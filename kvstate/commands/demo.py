@@ -4,8 +4,9 @@ The GPU tier is small enough that requests are suspended to the host tier, and t
 take every victim, so some are recompute-paused and replayed. Every output is then compared with its
 unpressured reference (the same request run alone); any difference is exit status 1.
 
-`--pp N` runs the same workload on N pipeline stages (spawned local ranks, `executor.pipeline`); `--report DIR`
-also writes a visual run report of the trace (`kvstate report`).
+`--pp N` runs the workload on N pipeline stages (spawned local ranks, `executor.pipeline`), by default a larger one
+(`PP_DEFAULTS`: more requests at once, so that every micro-batch in flight is full); `--report DIR` also writes a
+visual run report of the trace (`kvstate report`).
 
 `--inject KIND[:RATE]` (repeatable) injects seeded faults (`executor.faults`): failed copies, corrupt host copies
 (caught by checksums, on unless `--no-checksums`), host-tier allocation failure or loss. The run must still pass.
@@ -44,6 +45,11 @@ DEFAULTS = {
     "device": "auto",
     "dtype": "float64",
 }
+# `--pp N`: a workload with many requests at once (up to max_batch_size running), still under memory pressure.
+# Pipeline stages overlap only when every micro-batch in flight is full: with the single-process workload about
+# three requests fit in the GPU tier, so each micro-batch would hold one or two and a pass costs the stages about
+# the same whatever its size. `--compare-lockstep` runs the same workload both ways.
+PP_DEFAULTS = {"requests": 192, "gpu_blocks": 512}
 MIN_REQUEST_TOKENS = 2  # the smallest demo request: a 1-token prompt and 1 new token
 
 
@@ -70,7 +76,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ]
     for flag, kind, text in options:
         key = flag[2:].replace("-", "_")
-        p.add_argument(flag, type=kind, default=DEFAULTS[key], help=f"{text} (default %(default)s)")
+        if key in PP_DEFAULTS:  # filled by `check_args`, which knows whether --pp was given
+            p.add_argument(
+                flag, type=kind, default=None, help=f"{text} (default {DEFAULTS[key]}; with --pp {PP_DEFAULTS[key]})"
+            )
+        else:
+            p.add_argument(flag, type=kind, default=DEFAULTS[key], help=f"{text} (default %(default)s)")
     p.add_argument(
         "--inject",
         action="append",
@@ -130,7 +141,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Refuse what cannot apply, and every unwritable output path, before torch is imported."""
+    """Fill the defaults of the chosen mode (`PP_DEFAULTS` with --pp), then refuse what cannot apply and every
+    unwritable output path, before torch is imported."""
+    for key, value in PP_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value if args.pp > 1 else DEFAULTS[key])
     if args.requests <= 0:
         raise UsageError(f"--requests must be positive, got {args.requests}")  # the wording of `kvstate soak`
     if args.pp > 1 and args.inject:

@@ -71,7 +71,7 @@ def test_victim_chosen_twice(monkeypatch):
     def ignores_victims(self, candidate, step):
         cap = self.config.max_preemptions_per_request
         return (
-            id(candidate) not in step.scheduled
+            candidate.request_id not in step.output.chunk_tokens
             and not candidate.about_to_finish
             and (cap is None or candidate.num_suspensions + candidate.num_recompute_pauses < cap)
         )

@@ -68,6 +68,22 @@ def test_the_demo_refuses_micro_batch_options_without_pipeline_stages(capsys):
         assert "apply to pipeline stages only; add --pp N" in capsys.readouterr().err
 
 
+def test_the_pipeline_demo_defaults_to_a_workload_with_full_micro_batches_unless_told_otherwise():
+    from kvstate.cli import parse
+    from kvstate.commands.demo import DEFAULTS, PP_DEFAULTS, check_args
+
+    def filled(*argv: str) -> tuple[int, int]:
+        args = parse(["demo", "--device", "cpu", *argv])
+        check_args(args)
+        return args.requests, args.gpu_blocks
+
+    single, pipeline = filled(), filled("--pp", "2")
+    assert single == (DEFAULTS["requests"], DEFAULTS["gpu_blocks"])  # the single-process demo is unchanged
+    assert pipeline == (PP_DEFAULTS["requests"], PP_DEFAULTS["gpu_blocks"])
+    assert pipeline[0] > single[0] and pipeline[1] > single[1]  # more requests at once than the single process
+    assert filled("--pp", "2", "--requests", "6", "--gpu-blocks", "12") == (6, 12)  # given flags win
+
+
 @pytest.mark.parametrize(("world", "cores"), [(2, [0, 1]), (2, [3, 1, 2, 0, 5]), (3, [4, 6, 8]), (1, [0, 1])])
 def test_every_rank_gets_its_own_cores_and_all_cores_are_used(world, cores):
     shares = [rank_cores(rank, world, cores) for rank in range(world)]

@@ -14,16 +14,7 @@ BLOCK = 4
 
 
 def _cache(model, blocks: int) -> PagedKVCache:
-    c = model.config
-    return PagedKVCache(
-        blocks,
-        num_layers=c.num_layers,
-        block_size=BLOCK,
-        num_kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        dtype=model.dtype,
-        device="cpu",
-    )
+    return PagedKVCache.for_model(model, blocks, block_size=BLOCK, device="cpu")
 
 
 def _unbatched(batch: PagedBatch) -> PagedBatch:
@@ -126,7 +117,8 @@ def test_attention_plan():
     assert batch.out_order is None and group.query_rows is None and group.valid is None
     assert (group.num_seqs, group.num_queries, group.num_blocks) == (3, 1, 3)
     assert group.blocks.tolist() == [2, 5, 2, 7, 7, 7, 0, 1, 4]  # padded with each request's own first block
-    assert group.mask.shape == (3, 1, 1, 12)
+    # keys are read up to the longest context (10 of the 12 slots gathered), the shorter ones masked
+    assert group.num_keys == 10 and group.mask.shape == (3, 1, 1, 10)
     assert group.mask.sum(-1).flatten().tolist() == [7, 4, 10]
 
     mixed = PagedBatch.build([SeqChunk((5, 6, 7), 0, (3,)), decodes[0], SeqChunk((8, 9), 4, (6, 8))], BLOCK)

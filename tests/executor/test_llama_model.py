@@ -11,16 +11,7 @@ from executor import LlamaModel, ModelConfig, PagedBatch, PagedKVCache, SeqChunk
 
 
 def _cache(model: LlamaModel, blocks: int, block_size: int) -> PagedKVCache:
-    c = model.config
-    return PagedKVCache(
-        blocks,
-        num_layers=c.num_layers,
-        block_size=block_size,
-        num_kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        dtype=model.dtype,
-        device="cpu",
-    )
+    return PagedKVCache.for_model(model, blocks, block_size=block_size, device="cpu")
 
 
 def _paged_logits_per_position(model, sequences, block_size, chunk, blocks=256, seed=0):
