@@ -1,4 +1,4 @@
-"""Shared test configuration: Hypothesis profiles and the `cuda` marker.
+"""Shared test configuration: Hypothesis profiles, the `cuda` marker and a two-line trace of any spec.
 
 The Hypothesis profiles (`ci`, `dev`, `long`; choose with KVSTATE_HYPOTHESIS_PROFILE, default "ci" when CI is set,
 else "dev") are registered and loaded by `kvstate.testing` itself, so third parties get them too; importing it here
@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 import kvstate.testing  # noqa: F401  (registers and loads the Hypothesis profiles)
+from kvstate.trace import TRACE_FIELDS
 
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection, so deselected cuda tests never import torch
@@ -29,3 +30,49 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason=reason)
     for item in cuda_items:
         item.add_marker(skip)
+
+
+def two_line_trace(spec, request_id: object = "a") -> list[dict]:
+    """A two-line trace of `request_id`: the spec's first transition, then a terminal edge out of its destination."""
+    first = spec.transitions[0]
+    end = next(t for t in spec.transitions if t.source == first.dest and spec.state_by_name[t.dest].terminal)
+    common = {
+        "gpu_blocks": 0,
+        "host_blocks": 0,
+        "host_free": 4,
+        "gpu_fenced": 0,
+        "host_fenced": 0,
+        "gpu_capacity": 8,
+        "host_capacity": 4,
+        "generated": 0,
+        "computed_tokens": 0,
+    }
+    lines = [
+        {
+            "iteration": 1,
+            "request_id": request_id,
+            "event": first.event,
+            "from": first.source,
+            "to": first.dest,
+            "gpu_free": 6,
+            "done_reason": None,
+            **common,
+        },
+        {
+            "iteration": 4,
+            "request_id": request_id,
+            "event": end.event,
+            "from": end.source,
+            "to": end.dest,
+            "gpu_free": 8,
+            "done_reason": "finished",
+            **common,
+        },
+    ]
+    return [{key: line[key] for key in TRACE_FIELDS} for line in lines]  # the trace's field order
+
+
+@pytest.fixture(scope="session")
+def spec_trace_lines():
+    """`spec_trace_lines(spec, request_id="a")`: a two-line trace of `spec` (`two_line_trace`)."""
+    return two_line_trace

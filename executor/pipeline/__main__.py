@@ -76,21 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _torchrun(args)
-    from executor.pipeline.demo import run_pp_demo
+    from executor.pipeline.demo import run_pp_demo, workload_options
     from executor.pipeline.launch import RankFailed, RankLost
 
     try:
         summary = run_pp_demo(
             stages=args.pp,
-            requests=args.requests,
-            gpu_blocks=args.gpu_blocks,
-            host_blocks=args.host_blocks,
-            block_size=args.block_size,
-            chunk_size=args.chunk_size,
-            seed=args.seed,
+            **workload_options(args),
             device=args.device,
-            dtype=args.dtype,
-            trace=args.trace,
             fail_host_tier_on_ranks=frozenset(args.fail_host_tier_on_rank),
             timeout_s=args.timeout,
             micro_batches=args.micro_batches,

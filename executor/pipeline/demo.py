@@ -72,6 +72,15 @@ def output_tokens_per_s(result: PipelineResult) -> float:
     return tokens / driver.wall_s if driver.wall_s > 0 else 0.0
 
 
+WORKLOAD_OPTIONS = ("requests", "gpu_blocks", "host_blocks", "block_size", "chunk_size", "seed", "dtype", "trace")
+
+
+def workload_options(args: object) -> dict:
+    """The `run_pp_demo` arguments of parsed command-line options that both pipeline demo commands share (`kvstate
+    demo --pp` and `python -m executor.pipeline`: the same option names)."""
+    return {name: getattr(args, name) for name in WORKLOAD_OPTIONS}
+
+
 def run_pp_demo(  # noqa: PLR0913 - keyword-only, one per `kvstate demo --pp` flag the command and tests set
     *,
     stages: int = 2,

@@ -295,7 +295,7 @@ def _pipeline_demo(args: argparse.Namespace, device: str) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from executor import EngineConfig
-    from executor.pipeline.demo import run_pp_demo
+    from executor.pipeline.demo import run_pp_demo, workload_options
 
     console = Console(file=sys.stdout)
     errors = Console(file=sys.stderr)
@@ -315,15 +315,8 @@ def _pipeline_demo(args: argparse.Namespace, device: str) -> int:
         try:
             summary = run_pp_demo(
                 stages=args.pp,
-                requests=args.requests,
-                gpu_blocks=args.gpu_blocks,
-                host_blocks=args.host_blocks,
-                block_size=args.block_size,
-                chunk_size=args.chunk_size,
-                seed=args.seed,
+                **workload_options(args),
                 device=device,
-                dtype=args.dtype,
-                trace=args.trace,
                 lifecycle=args.lifecycle,
                 micro_batches=args.micro_batches,
                 compare_lockstep=args.compare_lockstep,

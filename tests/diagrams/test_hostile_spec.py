@@ -32,7 +32,6 @@ from kvstate.diagrams.escape import (
 from kvstate.diagrams.ir import Diagram, Edge, EdgeKind, Node
 from kvstate.errors import KVStateError
 from kvstate.spec import Spec, load_spec
-from kvstate.trace import TRACE_FIELDS
 
 MERMAID_CLICK = 'done\n click done "javascript:alert(1)"'
 SCRIPT = "<script>alert(1)</script>"
@@ -247,52 +246,15 @@ def every_payload() -> Spec:
     return replace(spec, name=DOT_BREAKOUT)
 
 
-def test_report_of_a_hostile_spec_is_inert(tmp_path) -> None:
+def test_report_of_a_hostile_spec_is_inert(tmp_path, spec_trace_lines) -> None:
     """One report holding every payload (a report takes seconds: matplotlib draws its figures)."""
     pytest.importorskip("matplotlib")
     from kvstate.report import write_report
     from kvstate.report.html import ZOOM_SCRIPT
 
     spec = every_payload()
-    payload = SCRIPT
-    terminal = spec.terminal_states[0]
-    first = spec.transitions[0]
-    end = next(t for t in spec.transitions if t.dest == terminal and t.source == first.dest)
-    common = {
-        "gpu_blocks": 0,
-        "host_blocks": 0,
-        "host_free": 4,
-        "gpu_fenced": 0,
-        "host_fenced": 0,
-        "gpu_capacity": 8,
-        "host_capacity": 4,
-        "generated": 0,
-        "computed_tokens": 0,
-    }
-    lines = [
-        {
-            "iteration": 1,
-            "request_id": payload,
-            "event": first.event,
-            "from": first.source,
-            "to": first.dest,
-            "gpu_free": 6,
-            "done_reason": None,
-            **common,
-        },
-        {
-            "iteration": 3,
-            "request_id": payload,
-            "event": end.event,
-            "from": end.source,
-            "to": end.dest,
-            "gpu_free": 8,
-            "done_reason": "finished",
-            **common,
-        },
-    ]
     trace = tmp_path / "t.ndjson"
-    trace.write_text("".join(json.dumps({key: line[key] for key in TRACE_FIELDS}) + "\n" for line in lines))
+    trace.write_text("".join(json.dumps(line) + "\n" for line in spec_trace_lines(spec, request_id=SCRIPT)))
     result = write_report(trace, tmp_path / "out", spec=spec)
     page = result.html.read_text()
     parser = TagCollector()

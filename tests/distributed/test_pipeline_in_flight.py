@@ -21,6 +21,8 @@ from kvstate import SchedulerConfig
 
 from .conftest import check_trace
 
+SMALL_DEMO = ["--gpu-blocks", "12", "--block-size", "4"]  # a GPU tier of 12 blocks of 4 tokens: small, so pressured
+
 pytestmark = pytest.mark.distributed
 TIMEOUT_S = 60.0
 PENDING = "awaiting_consensus"
@@ -137,15 +139,12 @@ def test_the_demo_prints_in_flight_and_lockstep_throughput_side_by_side(tmp_path
     code = main(
         [
             "demo",
+            *SMALL_DEMO,
             "--pp",
             "2",
             "--requests",
             "6",
-            "--gpu-blocks",
-            "12",
             "--host-blocks",
-            "4",
-            "--block-size",
             "4",
             "--device",
             "cpu",

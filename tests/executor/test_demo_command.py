@@ -10,19 +10,18 @@ import pytest
 
 from kvstate.cli import main
 
+SMALL_DEMO = ["--gpu-blocks", "12", "--block-size", "4"]  # a GPU tier of 12 blocks of 4 tokens: small, so pressured
+
 
 def test_demo_runs_and_passes(tmp_path, capsys):
     trace = tmp_path / "demo.ndjson"
     code = main(
         [
             "demo",
+            *SMALL_DEMO,
             "--requests",
             "8",
-            "--gpu-blocks",
-            "12",
             "--host-blocks",
-            "4",
-            "--block-size",
             "4",
             "--device",
             "cpu",
@@ -45,14 +44,11 @@ def test_demo_without_host_tier(tmp_path, capsys):
     code = main(
         [
             "demo",
+            *SMALL_DEMO,
             "--requests",
             "6",
-            "--gpu-blocks",
-            "12",
             "--host-blocks",
             "0",
-            "--block-size",
-            "4",
             "--device",
             "cpu",
             "--trace",
@@ -67,13 +63,10 @@ def test_demo_writes_a_report_of_its_trace(tmp_path, capsys):
     code = main(
         [
             "demo",
+            *SMALL_DEMO,
             "--requests",
             "6",
-            "--gpu-blocks",
-            "12",
             "--host-blocks",
-            "4",
-            "--block-size",
             "4",
             "--device",
             "cpu",
@@ -95,15 +88,12 @@ def test_demo_on_two_pipeline_stages(tmp_path, capsys):
     code = main(
         [
             "demo",
+            *SMALL_DEMO,
             "--pp",
             "2",
             "--requests",
             "6",
-            "--gpu-blocks",
-            "12",
             "--host-blocks",
-            "4",
-            "--block-size",
             "4",
             "--device",
             "cpu",
@@ -134,13 +124,10 @@ def test_demo_on_cuda(tmp_path, capsys):
     code = main(
         [
             "demo",
+            *SMALL_DEMO,
             "--requests",
             "8",
-            "--gpu-blocks",
-            "12",
             "--host-blocks",
-            "4",
-            "--block-size",
             "4",
             "--device",
             "cuda",
