@@ -27,7 +27,7 @@ from executor.kv_cache import (
     PagedKVCache,
     resolve_device,
 )
-from executor.model import BatchPlanner, LlamaModel, ModelConfig, PagedBatch, SeqChunk
+from executor.model import BatchPlanner, DecodeKV, LlamaModel, ModelConfig, PagedBatch, SeqChunk
 from executor.sampler import GREEDY, SamplingParams, draw_seed, sample_token
 from executor.trace import TRACE_FIELDS, TraceWriter, read_trace, trace_record
 
@@ -38,6 +38,7 @@ __all__ = [
     "BatchPlanner",
     "CheckpointError",
     "CompletedFence",
+    "DecodeKV",
     "Engine",
     "EngineClosed",
     "EngineConfig",

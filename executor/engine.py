@@ -68,9 +68,7 @@ from kvstate.config import ConfigError, RequestRejected, SchedulerConfig, normal
 from kvstate.errors import KVStateError, PoolError
 from kvstate.output import SchedulerOutput, planned_chunks
 from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan
-from kvstate.request import Request
 from kvstate.scheduler import Scheduler, UnknownRequestId
-from kvstate.spec import Transition
 from kvstate.stats import IterationStats
 from kvstate.step import Step
 
@@ -104,8 +102,8 @@ class HostTierLossRefused(EngineMisuse):
 
 class EngineBusy(EngineMisuse):
     """A call the engine cannot serve now; nothing changed: a call that drives or changes the engine made from
-    inside the engine on the same thread (an `on_transition` hook), or `step`/`run`/`stream` while a `stream()`
-    is being consumed (the stream drives the engine)."""
+    inside the engine on the same thread (an `on_transition` listener installed on its scheduler), or
+    `step`/`run`/`stream` while a `stream()` is being consumed (the stream drives the engine)."""
 
 
 class EngineBroken(KVStateError, RuntimeError):
@@ -336,10 +334,12 @@ class Engine:
         self.faults = FaultInjector(config.faults) if config.faults is not None else None
         host_blocks = self._attach_host_tier()
         self.scheduler = Scheduler(
-            replace(sc, host_blocks=host_blocks, block_bytes=self.cache.block_bytes), on_transition=self._on_transition
+            replace(sc, host_blocks=host_blocks, block_bytes=self.cache.block_bytes), record_transitions=True
         )
         self.scheduler.host_tier_fallback = host_blocks < sc.host_blocks
-        self.trace = TraceWriter(config.trace_path, self.scheduler) if config.trace_path is not None else None
+        spec = self.scheduler.spec
+        self._host_states = frozenset(s.name for s in spec.states if spec.residency(s.name) == "host")
+        self.trace = TraceWriter(config.trace_path) if config.trace_path is not None else None
         self.totals = RunTotals()
         self.last_produced: list[tuple[Hashable, int]] = []
         self._submissions: dict[Hashable, _Submission] = {}
@@ -599,6 +599,7 @@ class Engine:
                 problem = problem or f"{len(scheduler.pool.in_flight)} migrations are still in flight"
         except BaseException as settling:
             problem = f"settling it failed too ({type(settling).__name__}: {settling})"
+        self._take_transitions()
         if self._trace_failure is not None and problem is None:
             problem = f"the trace missed a transition ({type(self._trace_failure).__name__}: {self._trace_failure})"
         if problem is not None:
@@ -627,7 +628,9 @@ class Engine:
         raise EngineBroken(self._broken.args[0]) from cause
 
     def _break_on_trace_failure(self, where: str) -> None:
-        """A trace write failed during `where` (the state is consistent, the trace is not): break the engine."""
+        """Take the transitions of `where` (`_take_transitions`); if a trace write failed (the state is consistent,
+        the trace is not), break the engine."""
+        self._take_transitions()
         if self._trace_failure is not None:
             err = self._trace_failure
             path = None if self.trace is None else self.trace.path
@@ -883,18 +886,22 @@ class Engine:
             return [(rid, self._submissions[rid]) for rid in ids]
 
     # ---------------------------------------------------------------------------------------- lifecycle
-    def _on_transition(self, request: Request, transition: Transition) -> None:
-        """The scheduler's hook: count the event, forget a dropped host copy's checksums, write the trace line.
-        A failed trace write is kept, not raised (raising inside the scheduler would leave its pass half done);
-        the call that fired the transition then breaks the engine once its state is consistent."""
-        self.totals.events[transition.event] += 1
-        if self.scheduler.spec.residency(transition.source) == "host" and transition.event != "resume":
-            self._checksums.pop(request.request_id, None)  # the host copy is gone (lost, promoted, cancelled)
-        if self.trace is not None and self._trace_failure is None:
-            try:
-                self.trace(request, transition)
-            except Exception as err:
-                self._trace_failure = err
+    def _take_transitions(self) -> None:
+        """Take the transitions the scheduler recorded since the last call (after every call that may fire one):
+        count each event, forget a dropped host copy's checksums, write the trace lines. A failed trace write is
+        kept, not raised, so that a failing step is still settled; `_break_on_trace_failure` then breaks the
+        engine once its state is consistent."""
+        events, host_states = self.totals.events, self._host_states
+        for fired in self.scheduler.take_fired():
+            transition = fired.transition
+            events[transition.event] += 1
+            if transition.source in host_states and transition.event != "resume":
+                self._checksums.pop(fired.request.request_id, None)  # the host copy is gone (lost, promoted, ...)
+            if self.trace is not None and self._trace_failure is None:
+                try:
+                    self.trace.write(fired)
+                except Exception as err:
+                    self._trace_failure = err
 
     def close(self) -> None:
         """Drain the copy stream (every fence completes, so the device cache may then be freed), close the trace

@@ -16,7 +16,9 @@ Two forward paths share every kernel:
   are the rotary factors; every index list of a batch becomes one tensor with one upload (pinned and
   non-blocking on CUDA), and `BatchPlanner` keeps the decode plan from one step to the next while the batch is
   unchanged (only tokens, positions and the blocks of requests that crossed into a new block are new), reading
-  the scheduler's batch column by column. Returns logits only for the rows that sample.
+  the scheduler's batch column by column, and with it the keys and values the plan gathered (`DecodeKV`: a
+  reused plan's step writes its new token's key and value instead of gathering every block again). Returns
+  logits only for the rows that sample.
 * `forward_dense(tokens)`: one sequence, no cache (the reference the paged path is tested against).
 
 Invariants kept:
@@ -38,7 +40,7 @@ import functools
 import math
 import operator
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol, cast
 
 import torch
@@ -292,12 +294,68 @@ def _attention_mask(query_pos: torch.Tensor, plan: dict) -> torch.Tensor:
     return (key_pos <= query_pos[:, None]).view(plan["num_seqs"], 1, plan["num_queries"], -1)
 
 
+DECODE_KV_BUDGET_BYTES = 256 << 20  # what `DecodeKV` may keep, all layers together; past it, layers gather anew
+
+
+class DecodeKV:
+    """The keys and values a reused decode plan attends over, kept from one step to the next (`BatchPlanner`).
+
+    A decode step of an unchanged batch reads the same blocks as the step before, plus one new key and value per
+    request. So the first step of a plan gathers each layer's blocks from the cache as usual, ``[B, span,
+    kv_heads, head_dim]``, and keeps them; each later step writes only its new key and value into them (row i, at
+    request i's position) after writing them into the cache, instead of gathering every block again.
+
+    Invariants: it belongs to one plan (the planner makes a new one for every plan it builds), whose requests
+    only append to their own blocks while it is reused, so at every position a request attends (its context) the
+    kept tensors hold exactly what a fresh gather of the cache would; positions past a request's context may
+    hold other finite values, which its attention masks to probability 0 either way. Layers are kept while their
+    bytes fit `budget` (the rest gather every step), so a large model on a small device keeps nothing extra."""
+
+    __slots__ = ("budget", "kept")
+
+    def __init__(self, budget: int = DECODE_KV_BUDGET_BYTES) -> None:
+        self.budget = budget
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (keys, values) [B, span, Hkv, D]
+
+    def read(
+        self,
+        layer: int,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        group: _AttnGroup,
+        new: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of `group` (one decode step per request, in batch order) for `layer`: kept and
+        updated with `new` ([B, kv_heads, head_dim] each) at `positions`, or gathered from `cache` (the layer's
+        keys and values) and kept when they fit the budget."""
+        kept = self.kept.get(layer)
+        if kept is not None:
+            rows = _key_positions(group.num_seqs, positions.device)
+            for tensor, values in zip(kept, new, strict=True):
+                tensor.index_put_((rows, positions), values)
+            return kept
+        gathered = _gather(cache, group)
+        size = sum(t.numel() * t.element_size() for pair in (*self.kept.values(), gathered) for t in pair)
+        if size <= self.budget:
+            self.kept[layer] = gathered
+        return gathered
+
+
+def _gather(cache: tuple[torch.Tensor, torch.Tensor], group: _AttnGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks of `group` from one layer's (keys, values): ``[B, num_blocks * block_size, kv_heads, head_dim]``
+    each, request by request."""
+    keys, values = cache
+    shape = (group.num_seqs, group.num_blocks * keys.shape[1], *keys.shape[2:])
+    return keys.index_select(0, group.blocks).view(shape), values.index_select(0, group.blocks).view(shape)
+
+
 @dataclass(frozen=True, slots=True)
 class PagedBatch:
     """A flattened token batch: per-token ids, positions and cache slots; per-request views; sampling rows;
     and the batched-attention plan (`groups`, `out_order`) that every layer shares.
 
-    Every index tensor is a view of one tensor uploaded once (`host_indices` keeps its host side alive)."""
+    Every index tensor is a view of one tensor uploaded once (`host_indices` keeps its host side alive). A
+    decode-only batch planned by a `BatchPlanner` carries its plan's `decode_kv`."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -309,6 +367,7 @@ class PagedBatch:
     groups: tuple[_AttnGroup, ...] | None = None
     out_order: torch.Tensor | None = None  # row t of the output is row out_order[t] of the groups' outputs
     host_indices: torch.Tensor | None = None
+    decode_kv: DecodeKV | None = None
 
     @classmethod
     def build(cls, chunks: Sequence[BatchChunk], block_size: int, device: torch.device | str = "cpu") -> PagedBatch:
@@ -402,34 +461,41 @@ class BatchPlanner:
     its slot of the padded block list. Anything else (a new or departed request, a prefill chunk, a request
     whose context outgrew the plan's blocks, a changed table) is built from scratch with `PagedBatch.build`.
     The chunks are read as columns (`BatchColumns`), so a steady step does a few list passes, not a loop body
-    per request.
+    per request. Each decode plan gets its own `DecodeKV`, so its steps after the first gather no blocks.
 
-    Invariants kept: `plan(chunks)` holds the same values as `PagedBatch.build(chunks, ...)` (so the logits are
-    the same); block tables are owned exclusively, so "the same table" identifies "the same request"; a table
-    given as the very object of the previous step (the scheduler's pool keeps one immutable tuple per request
-    until it changes) is that table, any other is compared block by block with the blocks the plan holds.
+    Invariants kept: `plan(chunks)` holds the same values as `PagedBatch.build(chunks, ...)`, and the same
+    logits (`DecodeKV` keeps exactly what a gather would read); block tables are owned exclusively, so "the same
+    table" identifies "the same request"; a table given as the very object of the previous step (the scheduler's
+    pool keeps one immutable tuple per request until it changes) is that table, any other is compared block by
+    block with the blocks the plan holds.
     """
 
     __slots__ = (
         "_blocks",
+        "_decode_kv",
         "_given",
         "_num_blocks",
         "_starts",
         "_tables",
         "block_size",
         "builds",
+        "decode_kv_budget",
         "device",
         "reuses",
     )
 
-    def __init__(self, block_size: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, block_size: int, device: torch.device | str = "cpu", decode_kv_budget: int = DECODE_KV_BUDGET_BYTES
+    ) -> None:
         self.block_size = block_size
         self.device = torch.device(device)
+        self.decode_kv_budget = decode_kv_budget  # bytes the kept keys and values of a decode plan may take
         self._tables: list[tuple[int, ...]] | None = None  # per request: its blocks covering its context
         self._given: list[tuple[int, ...]] = []  # per request: the block table object it was last planned with
         self._starts: list[int] = []  # per request: the position of its last decoded token
         self._blocks: list[int] = []  # the padded block list of the decode group, `_num_blocks` per request
         self._num_blocks = 0
+        self._decode_kv: DecodeKV | None = None  # the keys and values of the decode plan, kept across its steps
         self.builds = 0  # batches built from scratch
         self.reuses = 0  # decode plans reused
 
@@ -442,11 +508,11 @@ class BatchPlanner:
         batch = PagedBatch.build(chunks, self.block_size, self.device)
         self.builds += 1
         self._remember(columns, batch)
-        return batch
+        return batch if self._tables is None else replace(batch, decode_kv=self._decode_kv)
 
     def _remember(self, columns: _Columns, batch: PagedBatch) -> None:
         """Keep the plan of a decode-only batch whose every request samples (the steady decode step)."""
-        self._tables = None
+        self._tables, self._decode_kv = None, None
         if not columns.starts or not _all_decode(columns):
             return
         if batch.groups is None:
@@ -456,6 +522,7 @@ class BatchPlanner:
         self._given = list(columns.block_tables)
         self._starts = list(columns.starts)
         self._num_blocks = group.num_blocks
+        self._decode_kv = DecodeKV(self.decode_kv_budget)
         self._blocks = []
         for table in self._tables:
             self._blocks.extend(table)
@@ -510,7 +577,7 @@ class BatchPlanner:
             list(range(n)),
             None,
         )
-        return PagedBatch._upload(rows, seqs, [plan], self.device)
+        return replace(PagedBatch._upload(rows, seqs, [plan], self.device), decode_kv=self._decode_kv)
 
 
 def _all_decode(columns: _Columns) -> bool:
@@ -608,25 +675,41 @@ class Attention(nn.Module):
             if batch.groups is None:
                 out = self._attend_per_sequence(q, keys, values, batch)
             else:
-                parts = [self._attend_group(q, keys, values, group) for group in batch.groups]
+                cached, new = (keys, values), (k, v)
+                parts = [
+                    self._attend_group(q, self._gathered(cached, group, batch, new), group) for group in batch.groups
+                ]
                 out = torch.cat(parts) if len(parts) > 1 else parts[0]
                 if batch.out_order is not None:
                     out = out.index_select(0, batch.out_order)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
+    def _gathered(
+        self,
+        cached: tuple[torch.Tensor, torch.Tensor],
+        group: _AttnGroup,
+        batch: PagedBatch,
+        new: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks `group` attends over, from this layer's `cached` keys and values: kept by the plan's
+        `DecodeKV` (updated with this step's `new` keys and values) when the batch has one, else gathered."""
+        if batch.decode_kv is None:
+            return _gather(cached, group)
+        return batch.decode_kv.read(self.layer, cached, group, new, batch.positions)
+
     def _attend_group(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: _AttnGroup
+        self, q: torch.Tensor, gathered: tuple[torch.Tensor, torch.Tensor], group: _AttnGroup
     ) -> torch.Tensor:
-        """One batched attention over the requests of `group`; returns ``[rows, num_heads, head_dim]``."""
+        """One batched attention over the requests of `group`, whose blocks `gathered` holds (`_gather`); returns
+        ``[rows, num_heads, head_dim]``."""
         b, nq, dim = group.num_seqs, group.num_queries, self.head_dim
         heads, kv_heads = self.num_heads, self.num_kv_heads
         if group.query_rows is None:
             gq = q if q.shape[0] == b * nq else q[group.row_start : group.row_start + b * nq]
         else:
             gq = q.index_select(0, group.query_rows)
-        span, read = group.num_blocks * keys.shape[1], group.num_keys
-        gk = keys.index_select(0, group.blocks).view(b, span, kv_heads, dim)
-        gv = values.index_select(0, group.blocks).view(b, span, kv_heads, dim)
+        gk, gv = gathered
+        span, read = gk.shape[1], group.num_keys
         if read < span:  # nobody's context reaches the last slots
             gk, gv = gk[:, :read], gv[:, :read]
         gk, gv = gk.transpose(1, 2), gv.transpose(1, 2)

@@ -10,11 +10,12 @@ from kvstate.output import FailedMigration, SchedulerOutput, UnknownRequest
 from kvstate.pool import MigrationPlan, TieredBlockPool
 from kvstate.request import Request
 from kvstate.scheduler import Scheduler, SchedulerStalled, UnknownRequestId
-from kvstate.semantics import EFFECTS, GUARDS, EffectHooks, PoolView, RequestView
+from kvstate.semantics import EFFECTS, GUARDS, EffectHooks, PassView, PoolView, RequestView
 from kvstate.sim import SimExecutor, reference_output
 from kvstate.spec import Event, ExclusiveGuards, Invariant, Spec, State, Transition, load_spec, packaged_spec_path
 from kvstate.stats import IterationStats
 from kvstate.step import Step
+from kvstate.trace import FiredTransition
 from kvstate.validate import validate_spec
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "Event",
     "ExclusiveGuards",
     "FailedMigration",
+    "FiredTransition",
     "GuardRejected",
     "IllegalTransition",
     "Invariant",
@@ -33,6 +35,7 @@ __all__ = [
     "KVStateError",
     "Lifecycle",
     "MigrationPlan",
+    "PassView",
     "PoolError",
     "PoolView",
     "Request",

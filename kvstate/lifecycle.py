@@ -4,20 +4,23 @@ model checker's engine). `make_lifecycle(kind)` picks one by name (`LIFECYCLES`)
 
 Both drive request objects that keep their state in the attribute `STATE_ATTRIBUTE` (requests expose it
 read-only as `state`). Neither registers requests with the machine (`add_model` is quadratic): events are
-triggered on a request passed in, and requests compare by identity. They share only the spec and the error
-wording: `Lifecycle` lets `transitions` find the edge (its conditions are the guards, its callbacks the effects,
-and an event with no edge from the state is its `MachineError`), `TransitionTable` looks the edge up itself. A
+triggered on a request passed in, and requests compare by identity. They share the spec, the error wording and
+`fire`: `Lifecycle` lets `transitions` find the edge (its conditions are the guards, its callbacks record the edge
+taken, and an event with no edge from the state is its `MachineError`), `TransitionTable` looks the edge up itself. A
 differential test runs whole workloads through both and requires byte-identical traces.
 
 Invariants kept by both `Lifecycle` and `TransitionTable`:
 * a request's state changes only along an edge of the spec whose guard holds;
 * an event with no edge from the current state raises `IllegalTransition`, an event whose edges' guards all
   fail raises `GuardRejected`; in both cases nothing changes;
-* the effect hook of the edge taken runs after the state change, exactly once.
+* the effect hook of the edge taken runs after the state change, exactly once: `fire` runs it on the hooks it is
+  given; `try_fire` runs none, and its caller runs the effect of the edge it returns, as the scheduler does with
+  its own effects.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import TypeVar
 
@@ -33,7 +36,7 @@ R = TypeVar("R", bound=RequestView)  # the request a transition fires on, and so
 STATE_ATTRIBUTE = "_lifecycle_state"
 
 
-class _SpecRules:
+class _SpecRules(ABC):
     """What both implementations share: the spec, its guards and the events allowed from each state."""
 
     def __init__(self, spec: Spec | None = None, guards: Mapping[str, Guard] = GUARDS) -> None:
@@ -62,8 +65,10 @@ class _SpecRules:
         reason = "" if event in self.spec.event_by_name else "The spec defines no such event."
         return IllegalTransition(request.request_id, state, event, self.allowed_events(state), reason)
 
-    def _rejected(self, request: RequestView, event: str, edges: tuple[Transition, ...]) -> GuardRejected:
+    def rejected(self, request: RequestView, event: str) -> GuardRejected:
+        """The error for `event` on `request` when none of its guards holds (every edge it has from the state)."""
         state = self.state_of(request)
+        edges = [t for t in self.spec.event_by_name[event].transitions if t.source == state]
         failed = ", ".join(f"{t.guard} (to {t.dest})" for t in edges)
         return GuardRejected(
             request.request_id,
@@ -72,6 +77,22 @@ class _SpecRules:
             self.allowed_events(state),
             f"No guard holds in the current pool state: {failed}. Fire it only when one of these guards holds.",
         )
+
+    @abstractmethod
+    def try_fire(self, request: R, event: str, pool: PoolView) -> Transition | None:
+        """Take `event` on `request` if one of its guards holds: the edge taken, or None (nothing changed). Each
+        guard is evaluated once; no effect runs (the caller runs the edge's effect). Raises
+        `IllegalTransition` (nothing changed) for an event with no edge from the request's state."""
+
+    def fire(self, request: R, event: str, pool: PoolView, hooks: EffectHooks[R] | None = None) -> Transition:
+        """Take `event` on `request` (`try_fire`), then run the edge's effect on `hooks` when given; returns the
+        edge taken. Raises `IllegalTransition` or `GuardRejected`; in both cases nothing changed."""
+        transition = self.try_fire(request, event, pool)
+        if transition is None:
+            raise self.rejected(request, event)
+        if hooks is not None and transition.effect is not None:
+            getattr(hooks, transition.effect)(request, transition)
+        return transition
 
 
 class Lifecycle(_SpecRules):
@@ -93,7 +114,7 @@ class Lifecycle(_SpecRules):
                 source=t.source,
                 dest=t.dest,
                 conditions=[self._guard_condition(t.guard)] if t.guard else None,
-                after=[self._effect_callback(t)],
+                after=[self._record_taken(t)],
             )
 
     def _guard_condition(self, guard_name: str):
@@ -101,31 +122,21 @@ class Lifecycle(_SpecRules):
         return lambda event_data: guard(event_data.model, event_data.kwargs["pool"])
 
     @staticmethod
-    def _effect_callback(transition: Transition):
-        def run_effect(event_data) -> None:
-            event_data.kwargs["taken"].append(transition)
-            hooks = event_data.kwargs["hooks"]
-            if hooks is not None and transition.effect is not None:
-                getattr(hooks, transition.effect)(event_data.model, transition)
+    def _record_taken(transition: Transition):
+        return lambda event_data: event_data.kwargs["taken"].append(transition)
 
-        return run_effect
-
-    def fire(self, request: R, event: str, pool: PoolView, hooks: EffectHooks[R] | None = None) -> Transition:
-        """Take `event` on `request` through the `transitions` machine; returns the edge taken. Runs its effect on
-        `hooks` when given. The machine evaluates the guards once and raises for an event with no edge."""
+    def try_fire(self, request: R, event: str, pool: PoolView) -> Transition | None:
+        """`_SpecRules.try_fire` through the `transitions` machine: it evaluates the guards (its conditions) once,
+        changes the state and reports an event with no edge from the state (its `MachineError`)."""
         trigger = self.machine.events.get(event)
         if trigger is None:
             raise self._illegal(request, event)
         taken: list[Transition] = []
         try:
-            fired = trigger.trigger(request, pool=pool, hooks=hooks, taken=taken)
+            fired = trigger.trigger(request, pool=pool, taken=taken)
         except MachineError:
             raise self._illegal(request, event) from None
-        if not fired:
-            state = self.state_of(request)
-            edges = tuple(t for t in self.spec.event_by_name[event].transitions if t.source == state)
-            raise self._rejected(request, event, edges)
-        return taken[0]
+        return taken[0] if fired else None
 
 
 class TransitionTable(_SpecRules):
@@ -152,17 +163,14 @@ class TransitionTable(_SpecRules):
     def can_fire(self, request: RequestView, event: str, pool: PoolView) -> bool:
         return self.resolve(request, event, pool) is not None
 
-    def fire(self, request: R, event: str, pool: PoolView, hooks: EffectHooks[R] | None = None) -> Transition:
-        """Take `event` on `request`; returns the edge taken. Runs its effect on `hooks` when given."""
+    def try_fire(self, request: R, event: str, pool: PoolView) -> Transition | None:
+        """`_SpecRules.try_fire` by a table lookup."""
         transition = self.resolve(request, event, pool)
         if transition is None:
-            edges = self._table.get((self.state_of(request), event))
-            if edges is None:
+            if (self.state_of(request), event) not in self._table:
                 raise self._illegal(request, event)
-            raise self._rejected(request, event, tuple(t for _, t in edges))
+            return None
         setattr(request, STATE_ATTRIBUTE, transition.dest)
-        if hooks is not None and transition.effect is not None:
-            getattr(hooks, transition.effect)(request, transition)
         return transition
 
 

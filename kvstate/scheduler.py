@@ -3,8 +3,9 @@
 Invariants kept (ids from the spec; the policy's rules are the spec's `[policy]`, given meaning in
 `kvstate.policy`, which the model checker's step simulation holds every pass against):
 * every state change is fired through the lifecycle (by default the `transitions` machine built from the spec;
-  `SchedulerConfig(lifecycle="compiled")` takes the compiled table); guards read the pass under way
-  (`SchedulingPass`), effects run in `_Effects`; states are found by role (`kvstate.roles`), never by name;
+  `SchedulerConfig(lifecycle="compiled")` takes the compiled table), each guard evaluated once per decision on
+  a `PassView` of the pass under way (`SchedulingPass`); the scheduler then runs the effect of the edge taken
+  (`_Effects`) itself, so nothing calls back into it; states are found by role (`kvstate.roles`), never by name;
 * victims are taken tail-first by admission order among requests not yet scheduled in the pass, never twice
   in a pass, never one about to produce its final token, never one awaiting consensus, never one past the
   preemption cap (VICTIM-TAIL, VICTIM-ONCE, VICTIM-NOT-FINAL, PP-HOLD);
@@ -26,16 +27,17 @@ import itertools
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 
 from kvstate.config import RequestRejected, SchedulerConfig, normalize_stop_token_ids
-from kvstate.errors import GuardRejected, InvariantViolation, KVStateError, PoolError
+from kvstate.errors import InvariantViolation, KVStateError, PoolError
 from kvstate.lifecycle import make_lifecycle
 from kvstate.output import FailedMigration, SchedulerOutput
 from kvstate.policy import PassRecord, Promotion, Victim, Wait
 from kvstate.pool import TO_HOST, MigrationPlan, TieredBlockPool, ceil_div
 from kvstate.request import Request, new_request
 from kvstate.roles import ACTIVE, DROPPED, ENDED, OFFLOADED, PENDING_RESET, RECOMPUTING
-from kvstate.semantics import promotion_saves_kv
+from kvstate.semantics import PassView, promotion_saves_kv
 from kvstate.spec import Spec, Transition, default_spec
 from kvstate.stats import IterationStats
+from kvstate.trace import FiredTransition
 
 
 class SchedulerStalled(KVStateError, RuntimeError):
@@ -69,10 +71,10 @@ VICTIM_EXCLUSIONS: Mapping[str, Callable[[Scheduler, Request, SchedulingPass], b
 
 
 class SchedulingPass:
-    """One scheduling pass: its output, budgets, victims and reservations, and the view its guards read.
+    """One scheduling pass: its output, budgets, victims and reservations, and what its guards read of it.
 
-    It is the `PoolView` the lifecycle's guards get while the pass is under way (pool figures plus the pass number
-    and the worth a promotion may still throw away); `number` is None for the view used between passes.
+    The lifecycle's guards get a `PassView` of it for each decision (`Scheduler._view`): the pool figures plus
+    `number` (None for the pass used between passes) and the worth a promotion may still throw away.
     Invariants: `tokens_left` and `slots_left` never go negative; `pending_free` is the room on its way that no
     requester of this pass has reserved yet; `record` lists victims, promotions and waits in decision order.
     """
@@ -99,27 +101,6 @@ class SchedulingPass:
         self.tokens_left -= tokens
         self.slots_left -= slots
 
-    # ---- PoolView
-    @property
-    def gpu_free_blocks(self) -> int:
-        return self.pool.gpu_free_blocks
-
-    @property
-    def host_free_blocks(self) -> int:
-        return self.pool.host_free_blocks
-
-    @property
-    def has_host_tier(self) -> bool:
-        return self.pool.has_host_tier
-
-    @property
-    def pipeline_stages(self) -> int:
-        return self.pool.pipeline_stages
-
-    @property
-    def pass_number(self) -> int | None:
-        return self.number
-
 
 class Scheduler:
     """Continuous batching over a `TieredBlockPool` with suspend and recompute-pause preemption."""
@@ -129,10 +110,16 @@ class Scheduler:
         config: SchedulerConfig,
         spec: Spec | None = None,
         on_transition: Callable[[Request, Transition], None] | None = None,
+        *,
+        record_transitions: bool = False,
     ) -> None:
-        """`on_transition(request, transition)` is called after every lifecycle transition (e.g. a tracer)."""
+        """`on_transition(request, transition)` is called after every lifecycle transition, inside the call that
+        fired it (an observer: the model checker's refinement, a test). With `record_transitions` every
+        transition is also recorded with the figures of its trace line (`snapshot`), for its owner to take after
+        each call (`take_fired`), as the engine does: its trace is written outside the scheduler."""
         self.config = config
         self.on_transition = on_transition
+        self.fired: list[FiredTransition] | None = [] if record_transitions else None
         self.lifecycle = make_lifecycle(config.lifecycle, spec)
         self.spec = spec = self.lifecycle.spec
         self.policy = spec.policy
@@ -152,6 +139,7 @@ class Scheduler:
         self._active, self._recomputing = spec.role(ACTIVE), spec.role(RECOMPUTING)
         self._pending_reset, self._offloaded = spec.role(PENDING_RESET), spec.role(OFFLOADED)
         self._dropped, self._ended = spec.role(DROPPED), spec.role(ENDED)
+        self._terminal = frozenset(spec.terminal_states)
         self._computing = spec.computing_states
         self._victim_states = spec.victim_states
         self._chunk_list = {s.name: dict(s.chunk_lists) for s in spec.states if s.computing}
@@ -257,22 +245,69 @@ class Scheduler:
 
     # -------------------------------------------------------------------------------------------- firing
     def _fire(self, request: Request, event: str) -> Transition:
-        """Fire `event` on `request` through the lifecycle, its guards reading the pass under way; raises
-        `GuardRejected` (nothing changed) when no guard holds."""
+        """Fire `event` on `request` (`_try_fire`); raises `GuardRejected` (nothing changed) when no guard holds."""
+        transition = self._try_fire(request, event)
+        if transition is None:
+            raise self.lifecycle.rejected(request, event)
+        return transition
+
+    def _try_fire(self, request: Request, event: str) -> Transition | None:
+        """Fire `event` on `request` if one of its guards holds, each guard evaluated once on a `PassView` of the
+        pass under way; then run the edge's effect, move the request between the containers, record the transition
+        (`fired`) and tell `on_transition`. None (nothing changed) when no guard holds."""
         before = request.state
-        transition = self.lifecycle.fire(request, event, self._pass, self._effects)
+        transition = self.lifecycle.try_fire(request, event, self._view())
+        if transition is None:
+            return None
+        if transition.effect is not None:
+            getattr(self._effects, transition.effect)(request, transition)
         self._move(request, before, transition.dest)
+        if self.fired is not None:
+            self.fired.append(self.snapshot(request, transition))
         if self.on_transition is not None:
             self.on_transition(request, transition)
         return transition
 
-    def _try_fire(self, request: Request, event: str) -> bool:
-        """Fire `event` if one of its guards holds (each guard evaluated once); False when none does."""
-        try:
-            self._fire(request, event)
-        except GuardRejected:
-            return False
-        return True
+    def _view(self) -> PassView:
+        """What the guards read for one decision: the pool's figures and the pass under way."""
+        pool, step = self.pool, self._pass
+        return PassView(
+            pool.gpu_free_blocks,
+            pool.host_free_blocks,
+            pool.has_host_tier,
+            pool.pipeline_stages,
+            step.number,
+            step.promotion_worth,
+        )
+
+    def snapshot(self, request: Request, transition: Transition) -> FiredTransition:
+        """`transition`, just taken by `request`, with the figures its trace line records, read now."""
+        pool = self.pool
+        gpu, host = pool.gpu, pool.host
+        return FiredTransition(
+            self.iteration,
+            request,
+            transition,
+            request.num_gpu_blocks,
+            request.num_host_blocks,
+            gpu.num_free,
+            host.num_free,
+            len(gpu.fenced),
+            len(host.fenced),
+            gpu.capacity,
+            host.capacity,
+            len(request.generated),
+            request.num_computed_tokens,
+            request.done_reason if transition.dest in self._terminal else None,
+        )
+
+    def take_fired(self) -> list[FiredTransition]:
+        """The transitions recorded since the last call (`record_transitions=True`), oldest first; clears them."""
+        fired = self.fired
+        if fired is None:
+            raise KVStateError("this scheduler records no transitions; build it with record_transitions=True")
+        self.fired = []
+        return fired
 
     def _move(self, request: Request, old: str, new: str) -> None:
         """Keep the per-state containers and counts in step with a transition."""

@@ -1,8 +1,9 @@
 """The meaning of every guard and effect name the specification uses.
 
 Guards are pure functions `guard(request, pool) -> bool` of a `RequestView` and a `PoolView`: they read,
-never write. Effects are named hooks: the lifecycle calls `getattr(hooks, effect)(request, transition)` after
-the state change, and each layer (the scheduler's block pool, the model checker's abstract state, the
+never write (the scheduler hands them a `PassView`, a snapshot of its pool and pass taken for that one decision).
+Effects are named hooks, each called as `getattr(hooks, effect)(request, transition)` after the state change,
+and each layer (the scheduler's block pool, the model checker's abstract state, the
 executor) supplies an object implementing `EffectHooks`. `GUARDS` and `EFFECTS` are what the spec validator
 holds the spec's names against: a name with no semantics, or semantics no transition uses, is refused.
 """
@@ -10,7 +11,7 @@ holds the spec's names against: a name with no semantics, or semantics no transi
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
 if TYPE_CHECKING:  # annotations only: the spec layer imports this module (through kvstate.validate)
     from kvstate.spec import Transition
@@ -79,6 +80,18 @@ class PoolView(Protocol):
     def promotion_worth(self) -> float:
         """KV tokens a promotion under way may still throw away: the victim's KV minus what was promoted for it
         (`inf` where no pass bounds it, as in the abstract model)."""
+
+
+class PassView(NamedTuple):
+    """A `PoolView` as a value: the figures of the pool and of the scheduling pass under way at one decision. The
+    scheduler builds one per event it fires, so its guards read figures nothing can change while they run."""
+
+    gpu_free_blocks: int
+    host_free_blocks: int
+    has_host_tier: bool
+    pipeline_stages: int
+    pass_number: int | None
+    promotion_worth: float
 
 
 Guard = Callable[[RequestView, PoolView], bool]

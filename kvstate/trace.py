@@ -1,12 +1,13 @@
 """The lifecycle trace: one JSON object per line for every lifecycle transition (format: spec/TRACE.md).
 
 Pure Python (no torch), so any scheduler driver can write traces that `kvstate validate` checks. This module owns
-the format: `trace_record` and `TraceWriter` write it, `read_trace` (`open_trace`, `trace_lines`, `parse_line`)
-reads it back within `TRACE_LIMITS`; `kvstate.checker.trace` holds the lines it reads against the spec.
+the format: `trace_line` (of a `FiredTransition`), `trace_record` and `TraceWriter` write it, `read_trace`
+(`open_trace`, `trace_lines`, `parse_line`) reads it back within `TRACE_LIMITS`; `kvstate.checker.trace` holds
+the lines it reads against the spec.
 
 Invariants kept:
-* one line per transition, written when the scheduler reports it (after the transition's effect ran), in the
-  order the transitions happened; each line's (event, from, to) is an edge of spec/lifecycle.toml;
+* one line per transition, its figures read when the scheduler took it (after the transition's effect ran), in
+  the order the transitions happened; each line's (event, from, to) is an edge of spec/lifecycle.toml;
 * block counts are read from the pool at that moment, so for every line
   ``gpu_free + gpu_fenced + (blocks held by all requests) == gpu_capacity`` (and likewise for the host tier).
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Hashable, Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, NamedTuple
 
 from kvstate.untrusted import Limits, UntrustedFileError, iter_lines, open_binary, parse_json, shown
 
@@ -48,42 +49,69 @@ TRACE_FIELDS = (
 TRACE_LIMITS = Limits(max_bytes=1 << 30, max_line_bytes=1 << 16, max_depth=2, max_int_digits=19)
 
 
-def trace_record(scheduler: Scheduler, request: Request, transition: Transition) -> dict:
-    """The trace object for `transition` of `request`, just taken in `scheduler`."""
-    pool = scheduler.pool
+class FiredTransition(NamedTuple):
+    """A transition as the scheduler took it (`Scheduler.snapshot`), with the figures its trace line records, read
+    right after its effect ran: the request's blocks and progress, the pool's free, fenced and total blocks per
+    tier, and the done reason when it ended the request."""
+
+    iteration: int
+    request: Request
+    transition: Transition
+    gpu_blocks: int
+    host_blocks: int
+    gpu_free: int
+    host_free: int
+    gpu_fenced: int
+    host_fenced: int
+    gpu_capacity: int
+    host_capacity: int
+    generated: int
+    computed_tokens: int
+    done_reason: str | None
+
+
+def trace_line(fired: FiredTransition) -> dict:
+    """The trace object of one recorded transition (the fields of `TRACE_FIELDS`, in order)."""
+    transition = fired.transition
     return {
-        "iteration": scheduler.iteration,
-        "request_id": request.request_id,
+        "iteration": fired.iteration,
+        "request_id": fired.request.request_id,
         "event": transition.event,
         "from": transition.source,
         "to": transition.dest,
-        "gpu_blocks": request.num_gpu_blocks,
-        "host_blocks": request.num_host_blocks,
-        "gpu_free": pool.gpu.num_free,
-        "host_free": pool.host.num_free,
-        "gpu_fenced": len(pool.gpu.fenced),
-        "host_fenced": len(pool.host.fenced),
-        "gpu_capacity": pool.gpu.capacity,
-        "host_capacity": pool.host.capacity,
-        "generated": len(request.generated),
-        "computed_tokens": request.num_computed_tokens,
-        "done_reason": request.done_reason if transition.dest in scheduler.spec.terminal_states else None,
+        "gpu_blocks": fired.gpu_blocks,
+        "host_blocks": fired.host_blocks,
+        "gpu_free": fired.gpu_free,
+        "host_free": fired.host_free,
+        "gpu_fenced": fired.gpu_fenced,
+        "host_fenced": fired.host_fenced,
+        "gpu_capacity": fired.gpu_capacity,
+        "host_capacity": fired.host_capacity,
+        "generated": fired.generated,
+        "computed_tokens": fired.computed_tokens,
+        "done_reason": fired.done_reason,
     }
+
+
+def trace_record(scheduler: Scheduler, request: Request, transition: Transition) -> dict:
+    """The trace object for `transition` of `request`, just taken in `scheduler` (for an `on_transition`
+    listener)."""
+    return trace_line(scheduler.snapshot(request, transition))
 
 
 class TraceWriter:
     """Writes trace lines to a file (line-buffered, so a crashed run still leaves every line before it)."""
 
-    def __init__(self, path: str | Path, scheduler: Scheduler) -> None:
+    def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.scheduler = scheduler
         self._file: IO[str] | None = self.path.open("w", encoding="utf-8", buffering=1)
         self.lines = 0
 
-    def __call__(self, request: Request, transition: Transition) -> None:
+    def write(self, fired: FiredTransition) -> None:
+        """Write the line of one recorded transition (nothing once closed)."""
         if self._file is None:
             return
-        self._file.write(json.dumps(trace_record(self.scheduler, request, transition), separators=(",", ":")) + "\n")
+        self._file.write(json.dumps(trace_line(fired), separators=(",", ":")) + "\n")
         self.lines += 1
 
     def close(self) -> None:

@@ -94,16 +94,19 @@ class ObservedScheduler(Scheduler):
         self.victims_this_pass.add(victim.request_id)
         return super()._preempt(victim, step)
 
-    def _fire(self, request, event):
-        expected = self.checker_table.resolve(request, event, self._pass)
+    def _try_fire(self, request, event):
+        """Every decision the scheduler takes, cross-checked: the edge it took (or its refusal: no guard held) is
+        the one the checker's table resolves with the real guards on the same view (SPEC-EDGE)."""
+        expected = self.checker_table.resolve(request, event, self._view())
         before = request.state
-        transition = super()._fire(request, event)
-        if expected is None or (expected.source, expected.dest) != (transition.source, transition.dest):
+        transition = super()._try_fire(request, event)
+        taken = None if transition is None else (transition.source, transition.dest)
+        if taken != (None if expected is None else (expected.source, expected.dest)):
             want = "no edge (its guard does not hold)" if expected is None else f"{expected.source} -> {expected.dest}"
+            got = "no edge" if transition is None else f"{before} -> {transition.dest}"
             raise InvariantViolation(
                 "SPEC-EDGE",
-                f"request {request.request_id!r} took {event} {before} -> "
-                f"{transition.dest}; the spec with the real guards gives {want}",
+                f"request {request.request_id!r} took {event}: {got}; the spec with the real guards gives {want}",
             )
         return transition
 

@@ -8,7 +8,7 @@ import random
 import torch
 
 from executor import BatchPlanner, PagedBatch, PagedKVCache, SeqChunk
-from executor.model import apply_rotary, rotary_cos_sin
+from executor.model import DecodeKV, apply_rotary, rotary_cos_sin
 from kvstate.output import PlannedBatch
 
 BLOCK = 4
@@ -102,3 +102,46 @@ def test_rotary_equals_rotate_half():
     ref_cos, ref_sin = angles.cos().float()[:, None, :], angles.sin().float()[:, None, :]
     rotate_half = torch.cat((-x[..., 8:], x[..., :8]), dim=-1)
     assert torch.equal(apply_rotary(x, cos, sin), x * ref_cos + rotate_half * ref_sin)
+
+
+def _ragged_decode(model, planner: BatchPlanner, steps: int) -> list[tuple[bool, DecodeKV | None]]:
+    """Decode three requests of unequal contexts (masked, crossing block boundaries) `steps` times with `planner`
+    on one cache and with fresh builds on another: the logits must be equal, bit for bit, at every step.
+    Returns (plan reused, the batch's DecodeKV) per step."""
+    rng = random.Random(7)
+    tables = [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
+    lengths = [3, 6, 9]
+    planned, fresh = _cache(model, 12), _cache(model, 12)
+    prefill = [
+        SeqChunk(tuple(rng.randrange(512) for _ in range(n)), 0, t) for n, t in zip(lengths, tables, strict=True)
+    ]
+    for cache in (planned, fresh):
+        model.forward_paged(PagedBatch.build(prefill, BLOCK), cache)
+    seen = []
+    for _ in range(steps):
+        chunks = [SeqChunk((rng.randrange(512),), n, t) for n, t in zip(lengths, tables, strict=True)]
+        before = planner.reuses
+        batch = planner.plan(_columns(chunks))
+        logits = model.forward_paged(batch, planned)
+        assert torch.equal(logits, model.forward_paged(PagedBatch.build(chunks, BLOCK), fresh))
+        seen.append((planner.reuses > before, batch.decode_kv))
+        lengths = [n + 1 for n in lengths]
+    return seen
+
+
+def test_a_reused_decode_plan_keeps_its_keys_and_values_and_gives_the_logits_of_a_fresh_gather(tiny_model):
+    """Steps after a decode plan's first gather no blocks: each layer's keys and values are kept by the plan's
+    `DecodeKV` and take only the new token's; the logits equal a fresh build's at every step, across block
+    boundaries inside the plan and across the rebuild when the longest context outgrows it (a new DecodeKV)."""
+    seen = _ragged_decode(tiny_model, BatchPlanner(BLOCK), steps=5)
+    # contexts 3, 6, 9 need 3 blocks; at step 3 the longest reaches position 12, a 4th block: rebuilt
+    assert [reused for reused, _ in seen] == [False, True, True, False, True]
+    kept = [kv for _, kv in seen]
+    assert kept[0] is kept[1] is kept[2] and kept[3] is kept[4] and kept[0] is not kept[3]
+    assert all(kv is not None and sorted(kv.kept) == list(range(tiny_model.config.num_layers)) for kv in kept)
+
+
+def test_a_decode_plan_over_its_budget_keeps_nothing_and_gathers_every_step(tiny_model):
+    seen = _ragged_decode(tiny_model, BatchPlanner(BLOCK, decode_kv_budget=0), steps=3)
+    assert [reused for reused, _ in seen] == [False, True, True]
+    assert all(kv is not None and kv.kept == {} for _, kv in seen)

@@ -96,9 +96,14 @@ def in_flight(engine):
     return lambda: bool(engine.scheduler.pool.in_flight)
 
 
+def listener_of(engine):
+    """The `on_transition` listener installed on the engine's scheduler, or one that does nothing."""
+    return engine.scheduler.on_transition or (lambda request, transition: None)
+
+
 def hook_raising_on(engine, event: str):
-    """Wrap the scheduler's hook so that the first `event` transition raises after it was recorded."""
-    original = engine.scheduler.on_transition
+    """Install an `on_transition` listener that raises after the first `event` transition (recorded by then)."""
+    original = listener_of(engine)
 
     def hook(request, transition):
         original(request, transition)
@@ -163,15 +168,15 @@ def _raising_hook(event: str):
 
 def _trace_disk_full(engine, monkeypatch):
     """The trace file is /dev/full from the 20th transition on: writes fail with ENOSPC, as on a full disk."""
-    original = TraceWriter.__call__
+    original = TraceWriter.write
 
-    def call(self, request, transition):
+    def write(self, fired):
         if self.lines >= 20 and self._file is not None and self._file.name != "/dev/full":
             self._file.close()
             self._file = open("/dev/full", "w", buffering=1)  # noqa: SIM115 - the writer closes it
-        return original(self, request, transition)
+        return original(self, fired)
 
-    monkeypatch.setattr(TraceWriter, "__call__", call)
+    monkeypatch.setattr(TraceWriter, "write", write)
     return lambda: engine.trace.lines >= 20
 
 
@@ -221,7 +226,7 @@ POINTS = {
             e,
             m,
             TraceWriter,
-            "__call__",
+            "write",
             when=lambda: e.scheduler.iteration >= 6,
             exc=OSError(errno.ENOSPC, "No space left on device"),
         ),
@@ -310,7 +315,7 @@ def test_a_failed_step_waits_on_every_fence_and_close_drains_the_copy_stream(mak
 @pytest.mark.parametrize("call", ["step", "run", "cancel", "add_request", "take_finished", "lose_host_tier", "close"])
 def test_calls_from_inside_the_on_transition_hook_are_refused(call, make_engine, references, tmp_path):
     engine = pressured(make_engine, tmp_path)
-    original, refused, read = engine.scheduler.on_transition, [], []
+    original, refused, read = listener_of(engine), [], []
     calls = {
         "step": engine.step,
         "run": engine.run,
@@ -575,7 +580,7 @@ def _fail_forward_at(engine, patch, k):
 
 
 def _fail_hook_at(engine, patch, k):
-    original, calls = engine.scheduler.on_transition, iter(range(10_000))
+    original, calls = listener_of(engine), iter(range(10_000))
 
     def hook(request, transition):
         original(request, transition)
@@ -588,7 +593,7 @@ def _fail_hook_at(engine, patch, k):
 def _transitions(make_engine, monkeypatch) -> list[tuple[str, bool]]:
     """(event, fired inside complete_step) of every transition of an undisturbed CHUNKED_WORK run."""
     engine, seen, inside = _chunked_engine(make_engine), [], [False]
-    original_hook, original_complete = engine.scheduler.on_transition, engine.scheduler.complete_step
+    original_hook, original_complete = listener_of(engine), engine.scheduler.complete_step
 
     def complete_step(*args, **kwargs):
         inside[0] = True
