@@ -9,8 +9,8 @@ fingerprint (request states, token lists, block tables, free lists, KV contents 
 order, environment budget; iteration numbers, plan ids and statistics counters are left out).
 
 Checked on every action: every transition the scheduler fires (collected with its `on_transition` listener)
-is a spec edge, and the checker's own table with the real guards resolves the same edge just before it fires
-(its guard held); `Scheduler.check_invariants` (pool, RES-STATE, OUT-DISJOINT, OUT-STATE; run by the sim);
+is a spec edge, and every decision the scheduler takes (an edge, or a refusal when no guard holds) is the one
+the checker's own table with the real guards resolves on the same view just before (SPEC-EDGE); `Scheduler.check_invariants` (pool, RES-STATE, OUT-DISJOINT, OUT-STATE; run by the sim);
 VICTIM-ONCE; generated tokens only grow (GEN-APPEND); outputs equal `reference_output` (OUT-EQUIV: a finished
 request's whole output, a cancelled or unfinished one a prefix of it); the abstraction of the world satisfies
 every state predicate of the abstract model and, when the abstract model's reachable set is given, is one of
