@@ -282,8 +282,8 @@ def torchrun_main(config: PipelineConfig, requests: Sequence[PipelineRequest | t
     import torch
     import torch.distributed as dist
 
-    from executor.pipeline.comm import Comm, init_process_group
-    from executor.pipeline.runtime import local_devices, run_rank
+    from executor.pipeline.comm import init_process_group
+    from executor.pipeline.runtime import local_devices, pipeline_comm, run_rank
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     normalised = as_requests(requests)
@@ -296,6 +296,6 @@ def torchrun_main(config: PipelineConfig, requests: Sequence[PipelineRequest | t
     init_process_group(devices.backend, rank, world_size, config.timeout_s)
     gc.freeze()  # as in a spawned rank: no full collection walks the imported modules during the loop
     try:
-        return run_rank(rank, world_size, config, normalised, Comm(rank, world_size, device))
+        return run_rank(rank, world_size, config, normalised, pipeline_comm(rank, world_size, config, device))
     finally:
         dist.destroy_process_group()

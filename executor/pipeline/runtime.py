@@ -23,6 +23,11 @@ last stage sends the sampled tokens back to rank 0, so no rank waits for another
 Rank 0 receives a micro-batch's tokens only when it must land it (`Scheduler.must_land`), after it posted the
 next one, so stage 0 of micro-batch k+1 runs while the later stages run k.
 With `micro_batches = 1` rank 0 lands each micro-batch before the next pass (lockstep).
+Every rank posts the receive of the next message it is sure to get before it computes (`Comm.expect`: rank r > 0
+after each message that does not stop the run, rank 0 while a micro-batch is in flight), so a peer's message is
+handed over as soon as it is sent, not when this rank next waits for it.
+Each rank plans its batches with one `BatchPlanner` per micro-batch slot (iteration modulo `micro_batches`): a
+decode pass mostly holds the requests of the pass `micro_batches` before it, whose plan it then reuses.
 
 Invariants kept: each stage runs micro-batches in the order rank 0 scheduled them and waits for a micro-batch's
 copies before it starts the next, so a later pass's copies and writes come after an earlier pass's reads on every
@@ -47,8 +52,8 @@ from typing import IO, Any
 import torch
 
 from executor.engine import resolve_dtype
-from executor.model import PagedBatch, SeqChunk
-from executor.pipeline.comm import Comm
+from executor.model import BatchPlanner, SeqChunk
+from executor.pipeline.comm import FRAME_BYTES, Comm
 from executor.pipeline.config import PipelineConfig, PipelineRequest
 from executor.pipeline.consensus import ConsensusBook
 from executor.pipeline.devices import DeviceAssignment, assign_devices
@@ -116,6 +121,14 @@ def local_devices(config: PipelineConfig, local_world_size: int) -> DeviceAssign
     return assign_devices(config.engine.device, config.backend, local_world_size, count)
 
 
+def pipeline_comm(rank: int, world_size: int, config: PipelineConfig, device: torch.device) -> Comm:
+    """The `Comm` of one rank, its frames down the pipeline sized for a full pass: `FRAME_BYTES` for the message and
+    `max_num_tokens` rows of hidden states, so no pass overflows its frame (every rank computes the same size)."""
+    e = config.engine
+    row_bytes = e.model.hidden_size * torch.empty((), dtype=resolve_dtype(e.dtype, device)).element_size()
+    return Comm(rank, world_size, device, down_frame_bytes=FRAME_BYTES + e.scheduler.max_num_tokens * row_bytes)
+
+
 class PipelineRank:
     """One rank: its stage model and cache, its consensus book, its mirrors or (rank 0) the scheduler."""
 
@@ -146,6 +159,7 @@ class PipelineRank:
         self.sampling: dict[Hashable, Any] = {}
         self.iteration = 0
         self.micro_batches = config.micro_batches_for(world_size)
+        self.planners = [BatchPlanner(e.scheduler.block_size, self.device) for _ in range(self.micro_batches)]
         self.mirrors = MirrorBook(self.spec) if rank else None
         self.scheduler: Scheduler | None = None
         if rank == 0:
@@ -309,20 +323,18 @@ class PipelineRank:
         writers = [(rid, table) for rid, _, _, table, _ in message["chunks"]]
         writers += [(p.request_id, [dst for _, dst in p.pairs]) for p in plans if p.direction == TO_GPU]
         self.book.check_untouched(writers, message["iteration"])
-        result = self._forward(message["chunks"], hidden)
+        result = self._forward(message["iteration"], message["chunks"], hidden)
         for fence in fences:
             fence.wait()  # a fenced source is reused only by later micro-batches, after this wait on every stage
         return result
 
-    def _forward(self, chunks: Sequence[list], hidden: torch.Tensor | None) -> Any:
+    def _forward(self, iteration: int, chunks: Sequence[list], hidden: torch.Tensor | None) -> Any:
         stage = self.stage
         if not chunks:
             return {} if stage.is_last else None
         e = self.config.engine
-        batch = PagedBatch.build(
-            [SeqChunk(tuple(tokens), start, tuple(table), samples) for _, start, tokens, table, samples in chunks],
-            e.scheduler.block_size,
-            self.device,
+        batch = self.planners[iteration % self.micro_batches].plan(  # the slot's previous pass: module docstring
+            [SeqChunk(tuple(tokens), start, tuple(table), samples) for _, start, tokens, table, samples in chunks]
         )
         result = stage.forward_stage(batch, self.stage_cache, hidden)
         if not stage.is_last:
@@ -357,13 +369,13 @@ class PipelineRank:
         in_flight: deque[tuple[int, Step]] = deque()  # (iteration, step) posted and not landed, oldest first
         while True:
             while s.must_land(len(in_flight)):
-                self._land(*in_flight.popleft())
+                self._land_oldest(in_flight)
             self._client_actions()
             self._now = now = s.iteration + 1
             reports = [self.book.acks(now), *self._remote_acks]
             message, step = self._plan(self.book.agree(reports, now))
             while message["stop"] and not message["error"] and in_flight:
-                self._land(*in_flight.popleft())  # consensus ended the last requests: the rest carries nothing
+                self._land_oldest(in_flight)  # consensus ended the last requests: the rest carries nothing
             message.update(now=now, reports=reports, acks=[])
             self._apply(message)
             self.iteration = message["iteration"]
@@ -385,10 +397,15 @@ class PipelineRank:
             else:
                 self.comm.send_message(message, 1, result)  # the message travels with the hidden states
                 in_flight.append((self.iteration, step))
+                self.comm.expect(self.world_size - 1)  # its tokens will come back
 
-    def _land(self, iteration: int, step: Step) -> None:
-        """Rank 0: the micro-batch of `iteration` left the last stage; take its tokens and acknowledgements."""
+    def _land_oldest(self, in_flight: deque[tuple[int, Step]]) -> None:
+        """Rank 0: the oldest micro-batch in flight left the last stage; take its tokens and acknowledgements, and
+        post the receive of the next one's while it is still in flight."""
+        iteration, step = in_flight.popleft()
         landed, _ = self.comm.recv_message(self.world_size - 1)
+        if in_flight:
+            self.comm.expect(self.world_size - 1)
         if landed["iteration"] != iteration:
             raise KVStateError(
                 f"rank 0 expected the tokens of iteration {iteration} from the last stage but got "
@@ -402,6 +419,8 @@ class PipelineRank:
         last = self.rank == self.world_size - 1
         while True:
             message, hidden = self.comm.recv_message(self.rank - 1)
+            if not message["stop"]:
+                self.comm.expect(self.rank - 1)  # rank r-1 sends at least its stop message after this one
             now = message["now"]
             self.book.agree(message["reports"], now)
             plans = self._apply(message)
@@ -467,7 +486,9 @@ def run_rank(
 ) -> RankResult:
     """Run this rank of a pipeline (the process group must be initialised when `world_size` > 1).
     Only rank 0 reads `requests`."""
-    comm = comm or Comm(rank, world_size, torch.device(local_devices(config, world_size).device_of(rank)))
+    comm = comm or pipeline_comm(
+        rank, world_size, config, torch.device(local_devices(config, world_size).device_of(rank))
+    )
     node = PipelineRank(rank, world_size, config, comm)
     if rank == 0:
         for request in requests:

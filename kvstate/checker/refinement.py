@@ -10,10 +10,11 @@ order, environment budget; iteration numbers, plan ids and statistics counters a
 
 Checked on every action: every transition the scheduler fires (collected with its `on_transition` listener)
 is a spec edge, and every decision the scheduler takes (an edge, or a refusal when no guard holds) is the one
-the checker's own table with the real guards resolves on the same view just before (SPEC-EDGE); `Scheduler.check_invariants` (pool, RES-STATE, OUT-DISJOINT, OUT-STATE; run by the sim);
-VICTIM-ONCE; generated tokens only grow (GEN-APPEND); outputs equal `reference_output` (OUT-EQUIV: a finished
-request's whole output, a cancelled or unfinished one a prefix of it); the abstraction of the world satisfies
-every state predicate of the abstract model and, when the abstract model's reachable set is given, is one of
+the checker's own table with the real guards resolves on the same view just before (SPEC-EDGE);
+`Scheduler.check_invariants` (pool, RES-STATE, OUT-DISJOINT, OUT-STATE; run by the sim); VICTIM-ONCE; generated
+tokens only grow (GEN-APPEND); outputs equal `reference_output` (OUT-EQUIV: a finished request's whole output, a
+cancelled or unfinished one a prefix of it); the abstraction of the world satisfies every state predicate of the
+abstract model and, when the abstract model's reachable set is given, is one of
 its states (REFINES: the scheduler never reaches a state the spec does not allow).
 
 With `micro_batches` > 1 the sim keeps that many outputs in flight (`SimExecutor`): a step lands the oldest output
