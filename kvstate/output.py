@@ -6,7 +6,7 @@ empty, so code that builds an output without naming it keeps working, and a dict
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, cast, overload
 
@@ -73,9 +73,9 @@ def planned_chunks(output: SchedulerOutput, pool: TieredBlockPool) -> PlannedBat
     planned drop out: they no longer hold the GPU blocks their chunk would write. Block tables are the pool's own
     (immutable) tuples. Built column by column (`PlannedBatch`), the decode steps (the bulk of a batch) without a
     per-request branch: it runs for every scheduled request on every step."""
-    tables = pool.gpu_block_tables()
-    prefilling, prefill_tables = _holding_blocks(output.context + output.replay, tables)
-    decoding, decode_tables = _holding_blocks(output.generation, tables)
+    table_of = pool.gpu_block_table_of()
+    prefilling, prefill_tables = _holding_blocks(output.context + output.replay, table_of)
+    decoding, decode_tables = _holding_blocks(output.generation, table_of)
     chunk_tokens = output.chunk_tokens
     starts = [request.num_computed_tokens for request in prefilling]
     ends = [start + chunk_tokens[request.request_id] for request, start in zip(prefilling, starts, strict=True)]
@@ -88,10 +88,10 @@ def planned_chunks(output: SchedulerOutput, pool: TieredBlockPool) -> PlannedBat
 
 
 def _holding_blocks(
-    requests: list[Request], tables: Mapping[Hashable, tuple[int, ...]]
+    requests: list[Request], table_of: Callable[[Hashable], tuple[int, ...] | None]
 ) -> tuple[list[Request], list[tuple[int, ...]]]:
-    """The requests that still hold GPU blocks, in order, and their block tables."""
-    found = list(map(tables.get, [request.request_id for request in requests]))
+    """The requests that still hold GPU blocks, in order, and their block tables (`table_of`: None for none)."""
+    found = list(map(table_of, [request.request_id for request in requests]))
     if all(found):
         return requests, cast("list[tuple[int, ...]]", found)
     kept = [i for i, table in enumerate(found) if table]

@@ -14,7 +14,7 @@ step, `planned_chunks`) copies nothing.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -214,6 +214,12 @@ class TieredBlockPool:
         """Every owner's GPU block table, as a read-only view that follows the pool (owners without blocks are
         absent); one lookup per owner, for callers that read many tables at once."""
         return MappingProxyType(self.gpu.blocks_of)
+
+    def gpu_block_table_of(self) -> Callable[[Hashable], tuple[int, ...] | None]:
+        """A lookup of owners' GPU block tables (None for an owner without blocks) that follows the pool: the table
+        dict's own `get`, which reads only, for a caller that looks up every running request's table on every step
+        (a read-only view's `get` looks the method up again on each call, at twice the cost)."""
+        return self.gpu.blocks_of.get
 
     # ---- GPU allocation
     def can_allocate(self, num_blocks: int) -> bool:

@@ -629,38 +629,26 @@ class Scheduler:
 
     def complete_step(self, output: SchedulerOutput, sampled: Mapping[Hashable, int]) -> list[Request]:
         """Apply a forward pass: advance computed tokens, append each produced token (`sampled[id]`),
-        fire catch_up and finish. Returns the requests that produced a token."""
-        produced = []
-        recomputed = 0
-        progress = False
-        computing, recomputing, active = self._computing, self._recomputing, self._active
-        for request in output.scheduled:
-            state = request.state
-            if state == active and request.num_computed_tokens >= len(request.prefill_tokens):
-                progress = True  # a decode step (the steady state): one token, never a replay, no event but finish
-                request.num_computed_tokens += 1  # what `advance(1, False)` does: a decode step is progress (A4)
-                produced.append(request)
-                if request.append_token(sampled[request.request_id]):
-                    self._fire(request, "finish")
+        fire catch_up and finish. Returns the requests that produced a token, in batch order (`output.scheduled`).
+
+        A request of `output.generation` still active is a decode step (the steady state): it was active and done
+        with its prefill when planned, and only leaving the active state resets that; so it computes one token,
+        never a replay, and fires no event but finish. Everything else goes through `_complete_chunk`."""
+        produced: list[Request] = []
+        recomputed, progress = 0, False
+        for request in output.context + output.replay:
+            tokens, advanced = self._complete_chunk(request, output, sampled, produced)
+            recomputed += tokens
+            progress |= advanced
+        active = self._active
+        for request in output.generation:
+            if request.state != active:
+                self._complete_chunk(request, output, sampled, produced)  # preempted or ended since it was planned
                 continue
-            if state not in computing:
-                if self.in_flight.pop(request.request_id, None) is not None and self._land_preempted(
-                    request, state, sampled
-                ):
-                    produced.append(request)
-                continue  # preempted (its token landed above), cancelled or aborted since the output was planned
-            tokens = output.chunk_tokens[request.request_id]
-            progress |= request.advance(tokens, state == recomputing)
-            if state == recomputing:
-                request.num_recomputed_tokens += tokens
-                recomputed += tokens
-            if request.num_computed_tokens < len(request.prefill_tokens):
-                continue  # mid-(re)prefill: no token yet
-            final = request.append_token(sampled[request.request_id])
+            progress = True
+            request.num_computed_tokens += 1  # what `advance(1, False)` does: a decode step is progress (A4)
             produced.append(request)
-            if state == recomputing:
-                self._fire(request, "catch_up")
-            if final:
+            if request.append_token(sampled[request.request_id]):
                 self._fire(request, "finish")
         if self.in_flight:
             for request_id in output.chunk_tokens:
@@ -669,6 +657,32 @@ class Scheduler:
         if progress:
             self._idle_iterations = 0
         return produced
+
+    def _complete_chunk(
+        self, request: Request, output: SchedulerOutput, sampled: Mapping[Hashable, int], produced: list[Request]
+    ) -> tuple[int, bool]:
+        """Apply one prompt or replay chunk of `request` (appending it to `produced` when it samples), or land the
+        step of a request preempted or ended since the output was planned; (replayed tokens, progress)."""
+        state = request.state
+        if state not in self._computing:
+            if self.in_flight.pop(request.request_id, None) is not None and self._land_preempted(
+                request, state, sampled
+            ):
+                produced.append(request)
+            return 0, False  # preempted (its token landed above), cancelled or aborted since the output was planned
+        tokens = output.chunk_tokens[request.request_id]
+        replaying = state == self._recomputing
+        progress = request.advance(tokens, replaying)
+        if replaying:
+            request.num_recomputed_tokens += tokens
+        if request.num_computed_tokens >= len(request.prefill_tokens):  # the chunk ends its (re)prefill: a token
+            final = request.append_token(sampled[request.request_id])
+            produced.append(request)
+            if replaying:
+                self._fire(request, "catch_up")
+            if final:
+                self._fire(request, "finish")
+        return (tokens if replaying else 0), progress
 
     # ------------------------------------------------------------------------------- pipeline, host tier
     def _land_preempted(self, request: Request, state: str, sampled: Mapping[Hashable, int]) -> bool:

@@ -317,6 +317,16 @@ def test_a_block_table_read_earlier_is_not_changed_by_later_allocations_or_relea
     pool.check_invariants()
 
 
+def test_the_block_table_lookup_follows_the_pool_and_answers_none_for_an_owner_without_blocks() -> None:
+    pool = TieredBlockPool(gpu_blocks=6)
+    table_of = pool.gpu_block_table_of()
+    assert table_of("a") is None
+    pool.allocate("a", 2)
+    assert table_of("a") == pool.gpu_blocks("a") == pool.gpu_block_tables()["a"]
+    pool.release("a")
+    assert table_of("a") is None
+
+
 @pytest.mark.parametrize("numerator", range(40))
 @pytest.mark.parametrize("denominator", [1, 2, 3, 16])
 def test_ceil_div_is_the_smallest_count_that_covers(numerator: int, denominator: int) -> None:
