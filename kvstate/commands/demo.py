@@ -94,21 +94,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument(
-        "--micro-batches",
-        type=positive_int("micro_batches"),
-        default=None,
-        metavar="N",
-        help="with --pp: micro-batches in flight at once (default: one per stage; 1 = lockstep)",
-    )
-    p.add_argument(
-        "--compare-lockstep",
-        action="store_true",
-        help=(
-            "with --pp: run the workload again in lockstep (--micro-batches 1) and print the output "
-            "tokens/s of both and their ratio"
-        ),
-    )
-    p.add_argument(
         "--no-checksums",
         action="store_true",
         help="do not checksum suspended blocks (an injected corrupt_host then garbles outputs)",
@@ -123,13 +108,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "(executor.checks.GAP_TOLERANCE; default %(default)s)"
         ),
     )
-    p.add_argument(
-        "--pp",
-        type=positive_int("pp"),
-        default=1,
-        metavar="N",
-        help="pipeline stages, run as N spawned local ranks; 1 = single process (default %(default)s)",
-    )
+    _add_pipeline_options(p)
     add_lifecycle_option(p, "the engine")
     p.add_argument(
         "--report",
@@ -138,6 +117,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="also write a visual run report of the trace (timeline, occupancy, diagram, HTML) into DIR",
     )
     p.set_defaults(run=_run)
+
+
+def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
+    """The options of a run on pipeline stages (`--pp`): stages, micro-batches in flight, the lockstep comparison."""
+    p.add_argument(
+        "--pp",
+        type=positive_int("pp"),
+        default=1,
+        metavar="N",
+        help="pipeline stages, run as N spawned local ranks; 1 = single process (default %(default)s)",
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=positive_int("micro_batches"),
+        default=None,
+        metavar="N",
+        help="with --pp: micro-batches in flight at once (default: one per stage; 1 = lockstep)",
+    )
+    p.add_argument(
+        "--compare-lockstep",
+        action="store_true",
+        help=(
+            "with --pp: run the workload again in lockstep (--micro-batches 1) and print the output "
+            "tokens/s of both and their ratio"
+        ),
+    )
 
 
 def check_args(args: argparse.Namespace) -> None:
