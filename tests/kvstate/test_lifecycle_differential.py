@@ -22,7 +22,7 @@ from kvstate.lifecycle import Lifecycle, TransitionTable, make_lifecycle
 from kvstate.scheduler import Scheduler, SchedulerStalled
 from kvstate.semantics import GUARDS
 from kvstate.sim import SimExecutor
-from kvstate.trace import trace_record
+from kvstate.trace import trace_line, trace_record
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,7 @@ def run_sim(workload: Workload, lifecycle: str, max_steps: int = 400) -> tuple[s
     scheduler = Scheduler(
         SchedulerConfig(**workload.config, lifecycle=lifecycle),
         on_transition=lambda r, t: lines.append(json.dumps(trace_record(scheduler, r, t))),
+        record_transitions=True,
     )
     sim = SimExecutor(scheduler)
     ended = "done"
@@ -86,6 +87,8 @@ def run_sim(workload: Workload, lifecycle: str, max_steps: int = 400) -> tuple[s
     except SchedulerStalled as err:
         ended = f"stalled: {err}"
     outputs = {rid: (r.done_reason, tuple(r.generated)) for rid, r in scheduler.finished.items()}
+    recorded = [json.dumps(trace_line(fired)) for fired in scheduler.take_fired()]
+    assert recorded == lines, "the recorded transitions differ from what the listener saw when they were taken"
     return "\n".join(lines), outputs, ended
 
 

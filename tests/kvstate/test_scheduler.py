@@ -14,7 +14,7 @@ import random
 import pytest
 
 from kvstate.config import RequestRejected, SchedulerConfig
-from kvstate.errors import IllegalTransition, PoolError
+from kvstate.errors import IllegalTransition, KVStateError, PoolError
 from kvstate.output import SchedulerOutput
 from kvstate.request import Request
 from kvstate.scheduler import Scheduler, SchedulerStalled, UnknownRequestId
@@ -574,3 +574,15 @@ def test_a_victim_of_the_pass_is_skipped_not_a_stop_for_later_resumes() -> None:
     assert ids(out.suspended) == [2] and 3 in ids(out.resumed)
     assert sched.get(3).arrival > sched.get(2).arrival
     run_and_check(ex)
+
+
+def test_recorded_transitions_are_taken_once_and_only_from_a_scheduler_that_records_them() -> None:
+    with pytest.raises(KVStateError, match="record_transitions=True"):
+        Scheduler(SchedulerConfig(gpu_blocks=4)).take_fired()
+    sched = Scheduler(SchedulerConfig(gpu_blocks=4, block_size=2), record_transitions=True)
+    sched.submit([1, 2, 3], 2, request_id="a")
+    SimExecutor(sched).step()
+    taken = sched.take_fired()
+    assert [(f.request.request_id, f.transition.event) for f in taken] == [("a", "admit")]
+    assert (taken[0].gpu_blocks, taken[0].gpu_free, taken[0].iteration) == (2, 2, 1)
+    assert sched.take_fired() == []
