@@ -37,7 +37,8 @@ STATE_ATTRIBUTE = "_lifecycle_state"
 
 
 class _SpecRules(ABC):
-    """What both implementations share: the spec, its guards and the events allowed from each state."""
+    """What both implementations share: the spec, its guards, the events allowed from each state, the errors, and
+    `fire` on top of each one's `try_fire`."""
 
     def __init__(self, spec: Spec | None = None, guards: Mapping[str, Guard] = GUARDS) -> None:
         self.spec = spec if spec is not None else load_spec()
