@@ -61,7 +61,7 @@ import torch
 from executor.faults import FaultInjector, FaultPlan
 from executor.hf import load_hf_llama
 from executor.kv_cache import Fence, HostTierAllocationError, MigrationFailed, PagedKVCache, block_shape, resolve_device
-from executor.model import BatchPlanner, LlamaModel, ModelConfig
+from executor.model import DECODE_KV_BUDGET_BYTES, BatchPlanner, LlamaModel, ModelConfig
 from executor.sampler import GREEDY, SamplingParams, sample_batch
 from executor.trace import TraceWriter
 from kvstate.config import ConfigError, RequestRejected, SchedulerConfig, normalize_stop_token_ids
@@ -190,6 +190,7 @@ class EngineConfig:
     check_invariants: bool = False  # run Scheduler.check_invariants around every step (slow; for tests)
     faults: FaultPlan | None = None  # fault injection (executor.faults); None = no injected faults
     verify_host_checksums: bool = False  # CRC-32 every suspended block; a mismatch on resume replays the request
+    decode_kv_bytes: int = DECODE_KV_BUDGET_BYTES  # memory a reused decode plan keeps its keys and values in (DecodeKV)
 
     def __post_init__(self) -> None:
         """Refuse wrong types and unsupported dtypes here; pool sizes and budgets are checked by `SchedulerConfig`
@@ -231,10 +232,15 @@ class EngineConfig:
             )
         if self.dtype is not None:
             resolve_dtype(self.dtype, torch.device("cpu"))
+        if self.decode_kv_bytes < 0:
+            raise ConfigError(
+                f"EngineConfig.decode_kv_bytes must be >= 0, got {self.decode_kv_bytes}; 0 keeps nothing (every "
+                "decode step gathers its blocks again)"
+            )
 
 
 _FIELD_KINDS = {
-    **dict.fromkeys(("weights_seed", "seed"), int),
+    **dict.fromkeys(("weights_seed", "seed", "decode_kv_bytes"), int),
     **dict.fromkeys(("simulate_host_alloc_failure", "check_invariants", "verify_host_checksums"), bool),
 }  # EngineConfig fields checked by type in __post_init__ (the scheduler's: SchedulerConfig)
 
@@ -351,7 +357,8 @@ class Engine:
         self._owner: int | None = None  # the thread inside a call that holds the lock, and the call's name
         self._owner_call = ""
         self._streaming = False  # a stream() generator is live
-        self._planner = BatchPlanner(sc.block_size, self.device)  # reuses the decode plan across steps
+        # reuses the decode plan across steps, and keeps its gathered keys and values within `decode_kv_bytes`
+        self._planner = BatchPlanner(sc.block_size, self.device, decode_kv_budget=config.decode_kv_bytes)
         if self.faults is not None:
             self.totals.faults = self.faults.injected  # one counter: what the injector fired, by kind
 

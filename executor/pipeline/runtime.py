@@ -159,7 +159,10 @@ class PipelineRank:
         self.sampling: dict[Hashable, Any] = {}
         self.iteration = 0
         self.micro_batches = config.micro_batches_for(world_size)
-        self.planners = [BatchPlanner(e.scheduler.block_size, self.device) for _ in range(self.micro_batches)]
+        self.planners = [
+            BatchPlanner(e.scheduler.block_size, self.device, decode_kv_budget=e.decode_kv_bytes)
+            for _ in range(self.micro_batches)
+        ]
         self.mirrors = MirrorBook(self.spec) if rank else None
         self.scheduler: Scheduler | None = None
         if rank == 0:

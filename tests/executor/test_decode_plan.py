@@ -145,3 +145,24 @@ def test_a_decode_plan_over_its_budget_keeps_nothing_and_gathers_every_step(tiny
     seen = _ragged_decode(tiny_model, BatchPlanner(BLOCK, decode_kv_budget=0), steps=3)
     assert [reused for reused, _ in seen] == [False, True, True]
     assert all(kv is not None and kv.kept == {} for _, kv in seen)
+
+
+def test_an_engine_without_decode_kv_memory_gives_the_same_outputs(make_engine):
+    """`EngineConfig.decode_kv_bytes` bounds what the engine's decode plans keep; at 0 they keep nothing and gather
+    every step, and the outputs are the same token for token."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(2, 12))] for _ in range(6)]
+    outputs, kept = [], []
+    for budget in (0, 1 << 20):
+        engine = make_engine(gpu_blocks=64, block_size=4, decode_kv_bytes=budget)
+        ids = [engine.add_request(p, 10) for p in prompts]
+        seen = set()
+        while engine.scheduler.has_unfinished:
+            engine.step()
+            kv = engine._planner._decode_kv  # the plan of this step's batch (None: not a decode-only batch)
+            if kv is not None:
+                seen.add(len(kv.kept))
+        outputs.append([engine.outputs()[i] for i in ids])
+        kept.append(max(seen))
+    assert outputs[0] == outputs[1]
+    assert kept == [0, engine.model.config.num_layers]

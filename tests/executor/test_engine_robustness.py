@@ -490,6 +490,8 @@ def test_unsupported_dtypes_are_refused_at_construction(dtype):
     [
         ("seed", "x", "EngineConfig.seed must be an int, got str 'x'"),
         ("weights_seed", 1.5, "weights_seed must be an int"),
+        ("decode_kv_bytes", 2.0, "decode_kv_bytes must be an int"),
+        ("decode_kv_bytes", -1, "decode_kv_bytes must be >= 0, got -1; 0 keeps nothing"),
         ("check_invariants", "yes", "check_invariants must be True or False, got 'yes'"),
         ("verify_host_checksums", 1, "verify_host_checksums must be True or False"),
         ("trace_path", 7, "trace_path must be a path"),
