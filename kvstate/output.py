@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from typing import NamedTuple, cast, overload
 
 from kvstate.errors import KVStateError
@@ -17,6 +18,8 @@ from kvstate.request import Request
 # The request lists of an output, in serialization order. The spec's [[output_lists]] declare the same names and
 # the states a request in each may be in once the pass is over (OUT-STATE, `Spec.list_states`).
 LIST_NAMES: tuple[str, ...] = ("context", "generation", "replay", "resumed", "suspended", "recompute_paused", "aborted")
+# The lists whose requests compute in the forward pass, in batch order (`SchedulerOutput.scheduled`).
+SCHEDULED_LISTS: tuple[str, ...] = ("context", "replay", "generation")
 
 
 class PlannedChunk(NamedTuple):
@@ -151,8 +154,13 @@ class SchedulerOutput:  # noqa: PLW1641
 
     @property
     def scheduled(self) -> list[Request]:
-        """Requests that compute in this iteration's forward pass, in batch order."""
-        return self.context + self.replay + self.generation
+        """Requests that compute in this iteration's forward pass, in batch order (`SCHEDULED_LISTS`)."""
+        return list(chain.from_iterable(getattr(self, name) for name in SCHEDULED_LISTS))
+
+    @property
+    def num_scheduled(self) -> int:
+        """`len(scheduled)`, without building the list."""
+        return sum(len(getattr(self, name)) for name in SCHEDULED_LISTS)
 
     @property
     def num_tokens(self) -> int:

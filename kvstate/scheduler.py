@@ -29,7 +29,7 @@ from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, S
 from kvstate.config import RequestRejected, SchedulerConfig, normalize_stop_token_ids
 from kvstate.errors import InvariantViolation, KVStateError, PoolError
 from kvstate.lifecycle import make_lifecycle
-from kvstate.output import FailedMigration, SchedulerOutput
+from kvstate.output import SCHEDULED_LISTS, FailedMigration, SchedulerOutput
 from kvstate.policy import PassRecord, Promotion, Victim, Wait
 from kvstate.pool import TO_HOST, MigrationPlan, TieredBlockPool, ceil_div
 from kvstate.request import Request, new_request
@@ -79,8 +79,7 @@ class SchedulingPass:
     requester of this pass has reserved yet; `record` lists victims, promotions and waits in decision order.
     """
 
-    def __init__(self, config: SchedulerConfig, pool: TieredBlockPool, number: int | None) -> None:
-        self.pool = pool
+    def __init__(self, config: SchedulerConfig, number: int | None) -> None:
         self.number = number
         self.output: SchedulerOutput = SchedulerOutput()
         self.tokens_left = config.max_num_tokens
@@ -143,6 +142,7 @@ class Scheduler:
         self._computing = spec.computing_states
         self._victim_states = spec.victim_states
         self._chunk_list = {s.name: dict(s.chunk_lists) for s in spec.states if s.computing}
+        self._decode_list = self._chunk_list[self._active]["decode"]  # where the steady decode steps are listed
         self._exclusions = [VICTIM_EXCLUSIONS[name] for name in self.policy.victim_exclusions]
         queues = {
             "waiting": self.waiting,
@@ -156,7 +156,7 @@ class Scheduler:
         self._admissions = itertools.count()
         self._auto_ids = itertools.count()
         self._effects = _Effects(self)
-        self._idle = SchedulingPass(config, self.pool, None)
+        self._idle = SchedulingPass(config, None)
         self._pass = self._idle
         self.last_pass: SchedulingPass | None = None
         self._idle_iterations = 0
@@ -333,7 +333,7 @@ class Scheduler:
         """Plan one iteration. Raises `SchedulerStalled` after `no_progress_limit` passes without progress."""
         self._watch_progress()
         self.iteration += 1
-        self._pass = step = SchedulingPass(self.config, self.pool, self.iteration)
+        self._pass = step = SchedulingPass(self.config, self.iteration)
         step.pending_free = self._room_on_its_way()
         step.slots_left = self.slots_per_pass()
         try:
@@ -351,7 +351,7 @@ class Scheduler:
             self._pass = self._idle
             self.last_pass = step
         out = step.output
-        out.num_fitting_requests = len(out.scheduled)
+        out.num_fitting_requests = out.num_scheduled
         if self.micro_batches > 1:
             self.in_flight.update(dict.fromkeys(out.chunk_tokens, 0))
             self.in_flight.update(step.step_blocks)
@@ -400,7 +400,7 @@ class Scheduler:
         event, no pool call, no Python call; a step that opens a new block takes a free one directly, and only a
         step that finds none goes through `_schedule_resident` (which may preempt)."""
         out, block_size, active, pool = step.output, self.config.block_size, self._active, self.pool
-        decode_list = getattr(out, self._chunk_list[active]["decode"])
+        decode_list = getattr(out, self._decode_list)
         chunk_tokens, victims = out.chunk_tokens, step.victims  # the pass's own containers, filled in place
         in_flight, continuing = self.in_flight, []
         decodes = 0  # decode steps taken by the fast path below and not yet charged to the pass's budgets
@@ -422,9 +422,7 @@ class Scheduler:
                     self._schedule_resident(request, step)
                     room = min(step.slots_left, step.tokens_left)
                     continue
-                pool.allocate(request.request_id, 1)
-                request.num_gpu_blocks += 1
-                step.step_blocks[request.request_id] = 1
+                self._allocate_step_blocks(request, 1, step)
             decode_list.append(request)
             chunk_tokens[request.request_id] = 1
             decodes += 1
@@ -444,10 +442,14 @@ class Scheduler:
             if not self._make_room(request, need, step):
                 return  # preempted itself, or waits for the room on its way
         if need:
-            self.pool.allocate(request.request_id, need)
-            request.num_gpu_blocks += need
-            step.step_blocks[request.request_id] = need
+            self._allocate_step_blocks(request, need, step)
         self._add_scheduled(request, tokens, step)
+
+    def _allocate_step_blocks(self, request: Request, blocks: int, step: SchedulingPass) -> None:
+        """Give `request` the `blocks` more GPU blocks its step of this pass writes (RES-STATE: its count follows)."""
+        self.pool.allocate(request.request_id, blocks)
+        request.num_gpu_blocks += blocks
+        step.step_blocks[request.request_id] = blocks
 
     def _add_scheduled(self, request: Request, tokens: int, step: SchedulingPass) -> None:
         out = step.output
@@ -631,25 +633,21 @@ class Scheduler:
         """Apply a forward pass: advance computed tokens, append each produced token (`sampled[id]`),
         fire catch_up and finish. Returns the requests that produced a token, in batch order (`output.scheduled`).
 
-        A request of `output.generation` still active is a decode step (the steady state): it was active and done
-        with its prefill when planned, and only leaving the active state resets that; so it computes one token,
-        never a replay, and fires no event but finish. Everything else goes through `_complete_chunk`."""
+        A request of the active state's decode list (the spec's `chunk_lists`) still active is a decode step (the
+        steady state): it was active and done with its prefill when planned, and only leaving the active state
+        resets that; so it computes one token, never a replay, and fires no event but finish (`_complete_decodes`).
+        Everything else goes through `_complete_chunk`."""
         produced: list[Request] = []
         recomputed, progress = 0, False
-        for request in output.context + output.replay:
-            tokens, advanced = self._complete_chunk(request, output, sampled, produced)
-            recomputed += tokens
-            progress |= advanced
-        active = self._active
-        for request in output.generation:
-            if request.state != active:
-                self._complete_chunk(request, output, sampled, produced)  # preempted or ended since it was planned
+        for name in SCHEDULED_LISTS:  # batch order
+            requests = getattr(output, name)
+            if name == self._decode_list:
+                progress |= self._complete_decodes(requests, output, sampled, produced)
                 continue
-            progress = True
-            request.num_computed_tokens += 1  # what `advance(1, False)` does: a decode step is progress (A4)
-            produced.append(request)
-            if request.append_token(sampled[request.request_id]):
-                self._fire(request, "finish")
+            for request in requests:
+                tokens, advanced = self._complete_chunk(request, output, sampled, produced)
+                recomputed += tokens
+                progress |= advanced
         if self.in_flight:
             for request_id in output.chunk_tokens:
                 self.in_flight.pop(request_id, None)
@@ -657,6 +655,23 @@ class Scheduler:
         if progress:
             self._idle_iterations = 0
         return produced
+
+    def _complete_decodes(
+        self, requests: list[Request], output: SchedulerOutput, sampled: Mapping[Hashable, int], produced: list[Request]
+    ) -> bool:
+        """Apply the decode list (`complete_step`'s docstring): one token per request still active, finish when it is
+        final; the rest through `_complete_chunk`. True when a request decoded (progress, A4)."""
+        active, decoded = self._active, False
+        for request in requests:
+            if request.state != active:
+                self._complete_chunk(request, output, sampled, produced)  # preempted or ended since it was planned
+                continue
+            decoded = True
+            request.num_computed_tokens += 1  # what `advance(1, False)` does: a decode step is progress (A4)
+            produced.append(request)
+            if request.append_token(sampled[request.request_id]):
+                self._fire(request, "finish")
+        return decoded
 
     def _complete_chunk(
         self, request: Request, output: SchedulerOutput, sampled: Mapping[Hashable, int], produced: list[Request]
