@@ -1,6 +1,6 @@
 """The engine loop: carries out each `SchedulerOutput` on the real paged KV cache and model.
 
-One `step()` runs the phases of a `kvstate.step.Step` (as `kvstate.sim.SimExecutor` does) with tensors:
+One `step()` runs the phases of a `kvstate.scheduler.Step` (as `kvstate.sim.SimExecutor` does) with tensors:
 
 1. ``out = scheduler.schedule()``;
 2. issue every migration plan of ``out`` (suspend: GPU -> host; resume: host -> GPU) on the copy stream
@@ -68,9 +68,8 @@ from kvstate.config import ConfigError, RequestRejected, SchedulerConfig, normal
 from kvstate.errors import KVStateError, PoolError
 from kvstate.output import SchedulerOutput, planned_chunks
 from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan
-from kvstate.scheduler import Scheduler, UnknownRequestId
+from kvstate.scheduler import Scheduler, Step, UnknownRequestId
 from kvstate.stats import IterationStats
-from kvstate.step import Step
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -521,7 +520,7 @@ class Engine:
         return stats
 
     def _carry_out(self, attempt: _Attempt) -> IterationStats:
-        """The iteration itself (module docstring, 1-5: the phases of a `kvstate.step.Step`); `attempt` records how
+        """The iteration itself (module docstring, 1-5: the phases of a `kvstate.scheduler.Step`); `attempt` records how
         far it got."""
         scheduler, check = self.scheduler, self.config.check_invariants
         iteration = scheduler.iteration + 1

@@ -9,12 +9,11 @@ from kvstate.lifecycle import Lifecycle, TransitionTable
 from kvstate.output import FailedMigration, SchedulerOutput, UnknownRequest
 from kvstate.pool import MigrationPlan, TieredBlockPool
 from kvstate.request import Request
-from kvstate.scheduler import Scheduler, SchedulerStalled, UnknownRequestId
+from kvstate.scheduler import Scheduler, SchedulerStalled, Step, UnknownRequestId
 from kvstate.semantics import EFFECTS, GUARDS, EffectHooks, PassView, PoolView, RequestView
 from kvstate.sim import SimExecutor, reference_output
 from kvstate.spec import Event, ExclusiveGuards, Invariant, Spec, State, Transition, load_spec, packaged_spec_path
 from kvstate.stats import IterationStats
-from kvstate.step import Step
 from kvstate.trace import FiredTransition
 from kvstate.validate import validate_spec
 

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field, replace
 from itertools import chain
 from typing import NamedTuple, cast, overload
 
-from kvstate.errors import KVStateError
+from kvstate.errors import InvariantViolation, KVStateError
 from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan, TieredBlockPool
 from kvstate.request import Request
+from kvstate.spec import Spec, default_spec
 
 # The request lists of an output, in serialization order. The spec's [[output_lists]] declare the same names and
 # the states a request in each may be in once the pass is over (OUT-STATE, `Spec.list_states`).
@@ -298,3 +299,27 @@ def _migration(p: object, requests_by_id: Mapping[Hashable, Request]) -> Migrati
         source, dest = (_count(b, f"migration plan {plan_id}: a block id", minimum=0) for b in pair)
         pairs.append((source, dest))
     return MigrationPlan(plan_id, p["request_id"], p["direction"], tuple(pairs))
+
+
+def check_output(output: SchedulerOutput, spec: Spec | None = None) -> None:
+    """OUT-DISJOINT and OUT-STATE (the states `spec`, by default the packaged one, implies for each list) for one
+    output, right after the pass that produced it; a request ended since (a terminal state) is allowed in any list."""
+    spec = spec if spec is not None else default_spec()
+    seen: dict[int, str] = {}
+    for name, requests in output.lists():
+        for request in requests:
+            if id(request) in seen:
+                raise InvariantViolation(
+                    "OUT-DISJOINT", f"request {request.request_id!r} is in both {seen[id(request)]!r} and {name!r}"
+                )
+            seen[id(request)] = name
+    terminal = set(spec.terminal_states)
+    for name, requests in output.lists():
+        allowed = spec.list_states[name]
+        for request in requests:
+            if request.state not in allowed and request.state not in terminal:
+                raise InvariantViolation(
+                    "OUT-STATE",
+                    f"request {request.request_id!r} in list {name!r} is "
+                    f"{request.state}, expected one of {tuple(sorted(allowed))}",
+                )

@@ -1,4 +1,5 @@
-"""The scheduler: one `schedule()` call per iteration decides who computes, who moves and who is preempted.
+"""The scheduler: one `schedule()` call per iteration decides who computes, who moves and who is preempted; and
+`Step`, the one protocol every executor drives it by.
 
 Invariants kept (ids from the spec; the policy's rules are the spec's `[policy]`, given meaning in
 `kvstate.policy`, which the model checker's step simulation holds every pass against):
@@ -18,6 +19,30 @@ Invariants kept (ids from the spec; the policy's rules are the spec's `[policy]`
   no new request in a pass that chose a victim or left a requester waiting (ADMIT-HOLD); output lists are disjoint
   (OUT-DISJOINT); requests' block counts mirror the pool (RES-STATE), checked by `check_invariants`.
 Steady-state decode costs O(1) per running request: no lifecycle event fires unless a state changes.
+
+One scheduler step, written once: schedule -> issue copies -> compute -> complete. Every executor (the slot-level
+simulator `kvstate.sim.SimExecutor`, the engine `executor.Engine`, and the pipeline runtime's rank 0) carries out a
+`SchedulerOutput` through a `Step`, in this order:
+
+1. ``step = Step.begin(scheduler)``: ``scheduler.schedule()``;
+2. for each plan of ``step.to_issue()``: start its copies, then ``step.issued(plan, fence)``, or
+   ``step.issued(plan, None)`` when they cannot be made: the plan is failed (`Scheduler.fail_migration`) and the
+   step carries on with the amended output (``step.output``);
+3. the forward pass of ``step.output`` (the executor's own);
+4. for each ``(plan, fence)`` of ``step.to_wait()``: wait on the fence, then ``step.waited(plan)``; then
+   ``step.complete_migrations()`` (only now may fenced source blocks be reused);
+5. ``step.finish(sampled)``: ``complete_step``.
+
+The executor does the work (copies, waits, the forward pass) and reports it; the `Step` decides what the scheduler
+is told, and when. It never calls back into the executor, so the phases can be interleaved freely: a pipelined
+executor begins micro-batch k+1 before it finishes k (`SimExecutor(micro_batches=)`), and the engine settles a
+step a failure interrupted by running 2 and 4 again (each skips what was already done).
+
+Invariants kept by a `Step`:
+* `output` is the output being carried out: `schedule()`'s (`scheduled`), amended once per failed plan
+  (`SchedulerOutput.amended`); no output is ever mutated;
+* a plan is reported issued at most once and waited on at most once; a failed plan is never waited on;
+* `complete_migrations` refuses to run before every plan of the output has been waited on or failed.
 """
 
 from __future__ import annotations
@@ -25,17 +50,18 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
+from typing import Generic, TypeVar
 
 from kvstate.config import RequestRejected, SchedulerConfig, normalize_stop_token_ids
 from kvstate.errors import InvariantViolation, KVStateError, PoolError
 from kvstate.lifecycle import make_lifecycle
-from kvstate.output import SCHEDULED_LISTS, FailedMigration, SchedulerOutput
+from kvstate.output import SCHEDULED_LISTS, FailedMigration, SchedulerOutput, check_output
 from kvstate.policy import PassRecord, Promotion, Victim, Wait
 from kvstate.pool import TO_HOST, MigrationPlan, TieredBlockPool, ceil_div
 from kvstate.request import Request, new_request
 from kvstate.roles import ACTIVE, DROPPED, ENDED, OFFLOADED, PENDING_RESET, RECOMPUTING
 from kvstate.semantics import PassView, promotion_saves_kv
-from kvstate.spec import Spec, Transition, default_spec
+from kvstate.spec import Spec, Transition
 from kvstate.stats import IterationStats
 from kvstate.trace import FiredTransition
 
@@ -904,28 +930,70 @@ class Scheduler:
         return [self.finished.pop(rid) for rid in ids]
 
 
-def check_output(output: SchedulerOutput, spec: Spec | None = None) -> None:
-    """OUT-DISJOINT and OUT-STATE (the states `spec`, by default the packaged one, implies for each list) for one
-    output, right after the pass that produced it; a request ended since (a terminal state) is allowed in any list."""
-    spec = spec if spec is not None else default_spec()
-    seen: dict[int, str] = {}
-    for name, requests in output.lists():
-        for request in requests:
-            if id(request) in seen:
-                raise InvariantViolation(
-                    "OUT-DISJOINT", f"request {request.request_id!r} is in both {seen[id(request)]!r} and {name!r}"
-                )
-            seen[id(request)] = name
-    terminal = set(spec.terminal_states)
-    for name, requests in output.lists():
-        allowed = spec.list_states[name]
-        for request in requests:
-            if request.state not in allowed and request.state not in terminal:
-                raise InvariantViolation(
-                    "OUT-STATE",
-                    f"request {request.request_id!r} in list {name!r} is "
-                    f"{request.state}, expected one of {tuple(sorted(allowed))}",
-                )
+F = TypeVar("F")  # the executor's fence, in a `Step`: whatever it waits on
+
+
+class Step(Generic[F]):
+    """One step of `scheduler` in flight (module docstring, from "One scheduler step"): the output being carried
+    out, the fence of each issued plan, the plans waited on, and the amendments taken."""
+
+    __slots__ = ("failures", "fences", "output", "scheduled", "scheduler", "waited_on")
+
+    def __init__(self, scheduler: Scheduler, output: SchedulerOutput) -> None:
+        """Carry out `output`, an output of `scheduler` (use `begin`, or wrap copies a failed pass left planned)."""
+        self.scheduler = scheduler
+        self.scheduled = output
+        self.output = output
+        self.fences: dict[int, F] = {}
+        self.waited_on: set[int] = set()
+        self.failures: list[FailedMigration] = []
+
+    @classmethod
+    def begin(cls, scheduler: Scheduler) -> Step[F]:
+        """Phase 1: schedule one iteration."""
+        return cls(scheduler, scheduler.schedule())
+
+    def to_issue(self) -> list[MigrationPlan]:
+        """Phase 2: the plans of the output not yet reported issued, in order."""
+        return [plan for plan in self.output.migrations if plan.plan_id not in self.fences]
+
+    def issued(self, plan: MigrationPlan, fence: F | None) -> None:
+        """`plan`'s copies were started (`fence`), or could not be made (None): the plan is then failed through
+        `Scheduler.fail_migration` and `output` becomes the amended output."""
+        if fence is None:
+            failure = self.scheduler.fail_migration(self.output, plan)
+            self.output = self.output.amended(failure)
+            self.failures.append(failure)
+        else:
+            self.fences[plan.plan_id] = fence
+
+    def to_wait(self) -> list[tuple[MigrationPlan, F]]:
+        """Phase 4: (plan, fence) of every issued plan not yet waited on, in order."""
+        fences, done = self.fences, self.waited_on
+        return [
+            (plan, fences[plan.plan_id])
+            for plan in self.output.migrations
+            if plan.plan_id in fences and plan.plan_id not in done
+        ]
+
+    def waited(self, plan: MigrationPlan) -> None:
+        """`plan`'s copies have completed."""
+        self.waited_on.add(plan.plan_id)
+
+    def complete_migrations(self) -> None:
+        """Phase 4, last: tell the scheduler every copy of the output completed (their fenced blocks free up).
+        Raises `PoolError` (nothing told) while a plan is still to be issued or waited on."""
+        left = len(self.to_issue()) + len(self.to_wait())
+        if left:
+            raise PoolError(
+                f"{left} migration plans of iteration {self.scheduler.iteration} are not yet issued or "
+                "waited on; report each with issued() and waited() before complete_migrations()"
+            )
+        self.scheduler.complete_migrations(self.output)
+
+    def finish(self, sampled: Mapping[Hashable, int]) -> list[Request]:
+        """Phase 5: apply the forward pass; returns the requests that produced a token."""
+        return self.scheduler.complete_step(self.output, sampled)
 
 
 class _Effects:

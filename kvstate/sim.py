@@ -24,8 +24,7 @@ from typing import cast
 from kvstate.errors import InvariantViolation
 from kvstate.output import SchedulerOutput, planned_chunks
 from kvstate.pool import TO_HOST, MigrationPlan
-from kvstate.scheduler import Scheduler
-from kvstate.step import Step
+from kvstate.scheduler import Scheduler, Step
 
 DEFAULT_VOCAB = 1000
 
@@ -50,7 +49,7 @@ def reference_output(
 
 
 class SimExecutor:
-    """Carries out scheduler outputs on slot-level KV contents, one `kvstate.step.Step` at a time.
+    """Carries out scheduler outputs on slot-level KV contents, one `kvstate.scheduler.Step` at a time.
 
     Invariant kept: after every step, the slots of each running request's block table hold exactly the tokens
     it has computed, in order (with micro-batches in flight: also those of its step still in flight). A
@@ -85,7 +84,7 @@ class SimExecutor:
         self.host = [[None] * size for _ in range(self.scheduler.pool.host.capacity)]
 
     def step(self) -> SchedulerOutput:
-        """Land what must land first (`Scheduler.must_land`), then one `kvstate.step.Step`: schedule, copy, compute
+        """Land what must land first (`Scheduler.must_land`), then one `kvstate.scheduler.Step`: schedule, copy, compute
         (landed at once with one micro-batch). Returns the output carried out."""
         scheduler = self.scheduler
         while scheduler.must_land(len(self.pipeline)):

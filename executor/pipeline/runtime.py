@@ -66,9 +66,8 @@ from kvstate.errors import KVStateError
 from kvstate.pool import TO_GPU, MigrationPlan
 from kvstate.request import Request
 from kvstate.roles import PENDING_RESET
-from kvstate.scheduler import Scheduler
+from kvstate.scheduler import Scheduler, Step
 from kvstate.spec import Transition, load_spec
-from kvstate.step import Step
 
 
 class PipelineFailed(KVStateError, RuntimeError):

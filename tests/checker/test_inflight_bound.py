@@ -90,7 +90,7 @@ def _step_checking_one_micro_batch_per_request(sim: SimExecutor) -> None:
     """One step; then no request is in two of the outputs still in flight."""
     sim.step()
     seen: set = set()
-    for step, _ in sim.pipeline:  # (kvstate.step.Step, sampled tokens) carried out, not landed
+    for step, _ in sim.pipeline:  # (kvstate.scheduler.Step, sampled tokens) carried out, not landed
         twice = seen & set(step.output.chunk_tokens)
         assert not twice, f"requests {sorted(twice)} are in two micro-batches in flight"
         seen |= set(step.output.chunk_tokens)

@@ -19,9 +19,8 @@ from kvstate import load_spec
 from kvstate.config import SchedulerConfig
 from kvstate.errors import PoolError
 from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan
-from kvstate.scheduler import Scheduler
+from kvstate.scheduler import Scheduler, Step
 from kvstate.sim import SimExecutor, reference_output
-from kvstate.step import Step
 
 SPEC = load_spec()
 EDGES = {(t.source, t.event, t.dest) for t in SPEC.transitions}
