@@ -197,7 +197,7 @@ def _decode_runs(
 def host_tier_section(*, quick: bool, device: str = "cpu", seed: int = 0, lifecycle: str = "machine") -> Section:
     import torch
 
-    from executor import Engine, EngineConfig, LlamaModel, ModelConfig
+    from executor import LlamaModel, ModelConfig
     from executor.checks import random_workload
 
     requests, repeats = (16, 1) if quick else (48, 3)
@@ -211,22 +211,15 @@ def host_tier_section(*, quick: bool, device: str = "cpu", seed: int = 0, lifecy
 
     def variant(name: str):
         def call() -> None:
-            scheduler = SchedulerConfig(
+            t, wall = _timed_run(
+                model,
+                work,
                 gpu_blocks=gpu_blocks,
-                block_size=block_size,
                 host_blocks=HOST_SIZES[name],
-                prefill_chunk_size=64,
-                max_num_tokens=256,
+                block_size=block_size,
                 lifecycle=lifecycle,
+                seed=seed,
             )
-            config = EngineConfig(scheduler=scheduler, device=dev.type, dtype="float32", seed=seed)
-            with Engine(config, model=model) as engine:
-                for prompt, new in work:
-                    engine.add_request(prompt, new)
-                start = time.perf_counter()
-                engine.run()
-                wall = time.perf_counter() - start
-            t = engine.totals
             results[name].append(
                 {
                     "wall": wall,
@@ -258,6 +251,29 @@ def host_tier_section(*, quick: bool, device: str = "cpu", seed: int = 0, lifecy
     )
     _add_host_tier_rows(section, summary)
     return section
+
+
+def _timed_run(model, work: list, *, gpu_blocks: int, host_blocks: int, block_size: int, lifecycle: str, seed: int):
+    """One engine (float32, on `model`'s device, chunks of 64 tokens, 256 tokens a pass) runs `work` to the end;
+    returns its totals and the wall time of `run()` alone (submission left out)."""
+    from executor import Engine, EngineConfig
+
+    scheduler = SchedulerConfig(
+        gpu_blocks=gpu_blocks,
+        host_blocks=host_blocks,
+        block_size=block_size,
+        prefill_chunk_size=64,
+        max_num_tokens=256,
+        lifecycle=lifecycle,
+    )
+    device = next(model.parameters()).device.type
+    with Engine(EngineConfig(scheduler=scheduler, device=device, dtype="float32", seed=seed), model=model) as engine:
+        for prompt, new in work:
+            engine.add_request(prompt, new)
+        start = time.perf_counter()
+        engine.run()
+        wall = time.perf_counter() - start
+    return engine.totals, wall
 
 
 def _add_host_tier_rows(section: Section, summary: dict[str, dict]) -> None:
@@ -293,7 +309,7 @@ def _add_host_tier_rows(section: Section, summary: dict[str, dict]) -> None:
 def lifecycle_section(*, quick: bool, device: str = "cpu", seed: int = 0) -> Section:
     import torch
 
-    from executor import Engine, EngineConfig, LlamaModel, ModelConfig
+    from executor import LlamaModel, ModelConfig
     from executor.checks import DEMO_MAX_NEW_TOKENS, DEMO_PROMPT_LEN, random_workload
 
     requests, repeats = (16, 2) if quick else (48, 9)  # runs vary by +-30% here: many interleaved repeats
@@ -308,23 +324,10 @@ def lifecycle_section(*, quick: bool, device: str = "cpu", seed: int = 0) -> Sec
     def variant(regime: str, lifecycle: str):
         def call() -> None:
             gpu, host = regimes[regime]
-            scheduler = SchedulerConfig(
-                gpu_blocks=gpu,
-                host_blocks=host,
-                block_size=8,
-                prefill_chunk_size=64,
-                max_num_tokens=256,
-                lifecycle=lifecycle,
+            totals, wall = _timed_run(
+                model, work, gpu_blocks=gpu, host_blocks=host, block_size=8, lifecycle=lifecycle, seed=seed
             )
-            config = EngineConfig(scheduler=scheduler, device=dev.type, dtype="float32", seed=seed)
-            with Engine(config, model=model) as engine:
-                for prompt, new in work:
-                    engine.add_request(prompt, new)
-                start = time.perf_counter()
-                engine.run()
-                rates.setdefault(f"{regime} {lifecycle}", []).append(
-                    engine.totals.generated_tokens / (time.perf_counter() - start)
-                )
+            rates.setdefault(f"{regime} {lifecycle}", []).append(totals.generated_tokens / wall)
 
         return call
 
