@@ -86,13 +86,13 @@ def _by_admission(request: Request) -> int:
 
 
 VICTIM_EXCLUSIONS: Mapping[str, Callable[[Scheduler, Request, SchedulingPass], bool]] = {
-    "the_requester": lambda s, candidate, step: candidate is step.requester,
-    "scheduled_this_pass": lambda s, candidate, step: candidate.request_id in step.output.chunk_tokens,
-    "waiting_this_pass": lambda s, candidate, step: id(candidate) in step.waiting,
-    "victim_this_pass": lambda s, candidate, step: id(candidate) in step.victims,
-    "about_to_finish": lambda s, candidate, step: candidate.about_to_finish,
-    "preemption_cap_reached": lambda s, candidate, step: s._capped(candidate),
-    "chunk_in_flight": lambda s, candidate, step: candidate.request_id in s.in_flight and candidate.is_prefilling,
+    "the_requester": lambda s, candidate, pass_: candidate is pass_.requester,
+    "scheduled_this_pass": lambda s, candidate, pass_: candidate.request_id in pass_.output.chunk_tokens,
+    "waiting_this_pass": lambda s, candidate, pass_: id(candidate) in pass_.waiting,
+    "victim_this_pass": lambda s, candidate, pass_: id(candidate) in pass_.victims,
+    "about_to_finish": lambda s, candidate, pass_: candidate.about_to_finish,
+    "preemption_cap_reached": lambda s, candidate, pass_: s._capped(candidate),
+    "chunk_in_flight": lambda s, candidate, pass_: candidate.request_id in s.in_flight and candidate.is_prefilling,
 }  # the scheduler's reading of the spec's `victim_exclusions` (their meaning: kvstate.policy.VOCABULARY)
 
 
@@ -118,7 +118,7 @@ class SchedulingPass:
         self.waited = False
         self.promotion_worth = 0
         self.requester: Request | None = None  # the request the pass is making room for
-        self.step_blocks: dict[Hashable, int] = {}  # blocks allocated for a resident request's step of this pass
+        self.chunk_blocks: dict[Hashable, int] = {}  # blocks allocated for a resident request's chunk of this pass
         self.record = PassRecord()
 
     def charge(self, tokens: int, slots: int) -> None:
@@ -296,14 +296,14 @@ class Scheduler:
 
     def _view(self) -> PassView:
         """What the guards read for one decision: the pool's figures and the pass under way."""
-        pool, step = self.pool, self._pass
+        pool, pass_ = self.pool, self._pass
         return PassView(
             pool.gpu_free_blocks,
             pool.host_free_blocks,
             pool.has_host_tier,
             pool.pipeline_stages,
-            step.number,
-            step.promotion_worth,
+            pass_.number,
+            pass_.promotion_worth,
         )
 
     def snapshot(self, request: Request, transition: Transition) -> FiredTransition:
@@ -359,28 +359,28 @@ class Scheduler:
         """Plan one iteration. Raises `SchedulerStalled` after `no_progress_limit` passes without progress."""
         self._watch_progress()
         self.iteration += 1
-        self._pass = step = SchedulingPass(self.config, self.iteration)
-        step.pending_free = self._room_on_its_way()
-        step.slots_left = self.slots_per_pass()
+        self._pass = pass_ = SchedulingPass(self.config, self.iteration)
+        pass_.pending_free = self._room_on_its_way()
+        pass_.slots_left = self.slots_per_pass()
         try:
-            continuing = self._schedule_decoding(step)
+            continuing = self._schedule_decoding(pass_)
             for request in continuing:  # then prompt and replay chunks, in arrival order
-                if step.slots_left == 0 or step.tokens_left == 0:
+                if pass_.slots_left == 0 or pass_.tokens_left == 0:
                     break
-                if id(request) not in step.victims and request.state in self._computing:
-                    self._schedule_resident(request, step)
+                if id(request) not in pass_.victims and request.state in self._computing:
+                    self._schedule_resident(request, pass_)
             if self.config.capacity_policy == "max_utilization":
-                self._admit(step)
+                self._admit(pass_)
             else:
-                self._admit_class("admit", self.waiting, step)
+                self._admit_class("admit", self.waiting, pass_)
         finally:
             self._pass = self._idle
-            self.last_pass = step
-        out = step.output
+            self.last_pass = pass_
+        out = pass_.output
         out.num_fitting_requests = out.num_scheduled
         if self.micro_batches > 1:
             self.in_flight.update(dict.fromkeys(out.chunk_tokens, 0))
-            self.in_flight.update(step.step_blocks)
+            self.in_flight.update(pass_.chunk_blocks)
         return out
 
     def track_in_flight(self, micro_batches: int) -> None:
@@ -418,19 +418,19 @@ class Scheduler:
             return []
         return [r for r in self.resident if r.state == self._pending_reset]
 
-    def _schedule_decoding(self, step: SchedulingPass) -> list[Request]:
+    def _schedule_decoding(self, pass_: SchedulingPass) -> list[Request]:
         """Decode steps of the resident requests in arrival order, in one walk that also returns the resident
         requests with prompt or replay tokens left (scheduled next, by the caller, in arrival order; once the budget
         is spent the walk stops, and so would the caller). A request whose step is in flight is skipped. The steady
         state — an active request whose last block still has room — costs a few attribute reads: no lifecycle
         event, no pool call, no Python call; a step that opens a new block takes a free one directly, and only a
         step that finds none goes through `_schedule_resident` (which may preempt)."""
-        out, block_size, active, pool = step.output, self.config.block_size, self._active, self.pool
+        out, block_size, active, pool = pass_.output, self.config.block_size, self._active, self.pool
         decode_list = getattr(out, self._decode_list)
-        chunk_tokens, victims = out.chunk_tokens, step.victims  # the pass's own containers, filled in place
+        chunk_tokens, victims = out.chunk_tokens, pass_.victims  # the pass's own containers, filled in place
         in_flight, continuing = self.in_flight, []
         decodes = 0  # decode steps taken by the fast path below and not yet charged to the pass's budgets
-        room = min(step.slots_left, step.tokens_left)  # decode steps the budgets allow (each takes 1 slot, 1 token)
+        room = min(pass_.slots_left, pass_.tokens_left)  # decode steps the budgets allow (each takes 1 slot, 1 token)
         for request in tuple(self.resident):  # a copy: a victim taken on the way leaves `resident`
             if in_flight and request.request_id in in_flight:
                 continue  # its step is still in the pipeline: a request is in one micro-batch in flight at most
@@ -443,123 +443,124 @@ class Scheduler:
                 continue
             if request.num_computed_tokens == request.num_gpu_blocks * block_size:  # its step opens a new block
                 if not pool.can_allocate(1):  # none is free: room is made, or waited for, by the general path
-                    step.charge(decodes, decodes)  # the pass's budgets are exact before it may preempt
+                    pass_.charge(decodes, decodes)  # the pass's budgets are exact before it may preempt
                     decodes = 0
-                    self._schedule_resident(request, step)
-                    room = min(step.slots_left, step.tokens_left)
+                    self._schedule_resident(request, pass_)
+                    room = min(pass_.slots_left, pass_.tokens_left)
                     continue
-                self._allocate_step_blocks(request, 1, step)
+                self._allocate_chunk_blocks(request, 1, pass_)
             decode_list.append(request)
             chunk_tokens[request.request_id] = 1
             decodes += 1
-        step.charge(decodes, decodes)
+        pass_.charge(decodes, decodes)
         return continuing
 
-    def _schedule_resident(self, request: Request, step: SchedulingPass) -> None:
+    def _schedule_resident(self, request: Request, pass_: SchedulingPass) -> None:
         tokens = (
             1
             if not request.is_prefilling
-            else min(self.config.prefill_chunk_size, request.next_step_tokens, step.tokens_left)
+            else min(self.config.prefill_chunk_size, request.next_step_tokens, pass_.tokens_left)
         )
         need = max(0, self.pool.blocks_for_tokens(request.num_computed_tokens + tokens) - request.num_gpu_blocks)
         if need > self.pool.gpu_free_blocks:
             if self.config.capacity_policy == "guaranteed_no_evict":
                 return
-            if not self._make_room(request, need, step):
+            if not self._make_room(request, need, pass_):
                 return  # preempted itself, or waits for the room on its way
         if need:
-            self._allocate_step_blocks(request, need, step)
-        self._add_scheduled(request, tokens, step)
+            self._allocate_chunk_blocks(request, need, pass_)
+        self._add_scheduled(request, tokens, pass_)
 
-    def _allocate_step_blocks(self, request: Request, blocks: int, step: SchedulingPass) -> None:
+    def _allocate_chunk_blocks(self, request: Request, blocks: int, pass_: SchedulingPass) -> None:
         """Give `request` the `blocks` more GPU blocks its step of this pass writes (RES-STATE: its count follows)."""
         self.pool.allocate(request.request_id, blocks)
         request.num_gpu_blocks += blocks
-        step.step_blocks[request.request_id] = blocks
+        pass_.chunk_blocks[request.request_id] = blocks
 
-    def _add_scheduled(self, request: Request, tokens: int, step: SchedulingPass) -> None:
-        out = step.output
+    def _add_scheduled(self, request: Request, tokens: int, pass_: SchedulingPass) -> None:
+        out = pass_.output
         lists = self._chunk_list[request.state]
         getattr(out, lists["prefill" if request.is_prefilling else "decode"]).append(request)
         out.chunk_tokens[request.request_id] = tokens
-        step.charge(tokens, 1)
+        pass_.charge(tokens, 1)
 
     # ------------------------------------------------------------------------------------------ preemption
-    def _make_room(self, request: Request, need: int, step: SchedulingPass) -> bool:
+    def _make_room(self, request: Request, need: int, pass_: SchedulingPass) -> bool:
         """Free `need` GPU blocks for `request`: True when they are free now; False when it preempted itself or
         waits for room on its way (which it then reserves: WORK-CONSERVE)."""
         while self.pool.gpu_free_blocks < need:
             short = need - self.pool.gpu_free_blocks
-            if step.pending_free >= short:
-                self._wait(request, short, step)
+            if pass_.pending_free >= short:
+                self._wait(request, short, pass_)
                 return False
-            step.requester = request
-            victim = self._pick_victim(step)
+            pass_.requester = request
+            victim = self._pick_victim(pass_)
             if victim is None:
                 protected = request.about_to_finish or self._capped(request)
-                if protected and (step.output.chunk_tokens or step.pending_free):
-                    self._wait(request, min(short, step.pending_free), step)
+                if protected and (pass_.output.chunk_tokens or pass_.pending_free):
+                    self._wait(request, min(short, pass_.pending_free), pass_)
                     return False  # requests scheduled in this pass, or pending copies, will free room
-                self._preempt(request, step)
+                self._preempt(request, pass_)
                 if request.state in self._computing:  # it could not even evict itself: it waits for nothing
-                    self._wait(request, 0, step)
+                    self._wait(request, 0, pass_)
                 return False
-            self._preempt(victim, step)
+            self._preempt(victim, pass_)
         return True
 
-    def _wait(self, request: Request, reserved: int, step: SchedulingPass) -> None:
+    def _wait(self, request: Request, reserved: int, pass_: SchedulingPass) -> None:
         """`request` waits for `reserved` blocks on their way; it is no victim for the rest of the pass."""
-        step.pending_free -= reserved
-        step.waited = True
-        step.waiting.add(id(request))
-        step.record.decisions.append(Wait(request.request_id, reserved))
+        pass_.pending_free -= reserved
+        pass_.waited = True
+        pass_.waiting.add(id(request))
+        pass_.record.decisions.append(Wait(request.request_id, reserved))
 
     def _capped(self, request: Request) -> bool:
         cap = self.config.max_preemptions_per_request
         return cap is not None and request.num_suspensions + request.num_recompute_pauses >= cap
 
-    def _victim_eligible(self, candidate: Request, step: SchedulingPass) -> bool:
+    def _victim_eligible(self, candidate: Request, pass_: SchedulingPass) -> bool:
         """`candidate` is in a victim state and no exclusion of the spec's policy (`victim_exclusions`) applies."""
         return candidate.state in self._victim_states and not any(
-            excluded(self, candidate, step) for excluded in self._exclusions
+            excluded(self, candidate, pass_) for excluded in self._exclusions
         )
 
-    def _pick_victim(self, step: SchedulingPass) -> Request | None:
+    def _pick_victim(self, pass_: SchedulingPass) -> Request | None:
         """The most recently admitted eligible request (VICTIM-TAIL), or None."""
         for candidate in reversed(self.admitted):
-            if self._victim_eligible(candidate, step):
+            if self._victim_eligible(candidate, pass_):
                 return candidate
         return None
 
-    def _preempt(self, victim: Request, step: SchedulingPass) -> None:
+    def _preempt(self, victim: Request, pass_: SchedulingPass) -> None:
         """Suspend the victim if the host tier takes it (promoting if worth it), else recompute-pause it, to make
-        room for `step.requester` (set before: the victim itself when it evicts itself).
+        room for `pass_.requester` (set before: the victim itself when it evicts itself).
         Blocks that free only after a copy or a consensus count as `pending_free` for this pass."""
-        requester = step.requester
+        requester = pass_.requester
         if requester is None:
-            raise KVStateError("a victim is chosen only for a requester: set step.requester before preempting")
-        step.victims.add(id(victim))
+            raise KVStateError("a victim is chosen only for a requester: set pass_.requester before preempting")
+        pass_.victims.add(id(victim))
         held = victim.num_gpu_blocks
         suspendable = "suspend" in self.lifecycle.allowed_events(victim.state)
         if suspendable and (
-            self._try_fire(victim, "suspend") or (self._promote_for(victim, step) and self._try_fire(victim, "suspend"))
+            self._try_fire(victim, "suspend")
+            or (self._promote_for(victim, pass_) and self._try_fire(victim, "suspend"))
         ):
-            step.pending_free += held
-            step.suspended.append(victim)
-            step.output.suspended.append(victim)
+            pass_.pending_free += held
+            pass_.suspended.append(victim)
+            pass_.output.suspended.append(victim)
             event = "suspend"
         elif self.config.enable_recompute_pause:
             self._fire(victim, "recompute_pause")
             if victim.state == self._pending_reset:
-                step.pending_free += held
-            step.output.recompute_paused.append(victim)
+                pass_.pending_free += held
+            pass_.output.recompute_paused.append(victim)
             event = "recompute_pause"
         else:
             return
-        step.preempted = True
-        step.record.decisions.append(Victim(requester.request_id, victim.request_id, event))
+        pass_.preempted = True
+        pass_.record.decisions.append(Victim(requester.request_id, victim.request_id, event))
 
-    def _promote_for(self, victim: Request, step: SchedulingPass) -> bool:
+    def _promote_for(self, victim: Request, pass_: SchedulingPass) -> bool:
         """Promote requests suspended earlier in this pass to recompute-pause, most recent first, to make host room
         for `victim`: the shortest such group that makes room, and only while its KV is worth less than the
         victim's (the spec's promotion gate decides each one; the group is checked against the same rule first)."""
@@ -571,72 +572,72 @@ class Scheduler:
             return False
         missing = victim.num_gpu_blocks - self.pool.host_free_blocks
         group, freed = [], 0
-        for candidate in reversed(step.suspended):
+        for candidate in reversed(pass_.suspended):
             if freed >= missing:
                 break
             group.append(candidate)
             freed += candidate.num_host_blocks
         if freed < missing or not promotion_saves_kv(sum(c.kv_tokens for c in group), victim.kv_tokens):
             return False
-        step.promotion_worth = victim.kv_tokens
+        pass_.promotion_worth = victim.kv_tokens
         for candidate in group:
-            plans = [p for p in step.output.migrations if p.request_id == candidate.request_id]
+            plans = [p for p in pass_.output.migrations if p.request_id == candidate.request_id]
             self._fire(candidate, "recompute_pause")
-            step.promotion_worth -= candidate.kv_tokens
-            self._abandon_migrations(plans, step)
-            step.suspended.remove(candidate)
-            step.output.suspended.remove(candidate)
-            step.output.recompute_paused.append(candidate)
-            step.record.decisions.append(Promotion(victim.request_id, candidate.request_id))
+            pass_.promotion_worth -= candidate.kv_tokens
+            self._abandon_migrations(plans, pass_)
+            pass_.suspended.remove(candidate)
+            pass_.output.suspended.remove(candidate)
+            pass_.output.recompute_paused.append(candidate)
+            pass_.record.decisions.append(Promotion(victim.request_id, candidate.request_id))
         return True
 
-    def _abandon_migrations(self, plans: list[MigrationPlan], step: SchedulingPass) -> None:
+    def _abandon_migrations(self, plans: list[MigrationPlan], pass_: SchedulingPass) -> None:
         """Drop not-yet-issued copy plans of a request promoted in this pass; their GPU sources free at once."""
         for plan in plans:
-            step.output.migrations.remove(plan)
+            pass_.output.migrations.remove(plan)
             self.pool.complete(plan)
-            step.pending_free -= plan.num_blocks
+            pass_.pending_free -= plan.num_blocks
 
     # ------------------------------------------------------------------------------------------- admission
-    def _admit(self, step: SchedulingPass) -> None:
+    def _admit(self, pass_: SchedulingPass) -> None:
         """Readmissions and admissions in the policy's class order, each class in arrival order (ADMIT-ORDER);
         new requests are held back in a pass that chose a victim or left a requester waiting (ADMIT-HOLD)."""
         rules = self.policy.admission_rules
-        hold_new = "hold_new_after_preemption_or_wait" in rules and (step.preempted or step.waited)
+        hold_new = "hold_new_after_preemption_or_wait" in rules and (pass_.preempted or pass_.waited)
         for event, queue in self._admission_queues:
             if event == "admit" and hold_new:
                 return
-            if not self._admit_class(event, queue, step) and "stop_at_first_misfit" in rules:
+            if not self._admit_class(event, queue, pass_) and "stop_at_first_misfit" in rules:
                 return
 
-    def _admit_class(self, event: str, queue: list[Request], step: SchedulingPass) -> bool:
+    def _admit_class(self, event: str, queue: list[Request], pass_: SchedulingPass) -> bool:
         """Admit from `queue` in arrival order; False when a candidate did not fit (admission stops there)."""
         no_victims = "no_readmission_of_victims" in self.policy.admission_rules
         for request in list(queue):
-            if no_victims and id(request) in step.victims:
+            if no_victims and id(request) in pass_.victims:
                 continue  # never readmit a victim of this very pass
             if self.config.capacity_policy == "guaranteed_no_evict" and not self._reservable(request):
                 return False
-            if not self._admit_one(request, event, step):
+            if not self._admit_one(request, event, pass_):
                 return False
         return True
 
-    def _admit_one(self, request: Request, event: str, step: SchedulingPass) -> bool:
-        if step.slots_left == 0 or request.request_id in self.in_flight:
+    def _admit_one(self, request: Request, event: str, pass_: SchedulingPass) -> bool:
+        if pass_.slots_left == 0 or request.request_id in self.in_flight:
             return False  # no slot, or its step of an earlier pass has not landed yet (it lost its host copy since)
-        out = step.output
+        out = pass_.output
         if request.state == self._offloaded:  # a resume moves KV back and computes from the next pass
             if self._in_flight(request) or not self._try_fire(request, event):
                 return False
             out.resumed.append(request)
-            step.slots_left -= 1
+            pass_.slots_left -= 1
             return True
-        if step.tokens_left == 0:
+        if pass_.tokens_left == 0:
             return False
-        request.planned_chunk = min(self.config.prefill_chunk_size, request.next_step_tokens, step.tokens_left)
+        request.planned_chunk = min(self.config.prefill_chunk_size, request.next_step_tokens, pass_.tokens_left)
         if not self._try_fire(request, event):
             return False
-        self._add_scheduled(request, request.planned_chunk, step)
+        self._add_scheduled(request, request.planned_chunk, pass_)
         return True
 
     def _in_flight(self, request: Request) -> bool:
@@ -1003,10 +1004,10 @@ class _Effects:
         self.s = scheduler
 
     def _migrations(self) -> list:
-        step = self.s._pass
-        if step.number is None:
+        pass_ = self.s._pass
+        if pass_.number is None:
             raise KVStateError("migrations happen only inside schedule(); suspend and resume are scheduler decisions")
-        return step.output.migrations
+        return pass_.output.migrations
 
     def _admit(self, request: Request, event: str) -> None:
         """Put `request` among the computing requests in admission order; a fresh admission number unless the
