@@ -22,7 +22,6 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from kvstate.lifecycle import STATE_ATTRIBUTE
-from kvstate.pool import ceil_div
 
 
 @dataclass(eq=False, slots=True)
@@ -43,7 +42,6 @@ class Request:
     prefill_tokens: tuple[int, ...] = ()
     num_computed_tokens: int = 0
     admission: int = -1
-    planned_chunk: int = 0
     num_gpu_blocks: int = 0
     num_host_blocks: int = 0
     num_suspensions: int = 0
@@ -137,8 +135,8 @@ class Request:
 
     # ---- RequestView
     @property
-    def blocks_for_first_chunk(self) -> int:
-        return ceil_div(self.planned_chunk, self.block_size)
+    def prefill_tokens_left(self) -> int:
+        return len(self.prefill_tokens) - self.num_computed_tokens
 
     @property
     def replay_complete(self) -> bool:
@@ -150,7 +148,6 @@ class Request:
             self.replay_high_water = 0  # tokens were generated since the last reset: a new replay prompt
         self.prefill_tokens = self.all_tokens
         self.num_computed_tokens = 0
-        self.planned_chunk = 0
         self.num_gpu_blocks = self.num_host_blocks = 0
         self.num_recompute_pauses += 1
 

@@ -60,7 +60,7 @@ from kvstate.policy import PassRecord, Promotion, Victim, Wait
 from kvstate.pool import TO_HOST, MigrationPlan, TieredBlockPool, ceil_div
 from kvstate.request import Request, new_request
 from kvstate.roles import ACTIVE, DROPPED, ENDED, OFFLOADED, PENDING_RESET, RECOMPUTING
-from kvstate.semantics import PassView, promotion_saves_kv
+from kvstate.semantics import PassView, first_chunk_blocks, first_chunk_tokens, promotion_saves_kv
 from kvstate.spec import Spec, Transition
 from kvstate.stats import IterationStats
 from kvstate.trace import FiredTransition
@@ -302,6 +302,8 @@ class Scheduler:
             pool.host_free_blocks,
             pool.has_host_tier,
             pool.pipeline_stages,
+            self.config.block_size,
+            min(self.config.prefill_chunk_size, pass_.tokens_left),
             pass_.number,
             pass_.promotion_worth,
         )
@@ -634,10 +636,9 @@ class Scheduler:
             return True
         if pass_.tokens_left == 0:
             return False
-        request.planned_chunk = min(self.config.prefill_chunk_size, request.next_step_tokens, pass_.tokens_left)
         if not self._try_fire(request, event):
             return False
-        self._add_scheduled(request, request.planned_chunk, pass_)
+        self._add_scheduled(request, first_chunk_tokens(request, self._view()), pass_)
         return True
 
     def _in_flight(self, request: Request) -> bool:
@@ -1017,7 +1018,7 @@ class _Effects:
         bisect.insort(self.s.admitted, request, key=_by_admission)
 
     def allocate_first_chunk(self, request: Request, transition: Transition) -> None:
-        blocks = request.blocks_for_first_chunk
+        blocks = first_chunk_blocks(request, self.s._view())
         self.s.pool.allocate(request.request_id, blocks)
         request.num_gpu_blocks = blocks
         self._admit(request, transition.event)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
+from kvstate.pool import ceil_div
+
 if TYPE_CHECKING:  # annotations only: the spec layer imports this module (through kvstate.validate)
     from kvstate.spec import Transition
 
@@ -25,8 +27,8 @@ class RequestView(Protocol):
         """The request's id (read only)."""
 
     @property
-    def blocks_for_first_chunk(self) -> int:
-        """GPU blocks its first prefill chunk needs (admission, or the first chunk of a replay)."""
+    def prefill_tokens_left(self) -> int:
+        """Tokens of its prompt (or replay prompt) not computed yet: its first chunk takes at most these."""
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -73,6 +75,15 @@ class PoolView(Protocol):
     def pipeline_stages(self) -> int: ...
 
     @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+
+    @property
+    def first_chunk_limit(self) -> int:
+        """Tokens a first prefill chunk may take at most now: the chunk size, cut to what the pass under way has
+        left of its token budget."""
+
+    @property
     def pass_number(self) -> int | None:
         """The scheduling pass under way (None between passes)."""
 
@@ -90,6 +101,8 @@ class PassView(NamedTuple):
     host_free_blocks: int
     has_host_tier: bool
     pipeline_stages: int
+    block_size: int
+    first_chunk_limit: int
     pass_number: int | None
     promotion_worth: float
 
@@ -97,9 +110,20 @@ class PassView(NamedTuple):
 Guard = Callable[[RequestView, PoolView], bool]
 
 
+def first_chunk_tokens(request: RequestView, pool: PoolView) -> int:
+    """The tokens of the request's first prefill chunk (admission, or the first chunk of a replay), were it taken now:
+    its prefill left, cut to the chunk size and to the pass's token budget (`first_chunk_limit`)."""
+    return min(request.prefill_tokens_left, pool.first_chunk_limit)
+
+
+def first_chunk_blocks(request: RequestView, pool: PoolView) -> int:
+    """The GPU blocks of `first_chunk_tokens`: what the first chunk's guard asks for and its effect allocates."""
+    return ceil_div(first_chunk_tokens(request, pool), pool.block_size)
+
+
 def gpu_room_for_first_chunk(request: RequestView, pool: PoolView) -> bool:
     """The GPU tier has free blocks for the request's first prefill chunk."""
-    return pool.gpu_free_blocks >= request.blocks_for_first_chunk
+    return pool.gpu_free_blocks >= first_chunk_blocks(request, pool)
 
 
 def gpu_room_for_all_blocks(request: RequestView, pool: PoolView) -> bool:

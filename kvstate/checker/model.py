@@ -40,7 +40,7 @@ from kvstate.checker.bounds import Bound
 from kvstate.lifecycle import STATE_ATTRIBUTE, TransitionTable
 from kvstate.pool import ceil_div
 from kvstate.roles import ACTIVE, PENDING_RESET, RECOMPUTING
-from kvstate.semantics import GUARDS, Guard
+from kvstate.semantics import GUARDS, Guard, first_chunk_blocks
 from kvstate.spec import Spec, Transition
 
 ABSENT = ""  # the state of a request that has not arrived yet
@@ -170,8 +170,8 @@ class RequestState:
         return min(self.chunk_size, self.prefill - self.computed)
 
     @property
-    def blocks_for_first_chunk(self) -> int:
-        return ceil_div(self.next_chunk, self.block_size)
+    def prefill_tokens_left(self) -> int:
+        return self.prefill - self.computed
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -205,7 +205,17 @@ class RequestState:
 class PoolState:
     """A mutable view of the abstract pool; satisfies `kvstate.PoolView`."""
 
-    __slots__ = ("gpu_capacity", "gpu_fenced", "gpu_free", "host_capacity", "host_fenced", "host_free", "stages")
+    __slots__ = (
+        "block_size",
+        "first_chunk_limit",
+        "gpu_capacity",
+        "gpu_fenced",
+        "gpu_free",
+        "host_capacity",
+        "host_fenced",
+        "host_free",
+        "stages",
+    )
 
     # no passes in the abstract model (see RequestState.suspended_in_pass): any promotion's worth is allowed
     pass_number = 0
@@ -214,6 +224,8 @@ class PoolState:
     def __init__(self, state: AbstractState, bound: Bound) -> None:
         _, self.gpu_free, self.host_free, self.gpu_fenced, self.host_fenced = state
         self.gpu_capacity, self.host_capacity, self.stages = bound.gpu_blocks, bound.host_blocks, bound.pipeline_stages
+        self.block_size = bound.block_size
+        self.first_chunk_limit = bound.chunk_size  # no token budget per pass in the abstract model: the chunk size
 
     def record(self) -> PoolCounts:
         return PoolCounts(self.gpu_free, self.host_free, self.gpu_fenced, self.host_fenced)
@@ -242,7 +254,7 @@ class AbstractEffects:
         self.pool = pool
 
     def allocate_first_chunk(self, request: RequestState, transition: Transition) -> None:
-        blocks = request.blocks_for_first_chunk
+        blocks = first_chunk_blocks(request, self.pool)
         self.pool.gpu_free -= blocks
         request.gpu = blocks
 

@@ -53,7 +53,7 @@ class FakeRequest:
         self,
         request_id: object,
         *,
-        blocks_for_first_chunk: int = 1,
+        prefill_tokens_left: int = 1,
         num_gpu_blocks: int = 0,
         num_host_blocks: int = 0,
         final_token_produced: bool = False,
@@ -65,7 +65,7 @@ class FakeRequest:
         self.request_id = request_id
         self.suspended_in_pass = suspended_in_pass
         self.kv_tokens = kv_tokens
-        self.blocks_for_first_chunk = blocks_for_first_chunk
+        self.prefill_tokens_left = prefill_tokens_left
         self.num_gpu_blocks = num_gpu_blocks
         self.num_host_blocks = num_host_blocks
         self.final_token_produced = final_token_produced
@@ -81,7 +81,7 @@ class EqualFieldsRequest:
     """A request type whose instances compare equal when their fields are equal (and are unhashable)."""
 
     request_id: object
-    blocks_for_first_chunk: int = 1
+    prefill_tokens_left: int = 1
     num_gpu_blocks: int = 0
     num_host_blocks: int = 0
     final_token_produced: bool = False
@@ -99,6 +99,8 @@ class FakePool:
     host_free_blocks: int = 0
     has_host_tier: bool = False
     pipeline_stages: int = 1
+    block_size: int = 1  # one token per block: a first chunk of n tokens takes n blocks
+    first_chunk_limit: int = 1 << 30  # no chunk size or token budget cuts a first chunk
     pass_number: int | None = None
     promotion_worth: int = 0
 
@@ -321,11 +323,11 @@ REAL_GUARD_CASES = {
     "admit-fits": (
         "waiting",
         "admit",
-        {"blocks_for_first_chunk": 4},
+        {"prefill_tokens_left": 4},
         FakePool(gpu_free_blocks=4),
         "gpu_room_for_first_chunk",
     ),
-    "admit-short-one": ("waiting", "admit", {"blocks_for_first_chunk": 4}, FakePool(gpu_free_blocks=3), None),
+    "admit-short-one": ("waiting", "admit", {"prefill_tokens_left": 4}, FakePool(gpu_free_blocks=3), None),
     "suspend-host-room": (
         "running",
         "suspend",
@@ -402,14 +404,14 @@ REAL_GUARD_CASES = {
     "replay-fits": (
         "recompute_paused",
         "replay",
-        {"blocks_for_first_chunk": 2},
+        {"prefill_tokens_left": 2},
         FakePool(gpu_free_blocks=2),
         "gpu_room_for_first_chunk",
     ),
     "replay-short-one": (
         "recompute_paused",
         "replay",
-        {"blocks_for_first_chunk": 2},
+        {"prefill_tokens_left": 2},
         FakePool(gpu_free_blocks=1),
         None,
     ),
@@ -457,7 +459,7 @@ def test_real_guards(impl, case) -> None:
 @given(
     fields=st.fixed_dictionaries(
         {
-            "blocks_for_first_chunk": st.integers(0, 8),
+            "prefill_tokens_left": st.integers(0, 8),
             "num_gpu_blocks": st.integers(0, 8),
             "num_host_blocks": st.integers(0, 8),
             "final_token_produced": st.booleans(),

@@ -260,7 +260,8 @@ def test_reset_for_replay_builds_the_replay_prompt_and_clears_kv_state() -> None
     # RESET-BUDGET
     assert b.remaining_tokens == 6 - len(generated)
     # RESET-CLEARED
-    assert (b.num_computed_tokens, b.planned_chunk, b.num_gpu_blocks, b.num_host_blocks) == (0, 0, 0, 0)
+    assert (b.num_computed_tokens, b.num_gpu_blocks, b.num_host_blocks) == (0, 0, 0)
+    assert b.prefill_tokens_left == len(b.prefill_tokens)  # its next first chunk starts the replay prompt afresh
     assert sched.pool.gpu_blocks("b") == () and sched.pool.host_blocks("b") == ()
     # the replay recomputes the whole replay prompt, untruncated, before b produces another token
     replayed = 0
