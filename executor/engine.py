@@ -67,7 +67,7 @@ from executor.trace import TraceWriter
 from kvstate.config import ConfigError, RequestRejected, SchedulerConfig, normalize_stop_token_ids
 from kvstate.errors import KVStateError, PoolError
 from kvstate.output import SchedulerOutput, planned_chunks
-from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan
+from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan, ceil_div
 from kvstate.scheduler import Scheduler, Step, UnknownRequestId
 from kvstate.stats import IterationStats
 
@@ -798,7 +798,7 @@ class Engine:
         """The oracle: the output of this one request run alone on the same weights, with GPU blocks for all its
         tokens, no host tier and its whole prompt in one chunk. Pass the request's id when it samples."""
         prompt = list(prompt_token_ids.tolist() if hasattr(prompt_token_ids, "tolist") else prompt_token_ids)
-        blocks = -(-(len(prompt) + max_new_tokens) // self.config.scheduler.block_size)
+        blocks = ceil_div(len(prompt) + max_new_tokens, self.config.scheduler.block_size)
         config = self._unpressured(
             gpu_blocks=max(blocks, 1),
             max_batch_size=1,
@@ -834,7 +834,7 @@ class Engine:
         size = self.config.scheduler.block_size
         for start in range(0, len(submitted), batch_size):
             group = submitted[start : start + batch_size]
-            blocks = sum(-(-(len(sub.prompt) + sub.max_new_tokens) // size) for _, sub in group)
+            blocks = sum(ceil_div(len(sub.prompt) + sub.max_new_tokens, size) for _, sub in group)
             longest = max(len(sub.prompt) for _, sub in group)
             config = self._unpressured(
                 gpu_blocks=blocks,

@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvstate.pool import ceil_div
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -380,7 +382,7 @@ class PagedBatch:
         for start, tokens, table, produces in zip(*_columns(chunks), strict=True):
             n = len(tokens)
             end_pos = start + n
-            needed = -(-end_pos // block_size)
+            needed = ceil_div(end_pos, block_size)
             if n == 0 or len(table) < needed:
                 raise ValueError(
                     f"chunk of {n} tokens at {start} needs {needed} blocks, table has {len(table)}; "

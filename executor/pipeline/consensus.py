@@ -92,10 +92,6 @@ class ConsensusBook:
                 record.agreed = now
         return {rid for rid in agreed if rid in self.pending}
 
-    def is_agreed(self, request_id: Hashable) -> bool:
-        record = self.pending.get(request_id)
-        return record is not None and record.agreed is not None
-
     def release(self, request_id: Hashable, iteration: int, outcome: str) -> PauseRecord:
         """The consensus transition of `request_id` reached this rank; refuse it unless every rank had agreed."""
         record = self.pending.get(request_id)

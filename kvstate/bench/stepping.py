@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from kvstate.bench.timing import interleaved
 from kvstate.config import SchedulerConfig
 from kvstate.output import planned_chunks
+from kvstate.pool import ceil_div
 from kvstate.scheduler import Scheduler
 
 BLOCK_SIZE = 16
@@ -61,7 +62,7 @@ class Workload:
         if self.regime == "pressure":
             return self.size * 2 // 3 * 2
         longest = BLOCK_SIZE + SETTLE_STEPS["steady"] + self.steps + 1  # tokens of the longest request at the end
-        return self.size * -(-longest // BLOCK_SIZE)
+        return self.size * ceil_div(longest, BLOCK_SIZE)
 
     @property
     def max_new_tokens(self) -> int:

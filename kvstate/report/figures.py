@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvstate.diagrams.escape import mpl_text
+from kvstate.pool import ceil_div
 from kvstate.report.colors import COLOR_KEY, DESTRUCTIVE_HATCH_COLOR, hatched, state_colors
 from kvstate.report.model import TraceSummary
 from kvstate.spec import Spec
@@ -60,7 +61,7 @@ def timeline(summary: TraceSummary, spec: Spec):
                 hatch=HATCH if hatched(spec, span.state) else None,
                 edgecolor=DESTRUCTIVE_HATCH_COLOR if hatched(spec, span.state) else None,
             )
-    step = max(1, -(-n // MAX_LABELLED_ROWS))
+    step = max(1, ceil_div(n, MAX_LABELLED_ROWS))
     ax.set_yticks(
         range(0, n, step), [mpl_text(str(summary.requests[i])) for i in range(0, n, step)], fontsize=8 if n > 30 else 9
     )
@@ -94,7 +95,7 @@ def integer_ticks(axis) -> None:
 
 def bin_size(iterations: int) -> int:
     """Consecutive iterations per occupancy column: 1 while they fit in `MAX_COLUMNS`."""
-    return max(1, -(-iterations // MAX_COLUMNS))
+    return max(1, ceil_div(iterations, MAX_COLUMNS))
 
 
 def binned_peaks(rows: list[dict[str, int]], tier: str, k: int) -> tuple[list[int], list[int], list[int]]:
