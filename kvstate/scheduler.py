@@ -181,9 +181,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._admissions = itertools.count()
         self._auto_ids = itertools.count()
-        self._effects = _Effects(self)
-        self._idle = SchedulingPass(config, None)
-        self._pass = self._idle
+        self._idle = SchedulingPass(config, None)  # the pass that events between passes fire in
         self.last_pass: SchedulingPass | None = None
         self._idle_iterations = 0
         self._last_stats = IterationStats(iteration=0)
@@ -270,23 +268,25 @@ class Scheduler:
         return request
 
     # -------------------------------------------------------------------------------------------- firing
-    def _fire(self, request: Request, event: str) -> Transition:
+    def _fire(self, request: Request, event: str, pass_: SchedulingPass | None = None) -> Transition:
         """Fire `event` on `request` (`_try_fire`); raises `GuardRejected` (nothing changed) when no guard holds."""
-        transition = self._try_fire(request, event)
+        transition = self._try_fire(request, event, pass_)
         if transition is None:
             raise self.lifecycle.rejected(request, event)
         return transition
 
-    def _try_fire(self, request: Request, event: str) -> Transition | None:
-        """Fire `event` on `request` if one of its guards holds, each guard evaluated once on a `PassView` of the
-        pass under way; then run the edge's effect, move the request between the containers, record the transition
-        (`fired`) and tell `on_transition`. None (nothing changed) when no guard holds."""
+    def _try_fire(self, request: Request, event: str, pass_: SchedulingPass | None = None) -> Transition | None:
+        """Fire `event` on `request` in `pass_` (None: between passes) if one of its guards holds, each guard
+        evaluated once on a `PassView` of that pass; then run the edge's effect in it, move the request between the
+        containers, record the transition (`fired`) and tell `on_transition`. None (nothing changed) when no guard
+        holds."""
+        pass_ = self._idle if pass_ is None else pass_
         before = request.state
-        transition = self.lifecycle.try_fire(request, event, self._view())
+        transition = self.lifecycle.try_fire(request, event, self._view(pass_))
         if transition is None:
             return None
         if transition.effect is not None:
-            getattr(self._effects, transition.effect)(request, transition)
+            getattr(self._effects_in(pass_), transition.effect)(request, transition)
         self._move(request, before, transition.dest)
         if self.fired is not None:
             self.fired.append(self.snapshot(request, transition))
@@ -294,9 +294,13 @@ class Scheduler:
             self.on_transition(request, transition)
         return transition
 
-    def _view(self) -> PassView:
-        """What the guards read for one decision: the pool's figures and the pass under way."""
-        pool, pass_ = self.pool, self._pass
+    def _effects_in(self, pass_: SchedulingPass) -> _Effects:
+        """The effect hooks of a transition fired in `pass_`."""
+        return _Effects(self, pass_)
+
+    def _view(self, pass_: SchedulingPass) -> PassView:
+        """What the guards read for one decision: the pool's figures and those of `pass_`."""
+        pool = self.pool
         return PassView(
             pool.gpu_free_blocks,
             pool.host_free_blocks,
@@ -361,7 +365,7 @@ class Scheduler:
         """Plan one iteration. Raises `SchedulerStalled` after `no_progress_limit` passes without progress."""
         self._watch_progress()
         self.iteration += 1
-        self._pass = pass_ = SchedulingPass(self.config, self.iteration)
+        pass_ = SchedulingPass(self.config, self.iteration)
         pass_.pending_free = self._room_on_its_way()
         pass_.slots_left = self.slots_per_pass()
         try:
@@ -376,7 +380,6 @@ class Scheduler:
             else:
                 self._admit_class("admit", self.waiting, pass_)
         finally:
-            self._pass = self._idle
             self.last_pass = pass_
         out = pass_.output
         out.num_fitting_requests = out.num_scheduled
@@ -544,15 +547,15 @@ class Scheduler:
         held = victim.num_gpu_blocks
         suspendable = "suspend" in self.lifecycle.allowed_events(victim.state)
         if suspendable and (
-            self._try_fire(victim, "suspend")
-            or (self._promote_for(victim, pass_) and self._try_fire(victim, "suspend"))
+            self._try_fire(victim, "suspend", pass_)
+            or (self._promote_for(victim, pass_) and self._try_fire(victim, "suspend", pass_))
         ):
             pass_.pending_free += held
             pass_.suspended.append(victim)
             pass_.output.suspended.append(victim)
             event = "suspend"
         elif self.config.enable_recompute_pause:
-            self._fire(victim, "recompute_pause")
+            self._fire(victim, "recompute_pause", pass_)
             if victim.state == self._pending_reset:
                 pass_.pending_free += held
             pass_.output.recompute_paused.append(victim)
@@ -584,7 +587,7 @@ class Scheduler:
         pass_.promotion_worth = victim.kv_tokens
         for candidate in group:
             plans = [p for p in pass_.output.migrations if p.request_id == candidate.request_id]
-            self._fire(candidate, "recompute_pause")
+            self._fire(candidate, "recompute_pause", pass_)
             pass_.promotion_worth -= candidate.kv_tokens
             self._abandon_migrations(plans, pass_)
             pass_.suspended.remove(candidate)
@@ -629,16 +632,16 @@ class Scheduler:
             return False  # no slot, or its step of an earlier pass has not landed yet (it lost its host copy since)
         out = pass_.output
         if request.state == self._offloaded:  # a resume moves KV back and computes from the next pass
-            if self._in_flight(request) or not self._try_fire(request, event):
+            if self._in_flight(request) or not self._try_fire(request, event, pass_):
                 return False
             out.resumed.append(request)
             pass_.slots_left -= 1
             return True
         if pass_.tokens_left == 0:
             return False
-        if not self._try_fire(request, event):
+        if not self._try_fire(request, event, pass_):
             return False
-        self._add_scheduled(request, first_chunk_tokens(request, self._view()), pass_)
+        self._add_scheduled(request, first_chunk_tokens(request, self._view(pass_)), pass_)
         return True
 
     def _in_flight(self, request: Request) -> bool:
@@ -999,13 +1002,17 @@ class Step(Generic[F]):
 
 
 class _Effects:
-    """The scheduler's implementation of `kvstate.EffectHooks`: block accounting and request counters."""
+    """The scheduler's implementation of `kvstate.EffectHooks`, for the effects of one transition fired in `pass_`:
+    block accounting, request counters, and the pass's migrations (only a pass with a number takes migrations)."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    __slots__ = ("pass_", "s")
+
+    def __init__(self, scheduler: Scheduler, pass_: SchedulingPass) -> None:
         self.s = scheduler
+        self.pass_ = pass_
 
     def _migrations(self) -> list:
-        pass_ = self.s._pass
+        pass_ = self.pass_
         if pass_.number is None:
             raise KVStateError("migrations happen only inside schedule(); suspend and resume are scheduler decisions")
         return pass_.output.migrations
@@ -1018,7 +1025,7 @@ class _Effects:
         bisect.insort(self.s.admitted, request, key=_by_admission)
 
     def allocate_first_chunk(self, request: Request, transition: Transition) -> None:
-        blocks = first_chunk_blocks(request, self.s._view())
+        blocks = first_chunk_blocks(request, self.s._view(self.pass_))
         self.s.pool.allocate(request.request_id, blocks)
         request.num_gpu_blocks = blocks
         self._admit(request, transition.event)
@@ -1028,7 +1035,7 @@ class _Effects:
         self._migrations().append(plan)
         request.num_gpu_blocks, request.num_host_blocks = 0, plan.num_blocks
         request.num_suspensions += 1
-        request.suspended_in_pass = self.s._pass.number
+        request.suspended_in_pass = self.pass_.number
 
     def migrate_to_gpu(self, request: Request, transition: Transition) -> None:
         plan = self.s.pool.resume(request.request_id)

@@ -35,10 +35,10 @@ class RecordingScheduler(Scheduler):
         self.promoted: Counter = Counter()
         self._requester = None
 
-    def _fire(self, request, event):
+    def _fire(self, request, event, pass_=None):
         if event == "recompute_pause" and request.state == "suspended":
             self.promoted[request.request_id] += 1
-        return super()._fire(request, event)
+        return super()._fire(request, event, pass_)
 
     def _make_room(self, request, need, step):
         self._requester = request

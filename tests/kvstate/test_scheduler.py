@@ -324,7 +324,7 @@ def test_finish_while_awaiting_consensus_terminates_at_consensus() -> None:
     assert b.state == "awaiting_consensus" and b.generated == solo[:1]
     # the last pipeline stage delivers b's in-flight token, which is final (a stop token)
     b.append_token(stop)
-    sched.lifecycle.fire(b, "finish", sched.pool, sched._effects)
+    sched.lifecycle.fire(b, "finish", sched.pool, sched._effects_in(sched._idle))
     assert b.state == "awaiting_consensus" and b.termination_reason == "finished"
     sched.reach_consensus()
     assert b.state == "done" and b.done_reason == "finished" and b.num_recompute_pauses == 0

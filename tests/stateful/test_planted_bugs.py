@@ -67,9 +67,8 @@ def adapter_with(config: SchedulerConfig, **kwargs):
 
 def scheduler_with_effects(effects: type[_Effects]) -> type[Scheduler]:
     class BrokenScheduler(Scheduler):
-        def __init__(self, config, spec=None) -> None:
-            super().__init__(config, spec)
-            self._effects = effects(self)
+        def _effects_in(self, pass_):
+            return effects(self, pass_)
 
     return BrokenScheduler
 
