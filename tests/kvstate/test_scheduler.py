@@ -385,6 +385,20 @@ def test_chunked_prefill_computes_a_long_prompt_in_several_context_chunks() -> N
     run_and_check(ex)
 
 
+def test_a_first_chunk_is_cut_to_what_the_pass_has_left_of_its_token_budget() -> None:
+    """The first chunk is pass data: the second admission of a pass gets the budget the first left, and only the
+    blocks of that cut chunk (block size 4: a 6-token chunk takes 2 blocks, the 2 left; a full 10-token chunk would
+    need 3)."""
+    sched = make(5, block_size=4, prefill_chunk_size=10, max_num_tokens=16)
+    a = sched.submit(list(range(1, 11)), 1, request_id="a")
+    b = sched.submit(list(range(20, 39)), 1, request_id="b")
+    out = sched.schedule()
+    assert out.context == [a, b] and out.chunk_tokens == {"a": 10, "b": 6}
+    assert (a.num_gpu_blocks, b.num_gpu_blocks) == (3, 2) and sched.pool.gpu_free_blocks == 0
+    assert b.prefill_tokens_left == 19  # nothing of the cut is stored on the request
+    sched.check_invariants(out)
+
+
 def test_suspended_requests_resume_in_arrival_order() -> None:
     sched = make(8, 8)
     for rid, prompt, m in [("a", [2, 16], 5), ("b", [25, 19], 4), ("c", [37, 13], 5), ("d", [18], 2)]:
