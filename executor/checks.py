@@ -19,15 +19,63 @@ from __future__ import annotations
 import random
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from executor.engine import Engine
-from executor.model import LlamaModel
+from executor.engine import Engine, EngineConfig
+from executor.model import LlamaModel, ModelConfig
 from executor.sampler import GREEDY, SamplingParams
+from kvstate.config import SchedulerConfig
 
 DEMO_PROMPT_LEN = (8, 96)  # the demo workload's prompt lengths (single process and pipeline)
 DEMO_MAX_NEW_TOKENS = (8, 64)
+
+
+def demo_model(hidden_size: int) -> ModelConfig:
+    """The demos' seeded model at width `hidden_size` (a positive multiple of 8): the default architecture (2
+    layers, 4 attention heads, 2 key/value heads) with heads of `hidden_size / 4` and an MLP twice as wide. At 64 it
+    is `ModelConfig()`. Raises `ValueError` for any other width."""
+    if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or hidden_size <= 0 or hidden_size % 8:
+        raise ValueError(f"the demo model's hidden size must be a positive multiple of 8, got {hidden_size!r}")
+    return ModelConfig(hidden_size=hidden_size, intermediate_size=2 * hidden_size, head_dim=hidden_size // 4)
+
+
+def demo_engine_config(  # noqa: PLR0913 - keyword-only: one per demo option
+    *,
+    gpu_blocks: int,
+    host_blocks: int,
+    block_size: int,
+    chunk_size: int,
+    hidden_size: int,
+    seed: int,
+    device: str,
+    dtype: str,
+    trace: str | Path | None,
+    lifecycle: str = "machine",
+    **settings: object,
+) -> EngineConfig:
+    """The engine configuration of a demo run (`kvstate demo`, with or without `--pp`, and `python -m
+    executor.pipeline`): prefill chunks of `chunk_size`, at least 256 tokens a pass, `demo_model(hidden_size)` with
+    weights, workload and sampling all seeded by `seed`; `settings` are further `EngineConfig` fields."""
+    scheduler = SchedulerConfig(
+        gpu_blocks=gpu_blocks,
+        host_blocks=host_blocks,
+        block_size=block_size,
+        prefill_chunk_size=chunk_size,
+        max_num_tokens=max(256, chunk_size),
+        lifecycle=lifecycle,
+    )
+    return EngineConfig(
+        scheduler=scheduler,
+        model=demo_model(hidden_size),
+        device=device,
+        dtype=dtype,
+        seed=seed,
+        weights_seed=seed,
+        trace_path=trace,
+        **settings,  # type: ignore[arg-type]
+    )
 
 
 def format_bytes(n: float) -> str:

@@ -14,6 +14,7 @@ import sys
 from dataclasses import replace
 
 from executor.pipeline.demo import DEMO_TIMEOUT_S
+from kvstate.commands.args import positive_multiple_of
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,6 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host-blocks", type=int, default=16, help="0 = no host tier")
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--hidden-size", type=positive_multiple_of(8, "hidden_size"), default=64, help="the model's width")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     p.add_argument("--dtype", default="float64", choices=("float64", "float32"))
@@ -97,27 +99,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _torchrun(args: argparse.Namespace) -> int:
-    from executor.checks import DEMO_MAX_NEW_TOKENS, DEMO_PROMPT_LEN, random_workload
-    from executor.engine import Engine, EngineConfig
+    from executor.checks import DEMO_MAX_NEW_TOKENS, DEMO_PROMPT_LEN, demo_engine_config, random_workload
+    from executor.engine import Engine
     from executor.pipeline.config import PipelineConfig
+    from executor.pipeline.demo import workload_options
     from executor.pipeline.launch import torchrun_main
-    from kvstate.config import SchedulerConfig
 
-    scheduler = SchedulerConfig(
-        gpu_blocks=args.gpu_blocks,
-        host_blocks=args.host_blocks,
-        block_size=args.block_size,
-        prefill_chunk_size=args.chunk_size,
-        max_num_tokens=max(256, args.chunk_size),
-    )
-    engine_config = EngineConfig(
-        scheduler=scheduler,
-        device=args.device,
-        dtype=args.dtype,
-        seed=args.seed,
-        weights_seed=args.seed,
-        trace_path=args.trace,
-    )
+    options = workload_options(args)
+    requests = options.pop("requests")  # the rest configures the engine
+    engine_config = demo_engine_config(**options, device=args.device)
     config = PipelineConfig(
         engine=engine_config,
         timeout_s=args.timeout,
@@ -125,7 +115,7 @@ def _torchrun(args: argparse.Namespace) -> int:
         fail_host_tier_on_ranks=frozenset(args.fail_host_tier_on_rank),
     )
     work = random_workload(
-        args.requests,
+        requests,
         args.seed,
         DEMO_PROMPT_LEN,
         DEMO_MAX_NEW_TOKENS,
@@ -139,7 +129,7 @@ def _torchrun(args: argparse.Namespace) -> int:
     )
     if result.rank != 0:
         return 0
-    oracle_config = replace(engine_config, trace_path=None, scheduler=replace(scheduler, host_blocks=0))
+    oracle_config = replace(engine_config, trace_path=None, scheduler=replace(engine_config.scheduler, host_blocks=0))
     with Engine(oracle_config) as oracle:
         differ = [
             rid

@@ -72,7 +72,17 @@ def output_tokens_per_s(result: PipelineResult) -> float:
     return tokens / driver.wall_s if driver.wall_s > 0 else 0.0
 
 
-WORKLOAD_OPTIONS = ("requests", "gpu_blocks", "host_blocks", "block_size", "chunk_size", "seed", "dtype", "trace")
+WORKLOAD_OPTIONS = (
+    "requests",
+    "gpu_blocks",
+    "host_blocks",
+    "block_size",
+    "chunk_size",
+    "hidden_size",
+    "seed",
+    "dtype",
+    "trace",
+)
 
 
 def workload_options(args: object) -> dict:
@@ -89,6 +99,7 @@ def run_pp_demo(  # noqa: PLR0913 - keyword-only, one per `kvstate demo --pp` fl
     host_blocks: int = 16,
     block_size: int = 8,
     chunk_size: int = 64,
+    hidden_size: int = 64,
     seed: int = 0,
     device: str = "cpu",
     dtype: str = "float64",
@@ -101,20 +112,19 @@ def run_pp_demo(  # noqa: PLR0913 - keyword-only, one per `kvstate demo --pp` fl
 ) -> PipelineDemoSummary:
     """Run the demo workload on `stages` spawned ranks and check every output against the oracle; with
     `compare_lockstep` (and several micro-batches in flight), run it again in lockstep and check that too."""
-    from executor.checks import DEMO_MAX_NEW_TOKENS, DEMO_PROMPT_LEN, random_workload
-    from executor.engine import EngineConfig
-    from kvstate.config import SchedulerConfig
+    from executor.checks import DEMO_MAX_NEW_TOKENS, DEMO_PROMPT_LEN, demo_engine_config, random_workload
 
-    scheduler = SchedulerConfig(
+    engine_config = demo_engine_config(
         gpu_blocks=gpu_blocks,
         host_blocks=host_blocks,
         block_size=block_size,
-        prefill_chunk_size=chunk_size,
-        max_num_tokens=max(256, chunk_size),
+        chunk_size=chunk_size,
+        hidden_size=hidden_size,
+        seed=seed,
+        device=device,
+        dtype=dtype,
+        trace=trace,
         lifecycle=lifecycle,
-    )
-    engine_config = EngineConfig(
-        scheduler=scheduler, device=device, dtype=dtype, seed=seed, weights_seed=seed, trace_path=trace
     )
     config = PipelineConfig(
         engine=engine_config,
@@ -148,7 +158,8 @@ def run_pp_demo(  # noqa: PLR0913 - keyword-only, one per `kvstate demo --pp` fl
         host_text += f" (allocation failed on ranks {host['failed_ranks']}: every rank GPU-only)"
     layers = ", ".join(f"rank {r.rank}: layers {list(r.layers)}" for r in result.ranks)
     header = (
-        f"kvstate demo --pp {stages}: {requests} requests on {device} ({dtype}), GPU tier {gpu_blocks} blocks x "
+        f"kvstate demo --pp {stages}: {requests} requests on {device} ({dtype}, model width {hidden_size}), GPU tier "
+        f"{gpu_blocks} blocks x "
         f"{block_size} tokens per stage, host tier {host_text}; {layers}"
     )
     rows = _rows(stages, result, wall, check_time)

@@ -40,13 +40,13 @@ class UsageError(KVStateError, ValueError):
     """A command-line value cannot be used; the message names the option and says what to pass instead."""
 
 
-def _integer(minimum: int, words: str, name: str | None) -> Callable[[str], int]:
+def _integer(minimum: int, words: str, name: str | None, step: int = 1) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {words}, got {text!r}") from None
-        if value < minimum:
+        if value < minimum or value % step:
             prefix = f"{name} must be" if name else "must be"
             raise argparse.ArgumentTypeError(f"{prefix} {words}, got {value}")
         return value
@@ -57,6 +57,11 @@ def _integer(minimum: int, words: str, name: str | None) -> Callable[[str], int]
 def positive_int(name: str | None = None) -> Callable[[str], int]:
     """An argparse type: an integer >= 1 (`name`, when given, is the setting named in the error)."""
     return _integer(1, "a positive integer", name)
+
+
+def positive_multiple_of(step: int, name: str | None = None) -> Callable[[str], int]:
+    """An argparse type: a positive integer that `step` divides."""
+    return _integer(step, f"a positive multiple of {step}", name, step)
 
 
 def non_negative_int(name: str | None = None) -> Callable[[str], int]:

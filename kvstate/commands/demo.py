@@ -30,9 +30,9 @@ from kvstate.commands.args import (
     output_dir,
     output_file,
     positive_int,
+    positive_multiple_of,
 )
 from kvstate.commands.inject import check_fault_plan
-from kvstate.config import SchedulerConfig
 
 DEFAULTS = {
     "requests": 48,
@@ -40,16 +40,19 @@ DEFAULTS = {
     "host_blocks": 16,
     "block_size": 8,
     "chunk_size": 64,
+    "hidden_size": 64,
     "seed": 0,
     "trace": "kvstate-trace.ndjson",
     "device": "auto",
     "dtype": "float64",
 }
-# `--pp N`: a workload with many requests at once (up to max_batch_size running), still under memory pressure.
-# Pipeline stages overlap only when every micro-batch in flight is full: with the single-process workload about
-# three requests fit in the GPU tier, so each micro-batch would hold one or two and a pass costs the stages about
-# the same whatever its size. `--compare-lockstep` runs the same workload both ways.
-PP_DEFAULTS = {"requests": 192, "gpu_blocks": 512}
+# `--pp N`: a workload with many requests at once, still under memory pressure, on a wider model. Pipeline stages
+# overlap only when a micro-batch carries work: with the single-process workload about three requests fit in the
+# GPU tier, so each micro-batch would hold one or two. And pipeline parallelism is for models whose stages compute
+# more than a pass costs to plan and hand on: at width 64 a stage's forward is mostly fixed per-pass cost (about
+# 0.4 ms of its 0.6-1.1 ms), so half-size micro-batches cost nearly as much as full ones; at 256 compute dominates.
+# `--compare-lockstep` runs the same workload both ways.
+PP_DEFAULTS = {"requests": 192, "gpu_blocks": 512, "hidden_size": 256}
 MIN_REQUEST_TOKENS = 2  # the smallest demo request: a 1-token prompt and 1 new token
 
 
@@ -70,6 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ("--host-blocks", non_negative_int("host_blocks"), "host tier blocks, 0 = no host tier"),
         ("--block-size", positive_int("block_size"), "tokens per block"),
         ("--chunk-size", positive_int("chunk_size"), "prefill chunk size in tokens"),
+        ("--hidden-size", positive_multiple_of(8, "hidden_size"), "the model's width (seeded weights)"),
         ("--device", device_name, "auto (CUDA if available), cpu, cuda or cuda:N"),
         ("--seed", non_negative_int("seed"), "workload, weights and sampling seed"),
         ("--trace", str, "lifecycle trace file, NDJSON (spec/TRACE.md)"),
@@ -198,28 +202,31 @@ def _run(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from executor import Engine, EngineConfig, FaultPlan
-    from executor.checks import DEMO_MAX_NEW_TOKENS, DEMO_PROMPT_LEN, compare, leaked_blocks, random_workload
+    from executor import Engine, FaultPlan
+    from executor.checks import (
+        DEMO_MAX_NEW_TOKENS,
+        DEMO_PROMPT_LEN,
+        compare,
+        demo_engine_config,
+        leaked_blocks,
+        random_workload,
+    )
 
     console = Console(file=sys.stdout)
     errors = Console(file=sys.stderr)
     try:
         faults = FaultPlan.parse(args.inject, seed=args.seed) if args.inject else None
-        scheduler = SchedulerConfig(
+        config = demo_engine_config(
             gpu_blocks=args.gpu_blocks,
             host_blocks=args.host_blocks,
             block_size=args.block_size,
-            prefill_chunk_size=args.chunk_size,
-            max_num_tokens=max(256, args.chunk_size),
-            lifecycle=args.lifecycle,
-        )
-        config = EngineConfig(
-            scheduler=scheduler,
-            device=args.device,
-            dtype=args.dtype,
+            chunk_size=args.chunk_size,
+            hidden_size=args.hidden_size,
             seed=args.seed,
-            weights_seed=args.seed,
-            trace_path=args.trace,
+            dtype=args.dtype,
+            trace=args.trace,
+            device=args.device,
+            lifecycle=args.lifecycle,
             faults=faults,
             verify_host_checksums=not args.no_checksums,
         )
@@ -299,12 +306,12 @@ def _pipeline_demo(args: argparse.Namespace, device: str) -> int:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from executor import EngineConfig
+    from executor.checks import demo_model
     from executor.pipeline.demo import run_pp_demo, workload_options
 
     console = Console(file=sys.stdout)
     errors = Console(file=sys.stderr)
-    layers = EngineConfig().model.num_layers
+    layers = demo_model(args.hidden_size).num_layers
     if args.pp > layers:
         raise UsageError(
             f"--pp {args.pp}: the demo model has {layers} layers and every pipeline stage needs at "

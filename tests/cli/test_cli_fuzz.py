@@ -140,7 +140,16 @@ def test_help_exits_0(run_cli):
 BAD_COUNT = ["-1", "x", "", "1.5", "nan", "1e999", "--"]  # never a valid count, positive or not
 BAD_PATH = ["/proc/x/out", "/etc/passwd/x", "/proc/x"]
 COUNT_OPTIONS = {
-    "demo": ["--requests", "--gpu-blocks", "--host-blocks", "--block-size", "--chunk-size", "--seed", "--pp"],
+    "demo": [
+        "--requests",
+        "--gpu-blocks",
+        "--host-blocks",
+        "--block-size",
+        "--chunk-size",
+        "--hidden-size",
+        "--seed",
+        "--pp",
+    ],
     "soak": ["--requests", "--gpu-blocks", "--host-blocks", "--block-size", "--chunk-size"],
     "check": ["--max-states"],
     "bench": ["--seed"],

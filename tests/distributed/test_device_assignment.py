@@ -84,6 +84,33 @@ def test_the_pipeline_demo_defaults_to_a_workload_with_full_micro_batches_unless
     assert filled("--pp", "2", "--requests", "6", "--gpu-blocks", "12") == (6, 12)  # given flags win
 
 
+def test_the_pipeline_demo_defaults_to_a_wider_model_unless_told_otherwise():
+    from executor.checks import demo_model
+    from executor.model import ModelConfig
+    from kvstate.cli import parse
+    from kvstate.commands.demo import DEFAULTS, PP_DEFAULTS, check_args
+
+    def width(*argv: str) -> int:
+        args = parse(["demo", "--device", "cpu", *argv])
+        check_args(args)
+        return args.hidden_size
+
+    assert width() == DEFAULTS["hidden_size"] and demo_model(width()) == ModelConfig()  # the single process: as before
+    assert width("--pp", "2") == PP_DEFAULTS["hidden_size"] > DEFAULTS["hidden_size"]
+    assert width("--pp", "2", "--hidden-size", "64") == 64  # given flags win
+    wide = demo_model(PP_DEFAULTS["hidden_size"])
+    assert (wide.head_dim * wide.num_heads, wide.intermediate_size) == (wide.hidden_size, 2 * wide.hidden_size)
+    assert wide.num_layers == ModelConfig().num_layers  # so --pp accepts the same stage counts
+
+
+@pytest.mark.parametrize("width", [0, -8, 12, 7])
+def test_a_demo_model_width_that_is_not_a_positive_multiple_of_8_is_refused(width):
+    from executor.checks import demo_model
+
+    with pytest.raises(ValueError, match="multiple of 8"):
+        demo_model(width)
+
+
 @pytest.mark.parametrize(("world", "cores"), [(2, [0, 1]), (2, [3, 1, 2, 0, 5]), (3, [4, 6, 8]), (1, [0, 1])])
 def test_every_rank_gets_its_own_cores_and_all_cores_are_used(world, cores):
     shares = [rank_cores(rank, world, cores) for rank in range(world)]
