@@ -1,6 +1,7 @@
-"""Workloads and the checks every run must pass: output equivalence against the oracle, and no leaked block.
+"""Workloads, the demos' engine settings, and the checks every run must pass: output equivalence against the
+oracle, and no leaked block.
 
-Used by `kvstate demo`, `kvstate soak` and the tests. Every workload is seeded.
+Used by `kvstate demo`, `kvstate soak`, `python -m executor.pipeline` and the tests. Every workload is seeded.
 
 Output equivalence per dtype (`compare_outputs`, the one implementation of the rule): an output must equal its
 unpressured reference token for token. In float64 and float32 that is exact, with no exception (a pressured run

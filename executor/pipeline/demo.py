@@ -158,9 +158,8 @@ def run_pp_demo(  # noqa: PLR0913 - keyword-only, one per `kvstate demo --pp` fl
         host_text += f" (allocation failed on ranks {host['failed_ranks']}: every rank GPU-only)"
     layers = ", ".join(f"rank {r.rank}: layers {list(r.layers)}" for r in result.ranks)
     header = (
-        f"kvstate demo --pp {stages}: {requests} requests on {device} ({dtype}, model width {hidden_size}), GPU tier "
-        f"{gpu_blocks} blocks x "
-        f"{block_size} tokens per stage, host tier {host_text}; {layers}"
+        f"kvstate demo --pp {stages}: {requests} requests on {device} ({dtype}, model width {hidden_size}), "
+        f"GPU tier {gpu_blocks} blocks x {block_size} tokens per stage, host tier {host_text}; {layers}"
     )
     rows = _rows(stages, result, wall, check_time)
     states = tuple((s, driver.peak_states.get(s, 0), driver.final_states.get(s, 0)) for s in driver.peak_states)
