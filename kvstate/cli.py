@@ -1,4 +1,5 @@
-"""The `kvstate` command line. Each subcommand lives in its own module under `kvstate.commands`.
+"""The `kvstate` command line. Each subcommand lives in its own module: under `kvstate.commands`, or under
+`executor.commands` for the ones that run the torch executor (importing them imports no torch).
 
 A bad command line never prints a traceback: argparse refuses malformed options with the subcommand's own usage,
 each command checks its values and paths before it starts work (and before torch is imported), and an expected
@@ -11,8 +12,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvstate import commands
+from executor.commands import demo, generate, soak
+from kvstate.commands import bench, check, diagram, report, spec_summary, validate
 from kvstate.errors import KVStateError
+
+COMMANDS = (bench, check, demo, diagram, generate, report, soak, spec_summary, validate)  # in `--help` order
 
 USAGE_ERROR = 2
 INTERRUPTED = 130
@@ -24,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="A formally specified request lifecycle for paged KV caches with a GPU tier and a host tier.",
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in commands.ALL:
+    for module in COMMANDS:
         module.register(subparsers)
     for subparser in subparsers.choices.values():
         subparser.set_defaults(subparser=subparser)  # unknown options are then reported with its usage

@@ -1,8 +1,5 @@
-"""Subcommands of the `kvstate` command line; each module exposes `register(subparsers)`.
+"""The torch-free subcommands of the `kvstate` command line; each module exposes `register(subparsers)`. The ones
+that run the torch executor live with it, in `executor.commands`; `kvstate.cli` registers both.
 
 A registered subparser sets `run=<callable(args) -> int>` as its default.
 """
-
-from kvstate.commands import bench, check, demo, diagram, generate, report, soak, spec_summary, validate
-
-ALL = (bench, check, demo, diagram, generate, report, soak, spec_summary, validate)

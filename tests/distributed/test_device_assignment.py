@@ -69,8 +69,8 @@ def test_the_demo_refuses_micro_batch_options_without_pipeline_stages(capsys):
 
 
 def test_the_pipeline_demo_defaults_to_a_workload_with_full_micro_batches_unless_told_otherwise():
+    from executor.commands.demo import DEFAULTS, PP_DEFAULTS, check_args
     from kvstate.cli import parse
-    from kvstate.commands.demo import DEFAULTS, PP_DEFAULTS, check_args
 
     def filled(*argv: str) -> tuple[int, int]:
         args = parse(["demo", "--device", "cpu", *argv])
@@ -86,9 +86,9 @@ def test_the_pipeline_demo_defaults_to_a_workload_with_full_micro_batches_unless
 
 def test_the_pipeline_demo_defaults_to_a_wider_model_unless_told_otherwise():
     from executor.checks import demo_model
+    from executor.commands.demo import DEFAULTS, PP_DEFAULTS, check_args
     from executor.model import ModelConfig
     from kvstate.cli import parse
-    from kvstate.commands.demo import DEFAULTS, PP_DEFAULTS, check_args
 
     def width(*argv: str) -> int:
         args = parse(["demo", "--device", "cpu", *argv])

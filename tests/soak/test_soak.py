@@ -12,8 +12,8 @@ import re
 
 import pytest
 
+from executor.commands.soak import DEFAULT_FAULTS, SoakError, SoakSettings, run_soak
 from kvstate.cli import main
-from kvstate.commands.soak import DEFAULT_FAULTS, SoakError, SoakSettings, run_soak
 
 
 def _assert_clean(report):

@@ -24,8 +24,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
+from executor.commands.inject import check_fault_plan
 from kvstate.commands.args import add_lifecycle_option, device_name
-from kvstate.commands.inject import check_fault_plan
 from kvstate.config import SchedulerConfig
 from kvstate.errors import KVStateError
 from kvstate.stats import IterationStats

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from executor.commands.inject import check_fault_plan
 from kvstate.commands.args import (
     UsageError,
     add_lifecycle_option,
@@ -32,7 +33,6 @@ from kvstate.commands.args import (
     positive_int,
     positive_multiple_of,
 )
-from kvstate.commands.inject import check_fault_plan
 
 DEFAULTS = {
     "requests": 48,

@@ -1,0 +1,71 @@
+# The names `executor` exports, and their modules: read by type checkers, and by `lazy_loader.attach_stub` in
+# `__init__.py`, which imports each module the first time one of its names is used.
+
+from .engine import (
+    Engine,
+    EngineClosed,
+    EngineConfig,
+    EngineMisuse,
+    HostTierFallbackWarning,
+    HostTierLossRefused,
+    InvalidTokenId,
+    RequestNotActive,
+    RunTotals,
+    resolve_dtype,
+)
+from .faults import FAULT_KINDS, FaultInjector, FaultPlan, FaultPlanError, FaultSpec
+from .hf import CheckpointError, load_hf_llama, save_hf_llama
+from .kv_cache import (
+    CompletedFence,
+    EventFence,
+    Fence,
+    HostTierAllocationError,
+    MigrationFailed,
+    PagedKVCache,
+    resolve_device,
+)
+from .model import BatchPlanner, DecodeKV, LlamaModel, ModelConfig, PagedBatch, SeqChunk
+from .sampler import GREEDY, SamplingParams, draw_seed, sample_token
+from .trace import TRACE_FIELDS, TraceWriter, read_trace, trace_record
+
+__all__ = [
+    "FAULT_KINDS",
+    "GREEDY",
+    "TRACE_FIELDS",
+    "BatchPlanner",
+    "CheckpointError",
+    "CompletedFence",
+    "DecodeKV",
+    "Engine",
+    "EngineClosed",
+    "EngineConfig",
+    "EngineMisuse",
+    "EventFence",
+    "FaultInjector",
+    "FaultPlan",
+    "FaultPlanError",
+    "FaultSpec",
+    "Fence",
+    "HostTierAllocationError",
+    "HostTierFallbackWarning",
+    "HostTierLossRefused",
+    "InvalidTokenId",
+    "LlamaModel",
+    "MigrationFailed",
+    "ModelConfig",
+    "PagedBatch",
+    "PagedKVCache",
+    "RequestNotActive",
+    "RunTotals",
+    "SamplingParams",
+    "SeqChunk",
+    "TraceWriter",
+    "draw_seed",
+    "load_hf_llama",
+    "read_trace",
+    "resolve_device",
+    "resolve_dtype",
+    "sample_token",
+    "save_hf_llama",
+    "trace_record",
+]
