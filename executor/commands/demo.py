@@ -11,8 +11,8 @@ visual run report of the trace (`kvstate report`).
 `--inject KIND[:RATE]` (repeatable) injects seeded faults (`executor.faults`): failed copies, corrupt host copies
 (caught by checksums, on unless `--no-checksums`), host-tier allocation failure or loss. The run must still pass.
 
-Every option and output path is checked before torch and `executor` are imported (inside `_run`, so `import
-kvstate` never imports torch): a usage error is one line, exit status 2, in well under a second.
+Every option and output path is checked before torch is imported (inside `_run`, so building the command line
+imports no torch): a usage error is one line, exit status 2, in well under a second.
 """
 
 from __future__ import annotations

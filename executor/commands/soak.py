@@ -10,8 +10,8 @@ What a soak checks (the run fails, exit status 1, on any breach):
 * no block of either tier is held and no copy is in flight at the end;
 * `Scheduler.check_invariants(output)` holds around every iteration (the engine's `check_invariants`).
 
-`run_soak(SoakSettings(...))` is the library entry (tests call it); torch and `executor` are imported inside it,
-so `import kvstate` never imports torch. Every random choice derives from `SoakSettings.seed`.
+`run_soak(SoakSettings(...))` is the library entry (tests call it); torch and the engine are imported inside it,
+so building the command line imports no torch. Every random choice derives from `SoakSettings.seed`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from kvstate.config import SchedulerConfig
 from kvstate.errors import KVStateError
 from kvstate.stats import IterationStats
 
-if TYPE_CHECKING:  # annotations only: `import kvstate` never imports torch
+if TYPE_CHECKING:  # annotations only: importing this command imports no torch
     from executor import Engine, EngineConfig
 
 DEFAULT_FAULTS = ("copy_to_host:0.05", "copy_to_gpu:0.05", "corrupt_host:0.05")
