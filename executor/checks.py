@@ -21,6 +21,7 @@ import random
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,7 +55,7 @@ def demo_engine_config(  # noqa: PLR0913 - keyword-only: one per demo option
     dtype: str,
     trace: str | Path | None,
     lifecycle: str = "machine",
-    **settings: object,
+    **settings: Any,
 ) -> EngineConfig:
     """The engine configuration of a demo run (`kvstate demo`, with or without `--pp`, and `python -m
     executor.pipeline`): prefill chunks of `chunk_size`, at least 256 tokens a pass, `demo_model(hidden_size)` with
@@ -75,7 +76,7 @@ def demo_engine_config(  # noqa: PLR0913 - keyword-only: one per demo option
         seed=seed,
         weights_seed=seed,
         trace_path=trace,
-        **settings,  # type: ignore[arg-type]
+        **settings,
     )
 
 

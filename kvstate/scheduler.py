@@ -264,23 +264,22 @@ class Scheduler:
             raise UnknownRequestId(
                 f"cannot {event} request {request_id!r}: it {where}; only active requests can be ended"
             )
-        self._fire(request, event)
+        self._fire(request, event, self._idle)
         return request
 
     # -------------------------------------------------------------------------------------------- firing
-    def _fire(self, request: Request, event: str, pass_: SchedulingPass | None = None) -> Transition:
+    def _fire(self, request: Request, event: str, pass_: SchedulingPass) -> Transition:
         """Fire `event` on `request` (`_try_fire`); raises `GuardRejected` (nothing changed) when no guard holds."""
         transition = self._try_fire(request, event, pass_)
         if transition is None:
             raise self.lifecycle.rejected(request, event)
         return transition
 
-    def _try_fire(self, request: Request, event: str, pass_: SchedulingPass | None = None) -> Transition | None:
-        """Fire `event` on `request` in `pass_` (None: between passes) if one of its guards holds, each guard
+    def _try_fire(self, request: Request, event: str, pass_: SchedulingPass) -> Transition | None:
+        """Fire `event` on `request` in `pass_` (`_idle` between passes) if one of its guards holds, each guard
         evaluated once on a `PassView` of that pass; then run the edge's effect in it, move the request between the
         containers, record the transition (`fired`) and tell `on_transition`. None (nothing changed) when no guard
         holds."""
-        pass_ = self._idle if pass_ is None else pass_
         before = request.state
         transition = self.lifecycle.try_fire(request, event, self._view(pass_))
         if transition is None:
@@ -701,7 +700,7 @@ class Scheduler:
             request.num_computed_tokens += 1  # what `advance(1, False)` does: a decode step is progress (A4)
             produced.append(request)
             if request.append_token(sampled[request.request_id]):
-                self._fire(request, "finish")
+                self._fire(request, "finish", self._idle)
         return decoded
 
     def _complete_chunk(
@@ -725,9 +724,9 @@ class Scheduler:
             final = request.append_token(sampled[request.request_id])
             produced.append(request)
             if replaying:
-                self._fire(request, "catch_up")
+                self._fire(request, "catch_up", self._idle)
             if final:
-                self._fire(request, "finish")
+                self._fire(request, "finish", self._idle)
         return (tokens if replaying else 0), progress
 
     # ------------------------------------------------------------------------------- pipeline, host tier
@@ -745,7 +744,7 @@ class Scheduler:
             return False
         request.advance(1, False)
         if request.append_token(token):
-            self._fire(request, "finish")
+            self._fire(request, "finish", self._idle)
         return True
 
     def reach_consensus(self, request_ids: Collection[Hashable] | None = None) -> list[Request]:
@@ -757,13 +756,13 @@ class Scheduler:
             if r.state == self._pending_reset and (request_ids is None or r.request_id in request_ids)
         ]
         for request in pending:
-            self._fire(request, "consensus")
+            self._fire(request, "consensus", self._idle)
         return pending
 
     def lose_host_copy(self, request_id: Hashable) -> Request:
         """The host copy of a suspended request is unusable (copy failed, corrupt, tier gone): replay it."""
         request = self.get(request_id)
-        self._fire(request, "lose_host_copy")
+        self._fire(request, "lose_host_copy", self._idle)
         return request
 
     def set_host_capacity(self, host_blocks: int) -> list[Request]:
@@ -827,7 +826,7 @@ class Scheduler:
                 "iteration can fail"
             )
         self.pool.complete(plan)  # withdraw: sources free at once, destinations stay with the request until released
-        self._fire(request, event)
+        self._fire(request, event, self._idle)
         return FailedMigration(plan, request, event)
 
     # -------------------------------------------------------------------------------------------- progress

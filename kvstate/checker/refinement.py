@@ -95,10 +95,10 @@ class ObservedScheduler(Scheduler):
         self.victims_this_pass.add(victim.request_id)
         return super()._preempt(victim, step)
 
-    def _try_fire(self, request, event, pass_=None):
+    def _try_fire(self, request, event, pass_):
         """Every decision the scheduler takes, cross-checked: the edge it took (or its refusal: no guard held) is
         the one the checker's table resolves with the real guards on the same view (SPEC-EDGE)."""
-        expected = self.checker_table.resolve(request, event, self._view(self._idle if pass_ is None else pass_))
+        expected = self.checker_table.resolve(request, event, self._view(pass_))
         before = request.state
         transition = super()._try_fire(request, event, pass_)
         taken = None if transition is None else (transition.source, transition.dest)

@@ -35,7 +35,7 @@ class RecordingScheduler(Scheduler):
         self.promoted: Counter = Counter()
         self._requester = None
 
-    def _fire(self, request, event, pass_=None):
+    def _fire(self, request, event, pass_):
         if event == "recompute_pause" and request.state == "suspended":
             self.promoted[request.request_id] += 1
         return super()._fire(request, event, pass_)
