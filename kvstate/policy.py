@@ -13,7 +13,7 @@ The rules (SPEC.md section 7) apply to the `max_utilization` capacity policy.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
@@ -25,7 +25,13 @@ if TYPE_CHECKING:  # annotations only: kvstate.spec validates what it loads with
 
 # rule vocabulary: every name the spec's [policy] may use, with its meaning
 VOCABULARY: Mapping[str, Mapping[str, str]] = {
-    "victim_order": {"latest_admission_first": "the eligible request with the greatest admission number"},
+    "victim_order": {
+        "latest_admission_first": "the eligible request with the greatest admission number",
+        "fewest_outputs_first": (
+            "the eligible request with the fewest generated tokens; ties: the longest prompt, then the latest "
+            "admission (SGLang's retraction order)"
+        ),
+    },
     "victim_exclusions": {
         "the_requester": "a requester is not its own victim while another is eligible",
         "scheduled_this_pass": "a request already scheduled in the pass (its output list is never revised)",
@@ -41,6 +47,10 @@ VOCABULARY: Mapping[str, Mapping[str, str]] = {
             "in flight); one whose decode step is in flight may be a victim: its token lands while it "
             "is suspended or awaits consensus (PP-TERMINATE)"
         ),
+        "ahead_of_requester": (
+            "a request ahead of the requester in the pass's serve order, served or not (victims are searched "
+            "behind it only: TensorRT-LLM scans its active list from the tail down to the requester)"
+        ),
     },
     "promotion_candidates": {"suspended_this_pass": "requests suspended earlier in the same pass"},
     "promotion_order": {"latest_suspension_first": "the most recently suspended candidate first"},
@@ -49,6 +59,11 @@ VOCABULARY: Mapping[str, Mapping[str, str]] = {
         "stop_at_first_misfit": "admissions stop at the first candidate that does not fit (A2)",
         "no_readmission_of_victims": "a victim of the pass is not readmitted in it",
         "hold_new_after_preemption_or_wait": "no new request in a pass with a victim or a waiting requester (A1)",
+        "hold_readmissions_after_preemption": "no readmission in a pass with a victim (vLLM admits nothing then)",
+        "readmit_latest_victim_first": (
+            "readmission candidates of a class in order of their latest preemption, most recent first (the "
+            "engine puts each victim back at the head of its queue); new requests in arrival order"
+        ),
     },
     "room_on_its_way": {"reserved_per_requester": "a waiting requester reserves the pending blocks it counts on"},
     "progress": {
@@ -128,6 +143,10 @@ class RequestSnapshot:
     kv_tokens: int
     gpu_blocks: int
     in_flight: bool = False  # its step of an earlier pass is still in the pipeline: not schedulable in this pass
+    # read only by the rules that name them (a third-party engine's declared policy, `kvstate.declared`):
+    num_output_tokens: int = 0  # tokens generated so far (victim order fewest_outputs_first)
+    prompt_tokens: int = 0  # its original prompt's length (fewest_outputs_first's tie-break)
+    last_preemption: int = -1  # when it was last a victim (an increasing count), -1 never (readmit_latest_victim_first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +158,9 @@ class PassSnapshot:
     has_host_tier: bool
     max_batch_size: int
     max_num_tokens: int
+    # the order in which the pass serves its requesters, where it is not the spec's (SPEC.md 7.2: decode steps,
+    # then chunks, each by arrival): a third-party engine's own (`kvstate.declared`); None keeps the spec's
+    serve_order: tuple[Hashable, ...] | None = None
 
 
 def snapshot(scheduler) -> PassSnapshot:
@@ -175,6 +197,17 @@ def check_pass(spec: Spec, before: PassSnapshot, record: PassRecord, output) -> 
     _PassCheck(spec, before, record, output).run()
 
 
+# how each victim order ranks the eligible requests: the victim is the greatest
+_VICTIM_RANK: Mapping[str, Callable[[RequestSnapshot], tuple[int, ...]]] = {
+    "latest_admission_first": lambda r: (r.admission,),
+    "fewest_outputs_first": lambda r: (-r.num_output_tokens, r.prompt_tokens, r.admission),
+}
+
+
+def _ranked(r: RequestSnapshot) -> str:
+    return f"admission {r.admission}, {r.num_output_tokens} generated, prompt {r.prompt_tokens}"
+
+
 class _PassCheck:
     def __init__(self, spec: Spec, before: PassSnapshot, record: PassRecord, output) -> None:
         self.spec, self.policy, self.before, self.record, self.out = spec, spec.policy, before, record, output
@@ -183,7 +216,11 @@ class _PassCheck:
         self.victims = [d.victim for d in record.decisions if isinstance(d, Victim)]
         # requesters in the order the pass serves them (SPEC.md 7.2): decode steps, then chunks, each by arrival
         computing = [r for r in before.requests if r.state in spec.computing_states and not r.in_flight]
-        self.order = [r.request_id for r in sorted(computing, key=lambda r: (r.prefilling, r.arrival))]
+        if before.serve_order is None:
+            self.order = [r.request_id for r in sorted(computing, key=lambda r: (r.prefilling, r.arrival))]
+        else:
+            serving = {r.request_id for r in computing}
+            self.order = [rid for rid in before.serve_order if rid in serving]
 
     def run(self) -> None:
         self.check_victims()
@@ -208,6 +245,8 @@ class _PassCheck:
         scheduled = self.served_before(requester) if "scheduled_this_pass" in excluded else set()
         if "waiting_this_pass" in excluded:
             scheduled |= waiting
+        if "ahead_of_requester" in excluded and requester in self.order:
+            scheduled |= set(self.order[: self.order.index(requester)])
         return [
             r
             for r in self.before.requests
@@ -241,7 +280,7 @@ class _PassCheck:
                     )
                 continue
             victim = self.by_id.get(d.victim)
-            if victim is not None and victim.about_to_finish:
+            if victim is not None and victim.about_to_finish and "about_to_finish" in self.policy.victim_exclusions:
                 self.fail(
                     "VICTIM-NOT-FINAL",
                     f"request {d.victim!r} was chosen as a victim although its next step produces its final token",
@@ -252,14 +291,23 @@ class _PassCheck:
                     f"request {d.victim!r} was chosen as {d.requester!r}'s victim but is not an "
                     f"eligible victim ({', '.join(self.policy.victim_exclusions)} exclude it)",
                 )
-            tail = max(eligible, key=lambda r: r.admission)
-            if tail.request_id != d.victim:
+            order = self.policy.victim_order
+            tail = max(eligible, key=_VICTIM_RANK[order])
+            if tail.request_id == d.victim:
+                continue
+            if order == "latest_admission_first":
                 self.fail(
                     "VICTIM-TAIL",
                     f"request {d.victim!r} (admission {victim.admission}) was chosen as "
                     f"{d.requester!r}'s victim, but {tail.request_id!r} (admission {tail.admission}) was admitted "
                     "later and is eligible: victims are taken tail-first",
                 )
+            self.fail(
+                "VICTIM-TAIL",
+                f"request {d.victim!r} ({_ranked(victim)}) was chosen as {d.requester!r}'s victim, but "
+                f"{tail.request_id!r} ({_ranked(tail)}) is eligible and comes first in victim_order {order!r}: "
+                f"{VOCABULARY['victim_order'][order]}",
+            )
 
     # ---- promotions
     def check_promotions(self) -> None:
@@ -308,10 +356,16 @@ class _PassCheck:
     def candidates(self) -> list[Hashable]:
         """Admission candidates in the policy's order: classes in order, each in arrival order."""
         sources = {t.event: t.source for t in self.spec.transitions}
+        latest_victim_first = "readmit_latest_victim_first" in self.policy.admission_rules
+        queued = self.spec.role(QUEUED)
         out = []
         for event in self.policy.admission_classes:
             pool = [r for r in self.before.requests if r.state == sources[event]]
-            out += [r.request_id for r in sorted(pool, key=lambda r: r.arrival)]
+            if latest_victim_first and sources[event] != queued:
+                pool.sort(key=lambda r: (-r.last_preemption, r.arrival))
+            else:
+                pool.sort(key=lambda r: r.arrival)
+            out += [r.request_id for r in pool]
         return out
 
     def check_admissions(self) -> None:
@@ -332,6 +386,14 @@ class _PassCheck:
                 f"policy's order ({' > '.join(self.policy.admission_classes)}, each by arrival), was not: "
                 "admission stops at the first request that does not fit",
             )
+        if "hold_readmissions_after_preemption" in rules and self.victims:
+            readmitted = [rid for rid in admitted if self.by_id[rid].state != self.spec.role(QUEUED)]
+            if readmitted:
+                self.fail(
+                    "ADMIT-HOLD",
+                    f"request(s) {readmitted!r} were readmitted in a pass that chose victims {self.victims!r}: "
+                    "the policy readmits nothing in a pass that preempted (hold_readmissions_after_preemption)",
+                )
         if "hold_new_after_preemption_or_wait" in rules:
             new = [rid for rid in admitted if self.by_id[rid].state == self.spec.role(QUEUED)]
             held = self.victims or self.left_waiting()

@@ -23,12 +23,16 @@ State names, the edge graph, terminal states, residencies and invariant statemen
 arguments as plain values (`Submission(...)`, state names, ints, booleans): the printed lines run as plain
 Python given the machine class and `Submission`.
 
-Hypothesis profiles: importing this module registers `ci` (bounded and derandomized: 40 examples, prints a
-replayable blob on failure; the default test run), `thorough` (the same with 200 examples; CI runs the stateful
-suite with it after the default run), `dev` (40 examples) and `long` (5,000 examples, for soaks), none with a
-per-example deadline, and loads the one named by the environment variable KVSTATE_HYPOTHESIS_PROFILE (default:
-`ci` when CI is set, else `dev`), unless another profile than Hypothesis' default is already loaded and the variable
-is unset.
+Policy (victims, promotions, admissions): checked on every scheduling pass of an adapter that reports its passes
+(`take_passes()`, see `PassReporting`), with `kvstate.policy.check_pass` (the model checker's step simulation),
+against the policy the adapter declares (`MachineConfig(policy=...)`, else the adapter's `policy` attribute, else
+the spec's own `[policy]`; `kvstate.declared.preset` names vLLM's, SGLang's and TensorRT-LLM's): VICTIM-TAIL,
+VICTIM-ONCE, VICTIM-NOT-FINAL, PROMOTE-GATE, ADMIT-ORDER, ADMIT-HOLD, and WORK-CONSERVE where the policy has it.
+An adapter without `take_passes` gets no policy check (`MachineBinding.checks_policy` is False).
+
+Hypothesis profiles (`kvstate.hypothesis_profiles`): importing this module registers `ci`, `thorough`, `dev`,
+`long` and `fail-fast` and loads none, so no global Hypothesis setting changes, unless KVSTATE_HYPOTHESIS_PROFILE
+names one; `pytest --hypothesis-profile=NAME` loads one by name (the package's pytest plugin registers them).
 Machines bound to an adapter also run without a deadline whatever profile is loaded (a scheduler step may be slow),
 and draw token ids below the adapter's `vocab_size` when it has one.
 
@@ -55,25 +59,28 @@ subclass in one call.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import types
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
-from hypothesis import HealthCheck, note, settings
+from hypothesis import note, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from hypothesis.errors import StopTest
 from hypothesis.stateful import Bundle, MultipleResults, RuleBasedStateMachine, invariant, multiple, precondition, rule
 
+from kvstate import roles
 from kvstate.config import SchedulerConfig
+from kvstate.declared import ObservedPass, preset, with_policy
 from kvstate.errors import InvariantViolation, KVStateError
+from kvstate.hypothesis_profiles import PROFILE_ENV, PROFILES, load_profile, register_profiles
+from kvstate.policy import check_pass, snapshot
 from kvstate.pool import ceil_div
 from kvstate.scheduler import Scheduler
 from kvstate.sim import DEFAULT_VOCAB, SimExecutor, reference_output
-from kvstate.spec import Spec, load_spec
+from kvstate.spec import Policy, Spec, load_spec
 
 __all__ = [
     "PROFILES",
@@ -88,38 +95,12 @@ __all__ = [
     "SchedulerAdapter",
     "Submission",
     "conformance_machine",
+    "load_profile",
 ]
 
 # ---------------------------------------------------------------------------------------------- profiles
-PROFILE_ENV = "KVSTATE_HYPOTHESIS_PROFILE"
-PROFILES = {
-    "ci": settings(
-        derandomize=True, max_examples=40, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
-    ),
-    "thorough": settings(
-        derandomize=True, max_examples=200, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
-    ),
-    "dev": settings(max_examples=40, deadline=None),
-    "long": settings(max_examples=5000, deadline=None),
-}
-
-
-def _load_profile() -> None:
-    """Register `PROFILES` and load the one `PROFILE_ENV` names (see the module docstring)."""
-    for name, profile in PROFILES.items():
-        settings.register_profile(name, profile)
-    chosen = os.environ.get(PROFILE_ENV)
-    if chosen is None and settings.get_current_profile_name() != "default":
-        return  # the caller loaded a profile of their own
-    chosen = chosen or ("ci" if os.environ.get("CI") else "dev")
-    if chosen not in PROFILES:
-        raise ValueError(
-            f"{PROFILE_ENV}={chosen!r} names no kvstate Hypothesis profile; use one of {', '.join(PROFILES)}"
-        )
-    settings.load_profile(chosen)
-
-
-_load_profile()
+register_profiles()  # registered, not loaded: importing this module changes no Hypothesis setting
+load_profile()  # unless KVSTATE_HYPOTHESIS_PROFILE asks for one
 
 # Keys every `block_usage()` mapping must have.
 USAGE_KEYS = (
@@ -144,6 +125,18 @@ _CHECKED_INVARIANTS = (
     "LIVE-DONE",
     "LIVE-REFUSE",
 )
+# ... and, for an adapter that reports its passes, the policy's (`kvstate.policy.check_pass` raises these)
+_POLICY_INVARIANTS = (
+    "VICTIM-TAIL",
+    "VICTIM-ONCE",
+    "VICTIM-NOT-FINAL",
+    "PROMOTE-GATE",
+    "ADMIT-ORDER",
+    "ADMIT-HOLD",
+    "WORK-CONSERVE",
+)
+# the RESET rules an OUT-EQUIV violation of a replayed request points to (`ConformanceMachine.replay_story`)
+_RESET_INVARIANTS = ("RESET-PROMPT", "RESET-BUDGET", "RESET-CLEARED")
 
 
 class LifecycleViolation(KVStateError, AssertionError):
@@ -208,6 +201,20 @@ class SchedulerAdapter(Protocol):
         (it is also called while generating test data, on a separate adapter instance)."""
 
 
+class PassReporting(Protocol):
+    """What an adapter adds to `SchedulerAdapter` to have its scheduling policy checked on every pass.
+
+    Attributes:
+        policy (optional): its engine's policy, a `kvstate.spec.Policy` or the name of a preset of
+            `kvstate.declared.PRESETS`; without it (and without `MachineConfig(policy=...)`), the spec's own.
+    """
+
+    def take_passes(self) -> Sequence[ObservedPass]:
+        """The scheduling passes the `step()` calls since the last call ran, oldest first, each as a
+        `kvstate.declared.ObservedPass` (a snapshot of the active requests just before it, its victims and
+        promotions in decision order, its output); forgets them."""
+
+
 @functools.cache
 def _packaged_spec() -> Spec:
     return load_spec()
@@ -239,6 +246,23 @@ class KVStateAdapter:
         self.gpu_token_capacity = config.gpu_token_capacity
         self.block_size = config.block_size
         self.vocab_size = vocab
+        self._passes: list[ObservedPass] = []
+        self._schedule = self.scheduler.schedule
+        self.scheduler.schedule = self._observed_schedule  # type: ignore[method-assign]
+
+    def _observed_schedule(self):
+        """The scheduler's own pass, kept with the snapshot taken just before it (`take_passes`)."""
+        before = snapshot(self.scheduler)
+        out = self._schedule()
+        done = self.scheduler.last_pass
+        if done is None:  # schedule() keeps every pass it completes in last_pass
+            raise KVStateError("Scheduler.schedule() returned without keeping its pass in last_pass")
+        self._passes.append(ObservedPass(before, done.record, out))
+        return out
+
+    def take_passes(self) -> list[ObservedPass]:
+        passes, self._passes = self._passes, []
+        return passes
 
     def __repr__(self) -> str:
         return f"KVStateAdapter({self.config!r})"
@@ -376,7 +400,16 @@ class _SpecModel:
                 f"spec {spec.name!r} ({spec.source}) lacks invariants {', '.join(missing)} that the "
                 "conformance machine checks; add them to the spec or use the packaged one"
             )
-        self.invariants = {i: by_id[i] for i in _CHECKED_INVARIANTS}
+        self.invariants = by_id
+
+    def require(self, ids: Sequence[str], why: str) -> None:
+        """Refuse a spec that lacks any of the invariants `ids` (`why`: what checks them)."""
+        missing = [i for i in ids if i not in self.invariants]
+        if missing:
+            raise ValueError(
+                f"spec {self.spec.name!r} ({self.spec.source}) lacks invariants {', '.join(missing)} that {why} "
+                "checks; add them to the spec or use the packaged one"
+            )
 
     def violation(self, invariant_id: str, detail: str) -> InvariantViolation:
         statement = self.invariants[invariant_id].statement
@@ -412,7 +445,10 @@ class MachineConfig:
     most tokens one request may generate (default: half the GPU token capacity). `max_stop_tokens`: stop tokens
     per request. `max_steps_per_rule`: iterations one `step` rule runs at most. `liveness_base`,
     `liveness_per_token`: LIVE-DONE's bound once arrivals stop, in steps (base + per_token x the tokens of the
-    unfinished requests). `cancel_event`: the spec event that cancels a request.
+    unfinished requests). `cancel_event`: the spec event that cancels a request. `policy`: the scheduling policy
+    its passes are checked against, a `kvstate.spec.Policy` or a preset name of `kvstate.declared.PRESETS` (default:
+    the adapter's `policy` attribute, else the spec's `[policy]`); checked only if the adapter has `take_passes` and
+    `check_policy` is True (False: a test of another property that a policy check would catch first).
     """
 
     spec: Spec | None = None
@@ -423,11 +459,12 @@ class MachineConfig:
     liveness_base: int = 50
     liveness_per_token: int = 20
     cancel_event: str = "cancel"
+    policy: Policy | str | None = None
+    check_policy: bool = True
 
 
-_ADAPTER_MEMBERS = (
-    "gpu_token_capacity",
-    "block_size",
+_ADAPTER_ATTRIBUTES = ("gpu_token_capacity", "block_size")
+_ADAPTER_METHODS = (
     "submit",
     "step",
     "cancel",
@@ -440,13 +477,66 @@ _ADAPTER_MEMBERS = (
 )
 
 
+def _contract_gaps(adapter: object) -> list[str]:
+    """What `adapter` lacks of `SchedulerAdapter`: each missing member, and each method that is not callable."""
+    gaps = [f"{m} (missing)" for m in (*_ADAPTER_ATTRIBUTES, *_ADAPTER_METHODS) if not hasattr(adapter, m)]
+    return gaps + [
+        f"{m} (is {type(getattr(adapter, m)).__name__}, not a method)"
+        for m in _ADAPTER_METHODS
+        if hasattr(adapter, m) and not callable(getattr(adapter, m))
+    ]
+
+
+def checked_usage(adapter: SchedulerAdapter) -> Mapping[str, int]:
+    """`adapter.block_usage()`, refused with an `AdapterContractError` naming each `USAGE_KEYS` key it lacks."""
+    usage = adapter.block_usage()
+    if not isinstance(usage, Mapping):
+        raise AdapterContractError(
+            f"{type(adapter).__name__}.block_usage() returned {type(usage).__name__}; it must return a mapping "
+            f"with the keys {', '.join(USAGE_KEYS)}"
+        )
+    missing = [k for k in USAGE_KEYS if k not in usage]
+    if missing:
+        raise AdapterContractError(
+            f"{type(adapter).__name__}.block_usage() lacks the key(s) {', '.join(map(repr, missing))}; it must "
+            f"report every one of {', '.join(USAGE_KEYS)} (host_capacity 0: no host tier)"
+        )
+    return usage
+
+
+def _declared_policy(spec: Spec, config: MachineConfig, adapter: object) -> tuple[str, Spec] | None:
+    """The name of the policy `adapter`'s passes are checked against and the spec that carries it, or None when the
+    adapter reports no passes (see `MachineConfig.policy`)."""
+    declared = config.policy if config.policy is not None else getattr(adapter, "policy", None)
+    if not config.check_policy:
+        return None
+    if not callable(getattr(adapter, "take_passes", None)):
+        if declared is not None:
+            raise AdapterContractError(
+                f"{type(adapter).__name__} declares a policy ({declared!r}) but has no take_passes() to report its "
+                "scheduling passes; implement it (kvstate.testing.PassReporting) or declare no policy"
+            )
+        return None
+    if declared is None:
+        return "the spec's [policy]", spec
+    if isinstance(declared, str):
+        return f"preset {declared!r}", with_policy(spec, preset(declared, spec))
+    if not isinstance(declared, Policy):
+        raise AdapterContractError(
+            f"policy {declared!r} is neither a kvstate.spec.Policy nor a preset name of kvstate.declared.PRESETS"
+        )
+    return "the declared policy", with_policy(spec, declared)
+
+
 @dataclass(frozen=True)
 class MachineBinding:
     """What a machine class derives once, when it is defined, from its `MachineConfig` and a probe adapter: the
     spec model, the adapter's sizes and the strategies the rules draw from.
 
     Invariants: valid submissions fit the probed GPU token capacity alone and invalid ones never do; token ids
-    are below the vocabulary; the spec has every invariant the machine checks and the configured cancel event.
+    are below the vocabulary; the spec has every invariant the machine checks and the configured cancel event;
+    `policy_spec` is the spec with the declared policy in place of its `[policy]` (None: the adapter reports no
+    passes, and no policy is checked).
     """
 
     config: MachineConfig
@@ -460,18 +550,27 @@ class MachineBinding:
     steps: st.SearchStrategy
     live_states: st.SearchStrategy
     any_state: st.SearchStrategy
+    policy_name: str = ""
+    policy_spec: Spec | None = None
+
+    @property
+    def checks_policy(self) -> bool:
+        return self.policy_spec is not None
 
     @classmethod
     def probe(cls, adapter_factory: Callable[[], SchedulerAdapter], config: MachineConfig) -> MachineBinding:
         """Check the spec, call `adapter_factory()` once and derive the binding from what that adapter reports."""
         model = _SpecModel(config.spec if config.spec is not None else _packaged_spec(), config.cancel_event)
         probe = adapter_factory()
-        if not isinstance(probe, SchedulerAdapter):
-            missing = [m for m in _ADAPTER_MEMBERS if not hasattr(probe, m)]
+        gaps = _contract_gaps(probe)
+        if gaps or not isinstance(probe, SchedulerAdapter):
             raise TypeError(
-                f"adapter_factory() returned {type(probe).__name__}, which lacks {', '.join(missing)} "
+                f"adapter_factory() returned {type(probe).__name__}, which lacks {', '.join(gaps)} "
                 "of kvstate.testing.SchedulerAdapter; implement them"
             )
+        declared = _declared_policy(model.spec, config, probe)
+        if declared is not None:
+            model.require(_POLICY_INVARIANTS, "the policy check (kvstate.policy.check_pass)")
         capacity, block_size = int(probe.gpu_token_capacity), int(probe.block_size)
         if capacity < 2 or block_size < 1:
             raise ValueError(
@@ -490,12 +589,14 @@ class MachineBinding:
             type(probe).__name__,
             capacity,
             block_size,
-            int(probe.block_usage()["host_capacity"]),
+            int(checked_usage(probe)["host_capacity"]),
             valid=_valid_submissions(capacity, block_size, vocab, max_new, config.max_stop_tokens, probe.reference),
             invalid=_invalid_submissions(capacity, vocab),
             steps=st.integers(1, max(1, config.max_steps_per_rule)),
             live_states=st.sampled_from(model.live_states),
             any_state=st.sampled_from(model.state_names),
+            policy_name=declared[0] if declared else "",
+            policy_spec=declared[1] if declared else None,
         )
 
 
@@ -575,6 +676,8 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.last_outputs: dict[Hashable, list[int]] = {}
         self.host_resizable = self.probed.initial_host > 0
         self.steps_taken = 0
+        self.passes_checked = 0
+        self.visits: dict[Hashable, list[tuple[str, int]]] = {}  # each request's states, with its output length then
         self.healthy = True
 
     @property
@@ -647,7 +750,10 @@ class ConformanceMachine(RuleBasedStateMachine):
             groups.setdefault(s, []).append(rid)
         live = [ids for s, ids in groups.items() if s not in self.model.terminal]
         candidates = groups.get(in_state) or (min(live, key=len) if live else next(iter(groups.values())))
-        self._cancel(candidates[nth % len(candidates)])
+        rid = candidates[nth % len(candidates)]
+        if in_state not in groups:
+            _note(f"# cancel: no request is {in_state}; fell back to request {rid!r} ({self.last_states[rid]})")
+        self._cancel(rid)
 
     @precondition(lambda self: self.host_resizable)
     @rule(present=st.booleans())
@@ -716,7 +822,23 @@ class ConformanceMachine(RuleBasedStateMachine):
     def _step(self) -> None:
         self.adapter.step()
         self.steps_taken += 1
+        self.check_passes()
         self.observe()
+
+    def check_passes(self) -> None:
+        """Every pass the step ran, against the declared policy (`kvstate.policy.check_pass`)."""
+        policy_spec = self.probed.policy_spec
+        if policy_spec is None:
+            return
+        for observed in cast("PassReporting", self.adapter).take_passes():  # bound with a policy: it has them
+            try:
+                check_pass(policy_spec, observed.before, observed.record, observed.output)
+            except InvariantViolation as err:
+                detail = str(err).removeprefix(f"invariant {err.invariant_id} violated: ")
+                raise self.model.violation(
+                    err.invariant_id, f"{detail} (pass {self.passes_checked}; policy: {self.probed.policy_name})"
+                ) from err
+            self.passes_checked += 1
 
     def _cancel(self, rid: Hashable) -> None:
         before = self.last_states[rid]
@@ -788,6 +910,9 @@ class ConformanceMachine(RuleBasedStateMachine):
             self.check_output(rid, self.last_outputs.get(rid), out, states[rid])
         self.check_blocks(states, usage)
         self.adapter.check_invariants()
+        for rid, state in states.items():
+            if self.last_states.get(rid) != state:
+                self.visits.setdefault(rid, []).append((state, len(self.last_outputs.get(rid, ()))))
         self.last_states, self.last_outputs = states, outputs
 
     def check_ids(self, states: dict, outputs: dict, usage: Mapping[str, int]) -> None:
@@ -836,14 +961,42 @@ class ConformanceMachine(RuleBasedStateMachine):
             raise model.violation(
                 "OUT-EQUIV",
                 f"request {rid!r} ({state}) generated {out}, which departs from "
-                f"its unpressured reference {expected} ({self.submitted[rid]})",
+                f"its unpressured reference {expected} ({self.submitted[rid]}); {self.replay_story(rid, out, state)}",
             )
         if state in model.terminal and rid not in self.cancelled and out != expected:
             raise model.violation(
                 "OUT-EQUIV",
-                f"request {rid!r} ended ({state}) with {out}, but its "
-                f"unpressured reference is {expected} ({self.submitted[rid]})",
+                f"request {rid!r} ended ({state}) with {out}, but its unpressured reference is {expected} "
+                f"({self.submitted[rid]}); {self.replay_story(rid, out, state)}",
             )
+
+    def replay_story(self, rid: Hashable, out: list[int], state: str) -> str:
+        """Whether request `rid` was replayed, and which RESET rule its departure from the reference points to."""
+        spec, expected = self.model.spec, self.expected[rid]
+        visits = [*self.visits.get(rid, []), (state, len(self.last_outputs.get(rid, ())))]
+        dropped = {spec.role(roles.DROPPED), spec.role(roles.PENDING_RESET)}
+        pauses = sorted({n for s, n in visits if s in dropped})
+        statement = {i: self.model.invariants[i].statement for i in _RESET_INVARIANTS if i in self.model.invariants}
+        departs = next((i for i, (a, b) in enumerate(zip(out, expected, strict=False)) if a != b), None)
+        if not pauses:
+            resumed = any(s in self.model.host_states for s, _ in visits)
+            where = "it was suspended and resumed, so the KV it read back from the host tier" if resumed else "the KV"
+            return f"it was never recompute-paused or replayed, so no RESET rule applies: {where} was wrong"
+        told = f"it was recompute-paused after {', '.join(map(str, pauses))} generated token(s) and replayed"
+        if departs is None:
+            return (
+                f"{told}; it stopped after {len(out)} of the reference's {len(expected)} tokens: see RESET-BUDGET "
+                f"({statement.get('RESET-BUDGET', '')})"
+            )
+        if departs in pauses:
+            return (
+                f"{told}; its output departs at token {departs}, the first after a replay: see RESET-PROMPT "
+                f"({statement.get('RESET-PROMPT', '')})"
+            )
+        return (
+            f"{told}; its output departs at token {departs}, later than any replay: see RESET-CLEARED "
+            f"({statement.get('RESET-CLEARED', '')})"
+        )
 
     def check_blocks(self, states: dict[Hashable, str], usage: Mapping[str, int]) -> None:
         """CONS-GPU, CONS-HOST, RES-STATE and NO-HOST-NO-SUSPEND on one observation."""

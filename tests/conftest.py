@@ -1,16 +1,21 @@
 """Shared test configuration: Hypothesis profiles, the `cuda` marker and a two-line trace of any spec.
 
-The Hypothesis profiles (`ci`, `dev`, `long`; choose with KVSTATE_HYPOTHESIS_PROFILE, default "ci" when CI is set,
-else "dev") are registered and loaded by `kvstate.testing` itself, so third parties get them too; importing it here
-loads them for every test, including those that never import it.
+The Hypothesis profiles are registered by `kvstate.hypothesis_profiles` (the package's pytest plugin registers them,
+so `pytest --hypothesis-profile=NAME` works), which loads none by itself; this suite loads the one
+KVSTATE_HYPOTHESIS_PROFILE names, else "ci" when CI is set, else "dev" (`--hypothesis-profile=NAME` still wins: it is
+loaded after this file).
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-import kvstate.testing  # noqa: F401  (registers and loads the Hypothesis profiles)
+from kvstate.hypothesis_profiles import PROFILE_ENV, load_profile
 from kvstate.trace import TRACE_FIELDS
+
+load_profile(os.environ.get(PROFILE_ENV) or ("ci" if os.environ.get("CI") else "dev"))
 
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection, so deselected cuda tests never import torch

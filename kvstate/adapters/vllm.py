@@ -40,9 +40,11 @@ Differences from the spec by design (none is reported as a violation unless stat
   owner) holds only without prefix caching; with it, `check_invariants` checks that every block's reference count
   equals the number of block tables holding it. Freed cached blocks stay in the free queue and count as free.
   vLLM's null block (block 0) is never allocated and is left out of the capacity.
-* **Victims.** vLLM preempts the tail of its running queue, possibly the request being scheduled itself, even one
-  whose next token is its last; VICTIM-NOT-FINAL concerns a request whose final step is already under way, which
-  synchronous scheduling never has. The machine does not check victim choice.
+* **Victims and admissions** follow vLLM's own policy, declared as `policy = "vllm"` (`kvstate.declared.PRESETS`)
+  and checked on every pass (`take_passes`): the tail of the running queue (admission = position in it), possibly
+  the request being scheduled itself, even one whose next token is its last (no `about_to_finish` exclusion:
+  VICTIM-NOT-FINAL concerns a request whose final step is already under way, which synchronous scheduling never
+  has); a pass that preempted admits nothing; a victim goes back to the head of the waiting queue.
 * **Refusals.** vLLM's own input validation (its `InputProcessor`) refuses an empty prompt, a prompt of at least
   `max_model_len` tokens, token ids outside the vocabulary and `max_tokens < 1`; the adapter passes every
   submission through it. vLLM *accepts* a request whose prompt + max_tokens exceeds `max_model_len` and stops it
@@ -68,7 +70,9 @@ from collections.abc import Hashable, Mapping, Sequence
 
 from kvstate import roles
 from kvstate.config import RequestRejected
+from kvstate.declared import Listed, ObservedPass, PassOutput
 from kvstate.errors import InvariantViolation, KVStateError
+from kvstate.policy import PassRecord, PassSnapshot, RequestSnapshot, Victim
 from kvstate.sim import DEFAULT_VOCAB, next_token, reference_output
 from kvstate.spec import Spec, load_spec
 
@@ -180,7 +184,8 @@ def _spec_invariants(spec: Spec) -> dict[str, str]:
 
 
 class VLLMAdapter:
-    """`SchedulerAdapter` over vLLM's v1 `Scheduler` (synchronous scheduling, one full-attention KV group).
+    """`SchedulerAdapter` over vLLM's v1 `Scheduler` (synchronous scheduling, one full-attention KV group), reporting
+    every pass for the policy check (`kvstate.testing.PassReporting`, policy `"vllm"`).
 
     Args:
         gpu_blocks: KV blocks requests can hold (vLLM adds its null block); with `block_size` it sets
@@ -264,6 +269,14 @@ class VLLMAdapter:
         self._pool = self.scheduler.kv_cache_manager.block_pool
         self._requests: dict[str, Request] = {}
         self._slots: list[list[int]] = [[-1] * block_size for _ in range(num_blocks)]  # -1: never written
+        self._passes: list[ObservedPass] = []
+        self._record = PassRecord()
+        self._preemptions: dict[str, int] = {}  # request id -> its latest preemption (`_preemption_count` then)
+        self._preemption_count = 0
+        self._asking: Request | None = None  # the request vLLM allocates blocks for (the requester of a preemption)
+        self._observe_decisions()
+
+    policy = "vllm"
 
     def __repr__(self) -> str:
         return (
@@ -297,7 +310,10 @@ class VLLMAdapter:
         return request_id
 
     def step(self) -> None:
+        before = self._snapshot()
+        self._record = PassRecord()
         output = self.scheduler.schedule()
+        self._passes.append(ObservedPass(before, self._record, self._pass_output(before, output)))
         ids = list(output.num_scheduled_tokens)
         sampled: list[list[int]] = []
         for request_id in ids:
@@ -394,8 +410,84 @@ class VLLMAdapter:
     def set_host_capacity(self, blocks: int) -> bool:
         return False  # vLLM v1 has no host tier to resize
 
+    def take_passes(self) -> list[ObservedPass]:
+        passes, self._passes = self._passes, []
+        return passes
+
     def reference(self, prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = ()) -> list[int]:
         return reference_output(prompt, max_new_tokens, stop_token_ids, self.vocab_size)
+
+    # ------------------------------------------------------------------------------------- passes
+    def _observe_decisions(self) -> None:
+        """Record each preemption with its requester: vLLM preempts while it allocates blocks for a request."""
+        manager, scheduler = self.scheduler.kv_cache_manager, self.scheduler
+        allocate, preempt = manager.allocate_slots, scheduler._preempt_request
+
+        def allocate_slots(request, *args, **kwargs):
+            self._asking = request
+            return allocate(request, *args, **kwargs)
+
+        def preempt_request(request, *args, **kwargs):
+            requester = self._asking.request_id if self._asking is not None else request.request_id
+            self._record.decisions.append(Victim(requester, request.request_id, "recompute_pause"))
+            self._preemption_count += 1
+            self._preemptions[request.request_id] = self._preemption_count
+            return preempt(request, *args, **kwargs)
+
+        manager.allocate_slots = allocate_slots  # type: ignore[method-assign, unused-ignore]
+        scheduler._preempt_request = preempt_request  # type: ignore[method-assign, unused-ignore]
+
+    def _snapshot(self) -> PassSnapshot:
+        """What the policy reads of vLLM's active requests now; admission = position in the running queue."""
+        position = {request.request_id: i for i, request in enumerate(self.scheduler.running)}
+        ended = self._state_of_role[roles.ENDED]
+        requests = tuple(
+            RequestSnapshot(
+                request_id,
+                state,
+                int(request_id),
+                position.get(request_id, -1),
+                request.num_computed_tokens < request.num_prompt_tokens,
+                len(request.output_token_ids) + 1 >= request.max_tokens,
+                False,
+                request.num_computed_tokens,
+                len(self._blocks(request_id)),
+                num_output_tokens=len(request.output_token_ids),
+                prompt_tokens=request.num_prompt_tokens,
+                last_preemption=self._preemptions.get(request_id, -1),
+            )
+            for request_id, request in self._requests.items()
+            if (state := self._state(request)) != ended
+        )
+        config = self.scheduler.scheduler_config
+        return PassSnapshot(
+            requests,
+            0,
+            False,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            serve_order=tuple(request.request_id for request in self.scheduler.running),
+        )
+
+    def _pass_output(self, before: PassSnapshot, output) -> PassOutput:
+        """vLLM's output in the spec's lists, each request in the list its state before the pass implies."""
+        was = {r.request_id: r.state for r in before.requests}
+        queued, dropped = self._state_of_role[roles.QUEUED], self._state_of_role[roles.DROPPED]
+        lists: dict[str, list[Listed]] = {"context": [], "replay": [], "generation": [], "recompute_paused": []}
+        for request_id in output.num_scheduled_tokens:
+            request = self._requests[request_id]
+            listed = Listed(request_id, self._state(request))
+            if was.get(request_id) == dropped:
+                lists["replay"].append(listed)
+            elif was.get(request_id) == queued or request.num_computed_tokens < request.num_tokens:
+                lists["context"].append(listed)
+            else:
+                lists["generation"].append(listed)
+        for d in (d for d in self._record.decisions if isinstance(d, Victim)):
+            lists["recompute_paused"].append(Listed(d.victim, self._state(self._requests[str(d.victim)])))
+        return PassOutput(
+            **{name: tuple(found) for name, found in lists.items()}, chunk_tokens=dict(output.num_scheduled_tokens)
+        )
 
     # ------------------------------------------------------------------------------------- helpers
     def _state(self, request: Request) -> str:

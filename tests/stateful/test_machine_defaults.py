@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from hypothesis import settings
+from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvstate.config import SchedulerConfig
@@ -22,8 +22,10 @@ def test_the_profiles_keep_their_values_and_none_has_a_deadline() -> None:
         "thorough": (200, None),
         "dev": (40, None),
         "long": (5000, None),
+        "fail-fast": (40, None),
     }
-    assert all(PROFILES[name].derandomize and PROFILES[name].print_blob for name in ("ci", "thorough"))
+    assert all(PROFILES[name].derandomize and PROFILES[name].print_blob for name in ("ci", "thorough", "fail-fast"))
+    assert Phase.shrink not in PROFILES["fail-fast"].phases  # the failure as found: no minutes of shrinking
     for name in PROFILES:
         assert settings.get_profile(name).max_examples == PROFILES[name].max_examples
 
@@ -37,6 +39,30 @@ def test_the_environment_variable_chooses_the_profile_in_a_fresh_process() -> No
     env = {**os.environ, PROFILE_ENV: "bogus"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     assert out.returncode != 0 and "names no kvstate Hypothesis profile" in out.stderr
+
+
+def test_importing_the_kit_changes_no_hypothesis_setting() -> None:
+    code = (
+        "import hypothesis; before = repr(hypothesis.settings()); import kvstate.testing; "
+        "print(hypothesis.settings.get_current_profile_name(), repr(hypothesis.settings()) == before)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != PROFILE_ENV}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["default", "True"]
+
+
+def test_pytest_loads_a_kit_profile_by_name(tmp_path) -> None:
+    """The package's pytest plugin registers the profiles before Hypothesis' plugin loads `--hypothesis-profile`."""
+    probe = tmp_path / "test_profile_probe.py"
+    probe.write_text(
+        "import hypothesis\n\n\ndef test_probe():\n"
+        "    assert hypothesis.settings.get_current_profile_name() == 'thorough'\n"
+        "    assert hypothesis.settings().max_examples == 200\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != PROFILE_ENV}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--hypothesis-profile=thorough"]
+    out = subprocess.run([*command, str(probe)], env=env, capture_output=True, text=True, cwd=tmp_path, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_a_machine_runs_without_a_deadline_whatever_profile_is_loaded() -> None:
