@@ -272,11 +272,11 @@ class _PassCheck:
             eligible = self.eligible(d.requester, chosen, waiting)
             chosen.add(d.victim)
             if d.victim == d.requester:
-                if eligible:
+                others = [r.request_id for r in eligible if r.request_id != d.requester]
+                if others:
                     self.fail(
                         "VICTIM-TAIL",
-                        f"requester {d.requester!r} preempted itself although "
-                        f"{[r.request_id for r in eligible]!r} were eligible victims",
+                        f"requester {d.requester!r} preempted itself although {others!r} were eligible victims",
                     )
                 continue
             victim = self.by_id.get(d.victim)

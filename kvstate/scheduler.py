@@ -93,6 +93,10 @@ VICTIM_EXCLUSIONS: Mapping[str, Callable[[Scheduler, Request, SchedulingPass], b
     "about_to_finish": lambda s, candidate, pass_: candidate.about_to_finish,
     "preemption_cap_reached": lambda s, candidate, pass_: s._capped(candidate),
     "chunk_in_flight": lambda s, candidate, pass_: candidate.request_id in s.in_flight and candidate.is_prefilling,
+    "ahead_of_requester": lambda s, candidate, pass_: (
+        pass_.requester is not None
+        and (candidate.is_prefilling, candidate.arrival) < (pass_.requester.is_prefilling, pass_.requester.arrival)
+    ),  # ahead in the spec's serve order (SPEC.md 7.2); declared by third-party policies (kvstate.declared)
 }  # the scheduler's reading of the spec's `victim_exclusions` (their meaning: kvstate.policy.VOCABULARY)
 
 
