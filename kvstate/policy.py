@@ -245,8 +245,10 @@ class _PassCheck:
         scheduled = self.served_before(requester) if "scheduled_this_pass" in excluded else set()
         if "waiting_this_pass" in excluded:
             scheduled |= waiting
-        if "ahead_of_requester" in excluded and requester in self.order:
-            scheduled |= set(self.order[: self.order.index(requester)])
+        if "ahead_of_requester" in excluded:  # in the engine's whole order: a suspended requester is in it too
+            order = list(self.before.serve_order) if self.before.serve_order is not None else self.order
+            if requester in order:
+                scheduled |= set(order[: order.index(requester)])
         return [
             r
             for r in self.before.requests

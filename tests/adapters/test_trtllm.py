@@ -3,7 +3,8 @@
 The file is never part of this project: these tests run only where KVSTATE_TRTLLM_SRC names a TensorRT-LLM checkout
 (or a directory holding its `tensorrt_llm/_torch/pyexecutor/scheduler/scheduler_v2.py`), and are skipped, saying so,
 elsewhere. What they pin: with a host tier it follows its declared policy; with the overlap executor it takes a
-GENERATION_TO_COMPLETE request as a victim (VICTIM-NOT-FINAL); without a host tier it suspends, freeing nothing.
+GENERATION_TO_COMPLETE request as a victim (VICTIM-NOT-FINAL); without a host tier it suspends, freeing nothing;
+with chunked prefill it can livelock (LIVE-DONE).
 """
 
 from __future__ import annotations
@@ -56,3 +57,16 @@ def test_without_a_host_tier_a_suspension_frees_nothing() -> None:
     with pytest.raises(InvariantViolation) as caught:
         run_state_machine_as_test(machine, settings=FAILS)
     assert caught.value.invariant_id in {"RES-STATE", "NO-HOST-NO-SUSPEND"}, caught.value
+
+
+@needs_checkout
+def test_chunked_prefills_that_cannot_grow_starve_a_generation_request_that_cannot_evict_them() -> None:
+    """Mid-prefill context requests ahead of a generation request hold the pages it needs; their chunks are skipped
+    when they cannot grow, and it may evict only requests behind it, so it suspends and resumes itself forever."""
+    machine = conformance_machine(
+        lambda: TrtllmAdapter(gpu_pages=8, host_pages=16, tokens_per_block=2, chunk_unit_size=2, max_num_tokens=6),
+        name="TrtllmChunked",
+    )
+    with pytest.raises(InvariantViolation) as caught:  # rarer: found within 300 examples of 40 rules
+        run_state_machine_as_test(machine, settings=settings(FAILS, max_examples=300, stateful_step_count=40))
+    assert caught.value.invariant_id == "LIVE-DONE", caught.value
