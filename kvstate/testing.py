@@ -92,6 +92,7 @@ __all__ = [
     "LifecycleViolation",
     "MachineBinding",
     "MachineConfig",
+    "PassReporting",
     "SchedulerAdapter",
     "Submission",
     "conformance_machine",
