@@ -1,8 +1,8 @@
 """A `kvstate.testing.SchedulerAdapter` around vLLM 0.33.0's real v1 `Scheduler` and its real KV cache manager.
 
 Importing this module needs vLLM (`scripts/install-peers` installs it without touching torch); without it the
-import fails with an `ImportError` that says so. It selects vLLM's CPU platform unless a platform is already
-selected (import it before other `vllm` modules, which would otherwise try to detect a device), and sets
+import fails with an `ImportError` that says so. It selects vLLM's CPU platform unless a device platform is already
+selected (also when an earlier import, SGLang's for one, left vLLM's platform unspecified), and sets
 `HF_HUB_OFFLINE=1` unless set: the "model" is a tiny Llama `config.json` written to a temporary directory, nothing
 is downloaded and no weights exist. Only the scheduler runs; the model runner is replaced by a slot-level KV
 simulation (below), so a step costs milliseconds.
@@ -96,9 +96,11 @@ import torch  # noqa: E402  (vLLM's KV cache spec names a dtype)
 import vllm.platforms  # noqa: E402
 from vllm.platforms.cpu import CpuPlatform  # noqa: E402
 
-if vllm.platforms._current_platform is None:
-    # vLLM declares `_current_platform = None` without an annotation, so its inferred type admits only None; the
-    # ignore is unused where vllm is not installed (its imports are then Any).
+_platform = vllm.platforms._current_platform
+if _platform is None or not getattr(_platform, "device_type", ""):
+    # None: not detected yet; no device type: detected as unspecified by an earlier import of vLLM's modules (SGLang
+    # imports some) on a machine without a GPU. vLLM declares `_current_platform = None` without an annotation, so
+    # its inferred type admits only None; the ignore is unused where vllm is not installed (its imports are then Any).
     vllm.platforms._current_platform = CpuPlatform()  # type: ignore[assignment, unused-ignore]
 
 from vllm.config import CacheConfig, ModelConfig, VllmConfig  # noqa: E402
