@@ -5,7 +5,6 @@ can tell is refused from the header, naming the field or tensor."""
 from __future__ import annotations
 
 import os
-import threading
 from dataclasses import replace
 
 import numpy as np
@@ -17,6 +16,7 @@ from executor.gguf_file import SUPPORTED_TYPES, read_gguf_header
 from executor.gguf_llama import load_gguf_llama
 from executor.text import load_tokenizer
 from kvstate.config import SchedulerConfig
+from tests.executor.fifos import refused_without_blocking
 from tests.executor.gguf_files import expected, patch, tensor_entry, tokenizer_fields, write_gguf
 
 pytest.importorskip("tokenizers")
@@ -169,22 +169,8 @@ def test_a_header_that_lies_is_refused_from_the_header(file, lie, needles):
 def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
     fifo = tmp_path / "model.gguf"
     os.mkfifo(fifo)
-    result: list[BaseException] = []
-    reader = threading.Thread(target=lambda: result.append(_raised(lambda: read_gguf_header(fifo))), daemon=True)
-    reader.start()
-    reader.join(timeout=20)
-    if reader.is_alive():  # unblock the open() of the code under test, then fail
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        pytest.fail("reading a FIFO blocked")
-    assert isinstance(result[0], CheckpointError) and "not a regular file" in str(result[0])
-
-
-def _raised(call) -> BaseException | None:
-    try:
-        call()
-    except BaseException as err:
-        return err
-    return None
+    err = refused_without_blocking(lambda: read_gguf_header(fifo), fifo)
+    assert isinstance(err, CheckpointError) and "not a regular file" in str(err)
 
 
 # ------------------------------------------------------------------------------------ what the model refuses
