@@ -15,9 +15,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from executor.checkpoint_files import CheckpointError, open_regular
+from executor.named_models import locate, named_model
 from kvstate.commands.args import UsageError, device_name, input_file, non_negative_int, positive_int
 
 REQUIRED_FILES = ("config.json", "tokenizer.json")
+GGUF_MAGIC = b"GGUF"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -56,15 +59,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _checkpoint(args: argparse.Namespace) -> Path:
     """The checkpoint path of `--checkpoint` or `--model`, checked before torch is imported."""
     if args.model is not None:
-        from executor.named_models import locate, named_model
-
         try:
             return locate(named_model(args.model))
         except ValueError as err:  # an unknown name, ModelNotInstalled, a changed file (CheckpointError)
             raise UsageError(str(err)) from None
     path = Path(args.checkpoint)
     if path.is_file() or not path.exists():
-        return input_file(path, "--checkpoint")
+        path = input_file(path, "--checkpoint")
+        try:
+            with open_regular(path, "checkpoint") as handle:
+                gguf = handle.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+        except CheckpointError as err:
+            raise UsageError(str(err)) from None
+        if not gguf:
+            raise UsageError(
+                f"--checkpoint {path} is not a directory, nor a GGUF file (it does not start with GGUF); pass a "
+                "Hugging Face Llama directory or a .gguf file"
+            )
+        return path
     missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
     if missing:
         raise UsageError(
