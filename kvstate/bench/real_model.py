@@ -9,8 +9,9 @@ greedy outputs are compared per request. At these sizes a step is dominated by t
 so the rows measure kernels, not Python overhead.
 
 Per batch size (1, 8, 32, 64): the engine steady (a GPU tier that holds every request) and under memory pressure
-(a GPU tier of half the blocks the batch needs; host tier none, part — a quarter of the batch's blocks — and full:
-all of them), each beside the same `generate` run. A single request that fits alone is never preempted, so batch
+(a GPU tier of half the blocks the batch needs; host tier none, part — an eighth of the batch's blocks, too few
+for every victim, so both suspensions and recompute-pauses happen — and full: all of them), each beside the same
+`generate` run. A single request that fits alone is never preempted, so batch
 1 has the steady row only. Decode time starts after the first step (the engine's first `step()`; `generate`'s
 first logits-processor call) and ends with the last token; tokens/s counts the tokens produced in that time. On
 the CPU the seconds are this thread's CPU time. Without the model or transformers the rows say what to install.
@@ -28,7 +29,7 @@ from kvstate.config import SchedulerConfig
 from kvstate.pool import ceil_div
 
 BLOCK_SIZE = 16
-REGIMES = {"steady": None, "host none": 0.0, "host part": 0.25, "host full": 1.0}  # host blocks / batch's blocks
+REGIMES = {"steady": None, "host none": 0.0, "host part": 0.125, "host full": 1.0}  # host blocks / batch's blocks
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class RealShape:
 
 
 FULL_SHAPE = RealShape(batches=(1, 8, 32, 64), new_tokens=32, repeats=3)
-QUICK_SHAPE = RealShape(batches=(1, 8), new_tokens=8, repeats=2)
+QUICK_SHAPE = RealShape(batches=(1, 8), new_tokens=16, repeats=2)  # 16: requests still grow into new blocks
 
 
 def hf_peer(model, dtype):

@@ -8,7 +8,10 @@ float64 <= 1e-9 (measured about 1e-12)."""
 
 from __future__ import annotations
 
+import re
+import shlex
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +23,7 @@ from kvstate.cli import main
 from kvstate.config import SchedulerConfig
 
 LOGIT_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-9}
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +56,32 @@ def test_the_wheel_holds_the_model_the_issue_describes(model32, tokenizer):
     assert tokenizer.chat("hi").endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_kvstate_generate_answers_in_text(gguf_file, capsys):
-    status = main(["generate", "--model", "smollm2", "--device", "cpu", "What is the capital of France?"])
+def readme_commands() -> list[tuple[list[str], list[str]]]:
+    """(argv, the lines shown after it) of every ``$ kvstate ...`` line in the README's section on the real model."""
+    text = README.read_text(encoding="utf-8").split("## A real model", 1)[1].split("\n## ", 1)[0]
+    commands = []
+    for block in re.findall(r"```console\n(.*?)```", text, flags=re.S):
+        for chunk in block.split("$ kvstate ")[1:]:
+            command, *shown = chunk.rstrip("\n").split("\n")
+            commands.append((shlex.split(command), shown))
+    return commands
+
+
+def test_the_readme_shows_both_commands():
+    assert [argv[:3] for argv, _ in readme_commands()] == [
+        ["generate", "--model", "smollm2"],
+        ["generate", "--model", "smollm2"],
+        ["demo", "--model", "smollm2"],
+    ]
+
+
+@pytest.mark.parametrize("argv, shown", [c for c in readme_commands() if c[0][0] == "generate"])
+def test_kvstate_generate_prints_what_the_readme_shows(gguf_file, capsys, argv, shown):
+    """The answers stop at <|im_end|>, which is not printed."""
+    status = main([*argv[:1], "--device", "cpu", *argv[1:]])
     out, _ = capsys.readouterr()
     assert status == 0
-    assert out == "The capital of France is Paris.\n"  # stops at <|im_end|>, which is not printed
+    assert out.splitlines() == shown
 
 
 def _engine_outputs(model, prompts, new_tokens, **scheduler):
@@ -107,17 +132,23 @@ def test_the_engine_equals_transformers_generate_in_float32_on_every_prompt(mode
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_the_pressured_demo_equals_its_unpressured_reference(gguf_file, tmp_path, capsys, dtype):
-    """Both preemption paths happen on real prompts, and every output equals the request run alone."""
-    status = main(["demo", "--model", "smollm2", "--dtype", dtype, "--trace", str(tmp_path / "t.ndjson")])
+def test_the_pressured_demo_prints_what_the_readme_shows(gguf_file, tmp_path, capsys, dtype):
+    """Both preemption paths happen on real prompts, every output equals the request run alone, and the answers,
+    counts and verdict are the README's, in float32 and in float64."""
+    (argv, shown) = next(c for c in readme_commands() if c[0][0] == "demo")
+    argv = [arg for arg in argv if arg not in ("--dtype", "float32")]
+    status = main([*argv, "--dtype", dtype, "--device", "cpu", "--trace", str(tmp_path / "t.ndjson")])
     out, _ = capsys.readouterr()
     assert status == 0, out
-    assert "OUTPUT EQUIVALENCE: PASS - all 8 outputs equal their unpressured reference" in out
-    assert "The capital of France is Paris." in out
+    for line in shown:
+        if not line.startswith("..."):
+            assert line in out.splitlines(), line
+    claimed = re.search(r"\(summary: (.*)\)", "\n".join(shown)).group(1)
     summary = {
         line.split("│")[1].strip(): line.split("│")[2].strip() for line in out.splitlines() if line.count("│") == 3
     }
-    assert int(summary["suspensions"]) > 0 and int(summary["recompute-pauses"]) > 0, summary
+    for count, metric in (item.split(" ", 1) for item in claimed.split(", ")):
+        assert summary[metric] == count, (metric, summary)
 
 
 @pytest.mark.slow
