@@ -172,8 +172,10 @@ def _shard_files(path: Path) -> list[Path]:
     )
     weight_map = data.mapping("weight_map")
     if len(weight_map.data) > SAFETENSORS_LIMITS.max_tensors:
-        raise weight_map.fail(
-            "", f"names {len(weight_map.data)} tensors; at most {SAFETENSORS_LIMITS.max_tensors} are read"
+        raise CheckpointError(
+            f"names {len(weight_map.data)} tensors; at most {SAFETENSORS_LIMITS.max_tensors} are read",
+            path=index,
+            field="weight_map",
         )
     return [_shard_file(path, shard, index) for shard in sorted({weight_map.string(n) for n in weight_map.data})]
 
