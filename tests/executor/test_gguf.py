@@ -201,3 +201,15 @@ def test_a_tensor_of_the_wrong_shape_and_non_finite_values_are_refused(tmp_path,
 def test_a_missing_checkpoint_path_names_both_kinds(tmp_path):
     with pytest.raises(CheckpointError, match="GGUF file"):
         load_checkpoint(tmp_path / "nowhere", dtype=torch.float32, device="cpu")
+
+
+def test_kvstate_generate_takes_a_gguf_file_and_refuses_another_file(file, tmp_path, capsys):
+    from kvstate.cli import main
+
+    assert main(["generate", "--checkpoint", str(file), "--device", "cpu", "--max-new-tokens", "4", "the fox"]) == 0
+    out, _ = capsys.readouterr()
+    assert out.endswith("\n") and "<|im_end|>" not in out
+    other = tmp_path / "notes.txt"
+    other.write_text("not a checkpoint")
+    assert main(["generate", "--checkpoint", str(other), "hi"]) == 2
+    assert "is not a directory, nor a GGUF file" in capsys.readouterr().err
