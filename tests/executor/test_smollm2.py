@@ -128,11 +128,6 @@ def test_the_engine_equals_transformers_generate_in_float64_on_every_prompt(mode
 
 
 @pytest.mark.slow
-def test_the_engine_equals_transformers_generate_in_float32_on_every_prompt(model32, tokenizer):
-    _equal_to_transformers(model32, tokenizer, count=len(PROMPTS), new_tokens=24)
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_the_pressured_demo_prints_what_the_readme_shows(gguf_file, tmp_path, capsys, dtype):
     """Both preemption paths happen on real prompts, every output equals the request run alone, and the answers,
@@ -170,6 +165,7 @@ def test_our_gguf_weights_give_the_logits_of_transformers_own_gguf_loading(gguf_
     """An independent witness of the config mapping, the tensor names and the un-permuted query/key rows:
     transformers' own GGUF loader (`from_pretrained(..., gguf_file=...)`) computes the same logits."""
     transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers loads GGUF files through it
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
     ).eval()
