@@ -1,6 +1,8 @@
 # The names `executor` exports, and their modules: read by type checkers, and by `lazy_loader.attach_stub` in
 # `__init__.py`, which imports each module the first time one of its names is used.
 
+from .checkpoint import load_checkpoint
+from .checkpoint_files import CheckpointError
 from .engine import (
     Engine,
     EngineClosed,
@@ -14,7 +16,8 @@ from .engine import (
     resolve_dtype,
 )
 from .faults import FAULT_KINDS, FaultInjector, FaultPlan, FaultPlanError, FaultSpec
-from .hf import CheckpointError, load_hf_llama, save_hf_llama
+from .gguf_llama import load_gguf_llama
+from .hf import load_hf_llama, save_hf_llama
 from .kv_cache import (
     CompletedFence,
     EventFence,
@@ -61,6 +64,8 @@ __all__ = [
     "SeqChunk",
     "TraceWriter",
     "draw_seed",
+    "load_checkpoint",
+    "load_gguf_llama",
     "load_hf_llama",
     "read_trace",
     "resolve_device",

@@ -58,8 +58,8 @@ from pathlib import Path
 
 import torch
 
+from executor.checkpoint import load_checkpoint
 from executor.faults import FaultInjector, FaultPlan
-from executor.hf import load_hf_llama
 from executor.kv_cache import Fence, HostTierAllocationError, MigrationFailed, PagedKVCache, block_shape, resolve_device
 from executor.model import DECODE_KV_BUDGET_BYTES, BatchPlanner, LlamaModel, ModelConfig
 from executor.sampler import GREEDY, SamplingParams, sample_batch
@@ -175,7 +175,7 @@ class EngineConfig:
     """Everything an `Engine` is built from: the scheduler's pool sizes, budgets and policies (`scheduler`; its
     `host_blocks` is the host tier to allocate, 0 = none, and its `block_bytes` is set by the engine from the
     model), plus the model, device, dtype, sampling seed, trace and fault settings. `checkpoint` (a Hugging Face
-    Llama directory) overrides `model`."""
+    Llama directory or a GGUF file, `executor.checkpoint`) overrides `model`."""
 
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(gpu_blocks=256))
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -319,7 +319,7 @@ class Engine:
             torch.backends.cudnn.allow_tf32 = False
         if model is None:
             if config.checkpoint is not None:
-                model = load_hf_llama(config.checkpoint, dtype=dtype, device=self.device)
+                model = load_checkpoint(config.checkpoint, dtype=dtype, device=self.device)
             else:
                 model = LlamaModel.from_seed(config.model, config.weights_seed, dtype=dtype, device=self.device)
         elif model.device.type != self.device.type or model.dtype != dtype:

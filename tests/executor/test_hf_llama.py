@@ -299,3 +299,13 @@ def test_an_oversized_config_and_an_escaping_single_file_checkpoint_are_refused(
     (path / "model.safetensors").rename(outside)
     (path / "model.safetensors").symlink_to(outside)
     refused(path, "leads outside the checkpoint directory")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_shapes_checked_from_the_config_are_the_models(tied):
+    """`expected_shapes` (what headers are checked against before any data is read) is `hf_state_dict`'s layout."""
+    from executor.hf import expected_shapes
+
+    config = ModelConfig(num_layers=3, num_heads=6, num_kv_heads=2, head_dim=8, tie_word_embeddings=tied)
+    model = LlamaModel.from_seed(config, seed=0)
+    assert expected_shapes(config) == {name: tuple(t.shape) for name, t in model.hf_state_dict().items()}
