@@ -1,0 +1,277 @@
+"""`kvstate check --engine tlc`: our checker and TLC on the abstract model of the same bounds, side by side.
+
+For each bound both engines enumerate the abstract model, TLC on the module `kvstate export tla` writes (in a
+temporary directory), ours with `kvstate.checker.explore` (TLC runs in its own process while ours runs, so two
+cores are both used). Compared, per bound:
+
+* the safety verdict: every invariant of `kvstate.tla.invariants` (our checker's state and step predicates) and
+  DEADLOCK, over every reachable state;
+* when it holds: the distinct states and the depth (states on the longest shortest path, TLC's "depth of the
+  complete state graph search"), with symmetry over interchangeable requests or, with `symmetry=False`, without;
+* when it is violated: the invariant and the length of the shortest counterexample. TLC's counterexample is replayed
+  on our model (`kvstate.tla.translate`) and written as a lifecycle trace that `kvstate report` draws.
+
+Liveness is not compared, because the engines compute different properties. Ours judges LIVE-DONE as "every
+reachable bottom SCC of the graph without environment events is all-done" (from every reachable state some run
+of scheduler and executor steps ends every request); TLC checks `LIVE_DONE`, the LTL property "every request
+reaches done" under the module's per-action weak fairness (SPEC.md F1-F4). `liveness=True` also runs TLC's check
+and prints both verdicts, each with its property.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstate.checker.bounds import Bound
+from kvstate.checker.explore import HOLDS, INCOMPLETE, VIOLATED, ModelResult, explore
+from kvstate.checker.model import AbstractModel
+from kvstate.checker.runner import EXIT_CODES
+from kvstate.errors import KVStateError
+from kvstate.semantics import TLA, Guard, TlaMeaning
+from kvstate.spec import Spec
+from kvstate.tla import invariants
+from kvstate.tla.models import ModelFiles, export
+from kvstate.tla.module import tla_id
+from kvstate.tla.tlc import ERROR, TlcRun, TlcState, TlcTools, find_tools, run_tlc
+from kvstate.tla.translate import TraceMismatch, tlc_steps, trace_lines
+
+LIVE_DONE = "LIVE-DONE"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineVerdict:
+    """One engine's safety result on one bound: `invariant` is the violated one (spec id), `length` the number of
+    steps of its counterexample."""
+
+    verdict: str
+    states: int | None
+    depth: int | None
+    seconds: float
+    invariant: str | None = None
+    length: int | None = None
+
+
+@dataclass
+class Comparison:
+    """Both engines on one bound; `mismatches` lists every difference (empty: they agree)."""
+
+    bound: Bound
+    symmetric: bool
+    ours: EngineVerdict
+    tlc: EngineVerdict
+    mismatches: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    trace_file: Path | None = None
+    ours_liveness: str = ""
+    tlc_liveness: str = ""
+    tlc_trace: list[TlcState] = field(default_factory=list, repr=False)
+
+    @property
+    def verdict(self) -> str:
+        if self.mismatches:
+            return VIOLATED
+        return self.ours.verdict
+
+
+def ours(
+    bound: Bound, spec: Spec, *, symmetry: bool, guards: Mapping[str, Guard] | None, time_limit: float | None
+) -> tuple[EngineVerdict, ModelResult]:
+    """Our checker's safety verdict on the abstract model (LIVE-DONE is judged after every state is found, so a
+    LIVE-DONE violation still means every invariant holds)."""
+    result = explore(AbstractModel(bound, spec, guards, symmetry=symmetry), time_limit=time_limit)
+    violation = result.violation
+    if violation is not None and violation.invariant != LIVE_DONE:
+        return EngineVerdict(VIOLATED, None, None, result.seconds, violation.invariant, len(violation.path)), result
+    complete = result.verdict != INCOMPLETE
+    return (
+        EngineVerdict(
+            HOLDS if complete else INCOMPLETE,
+            result.states if complete else None,
+            result.depth if complete else None,
+            result.seconds,
+        ),
+        result,
+    )
+
+
+def tlc_verdict(run: TlcRun, names: Mapping[str, str]) -> EngineVerdict:
+    """TLC's safety verdict, the violated TLA+ name mapped back to its spec id."""
+    if run.verdict == VIOLATED:
+        invariant = names.get(run.violated or "", run.violated)
+        return EngineVerdict(VIOLATED, None, None, run.seconds, invariant, max(len(run.trace) - 1, 0))
+    complete = run.verdict == HOLDS
+    return EngineVerdict(run.verdict, run.states if complete else None, run.depth if complete else None, run.seconds)
+
+
+def compare(ours_verdict: EngineVerdict, tlc: EngineVerdict) -> list[str]:
+    """Every difference between the two safety results (nothing is compared when either is incomplete)."""
+    if INCOMPLETE in (ours_verdict.verdict, tlc.verdict):
+        return []
+    pairs: list[tuple[str, object, object]] = [("verdict", ours_verdict.verdict, tlc.verdict)]
+    if ours_verdict.verdict == tlc.verdict == HOLDS:
+        pairs += [("distinct states", ours_verdict.states, tlc.states), ("depth", ours_verdict.depth, tlc.depth)]
+    elif ours_verdict.verdict == tlc.verdict == VIOLATED:
+        pairs += [
+            ("violated invariant", ours_verdict.invariant, tlc.invariant),
+            ("counterexample length", ours_verdict.length, tlc.length),
+        ]
+    return [f"{what}: ours {a}, TLC {b}" for what, a, b in pairs if a != b]
+
+
+@dataclass(frozen=True)
+class Options:
+    """How to cross-check: `meanings` (the TLA+ side) and `guards` (the Python side) may be injected (a test plants a
+    difference between them)."""
+
+    symmetry: bool = True
+    liveness: bool = False
+    time_limit: float | None = None
+    counterexample_dir: Path | None = None
+    meanings: Mapping[str, TlaMeaning] = field(default_factory=lambda: TLA)
+    guards: Mapping[str, Guard] | None = None
+
+
+def cross_check(
+    bounds: list[Bound],
+    spec: Spec,
+    options: Options = Options(),
+    *,
+    say: Callable[[str], None] = print,
+    tools: TlcTools | None = None,
+) -> tuple[int, list[Comparison]]:
+    """Run both engines on every bound, print the table; (exit code, comparisons)."""
+    tools = tools if tools is not None else find_tools()
+    state_ids, step_ids = invariants.checked_ids(spec)
+    names = {tla_id(i): i for i in [*state_ids, *step_ids, invariants.DEADLOCK_ID, LIVE_DONE]}
+    runnable = [b for b in bounds if b.abstract_model]
+    for b in bounds:
+        if not b.abstract_model:
+            say(f"bound {b.name}: not run (abstract_model = false: too large to enumerate; neither engine runs it)")
+    say(
+        f"kvstate check --engine tlc: spec {spec.source}; TLC {tools.jar}; "
+        f"{'with' if options.symmetry else 'without'} symmetry; {len(runnable)} bound(s)"
+    )
+    comparisons = []
+    with tempfile.TemporaryDirectory(prefix="kvstate-tla-") as tmp:
+        _, models = export(spec, runnable, Path(tmp), symmetry=options.symmetry, meanings=options.meanings)
+        for n, model in enumerate(models, 1):
+            say(f"[{n}/{len(models)}] bound {model.bound.name}: our checker and TLC running ...")
+            comparison = _one(model, spec, _Run(Path(tmp), tools, names, options))
+            if comparison.tlc.verdict == VIOLATED and options.counterexample_dir is not None:
+                _write_counterexample(comparison, spec, options.counterexample_dir)
+            comparisons.append(comparison)
+            for line in report_lines(comparison):
+                say(line)
+    return _summary(comparisons, say), comparisons
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """What every bound of one cross-check shares: the exported files' directory, the tools, the TLA+ names of the
+    checked invariants (mapped to their spec ids) and the options."""
+
+    directory: Path
+    tools: TlcTools
+    names: Mapping[str, str]
+    options: Options
+
+
+def _one(model: ModelFiles, spec: Spec, run: _Run) -> Comparison:
+    options = run.options
+    with ThreadPoolExecutor(max_workers=1) as pool:  # TLC in its own process while ours runs here
+        tlc_future = pool.submit(
+            run_tlc, run.tools, run.directory, model.name, f"{model.name}.cfg", time_limit=options.time_limit
+        )
+        mine, result = ours(
+            model.bound, spec, symmetry=options.symmetry, guards=options.guards, time_limit=options.time_limit
+        )
+        tlc_run = tlc_future.result()
+    tlc = tlc_verdict(tlc_run, run.names)
+    comparison = Comparison(model.bound, model.symmetric, mine, tlc, compare(mine, tlc), tlc_trace=tlc_run.trace)
+    if tlc_run.verdict == ERROR:
+        comparison.mismatches.append("TLC failed: " + " | ".join(tlc_run.errors)[:2000])
+    comparison.ours_liveness = _ours_liveness(result)
+    if options.liveness:
+        live = run_tlc(
+            run.tools, run.directory, model.name, f"{model.name}_liveness.cfg", time_limit=options.time_limit
+        )
+        comparison.tlc_liveness = live.verdict + (f" ({live.violated})" if live.violated else "")
+    return comparison
+
+
+def _ours_liveness(result: ModelResult) -> str:
+    if result.verdict == INCOMPLETE or (result.violation is not None and result.violation.invariant != LIVE_DONE):
+        return "not judged"
+    return VIOLATED if result.violation is not None else HOLDS
+
+
+def _write_counterexample(comparison: Comparison, spec: Spec, out: Path) -> None:
+    """Replay TLC's counterexample on our model and write it as a trace (a mismatch if ours cannot take it)."""
+    bound = comparison.bound
+    model = AbstractModel(bound, spec)
+    try:
+        steps = tlc_steps(model, comparison.tlc_trace)
+    except TraceMismatch as err:
+        comparison.mismatches.append(f"TLC's counterexample is no run of our model: {err}")
+        return
+    path = out / f"kvstate-tlc-counterexample-{bound.name}.ndjson"
+    lines, cut = trace_lines(model, steps)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with path.open("w", encoding="utf-8") as handle:
+            for line in lines:
+                handle.write(json.dumps(line, separators=(",", ":")) + "\n")
+    except OSError as err:
+        raise KVStateError(f"cannot write {path}: {err.strerror}; pass a writable --counterexample-dir") from err
+    comparison.trace_file = path
+    if cut:
+        comparison.notes.append(cut)
+
+
+def _cell(v: EngineVerdict) -> str:
+    if v.verdict == HOLDS:
+        return f"{v.states} states, depth {v.depth}, holds, {v.seconds:.1f} s"
+    if v.verdict == VIOLATED:
+        return f"violated ({v.invariant}, counterexample of {v.length} steps), {v.seconds:.1f} s"
+    return f"{v.verdict}, {v.seconds:.1f} s"
+
+
+def report_lines(c: Comparison) -> list[str]:
+    lines = [
+        f"bound {c.bound.name} ({'symmetry over equal requests' if c.symmetric else 'no symmetry'}):",
+        f"  ours: {_cell(c.ours)}",
+        f"  TLC:  {_cell(c.tlc)}",
+    ]
+    if c.ours_liveness:
+        lines.append(f"  liveness, ours (every reachable bottom SCC of the fair graph all-done): {c.ours_liveness}")
+    if c.tlc_liveness:
+        lines.append(f"  liveness, TLC (LIVE_DONE under per-action weak fairness, no symmetry): {c.tlc_liveness}")
+    if c.trace_file is not None:
+        lines.append(f"  TLC's counterexample as a trace: {c.trace_file} (draw it with `kvstate report`)")
+    lines += [f"    {note}" for note in c.notes]
+    lines += [f"  MISMATCH {m}" for m in c.mismatches]
+    lines.append(f"  equal: {'no' if c.mismatches else 'yes'}")
+    return lines
+
+
+def _summary(comparisons: list[Comparison], say: Callable[[str], None]) -> int:
+    say("")
+    say(f"{'bound':<22} {'ours':>10} {'TLC':>10}  equal")
+    for c in comparisons:
+        say(f"{c.bound.name:<22} {_short(c.ours):>10} {_short(c.tlc):>10}  {'no' if c.mismatches else 'yes'}")
+    if any(c.mismatches for c in comparisons):
+        say(f"verdict: the engines disagree on {sum(1 for c in comparisons if c.mismatches)} bound(s) (exit 1)")
+        return 1
+    verdicts = {c.ours.verdict for c in comparisons}
+    verdict = VIOLATED if VIOLATED in verdicts else INCOMPLETE if INCOMPLETE in verdicts else HOLDS
+    say(f"verdict: {verdict}, both engines agree ({len(comparisons)} bound(s), exit {EXIT_CODES[verdict]})")
+    return EXIT_CODES[verdict]
+
+
+def _short(v: EngineVerdict) -> str:
+    return str(v.states) if v.verdict == HOLDS else v.invariant or v.verdict if v.verdict == VIOLATED else v.verdict
