@@ -1,8 +1,8 @@
 """`kvstate check --engine tlc`: our checker and TLC on the abstract model of the same bounds, side by side.
 
 For each bound both engines enumerate the abstract model, TLC on the module `kvstate export tla` writes (in a
-temporary directory), ours with `kvstate.checker.explore` (TLC runs in its own process while ours runs, so two
-cores are both used). Compared, per bound:
+temporary directory), ours with `kvstate.checker.explore`. TLC runs in processes of its own, `TLC_PROCESSES` models
+at a time, while ours works through the bounds here, so two cores are both used. Compared, per bound:
 
 * the safety verdict: every invariant of `kvstate.tla.invariants` (our checker's state and step predicates) and
   DEADLOCK, over every reachable state;
@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +41,7 @@ from kvstate.tla.tlc import ERROR, TlcRun, TlcState, TlcTools, find_tools, run_t
 from kvstate.tla.translate import TraceMismatch, tlc_steps, trace_lines
 
 LIVE_DONE = "LIVE-DONE"
+TLC_PROCESSES = 2  # TLC processes at once (one worker each: TLC's shortest counterexamples and depths need one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +67,11 @@ class Comparison:
     tlc: EngineVerdict
     mismatches: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    trace_file: Path | None = None
     ours_liveness: str = ""
     tlc_liveness: str = ""
     tlc_trace: list[TlcState] = field(default_factory=list, repr=False)
+    tlc_lasso: TlcRun | None = field(default=None, repr=False)  # TLC's LIVE_DONE run, when it found a lasso
+    trace_files: list[tuple[str, Path]] = field(default_factory=list)  # (what TLC found, the trace written)
 
     @property
     def verdict(self) -> str:
@@ -156,51 +158,72 @@ def cross_check(
         f"kvstate check --engine tlc: spec {spec.source}; TLC {tools.jar}; "
         f"{'with' if options.symmetry else 'without'} symmetry; {len(runnable)} bound(s)"
     )
-    comparisons = []
-    with tempfile.TemporaryDirectory(prefix="kvstate-tla-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvstate-tla-") as tmp, ThreadPoolExecutor(TLC_PROCESSES) as pool:
         _, models = export(spec, runnable, Path(tmp), symmetry=options.symmetry, meanings=options.meanings)
-        for n, model in enumerate(models, 1):
-            say(f"[{n}/{len(models)}] bound {model.bound.name}: our checker and TLC running ...")
-            comparison = _one(model, spec, _Run(Path(tmp), tools, names, options))
-            if comparison.tlc.verdict == VIOLATED and options.counterexample_dir is not None:
-                _write_counterexample(comparison, spec, options.counterexample_dir)
-            comparisons.append(comparison)
-            for line in report_lines(comparison):
-                say(line)
+        run = _Run(Path(tmp), tools, options, names, lambda text: say(f"  TLC: {text}"))
+        tlc_runs = [  # TLC works through them, TLC_PROCESSES at a time, while ours runs here
+            (pool.submit(run.tlc, m, "cfg"), pool.submit(run.tlc, m, "liveness") if options.liveness else None)
+            for m in models
+        ]
+        comparisons = []
+        try:
+            for n, (model, (safety, live)) in enumerate(zip(models, tlc_runs, strict=True), 1):
+                say(f"[{n}/{len(models)}] bound {model.bound.name}: our checker and TLC running ...")
+                comparison = run.compare(model, spec, safety, live)
+                comparisons.append(comparison)
+                for line in report_lines(comparison):
+                    say(line)
+        finally:
+            pool.shutdown(cancel_futures=True)  # an interrupted check starts no further TLC run
     return _summary(comparisons, say), comparisons
 
 
 @dataclass(frozen=True, slots=True)
 class _Run:
-    """What every bound of one cross-check shares: the exported files' directory, the tools, the TLA+ names of the
-    checked invariants (mapped to their spec ids) and the options."""
+    """What every bound of one cross-check shares: the exported files' directory, the tools, the options, the TLA+
+    names of the checked invariants (mapped to their spec ids) and where TLC's progress lines (one a minute) go."""
 
     directory: Path
     tools: TlcTools
-    names: Mapping[str, str]
     options: Options
+    names: Mapping[str, str]
+    progress: Callable[[str], None]
 
-
-def _one(model: ModelFiles, spec: Spec, run: _Run) -> Comparison:
-    options = run.options
-    with ThreadPoolExecutor(max_workers=1) as pool:  # TLC in its own process while ours runs here
-        tlc_future = pool.submit(
-            run_tlc, run.tools, run.directory, model.name, f"{model.name}.cfg", time_limit=options.time_limit
+    def tlc(self, model: ModelFiles, check: str) -> TlcRun:
+        """TLC on `model`'s safety check ("cfg") or its liveness check ("liveness")."""
+        config = f"{model.name}.cfg" if check == "cfg" else f"{model.name}_liveness.cfg"
+        return run_tlc(
+            self.tools, self.directory, model.name, config, time_limit=self.options.time_limit, progress=self.progress
         )
+
+    def compare(self, model: ModelFiles, spec: Spec, safety: Future[TlcRun], live: Future[TlcRun] | None) -> Comparison:
+        """Ours on `model`'s bound (here, while TLC runs), then both results side by side."""
+        options = self.options
         mine, result = ours(
             model.bound, spec, symmetry=options.symmetry, guards=options.guards, time_limit=options.time_limit
         )
-        tlc_run = tlc_future.result()
-    tlc = tlc_verdict(tlc_run, run.names)
-    comparison = Comparison(model.bound, model.symmetric, mine, tlc, compare(mine, tlc), tlc_trace=tlc_run.trace)
-    if tlc_run.verdict == ERROR:
-        comparison.mismatches.append("TLC failed: " + " | ".join(tlc_run.errors)[:2000])
+        comparison = _compare_runs(model, mine, result, safety.result(), live.result() if live else None, self.names)
+        if options.counterexample_dir is not None:
+            _write_counterexamples(comparison, spec, options.counterexample_dir)
+        return comparison
+
+
+def _compare_runs(
+    model: ModelFiles,
+    mine: EngineVerdict,
+    result: ModelResult,
+    safety: TlcRun,
+    live: TlcRun | None,
+    names: Mapping[str, str],
+) -> Comparison:
+    tlc = tlc_verdict(safety, names)
+    comparison = Comparison(model.bound, model.symmetric, mine, tlc, compare(mine, tlc), tlc_trace=safety.trace)
+    if safety.verdict == ERROR:
+        comparison.mismatches.append("TLC failed: " + " | ".join(safety.errors)[:2000])
     comparison.ours_liveness = _ours_liveness(result)
-    if options.liveness:
-        live = run_tlc(
-            run.tools, run.directory, model.name, f"{model.name}_liveness.cfg", time_limit=options.time_limit
-        )
+    if live is not None:
         comparison.tlc_liveness = live.verdict + (f" ({live.violated})" if live.violated else "")
+        comparison.tlc_lasso = live if live.verdict == VIOLATED else None
     return comparison
 
 
@@ -210,27 +233,38 @@ def _ours_liveness(result: ModelResult) -> str:
     return VIOLATED if result.violation is not None else HOLDS
 
 
-def _write_counterexample(comparison: Comparison, spec: Spec, out: Path) -> None:
-    """Replay TLC's counterexample on our model and write it as a trace (a mismatch if ours cannot take it)."""
+def _write_counterexamples(comparison: Comparison, spec: Spec, out: Path) -> None:
+    """Replay TLC's counterexamples (safety, and LIVE_DONE's lasso when it found one) on our model and write each as
+    a trace; a counterexample our model cannot take is a mismatch."""
     bound = comparison.bound
     model = AbstractModel(bound, spec)
-    try:
-        steps = tlc_steps(model, comparison.tlc_trace)
-    except TraceMismatch as err:
-        comparison.mismatches.append(f"TLC's counterexample is no run of our model: {err}")
-        return
-    path = out / f"kvstate-tlc-counterexample-{bound.name}.ndjson"
-    lines, cut = trace_lines(model, steps)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with path.open("w", encoding="utf-8") as handle:
-            for line in lines:
-                handle.write(json.dumps(line, separators=(",", ":")) + "\n")
-    except OSError as err:
-        raise KVStateError(f"cannot write {path}: {err.strerror}; pass a writable --counterexample-dir") from err
-    comparison.trace_file = path
-    if cut:
-        comparison.notes.append(cut)
+    found: list[tuple[str, list[TlcState], int | None]] = []  # (what TLC found, its trace, where a lasso loops)
+    if comparison.tlc.verdict == VIOLATED:
+        found.append(("counterexample", comparison.tlc_trace, None))
+    if comparison.tlc_lasso is not None:
+        lasso = comparison.tlc_lasso
+        closing = [lasso.trace[lasso.loop_start]] if lasso.loop_start is not None else []
+        found.append(("liveness", lasso.trace + closing, lasso.loop_start))
+    for kind, trace, loop_start in found:
+        try:
+            steps = tlc_steps(model, trace)
+        except TraceMismatch as err:
+            comparison.mismatches.append(f"TLC's {kind} is no run of our model: {err}")
+            continue
+        lines, cut = trace_lines(model, steps)
+        path = out / f"kvstate-tlc-{kind}-{bound.name}.ndjson"
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            with path.open("w", encoding="utf-8") as handle:
+                for line in lines:
+                    handle.write(json.dumps(line, separators=(",", ":")) + "\n")
+        except OSError as err:
+            raise KVStateError(f"cannot write {path}: {err.strerror}; pass a writable --counterexample-dir") from err
+        comparison.trace_files.append((kind, path))
+        if loop_start is not None:
+            comparison.notes.append(f"{path.name}: the steps from iteration {loop_start + 1} on repeat forever")
+        if cut:
+            comparison.notes.append(f"{path.name}: {cut}")
 
 
 def _cell(v: EngineVerdict) -> str:
@@ -251,8 +285,8 @@ def report_lines(c: Comparison) -> list[str]:
         lines.append(f"  liveness, ours (every reachable bottom SCC of the fair graph all-done): {c.ours_liveness}")
     if c.tlc_liveness:
         lines.append(f"  liveness, TLC (LIVE_DONE under per-action weak fairness, no symmetry): {c.tlc_liveness}")
-    if c.trace_file is not None:
-        lines.append(f"  TLC's counterexample as a trace: {c.trace_file} (draw it with `kvstate report`)")
+    for kind, path in c.trace_files:
+        lines.append(f"  TLC's {kind} as a trace: {path} (draw it with `kvstate report`)")
     lines += [f"    {note}" for note in c.notes]
     lines += [f"  MISMATCH {m}" for m in c.mismatches]
     lines.append(f"  equal: {'no' if c.mismatches else 'yes'}")

@@ -39,7 +39,8 @@ _STATS = re.compile(r"([\d,]+) states generated, ([\d,]+) distinct states found"
 _DEPTH = re.compile(r"depth of the complete state graph search is (\d+)")
 _INVARIANT = re.compile(r"Invariant (\w+) is violated")
 _PROPERTY = re.compile(r"Action property (\w+) is violated|Temporal properties were violated")
-_STATE_HEAD = re.compile(r"(\d+): (?:<(\w+)[^>]*>|(Initial predicate)|(Stuttering)|Back to state:? (\d+))?")
+_STATE_HEAD = re.compile(r"(\d+): (Back to state)?:? ?(?:<(\w+)[^>]*>|(Stuttering))?")
+BACK_TO_STATE = 2122  # TLC's message "N: Back to state: <action>": a lasso's last step returns to state N
 MAX_OUTPUT = 64 << 20  # characters of TLC output read at most
 ERROR_CLASS = "1"  # TLC's message class of errors
 
@@ -202,21 +203,21 @@ class _Reader:
             run.verdict, run.violated = VIOLATED, bad.group(1) or "LIVE_DONE"
         elif kind == ERROR_CLASS and run.verdict != VIOLATED:
             run.errors.append(text)
-        head = _STATE_HEAD.match(text) if code in (2217, 2218, 2122) else None
+        head = _STATE_HEAD.match(text) if code in (2217, 2218, BACK_TO_STATE) else None
         if head is not None:
             self.state(head, text)
 
     def state(self, head: re.Match, text: str) -> None:
         run = self.run
-        number, action, _initial, stuttering, back = head.groups()
+        number, back, action, stuttering = head.groups()
         if back is not None:
-            run.loop_start = int(back) - 1
+            run.loop_start = int(number) - 1
             return
         if stuttering is not None:  # the lasso ends by stuttering in its last state
             run.loop_start = len(run.trace) - 1
             return
         body = text.split("\n", 1)[1] if "\n" in text else ""
-        run.trace.append(TlcState(int(number), action or "", parse_state(body)))
+        run.trace.append(TlcState(int(number), "" if action == "Initial" else action or "", parse_state(body)))
 
     def result(self) -> TlcRun:
         return self.run
