@@ -32,10 +32,10 @@ from kvstate.checker.explore import HOLDS, INCOMPLETE, VIOLATED, ModelResult, ex
 from kvstate.checker.model import AbstractModel
 from kvstate.checker.runner import EXIT_CODES
 from kvstate.errors import KVStateError
-from kvstate.semantics import TLA, Guard, TlaMeaning
+from kvstate.semantics import TLA, TlaMeaning
 from kvstate.spec import Spec
 from kvstate.tla import invariants
-from kvstate.tla.models import ModelFiles, export
+from kvstate.tla.models import ModelFiles, export, symmetry_groups
 from kvstate.tla.module import tla_id
 from kvstate.tla.tlc import ERROR, TlcRun, TlcState, TlcTools, find_tools, run_tlc
 from kvstate.tla.translate import TraceMismatch, tlc_steps, trace_lines
@@ -80,12 +80,10 @@ class Comparison:
         return self.ours.verdict
 
 
-def ours(
-    bound: Bound, spec: Spec, *, symmetry: bool, guards: Mapping[str, Guard] | None, time_limit: float | None
-) -> tuple[EngineVerdict, ModelResult]:
+def ours(bound: Bound, spec: Spec, *, symmetry: bool, time_limit: float | None) -> tuple[EngineVerdict, ModelResult]:
     """Our checker's safety verdict on the abstract model (LIVE-DONE is judged after every state is found, so a
     LIVE-DONE violation still means every invariant holds)."""
-    result = explore(AbstractModel(bound, spec, guards, symmetry=symmetry), time_limit=time_limit)
+    result = explore(AbstractModel(bound, spec, symmetry=symmetry), time_limit=time_limit)
     violation = result.violation
     if violation is not None and violation.invariant != LIVE_DONE:
         return EngineVerdict(VIOLATED, None, None, result.seconds, violation.invariant, len(violation.path)), result
@@ -127,15 +125,14 @@ def compare(ours_verdict: EngineVerdict, tlc: EngineVerdict) -> list[str]:
 
 @dataclass(frozen=True)
 class Options:
-    """How to cross-check: `meanings` (the TLA+ side) and `guards` (the Python side) may be injected (a test plants a
-    difference between them)."""
+    """How to cross-check; `meanings` may replace the TLA+ meanings of `kvstate.semantics` (a test plants a
+    difference between a TLA+ meaning and its Python one)."""
 
     symmetry: bool = True
     liveness: bool = False
     time_limit: float | None = None
     counterexample_dir: Path | None = None
     meanings: Mapping[str, TlaMeaning] = field(default_factory=lambda: TLA)
-    guards: Mapping[str, Guard] | None = None
 
 
 def cross_check(
@@ -199,9 +196,7 @@ class _Run:
     def compare(self, model: ModelFiles, spec: Spec, safety: Future[TlcRun], live: Future[TlcRun] | None) -> Comparison:
         """Ours on `model`'s bound (here, while TLC runs), then both results side by side."""
         options = self.options
-        mine, result = ours(
-            model.bound, spec, symmetry=options.symmetry, guards=options.guards, time_limit=options.time_limit
-        )
+        mine, result = ours(model.bound, spec, symmetry=options.symmetry, time_limit=options.time_limit)
         comparison = _compare_runs(model, mine, result, safety.result(), live.result() if live else None, self.names)
         if options.counterexample_dir is not None:
             _write_counterexamples(comparison, spec, options.counterexample_dir)
@@ -275,9 +270,15 @@ def _cell(v: EngineVerdict) -> str:
     return f"{v.verdict}, {v.seconds:.1f} s"
 
 
+def _reduction(c: Comparison) -> str:
+    if c.symmetric:
+        return "symmetry over equal requests"
+    return "no symmetry" if symmetry_groups(c.bound) else "no symmetry set: its requests all differ"
+
+
 def report_lines(c: Comparison) -> list[str]:
     lines = [
-        f"bound {c.bound.name} ({'symmetry over equal requests' if c.symmetric else 'no symmetry'}):",
+        f"bound {c.bound.name} ({_reduction(c)}):",
         f"  ours: {_cell(c.ours)}",
         f"  TLC:  {_cell(c.tlc)}",
     ]

@@ -1,17 +1,18 @@
 """The lifecycle as a TLA+ module, written mechanically from the spec (`kvstate export tla`).
 
 `lifecycle_module(spec)` returns the text of `KVStateLifecycle.tla`: the TLA+ form of the abstract model our
-checker explores (`kvstate.checker.model`), so that TLC and `kvstate check` enumerate the same states. It holds
+checker explores (`kvstate.checker.model`), so that TLC and `kvstate check` enumerate the same states. This module
+only assembles; every meaning comes from beside its Python counterpart. In order, the module holds
 
 * the spec's states (as strings) with their residency and roles;
-* the views guards read (`RequestView`, `PoolView`: the records the abstract model's `RequestState` and `PoolState`
-  are), and every helper, guard and effect as an operator of the same name whose body is the TLA+ meaning recorded
-  beside its Python meaning in `kvstate.semantics.TLA` (nothing about a guard or effect is written here);
+* the views guards read (`RequestView`, `PoolView`) and the arithmetic they use (`kvstate.tla.abstract`);
+* every helper, guard and effect as an operator of the same name whose body is the TLA+ meaning recorded beside its
+  Python meaning in `kvstate.semantics.TLA`;
 * `Transitions`, the spec's edges in spec order, and one action per spec event: `<Event>Edge(q, c)` picks the edge
   the event takes (the first of its transitions whose source is the request's state and whose guard holds, as
   `kvstate.lifecycle.TransitionTable.resolve` does) and `<Event>(r)` takes it on request `r`;
-* the abstract model's own actions: `Arrive(r)`, `Compute(r)` (a prefill chunk or decode step, firing catch_up and
-  finish where their guards then hold, as `AbstractModel._compute`), `CompleteGpu` and `CompleteHost`;
+* the abstract model's own actions: `Arrive(r)`, `Compute(r)`, `CompleteGpu` and `CompleteHost`
+  (`kvstate.tla.abstract`);
 * `Init`, `Next`, the fairness SPEC.md section 6 states (per-action weak fairness of every action but the
   environment's events), `Spec`, the invariants both engines check (`kvstate.tla.invariants`, named by their spec
   ids with `-` written `_`) and the liveness property `LIVE_DONE`.
@@ -27,7 +28,7 @@ from kvstate import semantics
 from kvstate.roles import ACTIVE, PENDING_RESET, RECOMPUTING
 from kvstate.semantics import EFFECTS, GUARDS, TLA, EffectHooks, TlaMeaning
 from kvstate.spec import Spec, Transition
-from kvstate.tla import invariants
+from kvstate.tla import abstract, invariants
 from kvstate.tla.names import TlaExportError, camel, comment, identifier, string
 
 MODULE_NAME = "KVStateLifecycle"
@@ -37,27 +38,6 @@ RULE = "-" * 100
 # The events the abstract model's compute step fires when its guards hold (kvstate.checker.model.AbstractModel).
 CATCH_UP, FINISH = "catch_up", "finish"
 RESET_EFFECT = "release_kv_and_reset"  # the effect whose steps the RESET-* invariants judge
-
-# AbstractModel._compute in TLA+: the result of one forward pass of request record q on pool counts c
-COMPUTE_RESULT = r"""LET landing == q.state = PendingReset /\ q.in_flight = 1
-        tokens == IF landing THEN 1
-                  ELSE IF q.computed < q.prefill THEN Min(ChunkSize, q.prefill - q.computed)
-                  ELSE 1
-        need == ceil_div(q.computed + tokens, BlockSize) - q.gpu
-        grow == IF need > 0 THEN need ELSE 0
-        q1 == [q EXCEPT !.in_flight = IF landing THEN 0 ELSE @, !.gpu = @ + grow, !.computed = @ + tokens]
-        c1 == [c EXCEPT !.gpu_free = @ - grow]
-        produced == q1.computed >= q1.prefill
-        q2 == IF produced THEN [q1 EXCEPT !.generated = @ + 1] ELSE q1
-        k1 == IF produced /\ q2.state = Recomputing THEN {catch_up}Edge(q2, c1) ELSE 0
-        s1 == IF k1 = 0 THEN [request |-> q2, pool |-> c1] ELSE Take(k1, q2, c1)
-        k2 == IF produced THEN {finish}Edge(s1.request, s1.pool) ELSE 0
-        s2 == IF k2 = 0 THEN s1 ELSE Take(k2, s1.request, s1.pool)
-    IN  IF /\ q.state \in Computing \/ landing
-           /\ landing \/ q.computed < q.prefill \/ q.state = Active
-           /\ need <= c.gpu_free
-        THEN [ok |-> TRUE, request |-> s2.request, pool |-> s2.pool, taken |-> {{k1, k2}} \ {{0}}]
-        ELSE [ok |-> FALSE, request |-> q, pool |-> c, taken |-> {{}}]"""
 
 
 def tla_id(invariant_id: str) -> str:
@@ -98,6 +78,12 @@ class _Writer:
         self.lines.append(
             f"{head} ==\n    {body}" if "\n" in body or len(head) + len(body) > 100 else f"{head} == {body}"
         )
+
+    def emit(self, definitions, **names: str) -> None:
+        """Write `definitions` (of `kvstate.tla.abstract`), their bodies formatted with `names`."""
+        for d in definitions:
+            body = d.body.format(**names) if names else d.body
+            self.define(d.name, body, params=d.params, note=d.note, recursive=d.recursive)
 
     def section(self, title: str) -> None:
         self.lines += ["", "\\* " + RULE[: 96 - len(title)] + " " + title]
@@ -181,50 +167,8 @@ class _Writer:
         )
 
     def views(self) -> None:
-        self.section("arithmetic and the views guards read")
-        self.define("Min", "IF a < b THEN a ELSE b", params="a, b")
-        self.define("ceil_div", "(a + b - 1) \\div b", params="a, b", note="kvstate.pool.ceil_div, for a >= 0")
-        self.define(
-            "Held",
-            "IF S = {} THEN 0 ELSE LET r == CHOOSE x \\in S : TRUE IN requests[r][field] + Held(S \\ {r}, field)",
-            params="S, field",
-            note='blocks of one tier ("gpu" or "host") held by the requests of S',
-            recursive=True,
-        )
-        self.define("NoReason", '""', note="no termination reason (None in Python)")
-        self.define("NoPass", "-1", note="no scheduling pass under way (None in Python)")
-        self.define(
-            "Unbounded",
-            "GpuBlocks * BlockSize + 1",
-            note="a promotion worth no pass bounds (inf in Python): more KV tokens than the GPU tier holds",
-        )
-        self.define(
-            "RequestView",
-            "[prefill_tokens_left |-> request.prefill - request.computed,\n"
-            "     num_gpu_blocks |-> request.gpu,\n"
-            "     num_host_blocks |-> request.host,\n"
-            "     final_token_produced |-> request.generated >= request.max_new_tokens,\n"
-            "     replay_complete |-> request.computed >= request.prefill,\n"
-            "     termination_reason |-> request.deferred,\n"
-            "     suspended_in_pass |-> 0,\n"
-            "     kv_tokens |-> request.computed]",
-            params="request",
-            note="kvstate.semantics.RequestView of an abstract request (kvstate.checker.model.RequestState); the "
-            "abstract model has no passes: every suspension counts as one of the pass under way (pass 0)",
-        )
-        self.define(
-            "PoolView",
-            "[gpu_free_blocks |-> pool.gpu_free,\n"
-            "     host_free_blocks |-> pool.host_free,\n"
-            "     has_host_tier |-> HostBlocks > 0,\n"
-            "     pipeline_stages |-> PipelineStages,\n"
-            "     block_size |-> BlockSize,\n"
-            "     first_chunk_limit |-> ChunkSize,\n"
-            "     pass_number |-> 0,\n"
-            "     promotion_worth |-> Unbounded]",
-            params="pool",
-            note="kvstate.semantics.PoolView of the pool counts (kvstate.checker.model.PoolState)",
-        )
+        self.section("arithmetic and the views guards read (kvstate.tla.abstract)")
+        self.emit(abstract.PRELUDE)
 
     def semantics(self) -> None:
         spec = self.spec
@@ -271,22 +215,7 @@ class _Writer:
             params="k, q, c",
             note="the result of a step that takes edge k (0: none, the step is not enabled)",
         )
-        self.define(
-            "Settle",
-            "IF q.state \\in Terminal\n"
-            "    THEN [q EXCEPT !.computed = 0, !.generated = 0, !.deferred = NoReason, !.prefill = 0,\n"
-            "                   !.in_flight = 0]\n"
-            "    ELSE q",
-            params="q",
-            note="a finished request's history no longer matters, its blocks do (kvstate.checker.model "
-            "RequestState.record)",
-        )
-        self.define(
-            "Commit",
-            "/\\ res.ok\n    /\\ requests' = [requests EXCEPT ![r] = Settle(res.request)]\n    /\\ counts' = res.pool",
-            params="r, res",
-            note="a step of request r with result res",
-        )
+        self.emit(abstract.RESULTS)
 
     def record(self, t: Transition) -> str:
         where = f"{self.spec.source}: transition {t.event} from {t.source}"
@@ -335,53 +264,13 @@ class _Writer:
                     f"{self.spec.source}: the abstract model's compute step fires event {needed!r}, which the spec "
                     "does not define"
                 )
-        self.section("the abstract model's own actions (kvstate.checker.model.AbstractModel)")
-        self.define(
-            "ArriveResult",
-            "[ok |-> q.state = NotArrived, request |-> [q EXCEPT !.state = Initial], pool |-> c, taken |-> {}]",
-            params="q, c",
-            note="a request not arrived yet enters the initial state (each at most once: arrivals stop)",
-        )
-        self.define(
-            "Arrive",
-            "/\\ requests[r].state = NotArrived\n    /\\ Commit(r, ArriveResult(requests[r], counts))",
-            params="r",
-        )
-        catch_up, finish = names[CATCH_UP], names[FINISH]
-        self.define(
-            "ComputeResult",
-            COMPUTE_RESULT.format(catch_up=catch_up, finish=finish),
-            params="q, c",
-            note=f"one forward pass of request record q: a prefill chunk, a decode step or a landing in-flight "
-            f"decode step, allocating the GPU blocks it needs; a produced token fires {CATCH_UP} and {FINISH} "
-            "where their guards hold",
-        )
-        self.define(
-            "Compute",
-            "/\\ requests[r].state \\in Computing \\/ requests[r].in_flight = 1\n"
-            "    /\\ Commit(r, ComputeResult(requests[r], counts))",
-            params="r",
-        )
-        for tier, Tier in (("gpu", "Gpu"), ("host", "Host")):
-            self.define(
-                f"Complete{Tier}",
-                f"/\\ counts.{tier}_fenced > 0\n"
-                f"    /\\ counts' = [counts EXCEPT !.{tier}_free = @ + counts.{tier}_fenced, !.{tier}_fenced = 0]\n"
-                "    /\\ UNCHANGED requests",
-                note=f"the executor reports every copy out of the {tier} tier complete: its fenced blocks become free",
-            )
+        self.section("the abstract model's own actions (kvstate.tla.abstract)")
+        self.emit(abstract.OWN_ACTIONS, catch_up=names[CATCH_UP], finish=names[FINISH])
 
     def behaviour(self) -> None:
         spec = self.spec
         self.section("the behaviours: initial state, next-state relation, fairness (SPEC.md section 6)")
-        self.define(
-            "Init",
-            "/\\ requests = [r \\in Requests |->\n"
-            "           [state |-> NotArrived, computed |-> 0, generated |-> 0, gpu |-> 0, host |-> 0,\n"
-            "            deferred |-> NoReason, prefill |-> PromptLen[r], in_flight |-> 0,\n"
-            "            prompt_len |-> PromptLen[r], max_new_tokens |-> MaxNewTokens[r]]]\n"
-            "    /\\ counts = [gpu_free |-> GpuBlocks, host_free |-> HostBlocks, gpu_fenced |-> 0, host_fenced |-> 0]",
-        )
+        self.emit([abstract.INIT])
         environment = spec.environment_events
         ending = {e.name for e in spec.events if e.name in environment and e.done_reason}
         fair = ["Arrive(r)", "Compute(r)"] + [

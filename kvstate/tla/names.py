@@ -117,7 +117,7 @@ def comment(text: str, width: int = 116, max_lines: int = 4) -> str:
     printable ASCII only, no comment delimiters."""
     flat = " ".join(text.split())
     safe = "".join(c if " " <= c <= "~" else "?" for c in flat).replace("(*", "( *").replace("*)", "* )")
-    lines = textwrap.wrap(safe, width - 3, break_long_words=True) or [""]
+    lines = textwrap.wrap(safe, width - 3, break_on_hyphens=False) or [""]
     if len(lines) > max_lines:
         lines = [*lines[: max_lines - 1], lines[max_lines - 1][: width - 6] + "..."]
     return "\n".join("\\* " + line for line in lines)

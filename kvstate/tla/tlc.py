@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ _STATE_HEAD = re.compile(r"(\d+): (Back to state)?:? ?(?:<(\w+)[^>]*>|(Stutterin
 BACK_TO_STATE = 2122  # TLC's message "N: Back to state: <action>": a lasso's last step returns to state N
 MAX_OUTPUT = 64 << 20  # characters of TLC output read at most
 ERROR_CLASS = "1"  # TLC's message class of errors
+LOOSE_TEXT = 2000  # characters of text outside TLC's messages kept for an error report
 
 
 class TlcMissing(KVStateError):
@@ -147,18 +149,20 @@ def run_tlc(
         except OSError as err:
             raise TlcMissing(f"TLC cannot run: {tools.java}: {err.strerror}; {INSTALL}") from err
         reader = _Reader(progress)
-        stopped = False
-        assert process.stdout is not None
-        with process:
-            for line in process.stdout:
-                reader.feed(line)
-                if time_limit is not None and time.perf_counter() - start > time_limit:
-                    stopped = True
-                    process.kill()
-                    break
+        watchdog = threading.Timer(time_limit, process.kill) if time_limit is not None else None
+        if watchdog is not None:
+            watchdog.start()
+        try:
+            with process:
+                assert process.stdout is not None  # Popen(stdout=PIPE)
+                for line in process.stdout:
+                    reader.feed(line)
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
     run = reader.result()
     run.seconds = time.perf_counter() - start
-    if stopped:
+    if time_limit is not None and run.seconds >= time_limit and run.verdict == ERROR:
         run.verdict = INCOMPLETE
     elif run.verdict == ERROR and not run.errors:
         run.errors.append(f"TLC exited with status {process.returncode} without a verdict")
@@ -173,6 +177,7 @@ class _Reader:
         self.read = 0
         self.progress = progress
         self.run = TlcRun(ERROR)
+        self.loose = ""  # the last text TLC printed outside its messages
 
     def feed(self, line: str) -> None:
         self.read += len(line)
@@ -185,6 +190,7 @@ class _Reader:
             return
         for match in _MESSAGE.finditer(self.buffer):
             self.message(int(match.group(1)), match.group(2), match.group(3).strip())
+        self.loose = (self.loose + _MESSAGE.sub("", self.buffer))[-LOOSE_TEXT:]  # SANY prints its errors so
         self.buffer = ""
 
     def message(self, code: int, kind: str, text: str) -> None:
@@ -203,6 +209,8 @@ class _Reader:
             run.verdict, run.violated = VIOLATED, bad.group(1) or "LIVE_DONE"
         elif kind == ERROR_CLASS and run.verdict != VIOLATED:
             run.errors.append(text)
+            if self.loose.strip():
+                run.errors.append(" ".join(self.loose.split()))
         head = _STATE_HEAD.match(text) if code in (2217, 2218, BACK_TO_STATE) else None
         if head is not None:
             self.state(head, text)

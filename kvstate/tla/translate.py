@@ -73,12 +73,17 @@ def _integers(values: list[object]) -> TypeGuard[list[int]]:
 
 
 def _candidates(model: AbstractModel, state: AbstractState) -> Iterator[Action]:
-    """Every action of our model from `state`, each request slot on its own (no twin is skipped)."""
-    for k in range(len(state.requests)):
-        yield Action("arrive", k, None)
-        yield Action("compute", k, None)
-        for event in model.spec.events:
-            yield Action("event", k, event.name)
+    """Every action of our model from `state`, each request slot on its own (no twin is skipped), the scheduler's and
+    executor's before the environment's (where two lead to the same state, the trace names the former)."""
+    environment = model.spec.environment_events
+    for fair in (True, False):
+        for k, request in enumerate(state.requests):
+            if fair:
+                yield Action("arrive", k, None)
+                yield Action("compute", k, None)
+            for event in model.events_from.get(request.state, ()):
+                if (event not in environment) == fair:
+                    yield Action("event", k, event)
     yield Action("complete", None, "gpu")
     yield Action("complete", None, "host")
 

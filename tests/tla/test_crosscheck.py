@@ -137,3 +137,12 @@ def test_the_large_bound_agrees_with_two_groups_of_interchangeable_requests(tlc_
     assert len(symmetry_groups(large)) == 2  # TLC's symmetry set is the product of two permutation groups
     code, (c,) = cross_check([large], load_spec(), tools=tlc_tools, say=lambda _: None)
     assert code == 0 and c.mismatches == [] and c.ours.states == c.tlc.states
+
+
+def test_a_tla_meaning_tlc_cannot_parse_is_a_failure_naming_the_place(tlc_tools, capsys):
+    name = "gpu_room_for_all_blocks"
+    broken = {**TLA, name: TLA[name]._replace(body="pool.gpu_free_blocks >=")}
+    code, (c,) = cross_check([TWINS], load_spec(), Options(meanings=broken), tools=tlc_tools)
+    assert code == 1 and c.tlc.verdict == "error"
+    assert "MISMATCH TLC failed: Parsing or semantic analysis failed." in capsys.readouterr().out
+    assert "Parse Error" in c.mismatches[-1] and "KVStateLifecycle" in c.mismatches[-1]
