@@ -296,9 +296,9 @@ def report_lines(c: Comparison) -> list[str]:
 
 def _summary(comparisons: list[Comparison], say: Callable[[str], None]) -> int:
     say("")
-    say(f"{'bound':<22} {'ours':>10} {'TLC':>10}  equal")
+    say(f"{'bound':<22} {'ours: states, depth, verdict':>34}   {'TLC: states, depth, verdict':>34}   equal")
     for c in comparisons:
-        say(f"{c.bound.name:<22} {_short(c.ours):>10} {_short(c.tlc):>10}  {'no' if c.mismatches else 'yes'}")
+        say(f"{c.bound.name:<22} {_short(c.ours):>34}   {_short(c.tlc):>34}   {'no' if c.mismatches else 'yes'}")
     if any(c.mismatches for c in comparisons):
         say(f"verdict: the engines disagree on {sum(1 for c in comparisons if c.mismatches)} bound(s) (exit 1)")
         return 1
@@ -309,4 +309,8 @@ def _summary(comparisons: list[Comparison], say: Callable[[str], None]) -> int:
 
 
 def _short(v: EngineVerdict) -> str:
-    return str(v.states) if v.verdict == HOLDS else v.invariant or v.verdict if v.verdict == VIOLATED else v.verdict
+    if v.verdict == HOLDS:
+        return f"{v.states}, {v.depth}, holds"
+    if v.verdict == VIOLATED:
+        return f"violated {v.invariant} in {v.length} steps"
+    return v.verdict
