@@ -37,7 +37,7 @@ def test_the_tlc_commands_run_as_written(tlc_tools, tmp_path):
     }
     script = blocks("bash")[0] + blocks("text")[0]
     done = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", script],
+        ["bash", "-uo", "pipefail", "-c", script],  # no -e: TLC exits 13 when LIVE_DONE is violated, as here
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -45,6 +45,6 @@ def test_the_tlc_commands_run_as_written(tlc_tools, tmp_path):
         timeout=1800,
         check=False,
     )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "Traceback" not in done.stderr, done.stderr[-4000:]
     assert done.stdout.count("Model checking completed. No error has been found.") == 1  # the safety check
     assert "Temporal properties were violated." in done.stdout  # LIVE_DONE under per-action weak fairness
