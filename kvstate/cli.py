@@ -13,10 +13,10 @@ import sys
 from collections.abc import Sequence
 
 from executor.commands import demo, generate, soak
-from kvstate.commands import bench, check, diagram, report, spec_summary, validate
+from kvstate.commands import bench, check, diagram, export, report, spec_summary, validate
 from kvstate.errors import KVStateError
 
-COMMANDS = (bench, check, demo, diagram, generate, report, soak, spec_summary, validate)  # in `--help` order
+COMMANDS = (bench, check, demo, diagram, export, generate, report, soak, spec_summary, validate)  # in `--help` order
 
 USAGE_ERROR = 2
 INTERRUPTED = 130

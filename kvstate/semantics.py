@@ -6,12 +6,25 @@ Effects are named hooks, each called as `getattr(hooks, effect)(request, transit
 and each layer (the scheduler's block pool, the model checker's abstract state, the
 executor) supplies an object implementing `EffectHooks`. `GUARDS` and `EFFECTS` are what the spec validator
 holds the spec's names against: a name with no semantics, or semantics no transition uses, is refused.
+
+Every guard, effect and helper here also has its **TLA+ meaning**, recorded beside it with `@tla(...)` in `TLA`:
+`kvstate export tla` writes each as a TLA+ operator of the same name, and the spec validator refuses a guard or
+effect the spec uses without one. A guard's (and a helper's) TLA+ reads the same views as its Python: `request` and
+`pool` are records with the fields of `RequestView` and `PoolView` (None is `NoReason` or `NoPass`, `inf` is
+`Unbounded`). An effect's TLA+ is its meaning on the abstract state the model checker explores (block counts, as
+`kvstate.checker.model.AbstractEffects` implements it): `request` is the abstract request record (state, computed,
+generated, gpu, host, deferred, prefill, in_flight, prompt_len, max_new_tokens), `pool` the pool counts (gpu_free,
+host_free, gpu_fenced, host_fenced) and `transition` the edge taken (event, source, dest, done_reason); its value
+is the record `[request |-> ..., pool |-> ...]` after the effect. `kvstate check --engine tlc` runs TLC on the
+exported module beside our checker: a TLA+ meaning that differs from its Python meaning shows as different
+state counts.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Hashable, Mapping
-from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from kvstate.pool import ceil_div
 
@@ -110,37 +123,75 @@ class PassView(NamedTuple):
 Guard = Callable[[RequestView, PoolView], bool]
 
 
+class TlaMeaning(NamedTuple):
+    """The TLA+ meaning of a guard, effect or helper: an operator `name(params) == body`."""
+
+    params: tuple[str, ...]
+    body: str
+
+
+TLA: dict[str, TlaMeaning] = {}
+"""name -> TLA+ meaning of every guard, effect and helper of this module, in definition order (a helper is defined
+before the guards that use it)."""
+
+EFFECT_TLA_PARAMS = ("request", "pool", "transition")  # an effect's TLA+ takes the counts its hooks' layer owns
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def tla(body: str, *, params: tuple[str, ...] | None = None) -> Callable[[F], F]:
+    """Record `body`, a TLA+ expression, as the TLA+ meaning of the decorated function (its parameters are the
+    function's own unless `params` names them) in `TLA`, under the function's name."""
+
+    def record(fn: F) -> F:
+        names = params or tuple(p for p in inspect.signature(fn).parameters if p != "self")
+        TLA[fn.__name__] = TlaMeaning(names, body)
+        return fn
+
+    return record
+
+
+@tla("Min(request.prefill_tokens_left, pool.first_chunk_limit)")
 def first_chunk_tokens(request: RequestView, pool: PoolView) -> int:
     """The tokens of the request's first prefill chunk (admission, or the first chunk of a replay), were it taken now:
     its prefill left, cut to the chunk size and to the pass's token budget (`first_chunk_limit`)."""
     return min(request.prefill_tokens_left, pool.first_chunk_limit)
 
 
+@tla("ceil_div(first_chunk_tokens(request, pool), pool.block_size)")
 def first_chunk_blocks(request: RequestView, pool: PoolView) -> int:
     """The GPU blocks of `first_chunk_tokens`: what the first chunk's guard asks for and its effect allocates."""
     return ceil_div(first_chunk_tokens(request, pool), pool.block_size)
 
 
+@tla("pool.gpu_free_blocks >= first_chunk_blocks(request, pool)")
 def gpu_room_for_first_chunk(request: RequestView, pool: PoolView) -> bool:
     """The GPU tier has free blocks for the request's first prefill chunk."""
     return pool.gpu_free_blocks >= first_chunk_blocks(request, pool)
 
 
+@tla("pool.gpu_free_blocks >= request.num_host_blocks")
 def gpu_room_for_all_blocks(request: RequestView, pool: PoolView) -> bool:
     """The GPU tier has a free block for every block the request holds in the host tier."""
     return pool.gpu_free_blocks >= request.num_host_blocks
 
 
+@tla(r"pool.has_host_tier /\ pool.host_free_blocks >= request.num_gpu_blocks")
 def host_room_for_all_blocks(request: RequestView, pool: PoolView) -> bool:
     """A host tier exists and has a free block for every GPU block the request holds (suspend is all-or-nothing)."""
     return pool.has_host_tier and pool.host_free_blocks >= request.num_gpu_blocks
 
 
+@tla("promoted_kv_tokens < victim_kv_tokens")
 def promotion_saves_kv(promoted_kv_tokens: float, victim_kv_tokens: float) -> bool:
     """The worth rule of promotion: throwing away the promoted KV costs less than recomputing the victim's."""
     return promoted_kv_tokens < victim_kv_tokens
 
 
+@tla(
+    r"pool.has_host_tier /\ pool.pass_number # NoPass /\ request.suspended_in_pass = pool.pass_number"
+    r" /\ promotion_saves_kv(request.kv_tokens, pool.promotion_worth)"
+)
 def same_pass_promotion(request: RequestView, pool: PoolView) -> bool:
     """The promotion gate: a host tier exists, the request was suspended earlier in the pass under way, and its KV
     is worth less than what the promotion may still throw away (PROMOTE-GATE)."""
@@ -152,31 +203,37 @@ def same_pass_promotion(request: RequestView, pool: PoolView) -> bool:
     )
 
 
+@tla("pool.pipeline_stages = 1")
 def single_stage(request: RequestView, pool: PoolView) -> bool:
     """One pipeline stage: a recompute-pause resets at once."""
     return pool.pipeline_stages == 1
 
 
+@tla("pool.pipeline_stages > 1")
 def multi_stage(request: RequestView, pool: PoolView) -> bool:
     """Several pipeline stages: a recompute-pause waits for every stage to agree before its reset."""
     return pool.pipeline_stages > 1
 
 
+@tla("request.replay_complete")
 def replay_complete(request: RequestView, pool: PoolView) -> bool:
     """The replay prefill has computed the whole replay prompt."""
     return request.replay_complete
 
 
+@tla("request.final_token_produced")
 def final_token_produced(request: RequestView, pool: PoolView) -> bool:
     """The request's last token ends it (stop token or budget spent)."""
     return request.final_token_produced
 
 
+@tla("request.termination_reason # NoReason")
 def termination_requested(request: RequestView, pool: PoolView) -> bool:
     """A finish, cancel or abort arrived while the request awaited consensus."""
     return request.termination_reason is not None
 
 
+@tla("request.termination_reason = NoReason")
 def replay_still_wanted(request: RequestView, pool: PoolView) -> bool:
     """Nothing ended the request while it awaited consensus, so it is reset for replay."""
     return request.termination_reason is None
@@ -205,24 +262,59 @@ R_contra = TypeVar("R_contra", bound=RequestView, contravariant=True)  # the req
 class EffectHooks(Protocol[R_contra]):
     """The effects a layer must implement; each is called after the state change with the edge taken."""
 
+    @tla(
+        "LET blocks == first_chunk_blocks(RequestView(request), PoolView(pool)) IN"
+        " [request |-> [request EXCEPT !.gpu = blocks], pool |-> [pool EXCEPT !.gpu_free = @ - blocks]]",
+        params=EFFECT_TLA_PARAMS,
+    )
     def allocate_first_chunk(self, request: R_contra, transition: Transition) -> None:
         """Allocate GPU blocks for the first prefill chunk (of the prompt, or of the replay prompt)."""
 
+    @tla(
+        "[request |-> [request EXCEPT !.gpu = 0, !.host = request.gpu],"
+        " pool |-> [pool EXCEPT !.gpu_fenced = @ + request.gpu, !.host_free = @ - request.gpu]]",
+        params=EFFECT_TLA_PARAMS,
+    )
     def migrate_to_host(self, request: R_contra, transition: Transition) -> None:
         """Plan copies of every GPU block to fresh host blocks; fence the GPU sources until the copies complete."""
 
+    @tla(
+        "[request |-> [request EXCEPT !.gpu = request.host, !.host = 0],"
+        " pool |-> [pool EXCEPT !.host_fenced = @ + request.host, !.gpu_free = @ - request.host]]",
+        params=EFFECT_TLA_PARAMS,
+    )
     def migrate_to_gpu(self, request: R_contra, transition: Transition) -> None:
         """Plan copies of every host block to fresh GPU blocks; fence the host sources until the copies complete."""
 
+    @tla(
+        "[request |-> [request EXCEPT !.gpu = 0, !.host = 0, !.computed = 0, !.in_flight = 0,"
+        " !.prefill = request.prompt_len + request.generated],"
+        " pool |-> [pool EXCEPT !.gpu_free = @ + request.gpu, !.host_free = @ + request.host]]",
+        params=EFFECT_TLA_PARAMS,
+    )
     def release_kv_and_reset(self, request: R_contra, transition: Transition) -> None:
         """Free every block the request holds in either tier and reset it for replay (SPEC.md, reset for replay)."""
 
+    @tla(
+        "[request |-> [request EXCEPT !.in_flight = IF request.computed < request.prefill THEN 0 ELSE 1],"
+        " pool |-> pool]",
+        params=EFFECT_TLA_PARAMS,
+    )
     def hold_for_consensus(self, request: R_contra, transition: Transition) -> None:
         """Keep the request's GPU blocks, take it out of every batch and announce the pause to all stages."""
 
+    @tla(
+        "[request |-> [request EXCEPT !.gpu = 0, !.host = 0, !.in_flight = 0],"
+        " pool |-> [pool EXCEPT !.gpu_free = @ + request.gpu, !.host_free = @ + request.host]]",
+        params=EFFECT_TLA_PARAMS,
+    )
     def release_kv_and_terminate(self, request: R_contra, transition: Transition) -> None:
         """Free every block the request holds and record its done reason."""
 
+    @tla(
+        "[request |-> [request EXCEPT !.deferred = IF @ = NoReason THEN transition.done_reason ELSE @], pool |-> pool]",
+        params=EFFECT_TLA_PARAMS,
+    )
     def defer_termination(self, request: R_contra, transition: Transition) -> None:
         """Record the finish, cancel or abort reason; consensus will terminate the request instead of replaying it."""
 

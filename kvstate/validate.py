@@ -16,14 +16,19 @@ if TYPE_CHECKING:  # annotations only: kvstate.spec imports this module to valid
 
 
 def validate_spec(
-    spec: Spec, guards: Mapping[str, object] | None = None, effects: Collection[str] | None = None
+    spec: Spec,
+    guards: Mapping[str, object] | None = None,
+    effects: Collection[str] | None = None,
+    tla: Collection[str] | None = None,
 ) -> None:
     """Raise `SpecError` listing every problem found; return None when the spec is well formed.
 
-    `guards` and `effects` are the semantics the spec is held against (by default `kvstate.semantics`).
+    `guards` and `effects` are the semantics the spec is held against, `tla` the names with a TLA+ meaning (by
+    default `kvstate.semantics`).
     """
     guards = semantics.GUARDS if guards is None else guards
     effects = semantics.EFFECTS if effects is None else effects
+    tla = semantics.TLA if tla is None else tla
     problems = [
         *_duplicate_names(spec),
         *_unknown_states(spec),
@@ -32,6 +37,7 @@ def validate_spec(
     if not problems:  # graph checks assume every named state exists
         problems += [*_terminal_edges(spec), *_unreachable(spec), *_no_way_out(spec), *_ambiguous(spec)]
     problems += _semantics(spec, guards, effects)
+    problems += _tla_meanings(spec, guards, effects, tla)
     problems += _roles(spec) + _output_lists(spec)
     problems += policy_problems(spec)
     if problems:
@@ -144,6 +150,20 @@ def _semantics(spec: Spec, guards: Mapping[str, object], effects: Collection[str
     for name in sorted(set(effects) - spec.effect_names):
         found.append(f"effect {name!r} has semantics but no transition uses it; use it in the spec or delete it")
     return _unique(found)
+
+
+def _tla_meanings(
+    spec: Spec, guards: Mapping[str, object], effects: Collection[str], tla: Collection[str]
+) -> list[str]:
+    """Guards and effects the spec uses that have Python semantics but no TLA+ meaning (`kvstate export tla`)."""
+    found = []
+    for kind, used, known in (("guard", spec.guard_names, guards), ("effect", spec.effect_names, effects)):
+        for name in sorted(n for n in used if n in known and n not in tla):
+            found.append(
+                f"{kind} {name!r} has no TLA+ meaning; record one beside its Python meaning in kvstate.semantics "
+                "with @tla(...) (kvstate export tla writes it as a TLA+ operator)"
+            )
+    return found
 
 
 def _roles(spec: Spec) -> list[str]:

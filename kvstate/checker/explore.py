@@ -52,6 +52,7 @@ class ModelResult:
     bound: Bound
     verdict: str
     states: int = 0
+    depth: int = 0  # states on the longest of the shortest paths from the initial state (TLC's search depth)
     edges: int = 0
     seconds: float = 0.0
     taken: dict[Transition, int] = field(default_factory=dict)
@@ -132,6 +133,7 @@ def explore(
         result.never_enabled = [t for t in model.spec.transitions if t not in search.taken]
         result.reachable = set(search.states) if keep_states else None
     result.states, result.seconds, result.taken = len(search.states), time.perf_counter() - search.start, search.taken
+    result.depth = search.depth()
     return result
 
 
@@ -158,6 +160,13 @@ class _Search:
         self.succ: list[list[int]] = []
         self.taken: dict[Transition, int] = {}
         self.environment = model.spec.environment_events
+
+    def depth(self) -> int:
+        """States on the longest shortest path found (1: the initial state alone); parents precede children."""
+        level = [1] * len(self.parent)
+        for j in range(1, len(level)):
+            level[j] = level[self.parent[j]] + 1
+        return max(level)
 
     def path_to(self, j: int) -> list[tuple[Action, AbstractState]]:
         return [(self.via[i], self.states[i]) for i in path_indices(self.parent, j)]

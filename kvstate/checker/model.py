@@ -311,7 +311,9 @@ class Edge:
 
 
 class AbstractModel:
-    """The abstract model of one bound; `guards`, `effects` and `spec` can be injected (planted bugs)."""
+    """The abstract model of one bound; `guards`, `effects` and `spec` can be injected (planted bugs).
+    `symmetry=False` turns the symmetry reduction off: requests keep their bound order (slot i is request i), so
+    states that differ by a permutation of equal requests are distinct (TLC's count without a symmetry set)."""
 
     def __init__(
         self,
@@ -319,8 +321,11 @@ class AbstractModel:
         spec: Spec | None = None,
         guards: Mapping[str, Guard] | None = None,
         effects: type = AbstractEffects,
+        *,
+        symmetry: bool = True,
     ) -> None:
         self.bound = bound
+        self.symmetry = symmetry
         self.table = TransitionTable(spec, GUARDS if guards is None else guards)
         self.spec = self.table.spec
         self.effects = effects
@@ -349,20 +354,19 @@ class AbstractModel:
         terminal = self.terminal
         return all(r.state in terminal for r in state.requests)
 
-    @staticmethod
-    def canonical(requests: tuple[AbstractRequest, ...], pool: PoolCounts) -> AbstractState:
-        return AbstractState(tuple(sorted(requests)), *pool)
+    def canonical(self, requests: tuple[AbstractRequest, ...], pool: PoolCounts) -> AbstractState:
+        return AbstractState(tuple(sorted(requests)) if self.symmetry else requests, *pool)
 
-    @staticmethod
-    def canonical_order(requests: tuple[AbstractRequest, ...]) -> list[int]:
+    def canonical_order(self, requests: tuple[AbstractRequest, ...]) -> list[int]:
         """The permutation `canonical` applies: position i of the result holds requests[order[i]]."""
-        return sorted(range(len(requests)), key=requests.__getitem__)
+        order = range(len(requests))
+        return sorted(order, key=requests.__getitem__) if self.symmetry else list(order)
 
     # ---- actions
     def actions(self, state: AbstractState) -> Iterator[Action]:
         reqs = state.requests
         for k, r in enumerate(reqs):
-            if k and r == reqs[k - 1]:
+            if self.symmetry and k and r == reqs[k - 1]:
                 continue  # an identical twin: the same successors (symmetry)
             st = r.state
             if st == ABSENT:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvstate.commands import check_tlc
 from kvstate.commands.args import input_file, output_dir, positive_float, positive_int
 
 
@@ -54,10 +55,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="where a counterexample regression test is written (default: .)",
     )
     parser.add_argument("--no-refinement", action="store_true", help="check the abstract model only")
+    check_tlc.register_options(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "tlc":  # the cross-check with TLC: kvstate.commands.check_tlc
+        return check_tlc.run(args)
+    check_tlc.refuse_tlc_options(args)
     spec_path = input_file(args.spec, "--spec") if args.spec is not None else None
     bounds_path = input_file(args.bounds_file, "--bounds-file") if args.bounds_file is not None else None
     counterexample_dir = output_dir(args.counterexample_dir, "--counterexample-dir")
