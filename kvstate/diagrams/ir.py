@@ -41,12 +41,14 @@ class EdgeKind(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Node:
-    """A lifecycle state as drawn; `final` marks a terminal state."""
+    """A lifecycle state as drawn; `final` marks a terminal state, `role` is the state's role in the spec
+    (`kvstate.roles`; "" for none): the layout places states by it."""
 
     name: str
     residency: str
     meaning: str
     final: bool
+    role: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +226,9 @@ def edge_kind(spec: Spec, source: str, dest: str, destructive: bool) -> EdgeKind
 
 def build_diagram(spec: Spec, *, all_edges: bool = False) -> Diagram:
     """The diagram of `spec`; see the module docstring for the invariants it keeps."""
-    nodes = tuple(Node(name=s.name, residency=s.residency, meaning=s.meaning, final=s.terminal) for s in spec.states)
+    nodes = tuple(
+        Node(name=s.name, residency=s.residency, meaning=s.meaning, final=s.terminal, role=s.role) for s in spec.states
+    )
     edges = tuple(edge_of(spec, t) for t in spec.transitions)
     return Diagram(
         title=spec.name, version=spec.version, initial=spec.initial, nodes=nodes, edges=edges, all_edges=all_edges
