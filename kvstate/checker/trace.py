@@ -239,10 +239,10 @@ class _Validator:
         line = parse_line(raw, number, path=None if self.source == "<lines>" else self.source, limits=self.limits)
         self._check_order(number, line)
         transition = self._check_edge(number, line)
-        host_held = self._check_residency(number, line)
+        in_host = self._check_residency(number, line)
         totals = self._check_conservation(number, line)
         self._check_output(number, line, transition)
-        self._take(number, line, host_held, totals)
+        self._take(number, line, in_host, totals)
 
     def _check_order(self, number: int, line: dict) -> None:
         """``iteration`` and ``capacity``."""
@@ -292,8 +292,8 @@ class _Validator:
             raise self.fail(number, FROM, f"the line starts from {source!r} but {why}", line=line, expected=held)
         return transition
 
-    def _check_residency(self, number: int, line: dict) -> set[Hashable]:
-        """``residency`` and ``no-host-no-suspend``: the requests in host states once the line is taken."""
+    def _check_residency(self, number: int, line: dict) -> bool:
+        """``residency`` and ``no-host-no-suspend``: whether the request is in a host state once the line is taken."""
         rid, dest = line["request_id"], line["to"]
         residency = self.spec.residency(dest)
         for tier in ("gpu", "host"):
@@ -308,9 +308,10 @@ class _Validator:
                     line=line,
                     invariant=self.invariant["RES-STATE"],
                 )
-        host_held = (self.host_held | {rid}) if dest in self.host_states else (self.host_held - {rid})
-        if line["host_capacity"] == 0 and host_held:
-            who = rid if rid in host_held else min(host_held, key=repr)
+        in_host = dest in self.host_states  # the set is changed only in `_take`: no copy per line (linear reading)
+        others = len(self.host_held) - (rid in self.host_held)
+        if line["host_capacity"] == 0 and (in_host or others):
+            who = rid if in_host else min((r for r in self.host_held if r != rid), key=repr)
             raise self.fail(
                 number,
                 NO_HOST,
@@ -320,7 +321,7 @@ class _Validator:
                 line=line,
                 invariant=self.invariant["NO-HOST-NO-SUSPEND"],
             )
-        return host_held
+        return in_host
 
     def _check_conservation(self, number: int, line: dict) -> dict[str, int]:
         """``conservation``: the blocks all requests hold per tier once the line is taken."""
@@ -380,7 +381,7 @@ class _Validator:
                 line=line,
             )
 
-    def _take(self, number: int, line: dict, host_held: set[Hashable], totals: dict[str, int]) -> None:
+    def _take(self, number: int, line: dict, in_host: bool, totals: dict[str, int]) -> None:
         """Record the line's transition: the request's state, blocks and output as the line leaves them."""
         rid = line["request_id"]
         self.iteration = line["iteration"]
@@ -388,7 +389,10 @@ class _Validator:
         self.state[rid] = line["to"]
         self.last_line[rid] = number
         self.generated[rid] = line["generated"]
-        self.host_held = host_held
+        if in_host:
+            self.host_held.add(rid)
+        else:
+            self.host_held.discard(rid)
         for tier, held in totals.items():
             self.total[tier] = held
             if line[f"{tier}_blocks"]:

@@ -34,6 +34,7 @@ ORIGIN_STYLES = {  # origin -> (colour, DOT style, legend sample, meaning)
 OTHER_ORIGIN = ("#37474f", "solid", "——— grey", "other origin")
 PROMOTION_GATE = "promotion gate"
 FEEDS_MARK = "feeds "  # before the output list an edge's requests are listed in
+WRAP_AT = 18  # characters of a production name on one line of a label (it keeps the drawing narrow)
 CONSENSUS_POINT = "consensus point"
 
 
@@ -51,14 +52,24 @@ def callouts(diagram: Diagram) -> dict[DrawnEdge, tuple[str, ...]]:
 
 
 def feeds_part(edge: DrawnEdge) -> tuple[str, ...]:
-    """`feeds list`, then `(production name)` on its own line, for each output list the members feed."""
+    """`feeds list`, then `(production name)` on its own lines, for each output list the members feed."""
     fed = dict.fromkeys((e.feeds, e.feeds_production_name) for e in edge.members if e.feeds)
     return tuple(
         part
         for name, production in fed
-        for part in (f"{FEEDS_MARK}{name}", f"({production})" if production else "")
-        if part
+        for part in (f"{FEEDS_MARK}{name}", *(wrapped(f"({production})") if production else ()))
     )
+
+
+def wrapped(text: str, width: int = WRAP_AT) -> tuple[str, ...]:
+    """`text` on lines of at most about `width` characters, broken at spaces only (a word is never cut)."""
+    lines: list[str] = []
+    for word in text.split(" "):
+        if lines and len(lines[-1]) + 1 + len(word) <= width:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return tuple(lines)
 
 
 def review_edge_labels(diagram: Diagram, drawn: tuple[DrawnEdge, ...]) -> list[tuple[str, ...]]:
