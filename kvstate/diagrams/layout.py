@@ -120,7 +120,10 @@ class Layout:
 
 def story_cells(diagram: Diagram) -> dict[str, tuple[int, int]]:
     """The (column, row) cell of every node (and of the bundle pseudo-node when one is drawn)."""
-    cells = {node.name: STORY_CELLS[node.role] for node in diagram.nodes if node.role in STORY_CELLS}
+    cells: dict[str, tuple[int, int]] = {}
+    for node in diagram.nodes:  # a role's cell goes to its first state (a diff draws two specs' states)
+        if node.role in STORY_CELLS and STORY_CELLS[node.role] not in cells.values():
+            cells[node.name] = STORY_CELLS[node.role]
     used = set(cells.values())
     low = max((row for _, row in used), default=0)
     extra = low + 1
