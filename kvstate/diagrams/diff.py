@@ -2,9 +2,9 @@
 
 `diff_specs` compares two specs: transitions by (event, source, dest) — added, removed, or changed (guard, effect,
 destructive flag) — policy rules by name, states and invariants by name. `diff_diagram` is the union of both
-(every transition its own arrow); `render_diff_dot` draws it laid out as the lifecycle (by roles), added edges
-green and bold, removed ones red and dotted, changed ones orange and bold with `old → new` in the label, the rest
-light grey. `summary_markdown` is the text a reviewer pastes into a pull request.
+(broadcast edges bundled, as the lifecycle view); `render_diff_dot` draws it laid out as the lifecycle (by
+roles), added edges green and bold, removed ones red and dotted, changed ones orange and bold with `old → new` in
+the label, the rest light grey. `summary_markdown` is the text a reviewer pastes into a pull request.
 
 Invariants kept: the diff is a pure function of the two specs, in spec order (new spec first, then what only the old
 one has); every text from a spec is written through `kvstate.diagrams.escape`.
@@ -95,14 +95,22 @@ def diff_specs(old: Spec, new: Spec) -> SpecDiff:
     return SpecDiff(tuple(edges), policy, states, invariants)
 
 
+def policy_change(was: object, now: object) -> str:
+    """A changed rule in few words: for a list, what left it (−) and what joined it (+); else old → new."""
+    if isinstance(was, tuple) and isinstance(now, tuple):
+        parts = [f"− {x}" for x in was if x not in now] + [f"+ {x}" for x in now if x not in was]
+        return ", ".join(parts) or "order changed: " + _names(now)
+    return f"{_names(was)} → {_names(now)}"
+
+
 def _shown(value: object) -> str:
     return "none" if value is None else str(value)
 
 
 def diff_diagram(old: Spec, new: Spec) -> Diagram:
     """Both specs on one diagram: the new spec's states and transitions, then what only the old one has."""
-    base = build_diagram(new, all_edges=True)
-    gone = build_diagram(old, all_edges=True)
+    base = build_diagram(new)
+    gone = build_diagram(old)
     keys = {e.key for e in base.edges}
     names = {n.name for n in base.nodes}
     return replace(
@@ -114,8 +122,9 @@ def diff_diagram(old: Spec, new: Spec) -> Diagram:
 
 
 def change_of(diff: SpecDiff, edge: DrawnEdge) -> EdgeChange:
-    found = diff.change_of(edge.members[0].key)
-    return found if found is not None else EdgeChange(edge.members[0].key, SAME)
+    """The change of a drawn edge: of its first member that changed (a bundle may hold several)."""
+    found = (diff.change_of(member.key) for member in edge.members)
+    return next((c for c in found if c is not None), EdgeChange(edge.members[0].key, SAME))
 
 
 def diff_view(diff: SpecDiff) -> View:
@@ -133,7 +142,7 @@ def diff_view(diff: SpecDiff) -> View:
 
     def legend(diagram: Diagram) -> list[LegendRow]:
         rows = [LegendRow(CHANGE_STYLES[c][2], CHANGE_MEANINGS[c], CHANGE_STYLES[c][0]) for c in CHANGE_STYLES]
-        rows += [LegendRow(f"policy {rule}", f"{_names(was)} → {_names(now)}") for rule, was, now in diff.policy]
+        rows += [LegendRow(f"policy {rule}", policy_change(was, now)) for rule, was, now in diff.policy]
         return rows + common_legend_rows(diagram)
 
     return View(": the spec change", labels, attributes, legend)
@@ -163,7 +172,11 @@ def summary_markdown(old: Spec, new: Spec, diff: SpecDiff | None = None) -> str:
         lines.append("")
     if diff.policy:
         lines += ["| policy rule | old | new |", "| --- | --- | --- |"]
-        lines += [f"| {md_code(r)} | {md_text(_names(a))} | {md_text(_names(b))} |" for r, a, b in diff.policy]
+        lines[-2:] = ["| policy rule | old | new | change |", "| --- | --- | --- | --- |"]
+        lines += [
+            f"| {md_code(r)} | {md_text(_names(a))} | {md_text(_names(b))} | {md_text(policy_change(a, b))} |"
+            for r, a, b in diff.policy
+        ]
         lines.append("")
     for what, items in (("state", diff.states), ("invariant", diff.invariants)):
         lines += [f"* {what} {md_code(name)} {change}" for name, change in items]

@@ -219,7 +219,7 @@ def edge_line(route: Route, place: Placer, attributes: Sequence[str]) -> str:
 def lifecycle_edge_labels(diagram: Diagram, drawn: tuple[DrawnEdge, ...]) -> list[Sequence[str]]:
     """Each edge's label; with firing counts, twins (`layout.twins`: drawn as one labelled curve) share one label
     whose counts are summed over them, as a bundle's are."""
-    labels = [edge.label_parts(diagram.fired) for edge in drawn]
+    labels: list[Sequence[str]] = [edge.label_parts(diagram.fired) for edge in drawn]
     if diagram.fired is None or diagram.all_edges:
         return labels
     groups: dict[int, list[int]] = {}

@@ -202,15 +202,14 @@ def lay_out(diagram: Diagram, labels: tuple[tuple[str, ...], ...], legend_size: 
 
     joins = {} if diagram.all_edges else twins(drawn, labels)
     first: list[int] = []
-    best: tuple[tuple[Route, ...], list[int]] | None = None
-    for _ in range(ORDER_TRIES):  # edges left unclean go first next time; the cleanest try is kept
-        routes, unclean = Router(drawn, labels, label_sizes, nodes, grown, fresh()).route(joins, first)
-        if best is None or len(unclean) < len(best[1]):
-            best = (routes, unclean)
+    routes, unclean = Router(drawn, labels, label_sizes, nodes, grown, fresh()).route(joins, first)
+    for _ in range(ORDER_TRIES - 1):  # edges left unclean go first next time; the cleanest try is kept
         if not unclean:
             break
         first = unclean + [i for i in first if i not in unclean]
-    routes, unclean = best
+        tried = Router(drawn, labels, label_sizes, nodes, grown, fresh()).route(joins, first)
+        if len(tried[1]) < len(unclean):
+            routes, unclean = tried
     compromised = [drawn[i] for i in unclean]
     everything = union(
         [n.box for n in nodes.values()]

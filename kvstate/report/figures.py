@@ -158,10 +158,9 @@ def occupancy(summary: TraceSummary):
     plt = _pyplot()
     rows = summary.occupancy
     has_host = any(r["host_capacity"] for r in rows)
-    fig, axes = plt.subplots(
-        2 if has_host else 1, 1, figsize=(FIGURE_WIDTH, 6 if has_host else 3.4), sharex=True, squeeze=False
-    )
-    fig.subplots_adjust(left=AXES_LEFT, right=AXES_RIGHT)
+    height = 6 if has_host else 3.4
+    fig, axes = plt.subplots(2 if has_host else 1, 1, figsize=(FIGURE_WIDTH, height), sharex=True, squeeze=False)
+    fig.subplots_adjust(left=AXES_LEFT, right=AXES_RIGHT, bottom=0.6 / height, top=1 - 0.45 / height)
     k = bin_size(len(rows))
     palette = {"gpu": ("#2e7d32", "#ffb300"), "host": ("#1565c0", "#ffb300")}
     for ax, tier in zip(axes[:, 0], ("gpu", "host") if has_host else ("gpu",), strict=True):
