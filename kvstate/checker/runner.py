@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from kvstate.checker.bounds import Bound
+from kvstate.checker.counterexample_trace import CounterexampleTrace, trace_path, write_abstract, write_refinement
 from kvstate.checker.explore import HOLDS, INCOMPLETE, SKIPPED, VIOLATED, ModelResult, explore
 from kvstate.checker.invariants import InvariantPlan, plan_invariants
 from kvstate.checker.model import AbstractEffects, AbstractModel
@@ -40,6 +41,7 @@ class BoundReport:
     counterexample: list[str]
     counterexample_file: Path | None = None
     violated_invariant: str | None = None
+    counterexample_trace: CounterexampleTrace | None = None  # the counterexample as a trace (kvstate report draws it)
 
 
 def combine(*verdicts: str) -> str:
@@ -112,6 +114,8 @@ def check_bound(
         ]
         if counterexample_dir is not None:
             report.counterexample_file = write_abstract_test(counterexample_dir, bound, spec, abstract)
+            traced = trace_path(counterexample_dir, report.counterexample_file.stem)
+            report.counterexample_trace = write_abstract(traced, spec, model, abstract.violation)
     elif refinement is not None and refinement.verdict == VIOLATED:
         report.violated_invariant = refinement.violation_id
         lines.append(f"counterexample (scheduler refinement, bound {bound.name}): {refinement.message}")
@@ -121,6 +125,9 @@ def check_bound(
             lines.append(f"{n}. {' '.join(map(str, action))}" + (f": {'; '.join(fired)}" if fired else ""))
         if counterexample_dir is not None:
             report.counterexample_file = write_refinement_test(counterexample_dir, bound, spec, refinement)
+            traced = trace_path(counterexample_dir, report.counterexample_file.stem)
+            scheduler_class = inject.get("scheduler_class", ObservedScheduler)
+            report.counterexample_trace = write_refinement(traced, bound, spec, refinement, scheduler_class)
     return report
 
 
@@ -320,6 +327,9 @@ def run_check(
             say(line)
         if report.counterexample_file is not None:
             say(f"  wrote regression test {report.counterexample_file}")
+        if report.counterexample_trace is not None:
+            traced = report.counterexample_trace
+            say(f"  wrote counterexample trace {traced.path} ({traced.lines} lines)")
     taken, never = overall_coverage(reports, spec)
     verdict = combine(*(r.verdict for r in reports))
     summary = [

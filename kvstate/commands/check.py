@@ -10,6 +10,7 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 
 from kvstate.commands import check_tlc
@@ -56,6 +57,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--no-refinement", action="store_true", help="check the abstract model only")
     check_tlc.register_options(parser)
+    parser.add_argument(
+        "--diff",
+        metavar="OLD_SPEC",
+        default=None,
+        help="also check OLD_SPEC on the same bounds and say which invariants' verdicts changed",
+    )
     parser.set_defaults(run=run)
 
 
@@ -73,10 +80,11 @@ def run(args: argparse.Namespace) -> int:
     from kvstate.checker.runner import run_check
     from kvstate.spec import load_spec
 
+    old_path = input_file(args.diff, "--diff") if args.diff is not None else None
     bounds = select_bounds(args.bound, bounds_path)
     spec = load_spec(spec_path)
     console = Console(highlight=False, soft_wrap=True)
-    code, _ = run_check(
+    code, reports = run_check(
         bounds,
         spec=spec,
         max_states=args.max_states,
@@ -86,4 +94,40 @@ def run(args: argparse.Namespace) -> int:
         show_progress=sys.stderr.isatty(),
         refine=not args.no_refinement,
     )
+    draw_counterexamples(reports, spec, console)
+    if old_path is not None:
+        from kvstate.checker.verdict_diff import changed_verdicts, verdict_lines
+
+        old = load_spec(old_path)
+        quiet = Console(file=io.StringIO())
+        _, old_reports = run_check(
+            bounds,
+            spec=old,
+            max_states=args.max_states,
+            time_limit=args.time_limit,
+            counterexample_dir=None,
+            console=quiet,
+            refine=not args.no_refinement,
+        )
+        for line in verdict_lines(changed_verdicts(old_reports, old, reports, spec), str(old_path)):
+            console.print(line, markup=False, highlight=False)
     return code
+
+
+def draw_counterexamples(reports, spec, console) -> None:
+    """Draw every counterexample written as a trace (`kvstate report`, its loop marked) and print a link to it."""
+    for report in reports:
+        trace = report.counterexample_trace
+        if trace is None:
+            continue
+        from kvstate.report import write_report
+
+        out = trace.path.with_name(f"{trace.path.stem}-report")
+        try:
+            drawn = write_report(trace.path, out, spec=spec, loop=trace.loop)
+        except (ValueError, OSError) as err:
+            console.print(
+                f"  counterexample not drawn ({err}); draw it with: {trace.report_command(out)}", markup=False
+            )
+            continue
+        console.print(f"  counterexample drawn: {drawn.html.resolve().as_uri()}", markup=False, highlight=False)

@@ -5,6 +5,11 @@ decides each edge, which output list it feeds) and, where Graphviz `dot` is inst
 `lifecycle-review.svg` (`dot` is stopped after --dot-timeout seconds). `--check` compares only the byte-stable
 text sources: it writes nothing, prints a unified diff per file that differs (a missing file differs) and exits 1
 when any does, 0 when all match.
+
+`--diff OLD_SPEC NEW_SPEC` draws the review picture of a spec change into --out (default ./spec-diff): one
+diagram (`spec-diff.dot`, `.svg` where Graphviz is installed) with added transitions green, removed ones red
+dotted and changed guards, effects and destructive flags orange (old → new), the changed policy rules in its
+legend, and `spec-diff.md`, a Markdown summary for a pull request, which it also prints.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from kvstate.errors import KVStateError
 from kvstate.spec import load_spec
 
 DEFAULT_OUT = Path("diagrams")
+DEFAULT_DIFF_OUT = Path("spec-diff")
+DIFF_DOT, DIFF_SVG, DIFF_MD = "spec-diff.dot", "spec-diff.svg", "spec-diff.md"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,7 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--spec", type=Path, default=None, help="spec TOML file (default: the packaged spec)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (default: ./diagrams)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="output directory (default: ./diagrams; with --diff ./spec-diff)"
+    )
     parser.add_argument(
         "--check",
         action="store_true",
@@ -44,6 +53,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument(
+        "--diff",
+        nargs=2,
+        type=Path,
+        metavar=("OLD_SPEC", "NEW_SPEC"),
+        default=None,
+        help="draw what changed from OLD_SPEC to NEW_SPEC (one diagram and a Markdown summary) into --out",
+    )
+    parser.add_argument(
         "--dot-timeout",
         type=positive_float,
         default=DOT_TIMEOUT_S,
@@ -54,6 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.diff is not None:
+        return run_diff(args)
+    args.out = args.out if args.out is not None else DEFAULT_OUT
     spec_path = input_file(args.spec, "--spec") if args.spec is not None else None
     if not args.check:
         output_dir(args.out, "--out")
@@ -61,6 +81,29 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         return check(sources, args.out)
     write(sources, args.out, args.dot_timeout)
+    return 0
+
+
+def run_diff(args: argparse.Namespace) -> int:
+    """`--diff OLD NEW`: the diagram and the Markdown summary of the change, written into --out."""
+    from kvstate.diagrams.diff import diff_specs, render_diff_dot, summary_markdown
+
+    old_path, new_path = (
+        input_file(path, name) for path, name in zip(args.diff, ("OLD_SPEC", "NEW_SPEC"), strict=True)
+    )
+    out = output_dir(args.out if args.out is not None else DEFAULT_DIFF_OUT, "--out")
+    old, new = load_spec(old_path), load_spec(new_path)
+    diff = diff_specs(old, new)
+    summary = summary_markdown(old, new, diff)
+    dot = render_diff_dot(old, new, diff)
+    write_file(out / DIFF_MD, summary.encode("utf-8"))
+    write_file(out / DIFF_DOT, dot.encode("utf-8"))
+    svg = render_svg(dot, timeout=args.dot_timeout)
+    if svg is None:
+        print(f"skipped {out / DIFF_SVG}: {DOT_MISSING}")
+    else:
+        write_file(out / DIFF_SVG, svg)
+    print(summary, end="")
     return 0
 
 

@@ -25,11 +25,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="kvstate-report", help="output directory (default %(default)s)")
     p.add_argument("--spec", default=None, help="specification file the trace was produced with (default: bundled)")
     p.add_argument(
+        "--loop",
+        type=iteration_span,
+        default=None,
+        metavar="FIRST:LAST",
+        help="mark iterations FIRST..LAST as repeating forever (a counterexample's lasso; kvstate check prints it)",
+    )
+    p.add_argument(
         "--all-edges",
         action="store_true",
         help="draw every transition as its own arrow (default: a broadcast event is one arrow)",
     )
     p.set_defaults(run=_run)
+
+
+def iteration_span(text: str) -> tuple[int, int]:
+    """`FIRST:LAST`, two iterations with FIRST <= LAST."""
+    first, sep, last = text.partition(":")
+    if not sep or not first.isdigit() or not last.isdigit() or int(first) > int(last):
+        raise argparse.ArgumentTypeError(f"{text!r} is not FIRST:LAST, two iteration numbers with FIRST <= LAST")
+    return int(first), int(last)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -43,8 +58,15 @@ def _run(args: argparse.Namespace) -> int:
     from kvstate.spec import load_spec
 
     spec = load_spec(spec_path) if spec_path is not None else None
-    with Console(stderr=True).status(f"drawing the report of {trace} into {out}"):  # a spinner on a terminal only
-        result = write_report(trace, out, spec=spec, all_edges=args.all_edges)
+    with Console(stderr=True).status(f"drawing the report of {trace} into {out}") as status:  # on a terminal only
+        result = write_report(
+            trace,
+            out,
+            spec=spec,
+            all_edges=args.all_edges,
+            loop=args.loop,
+            progress=lambda stage: status.update(f"{trace}: {stage}"),
+        )
     s = result.summary
     print(
         f"kvstate report: {len(s.requests)} requests, {s.lines} transitions, iterations "

@@ -2,6 +2,9 @@
 
 The tables fit the terminal's width (80 columns when output is piped): each transition takes two lines
 (`source` over `→ dest`, `[guard]` over `/ effect`) and cells fold rather than cut, so no name is ever truncated.
+A transition is marked `DROPS_KV_MARK` when the spec's data says it drops the request's KV (a destructive edge into a
+non-terminal state without KV: the request must be replayed; `kvstate.diagrams.ir.EdgeKind.DROP`), never by its
+event's name: a recompute-pause that holds the KV until consensus is not marked.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kvstate.commands.args import input_file
+
+DROPS_KV_MARK = "⚠ "
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -50,9 +55,9 @@ def tables(spec: Spec) -> list[Table]:
             [(s.name, s.residency, "yes" if s.terminal else "", s.meaning) for s in spec.states],
         ),
         _table(
-            "Transitions (⚠ destructive: drops the KV)",
+            f"Transitions ({DROPS_KV_MARK}drops the KV: the request must be replayed)",
             ("event", "from → to", "[guard] / effect"),
-            [_transition_row(t) for t in spec.transitions],
+            [_transition_row(spec, t) for t in spec.transitions],
         ),
         _table(
             "Invariants",
@@ -62,9 +67,17 @@ def tables(spec: Spec) -> list[Table]:
     ]
 
 
-def _transition_row(t: Transition) -> tuple[str, str, str]:
+def drops_kv(spec: Spec, t: Transition) -> bool:
+    """Whether `t` drops the request's KV, from the spec's data (its residencies, terminal flags, destructive flag)."""
+    from kvstate.diagrams.ir import EdgeKind, edge_kind
+
+    return edge_kind(spec, t.source, t.dest, t.destructive) is EdgeKind.DROP
+
+
+def _transition_row(spec: Spec, t: Transition) -> tuple[str, str, str]:
     guard = f"[{t.guard}]" if t.guard else "[—]"
-    return ("⚠ " if t.destructive else "") + t.event, f"{t.source}\n→ {t.dest}", f"{guard}\n/ {t.effect or '—'}"
+    mark = DROPS_KV_MARK if drops_kv(spec, t) else ""
+    return mark + t.event, f"{t.source}\n→ {t.dest}", f"{guard}\n/ {t.effect or '—'}"
 
 
 def _table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]]) -> Table:

@@ -44,7 +44,13 @@ def run(args: argparse.Namespace) -> int:
     from kvstate.spec import load_spec
 
     spec = load_spec(args.spec)
-    report = validate_trace(args.trace, spec, require_done=args.require_done)
+    with Console(stderr=True).status(f"validating {escape(str(args.trace))}") as status:  # on a terminal only
+        report = validate_trace(
+            args.trace,
+            spec,
+            require_done=args.require_done,
+            progress=lambda lines: status.update(f"validating {escape(str(args.trace))}: {lines} lines"),
+        )
     console = Console(highlight=False, soft_wrap=True)
     if report.divergence is not None:
         unusable = report.divergence.rule == FORMAT

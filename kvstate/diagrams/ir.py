@@ -41,12 +41,14 @@ class EdgeKind(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Node:
-    """A lifecycle state as drawn; `final` marks a terminal state."""
+    """A lifecycle state as drawn; `final` marks a terminal state, `role` is the state's role in the spec
+    (`kvstate.roles`; "" for none): the layout places states by it."""
 
     name: str
     residency: str
     meaning: str
     final: bool
+    role: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,15 +111,16 @@ class DrawnEdge:
         return tuple(dict.fromkeys(edge.source for edge in self.members))
 
     def head_parts(self, fired: Mapping[tuple[str, str, str], int] | None = None) -> tuple[str, ...]:
-        """The label without the effect, one part per line. A single edge: `event`, then `[guard]` when guarded;
-        a bundle: its members' distinct `event [guard]` comma-separated on one line. With `fired`, each event is
+        """The label without the effect, one part per line. One distinct `event [guard]` among the members (a
+        single edge, say): `event`, then `[guard]` when guarded; several: each `event [guard]` comma-separated on
+        one line. With `fired`, each event is
         followed by `×N`, N summed over the members with that event and guard."""
         totals: dict[tuple[str, str | None], int] = {}
         for edge in self.members:
             head = (edge.event_label, edge.guard)
             totals[head] = totals.get(head, 0) + (fired.get(edge.key, 0) if fired is not None else 0)
         heads = [(label + (f" ×{n}" if fired is not None else ""), guard) for (label, guard), n in totals.items()]
-        if len(self.members) == 1:
+        if len(heads) == 1:
             ((label, guard),) = heads
             return (label,) if guard is None else (label, f"[{guard}]")
         return (", ".join(label + (f" [{guard}]" if guard else "") for label, guard in heads),)
@@ -224,7 +227,9 @@ def edge_kind(spec: Spec, source: str, dest: str, destructive: bool) -> EdgeKind
 
 def build_diagram(spec: Spec, *, all_edges: bool = False) -> Diagram:
     """The diagram of `spec`; see the module docstring for the invariants it keeps."""
-    nodes = tuple(Node(name=s.name, residency=s.residency, meaning=s.meaning, final=s.terminal) for s in spec.states)
+    nodes = tuple(
+        Node(name=s.name, residency=s.residency, meaning=s.meaning, final=s.terminal, role=s.role) for s in spec.states
+    )
     edges = tuple(edge_of(spec, t) for t in spec.transitions)
     return Diagram(
         title=spec.name, version=spec.version, initial=spec.initial, nodes=nodes, edges=edges, all_edges=all_edges

@@ -10,7 +10,13 @@ Invariants kept:
 * residency is shown by a tag in each state's label and a `classDef` colour per residency, not by
   composite states: Mermaid cannot draw transitions between states inside different composite states;
 * Mermaid cannot style single edges of a state diagram, so a label starts with its kind's mark
-  (`KIND_MARKS`): `DESTRUCTIVE_MARK` on drop edges and only on them;
+  (`KIND_MARKS`, words: no glyph a common font lacks): `DESTRUCTIVE_MARK` on drop edges and only on them;
+* Mermaid 11 draws one self-loop per state, so a state's self-loops are one transition line whose label joins
+  theirs with `LOOP_JOIN`; the pseudo-node of a bundled broadcast edge is a `<<choice>>` point (not a state box)
+  and its edge's label names the states the bundle starts from;
+* transitions are written in `STORY_ORDER` (by the roles of their ends, as the layout of the DOT drawing), which
+  is the order Mermaid 11's layout draws without a label overprinting another label, a state or an edge
+  (`tests/diagrams/test_mermaid_render.py` renders it in Chromium);
 * the output is a pure function of the diagram and ends with a newline.
 """
 
@@ -18,15 +24,17 @@ from __future__ import annotations
 
 from kvstate.diagrams.escape import mermaid_id, mermaid_text
 from kvstate.diagrams.ir import ANY_STATE, Diagram, DrawnEdge, EdgeKind, Node
+from kvstate.roles import ACTIVE, DROPPED, ENDED, OFFLOADED, PENDING_RESET, QUEUED, RECOMPUTING
 
-DESTRUCTIVE_MARK = "⚠ "
+DESTRUCTIVE_MARK = "(drops KV) "
 KIND_MARKS = {
     EdgeKind.DROP: DESTRUCTIVE_MARK,
-    EdgeKind.HOLD: "⏸ ",
-    EdgeKind.DEFER: "⏳ ",
+    EdgeKind.HOLD: "(holds KV) ",
+    EdgeKind.DEFER: "(deferred) ",
     EdgeKind.TERMINATE: "",
     EdgeKind.KEEP: "",
 }
+LOOP_JOIN = " · "  # between the labels of a state's self-loops, drawn as one
 RESIDENCY_TAGS = {"gpu": "KV on GPU", "host": "KV on host", "none": "no KV"}
 RESIDENCY_STYLES = {
     "gpu": "fill:#e8f5e9,stroke:#2e7d32,color:#1b5e20",
@@ -34,6 +42,24 @@ RESIDENCY_STYLES = {
     "none": "fill:#f5f5f5,stroke:#616161,color:#212121",
 }
 ANY_STATE_ID = "s_any_state"  # `mermaid_id` never makes it: names starting `s_` are hex-encoded
+BUNDLE = "bundle"  # the role of the pseudo-node a bundled broadcast edge starts from, in `STORY_ORDER`
+STORY_ORDER = (  # (source role, destination role) of the transition lines, in the order they are written
+    (BUNDLE, ENDED),
+    (QUEUED, ACTIVE),
+    (ACTIVE, OFFLOADED),
+    (OFFLOADED, ACTIVE),
+    (ACTIVE, DROPPED),
+    (RECOMPUTING, DROPPED),
+    (ACTIVE, PENDING_RESET),
+    (RECOMPUTING, PENDING_RESET),
+    (OFFLOADED, DROPPED),
+    (PENDING_RESET, DROPPED),
+    (PENDING_RESET, ENDED),
+    (DROPPED, RECOMPUTING),
+    (RECOMPUTING, ACTIVE),
+    (ACTIVE, ENDED),
+    (PENDING_RESET, PENDING_RESET),
+)
 
 
 def node_label(node: Node) -> str:
@@ -51,11 +77,37 @@ def state_id(name: str) -> str:
 
 
 def edge_label(diagram: Diagram, edge: DrawnEdge) -> str:
-    return KIND_MARKS[edge.kind] + mermaid_text(" ".join(edge.label_parts(diagram.fired)))
+    """The kind's mark and `event [guard] / effect`; a bundle from the pseudo-node names where it starts."""
+    parts = list(edge.label_parts(diagram.fired))
+    if edge.source == ANY_STATE:
+        parts[0] += f" (from {diagram.any_state_label.replace(chr(10), ' ')})"
+    return KIND_MARKS[edge.kind] + mermaid_text(" ".join(parts))
+
+
+def transitions(diagram: Diagram) -> list[tuple[str, str, str]]:
+    """(source id, dest id, label) of every transition line, self-loops of one state joined into one line."""
+    lines: list[tuple[str, str, str]] = []
+    loops: dict[str, int] = {}
+    for edge in diagram.drawn_edges:
+        label = edge_label(diagram, edge)
+        if edge.source == edge.dest and edge.source in loops:
+            source, dest, before = lines[loops[edge.source]]
+            lines[loops[edge.source]] = (source, dest, before + LOOP_JOIN + label)
+            continue
+        if edge.source == edge.dest:
+            loops[edge.source] = len(lines)
+        lines.append((state_id(edge.source), state_id(edge.dest), label))
+    return lines
+
+
+def story_order(diagram: Diagram, lines: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """`lines` sorted by `STORY_ORDER` of the roles of their ends; lines it does not name keep their order, after."""
+    role = {mermaid_id(node.name): node.role for node in diagram.nodes} | {ANY_STATE_ID: BUNDLE}
+    rank = {pair: index for index, pair in enumerate(STORY_ORDER)}
+    return sorted(lines, key=lambda line: rank.get((role.get(line[0], ""), role.get(line[1], "")), len(rank)))
 
 
 def render_mermaid(diagram: Diagram) -> str:
-    drawn = diagram.drawn_edges
     lines = [
         "stateDiagram-v2",
         (
@@ -66,19 +118,21 @@ def render_mermaid(diagram: Diagram) -> str:
         "    %% draw transitions between states inside different composite states.",
         (
             f"    %% Mermaid cannot style single edges here: a label starting with {DESTRUCTIVE_MARK.strip()} marks a"
-            " destructive edge (drops the KV; the request must be replayed),"
+            " destructive edge (the request must be replayed),"
         ),
         (
             f"    %% {KIND_MARKS[EdgeKind.HOLD].strip()} a preemption that keeps the KV until the pipeline agrees,"
-            f" {KIND_MARKS[EdgeKind.DEFER].strip()} a deferred event."
+            f" {KIND_MARKS[EdgeKind.DEFER].strip()} an event whose effect waits for that consensus."
         ),
     ]
     lines += [f"    classDef {class_name(c.residency)} {RESIDENCY_STYLES[c.residency]}" for c in diagram.clusters]
     lines += [f'    state "{mermaid_text(node_label(node))}" as {mermaid_id(node.name)}' for node in diagram.nodes]
-    if any(edge.source == ANY_STATE for edge in drawn):
-        lines.append(f'    state "{mermaid_text(diagram.any_state_label)}" as {ANY_STATE_ID}')
+    if any(edge.source == ANY_STATE for edge in diagram.drawn_edges):
+        lines.append(f"    state {ANY_STATE_ID} <<choice>>")
     lines.append(f"    [*] --> {mermaid_id(diagram.initial)}")
-    lines += [f"    {state_id(e.source)} --> {state_id(e.dest)} : {edge_label(diagram, e)}" for e in drawn]
+    lines += [
+        f"    {source} --> {dest} : {label}" for source, dest, label in story_order(diagram, transitions(diagram))
+    ]
     lines += [f"    {mermaid_id(node.name)} --> [*]" for node in diagram.final_nodes]
     lines += [
         f"    class {','.join(mermaid_id(n.name) for n in c.nodes)} {class_name(c.residency)}" for c in diagram.clusters

@@ -13,7 +13,7 @@ is a pure function of the diagram and ends with a newline.
 
 from __future__ import annotations
 
-from kvstate.diagrams.dot import View, common_legend_rows, dot_html, key, render_dot
+from kvstate.diagrams.dot import LegendRow, View, common_legend_rows, render_dot
 from kvstate.diagrams.ir import Diagram, DrawnEdge, EdgeKind
 
 ORIGIN_STYLES = {  # origin -> (colour, DOT style, legend sample, meaning)
@@ -33,6 +33,8 @@ ORIGIN_STYLES = {  # origin -> (colour, DOT style, legend sample, meaning)
 }
 OTHER_ORIGIN = ("#37474f", "solid", "——— grey", "other origin")
 PROMOTION_GATE = "promotion gate"
+FEEDS_MARK = "feeds "  # before the output list an edge's requests are listed in
+WRAP_AT = 18  # characters of a production name on one line of a label (it keeps the drawing narrow)
 CONSENSUS_POINT = "consensus point"
 
 
@@ -50,11 +52,24 @@ def callouts(diagram: Diagram) -> dict[DrawnEdge, tuple[str, ...]]:
 
 
 def feeds_part(edge: DrawnEdge) -> tuple[str, ...]:
-    """`⇒ list`, then `(production name)` on its own line, for each output list the members feed."""
+    """`feeds list`, then `(production name)` on its own lines, for each output list the members feed."""
     fed = dict.fromkeys((e.feeds, e.feeds_production_name) for e in edge.members if e.feeds)
     return tuple(
-        part for name, production in fed for part in (f"⇒ {name}", f"({production})" if production else "") if part
+        part
+        for name, production in fed
+        for part in (f"{FEEDS_MARK}{name}", *(wrapped(f"({production})") if production else ()))
     )
+
+
+def wrapped(text: str, width: int = WRAP_AT) -> tuple[str, ...]:
+    """`text` on lines of at most about `width` characters, broken at spaces only (a word is never cut)."""
+    lines: list[str] = []
+    for word in text.split(" "):
+        if lines and len(lines[-1]) + 1 + len(word) <= width:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return tuple(lines)
 
 
 def review_edge_labels(diagram: Diagram, drawn: tuple[DrawnEdge, ...]) -> list[tuple[str, ...]]:
@@ -69,23 +84,22 @@ def review_edge_attributes(diagram: Diagram, edge: DrawnEdge) -> list[str]:
     return [f'color="{color}", fontcolor="{color}", style={style}']
 
 
-def review_legend_rows(diagram: Diagram) -> list[tuple[str, str]]:
+def review_legend_rows(diagram: Diagram) -> list[LegendRow]:
     origins = dict.fromkeys(edge.origin for edge in diagram.drawn_edges)
     rows = [
-        (key(color, sample), dot_html(meaning))
+        LegendRow(sample, meaning, color)
         for color, _, sample, meaning in (ORIGIN_STYLES.get(origin, OTHER_ORIGIN) for origin in origins)
     ]
     rows += [
-        (
-            "<b>⇒ list (production name)</b>",
-            (
-                "the scheduler-output list a request taking the edge is listed in, "
-                "and the production engine's name for that list"
-            ),
+        LegendRow(
+            f"{FEEDS_MARK}list (production name)",
+            "the scheduler-output list a request taking the edge is listed in, and the production engine's name for it",
         ),
-        (f"<b>[{PROMOTION_GATE}]</b>", "a suspended request's host copy given up to make room for a victim"),
-        (f"<b>[{CONSENSUS_POINT}]</b>", "the deferred reset of a multi-stage recompute-pause, once every stage agrees"),
-        ("<b>event [guard]</b>", "edge label; each edge's effect is in the lifecycle view and transitions.md"),
+        LegendRow(f"[{PROMOTION_GATE}]", "a suspended request's host copy given up to make room for a victim"),
+        LegendRow(
+            f"[{CONSENSUS_POINT}]", "the deferred reset of a multi-stage recompute-pause, once every stage agrees"
+        ),
+        LegendRow("event [guard]", "edge label; each edge's effect is in the lifecycle view and transitions.md"),
     ]
     return rows + common_legend_rows(diagram)
 

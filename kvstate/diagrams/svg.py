@@ -1,6 +1,8 @@
 """Draw DOT source with the Graphviz `dot` program, when it is installed, within a time limit.
 
-SVG is not byte-stable across Graphviz versions, so it is generated but never diffed; the DOT source is.
+The DOT sources carry their own layout (`kvstate.diagrams.layout`), so `dot` draws them with the `neato` engine
+in its "positions given" mode (`DRAW_AS_GIVEN`): Graphviz only draws. SVG is not byte-stable across Graphviz
+versions, so it is generated but never diffed; the DOT source is.
 Invariants kept: `dot` never runs longer than its `timeout` (it is killed, and a `KVStateError` says what to
 do); an SVG drawing is passed through `kvstate.diagrams.escape.safe_svg`, so it holds no link or script.
 """
@@ -16,6 +18,7 @@ from kvstate.errors import KVStateError
 DOT_MISSING = "Graphviz `dot` is not installed; install Graphviz (e.g. apt-get install graphviz) to render SVG"
 DOT_TIMEOUT_S = 60.0
 FORMATS = ("svg", "png")
+DRAW_AS_GIVEN = ("-Kneato", "-n2")  # nodes, edges, labels and clusters where the source puts them
 
 
 def render_image(dot_source: str, fmt: str = "svg", *, timeout: float = DOT_TIMEOUT_S) -> bytes | None:
@@ -31,7 +34,11 @@ def render_image(dot_source: str, fmt: str = "svg", *, timeout: float = DOT_TIME
         return None
     try:
         done = subprocess.run(
-            [program, f"-T{fmt}"], input=dot_source.encode("utf-8"), capture_output=True, timeout=timeout, check=False
+            [program, *DRAW_AS_GIVEN, f"-T{fmt}"],
+            input=dot_source.encode("utf-8"),
+            capture_output=True,
+            timeout=timeout,
+            check=False,
         )
     except subprocess.TimeoutExpired as err:
         raise KVStateError(

@@ -11,6 +11,7 @@ lazily), `diagram`, `html`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,17 +32,27 @@ class ReportFiles:
 
 
 def write_report(
-    trace: str | Path, out_dir: str | Path, *, spec: Spec | None = None, all_edges: bool = False
+    trace: str | Path,
+    out_dir: str | Path,
+    *,
+    spec: Spec | None = None,
+    all_edges: bool = False,
+    loop: tuple[int, int] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> ReportFiles:
     """Read `trace`, write every report file into `out_dir` (created), and return what was written.
 
-    `all_edges` draws every transition as its own arrow (default: broadcast events bundled)."""
+    `all_edges` draws every transition as its own arrow (default: broadcast events bundled); `loop` (first, last
+    iteration) marks the part of a counterexample that repeats forever (`kvstate check` writes such traces);
+    `progress` is told what is being done, stage by stage (reading the trace every `PROGRESS_LINES` lines). Every
+    stage is linear in the trace's lines."""
     from kvstate.report.diagram import annotated_diagram, render, review_dot
     from kvstate.report.figures import write_figures
     from kvstate.report.html import render_html
 
     spec = spec or load_spec()
-    summary = summarize(load_lines(trace))
+    say = progress or (lambda _: None)
+    summary = summarize(counted(load_lines(trace), say), loop=loop)
     unknown = sorted(set(summary.edge_counts) - {(t.event, t.source, t.dest) for t in spec.transitions})
     if unknown:
         raise TraceError(
@@ -50,7 +61,9 @@ def write_report(
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    say(f"drawing the timeline of {len(summary.requests)} requests and the tier occupancy")
     figures = write_figures(summary, spec, out)
+    say("drawing the lifecycle diagrams")
     files = [path for paths in figures.values() for path in paths]
     diagram, dot = annotated_diagram(spec, summary.edge_counts, all_edges=all_edges)
     review = review_dot(spec, all_edges=all_edges)
@@ -74,7 +87,19 @@ def write_report(
     )
     html = out / "report.html"
     html.write_text(page, encoding="utf-8")
+    say(f"wrote {html}")
     return ReportFiles(out, (*files, html), html, summary, note)
+
+
+PROGRESS_LINES = 100_000  # lines read between two progress reports
+
+
+def counted(lines: Iterable[dict], say: Callable[[str], None]) -> Iterator[dict]:
+    """`lines`, telling `say` how many were read every `PROGRESS_LINES` lines."""
+    for number, line in enumerate(lines, 1):
+        if number % PROGRESS_LINES == 0:
+            say(f"reading the trace: {number} lines")
+        yield line
 
 
 __all__ = ["ReportFiles", "TraceError", "TraceSummary", "summarize", "write_report"]

@@ -4,7 +4,11 @@ tier occupancy. Each is saved as PNG and SVG.
 Invariants kept: state names are drawn through `kvstate.diagrams.escape.mpl_text` (literally, no mathtext);
 block and iteration axes have integer ticks only; the occupancy chart draws at most `MAX_COLUMNS` columns, each
 the peak of `bin_size` consecutive iterations (one column per iteration when they fit), so no column is
-narrower than a few pixels and nothing aliases into stripes.
+narrower than a few pixels and nothing aliases into stripes; the timeline draws one collection per state however
+many requests the trace has (linear in spans: no artist per request, no autoscaling per span), and the time
+spent queued (the `queued` role) in a light tint, so the states that hold KV stand out; both figures are
+`FIGURE_WIDTH` wide with their axes at the same `AXES_LEFT`/`AXES_RIGHT`, and are saved without cropping, so at
+the same display width their iteration axes line up.
 """
 
 from __future__ import annotations
@@ -15,11 +19,15 @@ from kvstate.diagrams.escape import mpl_text
 from kvstate.pool import ceil_div
 from kvstate.report.colors import COLOR_KEY, DESTRUCTIVE_HATCH_COLOR, hatched, state_colors
 from kvstate.report.model import TraceSummary
+from kvstate.roles import QUEUED
 from kvstate.spec import Spec
 
 MAX_LABELLED_ROWS = 60  # beyond this, every k-th request id is labelled
 MAX_COLUMNS = 250  # occupancy columns drawn at most (about 4 px each at the saved size)
 HATCH = "///"
+FIGURE_WIDTH = 12.0  # inches, both figures
+AXES_LEFT, AXES_RIGHT = 0.09, 0.80  # the axes' edges as fractions of the figure width, both figures
+QUEUED_COLOR = "#f0f0f0"  # time spent queued: a light tint, not a bar as heavy as the states that hold KV
 
 
 def _pyplot():
@@ -36,37 +44,51 @@ def save(fig, out_dir: Path, stem: str) -> list[Path]:
     paths = []
     for ext, extra in (("png", {"dpi": 110}), ("svg", {})):
         path = out_dir / f"{stem}.{ext}"
-        fig.savefig(path, bbox_inches="tight", metadata={"Date": None} if ext == "svg" else {}, **extra)
+        fig.savefig(path, metadata={"Date": None} if ext == "svg" else {}, **extra)  # uncropped: axes line up
         paths.append(path)
     plt.close(fig)
     return paths
 
 
 def timeline(summary: TraceSummary, spec: Spec):
-    """One row per request (first appearance at the top), coloured by lifecycle state over iterations."""
+    """One row per request (first appearance at the top), coloured by lifecycle state over iterations: one
+    collection of rectangles per state."""
+    from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch
 
     plt = _pyplot()
     colors = state_colors(spec)
+    queued = spec.state_by_role.get(QUEUED)
+    if queued in colors:
+        colors[queued] = QUEUED_COLOR
     n = len(summary.requests)
     height = min(max(3.0, 0.22 * n + 1.6), 24.0)
-    fig, ax = plt.subplots(figsize=(12, height))
+    fig = plt.figure(figsize=(FIGURE_WIDTH, height))
+    ax = fig.add_axes((AXES_LEFT, 0.9 / height, AXES_RIGHT - AXES_LEFT, 1 - 1.5 / height))
+    boxes: dict[str, list] = {}
     for row, rid in enumerate(summary.requests):
         for span in summary.spans[rid]:
-            ax.broken_barh(
-                [(span.start, span.end - span.start)],
-                (row - 0.4, 0.8),
-                facecolors=colors.get(span.state, "white"),
-                linewidth=0,
-                hatch=HATCH if hatched(spec, span.state) else None,
-                edgecolor=DESTRUCTIVE_HATCH_COLOR if hatched(spec, span.state) else None,
+            top, bottom = row - 0.4, row + 0.4
+            boxes.setdefault(span.state, []).append(
+                ((span.start, top), (span.end, top), (span.end, bottom), (span.start, bottom))
             )
+    for state, rectangles in boxes.items():
+        ax.add_collection(
+            PolyCollection(
+                rectangles,
+                facecolors=colors.get(state, "white"),
+                linewidths=0,
+                hatch=HATCH if hatched(spec, state) else None,
+                edgecolors=DESTRUCTIVE_HATCH_COLOR if hatched(spec, state) else "none",
+            )
+        )
     step = max(1, ceil_div(n, MAX_LABELLED_ROWS))
     ax.set_yticks(
         range(0, n, step), [mpl_text(str(summary.requests[i])) for i in range(0, n, step)], fontsize=8 if n > 30 else 9
     )
     ax.set_ylim(n - 0.5, -0.5)
     ax.set_xlim(summary.first_iteration, summary.last_iteration + 1)
+    mark_loop(ax, summary)
     ax.set_xlabel("scheduler iteration")
     ax.set_ylabel("request id")
     ax.set_title(f"Request lifecycle over iterations ({n} requests, {summary.lines} transitions)")
@@ -75,16 +97,38 @@ def timeline(summary: TraceSummary, spec: Spec):
     handles = [
         Patch(
             facecolor=c,
-            label=mpl_text(s),
+            label=mpl_text(s + (" (light: queued)" if s == queued else "")),
             hatch=HATCH if hatched(spec, s) else None,
-            edgecolor=DESTRUCTIVE_HATCH_COLOR if hatched(spec, s) else c,
+            edgecolor=DESTRUCTIVE_HATCH_COLOR if hatched(spec, s) else "#bdbdbd" if s == queued else c,
         )
         for s, c in colors.items()
-        if any(sp.state == s for spans in summary.spans.values() for sp in spans)
+        if s in boxes
     ]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, title="state", frameon=False)
     fig.text(0.01, 0.005, f"{COLOR_KEY}; blank: not yet traced, or done", fontsize=8, color="#555555")
     return fig
+
+
+LOOP_COLOR = "#ffe0b2"
+LOOP_EDGE = "#e65100"
+
+
+def mark_loop(ax, summary: TraceSummary) -> None:
+    """Shade a counterexample's iterations that repeat forever, and say so at the top of the axes."""
+    if summary.loop is None:
+        return
+    first, last = summary.loop
+    ax.axvspan(first, last + 1, facecolor=LOOP_COLOR, edgecolor=LOOP_EDGE, linestyle="--", alpha=0.45, zorder=0)
+    ax.text(
+        (first + last + 1) / 2,
+        1.0,
+        "repeats forever (the lasso's loop)",
+        transform=ax.get_xaxis_transform(),
+        ha="center",
+        va="bottom",
+        fontsize=9,
+        color=LOOP_EDGE,
+    )
 
 
 def integer_ticks(axis) -> None:
@@ -114,7 +158,9 @@ def occupancy(summary: TraceSummary):
     plt = _pyplot()
     rows = summary.occupancy
     has_host = any(r["host_capacity"] for r in rows)
-    fig, axes = plt.subplots(2 if has_host else 1, 1, figsize=(12, 6 if has_host else 3.4), sharex=True, squeeze=False)
+    height = 6 if has_host else 3.4
+    fig, axes = plt.subplots(2 if has_host else 1, 1, figsize=(FIGURE_WIDTH, height), sharex=True, squeeze=False)
+    fig.subplots_adjust(left=AXES_LEFT, right=AXES_RIGHT, bottom=0.6 / height, top=1 - 0.45 / height)
     k = bin_size(len(rows))
     palette = {"gpu": ("#2e7d32", "#ffb300"), "host": ("#1565c0", "#ffb300")}
     for ax, tier in zip(axes[:, 0], ("gpu", "host") if has_host else ("gpu",), strict=True):
@@ -141,6 +187,8 @@ def occupancy(summary: TraceSummary):
         integer_ticks(ax.yaxis)
     integer_ticks(axes[-1, 0].xaxis)
     axes[-1, 0].set_xlim(rows[0]["iteration"], rows[-1]["iteration"] + 1)
+    for ax in axes[:, 0]:
+        mark_loop(ax, summary)
     when = "after each iteration" if k == 1 else f"peak of every {k} iterations"
     axes[0, 0].set_title(f"Tier occupancy, {when}" + ("" if has_host else " (no host tier)"))
     axes[-1, 0].set_xlabel("scheduler iteration")

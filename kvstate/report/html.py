@@ -3,9 +3,11 @@
 Invariants kept:
 * every text from the trace or the spec is written through `kvstate.diagrams.escape.html_text`; every SVG
   through `safe_svg` (no link, script or event handler survives);
-* a diagram is shown at its natural size (Graphviz points, `PX_PER_PT` px each, so an edge label of
-  `kvstate.diagrams.dot.EDGE_FONT_SIZE` pt is at least `MIN_LABEL_PX` px) inside a scrollable box, with zoom
-  buttons; the page's only script is that zoom, inline (nothing is fetched);
+* a diagram opens fitted to its box's width (the viewport's), but never smaller than `MIN_SCALE` of its natural
+  size (Graphviz points, `PX_PER_PT` px each), so an edge label of `kvstate.diagrams.dot.EDGE_FONT_SIZE` pt stays
+  at least `MIN_LABEL_PX` px; it sits in a scrollable box with zoom buttons; the page's only script is that zoom,
+  inline (nothing is fetched);
+* no table has an empty row: the overview has no header row;
 * the colour key in the header is `kvstate.report.colors.COLOR_KEY`, the same words the timeline prints.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
+from kvstate.diagrams.dot import EDGE_FONT_SIZE
 from kvstate.diagrams.escape import html_text, safe_svg
 from kvstate.diagrams.ir import Diagram
 from kvstate.report.colors import COLOR_KEY
@@ -21,24 +24,27 @@ from kvstate.report.model import TraceSummary
 
 PX_PER_PT = 4 / 3
 MIN_LABEL_PX = 11
+MIN_SCALE = MIN_LABEL_PX * 1.005 / (EDGE_FONT_SIZE * PX_PER_PT)  # the smallest zoom a diagram opens at
 
 STYLE = """body{font-family:Helvetica,Arial,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#212121}
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em}table{border-collapse:collapse;margin:.5em 0}
 td,th{border:1px solid #ccc;padding:3px 10px;text-align:left;vertical-align:top}td.n{text-align:right}
 img.figure{max-width:100%;height:auto}.note{color:#555;font-size:.9em}
 .diagram{overflow:auto;max-height:85vh;border:1px solid #ccc;background:#fff;
- width:calc(100vw - 3em);position:relative;left:50%;transform:translateX(-50%)}
+ width:calc(100vw - 1.5em);position:relative;left:50%;transform:translateX(-50%)}
 .diagram svg{display:block;max-width:none}
 .zoom{margin:.4em 0}.zoom button{font-size:.9em;margin-right:.3em;padding:2px 10px}"""
 
 ZOOM_SCRIPT = """document.querySelectorAll('.zoom').forEach(function (bar) {
   var box = document.getElementById(bar.getAttribute('data-target'));
   var svg = box.querySelector('svg');
-  var box0 = svg.viewBox.baseVal, scale = 1;
+  var box0 = svg.viewBox.baseVal, legible = parseFloat(bar.getAttribute('data-min-scale'));
+  var scale = Math.max(legible, Math.min(1, box.clientWidth / (box0.width * 4 / 3)));
   function apply() {
     svg.setAttribute('width', (box0.width * scale).toFixed(1) + 'pt');
     svg.setAttribute('height', (box0.height * scale).toFixed(1) + 'pt');
   }
+  apply();
   bar.addEventListener('click', function (event) {
     var action = event.target.getAttribute('data-zoom');
     if (!action) { return; }
@@ -61,10 +67,11 @@ def _cell(value) -> str:
     return f"<td>{html_text(str(value))}</td>"
 
 
-def _table(header: tuple[str, ...], rows: list[tuple]) -> str:
-    head = "".join(f"<th>{html_text(h)}</th>" for h in header)
+def _table(header: tuple[str, ...] | None, rows: list[tuple]) -> str:
+    """A table; without `header`, no header row (never an empty one)."""
+    head = "" if header is None else "<tr>" + "".join(f"<th>{html_text(h)}</th>" for h in header) + "</tr>"
     body = "".join("<tr>" + "".join(_cell(v) for v in row) + "</tr>" for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+    return f"<table>{head}{body}</table>"
 
 
 def _diagram(svg: bytes, name: str, title: str) -> str:
@@ -74,8 +81,9 @@ def _diagram(svg: bytes, name: str, title: str) -> str:
         for z, label in (("0.8", "−"), ("1.25", "+"), ("natural", "100 %"), ("fit", "fit width"))
     )
     return (
-        f'<div class="zoom" data-target="diagram-{name}">zoom: {buttons}'
-        '<span class="note"> (scroll the box to pan)</span></div>'
+        f'<div class="zoom" data-target="diagram-{name}" data-min-scale="{MIN_SCALE:.4f}">zoom: {buttons}'
+        '<span class="note"> (opens fitted to the width, as small as labels stay legible; scroll the box to pan)'
+        "</span></div>"
         f'<div class="diagram" id="diagram-{name}" role="img" aria-label="{html_text(title)}">'
         f"{safe_svg(svg)}</div>"
     )
@@ -128,7 +136,7 @@ def render_html(
             f"State colours follow the lifecycle diagram: {html_text(COLOR_KEY)}.</p>"
         ),
         "<h2>Overview</h2>",
-        _table(("", ""), overview),
+        _table(None, overview),
         "<h2>Timeline</h2>",
         _img(pngs["timeline"], "request timeline"),
         "<h2>Tier occupancy</h2>",

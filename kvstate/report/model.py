@@ -46,6 +46,7 @@ class TraceSummary:
     first_iteration: int = 0
     last_iteration: int = 0
     lines: int = 0
+    loop: tuple[int, int] | None = None  # a counterexample's iterations that repeat forever (first, last)
 
 
 def load_lines(path: str | Path) -> Iterator[dict]:
@@ -59,9 +60,12 @@ def load_lines(path: str | Path) -> Iterator[dict]:
         raise TraceError("the trace has no lines; run an engine with a trace_path first", path=path)
 
 
-def summarize(lines: Iterable[dict]) -> TraceSummary:
-    """Spans, occupancy and edge counts of the trace lines (in file order; read once, so a generator will do)."""
-    s = TraceSummary()
+def summarize(lines: Iterable[dict], *, loop: tuple[int, int] | None = None) -> TraceSummary:
+    """Spans, occupancy and edge counts of the trace lines (in file order; read once, so a generator will do).
+
+    `loop` marks iterations of a counterexample that repeat forever; the summary then reaches at least to its last
+    one (a loop of scheduler steps may take no transition at all)."""
+    s = TraceSummary(loop=loop)
     current: dict[Hashable, tuple[str, int]] = {}
     by_iteration: dict[int, dict[str, int]] = {}
     ended: set[Hashable] = set()
@@ -92,6 +96,7 @@ def summarize(lines: Iterable[dict]) -> TraceSummary:
         by_iteration[it] = _occupancy(line)
     if not s.lines:
         raise TraceError("the trace has no lines; nothing to summarize")
+    _reach_loop(s, by_iteration)
     end = s.last_iteration + 1
     for rid, (state, since) in current.items():
         if rid not in ended and end > since:
@@ -102,6 +107,18 @@ def summarize(lines: Iterable[dict]) -> TraceSummary:
         previous = by_iteration.get(it, previous)
         s.occupancy.append({"iteration": it, **previous})
     return s
+
+
+def _reach_loop(s: TraceSummary, by_iteration: dict[int, dict[str, int]]) -> None:
+    """Extend `s` to the last iteration of its loop (a loop of steps that takes no transition leaves no line)."""
+    if s.loop is None:
+        return
+    first, last = s.loop
+    if not 0 <= first <= last:
+        raise TraceError(f"the loop {s.loop!r} is not (first, last) iterations with first <= last")
+    if last > s.last_iteration:
+        by_iteration.setdefault(last, by_iteration[s.last_iteration])
+        s.last_iteration = last
 
 
 def _occupancy(line: dict) -> dict[str, int]:

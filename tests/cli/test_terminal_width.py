@@ -69,3 +69,18 @@ def test_bench_table_fits_80_columns():
     assert max(len(line) for line in text.splitlines()) <= WIDTH
     flat = " ".join(text.split())
     assert "0.28 ↑" in flat and "1.00 ↓" in flat and "not met" in flat and "ratio >= 0.7" in flat
+
+
+def test_spec_marks_exactly_the_transitions_whose_data_drop_the_kv():
+    """Issue 29: the mark follows residencies and flags, not event names; a pause that holds the KV until consensus
+    (destructive, into a state that keeps the KV) is not marked, and every KV-dropping edge is."""
+    from kvstate.commands.spec_summary import DROPS_KV_MARK, _transition_row, drops_kv
+
+    spec = load_spec()
+    for t in spec.transitions:
+        dest = spec.state_by_name[t.dest]
+        expected = t.destructive and dest.residency == "none" and not dest.terminal
+        assert drops_kv(spec, t) == expected
+        assert _transition_row(spec, t)[0].startswith(DROPS_KV_MARK) == expected
+    holds = [t for t in spec.transitions if t.destructive and spec.state_by_name[t.dest].residency != "none"]
+    assert holds and not any(drops_kv(spec, t) for t in holds), "the hold-for-consensus edge keeps its KV"

@@ -16,7 +16,7 @@ import pytest
 from kvstate.diagrams import DOT_FILE, MERMAID_FILE, TABLE_FILE, TEXT_FILES, build_diagram, render_sources
 from kvstate.diagrams.dot import DESTRUCTIVE_STYLE, INITIAL_NODE, KIND_KEYS, kind_meanings
 from kvstate.diagrams.ir import ANY_STATE, EdgeKind
-from kvstate.diagrams.mermaid import DESTRUCTIVE_MARK, KIND_MARKS
+from kvstate.diagrams.mermaid import DESTRUCTIVE_MARK, KIND_MARKS, LOOP_JOIN
 from kvstate.diagrams.table import NONE_MARK
 from kvstate.spec import Spec, load_spec
 
@@ -74,15 +74,17 @@ def dot_edges(dot: str) -> Counter:
 
 
 def mermaid_edges(mermaid: str) -> Counter:
+    """(source, dest, label, drops the KV) of every arrow a Mermaid transition line draws (the self-loops of one
+    state share a line, their labels joined by LOOP_JOIN: Mermaid 11 draws one self-loop per state)."""
     edges = Counter()
     for line in mermaid.splitlines():
         match = MERMAID_EDGE.match(line)
         if match and "[*]" not in (match["source"], match["dest"]):
-            label = match["label"]
-            destructive = label.startswith(DESTRUCTIVE_MARK)
-            for mark in filter(None, KIND_MARKS.values()):
-                label = label.removeprefix(mark)
-            edges[(match["source"], match["dest"], label, destructive)] += 1
+            for part in match["label"].split(LOOP_JOIN):
+                label = part
+                for mark in filter(None, KIND_MARKS.values()):
+                    label = label.removeprefix(mark)
+                edges[(match["source"], match["dest"], label, part.startswith(DESTRUCTIVE_MARK))] += 1
     return edges
 
 
@@ -195,10 +197,18 @@ def test_edge_kinds_follow_residency_and_the_legend_names_each_kind_drawn(spec: 
 
 
 def test_dot_clusters_states_by_residency(spec: Spec, sources: dict[str, str]) -> None:
-    clusters = re.findall(r"subgraph cluster_(\w+) \{(.*?)\n  \}", sources[DOT_FILE], flags=re.S)
+    """Each tier that holds KV is a titled cluster of exactly its states; the states without KV (the story spreads
+    them from left to right) are in no cluster and are filled with the no-KV colour (issue 29)."""
+    from kvstate.diagrams.dot import CLUSTER_COLORS
+
+    dot = sources[DOT_FILE]
+    clusters = re.findall(r"subgraph cluster_(\w+) \{(.*?)\n  \}", dot, flags=re.S)
     placed = {name: residency for residency, body in clusters for name in re.findall(r'^\s*"(\w+)" \[', body, re.M)}
-    assert placed == {state.name: state.residency for state in spec.states}
+    assert placed == {state.name: state.residency for state in spec.states if state.residency != "none"}
     assert all(body.lstrip().startswith("label=") for _, body in clusters), "every cluster has a title"
+    for state in spec.states:
+        line = next(line for line in dot.splitlines() if line.lstrip().startswith(f'"{state.name}" ['))
+        assert f'fillcolor="{CLUSTER_COLORS[state.residency][0]}"' in line
 
 
 def test_initial_and_terminal_states_are_drawn(spec: Spec, sources: dict[str, str]) -> None:
@@ -222,7 +232,7 @@ def test_mermaid_is_a_state_diagram_without_composites(sources: dict[str, str]) 
 
 def test_review_view_styles_edges_by_origin_and_names_what_they_feed(spec: Spec, sources: dict[str, str]) -> None:
     from kvstate.diagrams import REVIEW_DOT_FILE
-    from kvstate.diagrams.review import CONSENSUS_POINT, ORIGIN_STYLES, PROMOTION_GATE
+    from kvstate.diagrams.review import CONSENSUS_POINT, FEEDS_MARK, ORIGIN_STYLES, PROMOTION_GATE
 
     review = sources[REVIEW_DOT_FILE]
     lines = [line for line in review.splitlines() if " -> " in line and INITIAL_NODE not in line]
@@ -234,9 +244,9 @@ def test_review_view_styles_edges_by_origin_and_names_what_they_feed(spec: Spec,
             event = spec.event_by_name[edge.event]
             assert event.label in line
             if event.feeds:
-                assert f"⇒ {event.feeds}" in line
+                assert f"{FEEDS_MARK}{event.feeds}" in line
                 production = next(o.production_name for o in spec.output_lists if o.name == event.feeds)
-                assert production in line
+                assert production in line.replace("\\n", " "), "production names are wrapped at spaces only"
     assert {spec.event_by_name[e].origin for e in spec.event_by_name} <= set(ORIGIN_STYLES)
     gates = [line for line in lines if PROMOTION_GATE in line]
     assert len(gates) == 1 and spec.residency(DOT_EDGE.match(gates[0])["source"]) == "host"

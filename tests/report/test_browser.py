@@ -1,5 +1,6 @@
 """report.html in a real headless browser (Chromium), where one is installed: it renders, logs no console message,
-shows every diagram's edge labels at >= 11 CSS px at the default page width, and its zoom buttons work.
+opens every diagram fitted to the width of a 1280 px window (issue 29) with its edge labels still at >= 11 CSS px,
+and its zoom buttons work.
 
 A copy of the page gets a probe script appended that measures in the browser and reports through the console
 (`PROBE ...` lines); every other console line is an error of the page itself.
@@ -38,7 +39,8 @@ PROBE = """<script>
     bar.querySelector('[data-zoom="fit"]').click();
     var fitted = svg.getBoundingClientRect().width;
     bar.querySelector('[data-zoom="natural"]').click();
-    result.push({box: box.id, smallest_px: smallest, natural: before, fitted: fitted,
+    result.push({box: box.id, smallest_px: smallest, opened: before, fitted: fitted,
+                 natural: svg.viewBox.baseVal.width * 4 / 3,
                  restored: svg.getBoundingClientRect().width, box_width: box.clientWidth});
   });
   console.log('PROBE ' + JSON.stringify(result));
@@ -84,6 +86,7 @@ def test_page_renders_legibly_without_console_messages(small_report, tmp_path):
     assert len(probes) == 1 and len(probes[0]) == 2, done.stderr[-2000:]
     for box in probes[0]:
         assert box["smallest_px"] >= MIN_LABEL_PX, box
+        assert box["opened"] <= box["box_width"] + 1, f"opens fitted to the 1280 px window: {box}"
         if box["natural"] > box["box_width"]:
             assert box["fitted"] <= box["box_width"] + 1, box
         assert abs(box["restored"] - box["natural"]) < 1, box
