@@ -14,11 +14,9 @@ from typing import NamedTuple, cast, overload
 from kvstate.errors import InvariantViolation, KVStateError
 from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan, TieredBlockPool
 from kvstate.request import Request
+from kvstate.roles import LIST_NAMES
 from kvstate.spec import Spec, default_spec
 
-# The request lists of an output, in serialization order. The spec's [[output_lists]] declare the same names and
-# the states a request in each may be in once the pass is over (OUT-STATE, `Spec.list_states`).
-LIST_NAMES: tuple[str, ...] = ("context", "generation", "replay", "resumed", "suspended", "recompute_paused", "aborted")
 # The lists whose requests compute in the forward pass, in batch order (`SchedulerOutput.scheduled`).
 SCHEDULED_LISTS: tuple[str, ...] = ("context", "replay", "generation")
 

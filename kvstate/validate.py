@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from kvstate import semantics
 from kvstate.errors import SpecError
 from kvstate.policy import policy_problems
-from kvstate.roles import ROLES
+from kvstate.roles import LIST_NAMES, ROLES
 
 if TYPE_CHECKING:  # annotations only: kvstate.spec imports this module to validate what it loads
     from kvstate.spec import Spec
@@ -171,10 +171,6 @@ def _roles(spec: Spec) -> list[str]:
 
 
 def _output_lists(spec: Spec) -> list[str]:
-    # Function-local while kvstate.output reaches kvstate.spec at run time (output -> request -> lifecycle -> spec;
-    # kvstate.spec imports this module): `scripts/import-cycles --with-local` lists the cycle this import would close.
-    from kvstate.output import LIST_NAMES
-
     names = [o.name for o in spec.output_lists]
     found = []
     if sorted(names) != sorted(LIST_NAMES):

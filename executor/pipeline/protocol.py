@@ -25,10 +25,10 @@ from typing import Any
 
 from executor.sampler import SamplingParams
 from kvstate.errors import KVStateError
-from kvstate.lifecycle import STATE_ATTRIBUTE, TransitionTable
+from kvstate.lifecycle import TransitionTable
 from kvstate.output import SchedulerOutput, planned_chunks
 from kvstate.pool import TieredBlockPool
-from kvstate.request import Request, new_request
+from kvstate.request import STATE_ATTRIBUTE, Request, new_request
 from kvstate.roles import PENDING_RESET
 from kvstate.spec import Spec
 

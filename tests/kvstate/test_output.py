@@ -11,7 +11,8 @@ import pytest
 
 from kvstate.config import SchedulerConfig
 from kvstate.errors import InvariantViolation
-from kvstate.output import LIST_NAMES, SchedulerOutput, UnknownRequest, check_output
+from kvstate.output import SchedulerOutput, UnknownRequest, check_output
+from kvstate.roles import LIST_NAMES
 from kvstate.scheduler import Scheduler
 from kvstate.sim import SimExecutor
 
