@@ -2,7 +2,9 @@
 
 The checkpoint directory holds a Hugging Face Llama (`config.json`, `model.safetensors`; `executor.hf`) and its
 tokenizer (`tokenizer.json`); both load from the local directory, nothing is downloaded. Arguments and files are
-checked before torch is imported; the engine side is `executor.text.generate_text`.
+checked before torch is imported; the engine side is `executor.text.generate_text`. The generated text is printed
+inert (`kvstate.terminal.inert`: a control character, such as the escape sequence of a hostile vocabulary, is
+written as a visible escape; newlines and tabs stay) unless `--raw` asks for the bytes as generated.
 """
 
 from __future__ import annotations
@@ -10,7 +12,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvstate.commands.args import UsageError, device_name, input_dir, non_negative_int, positive_int
+from kvstate.commands.args import (
+    MAX_SEED,
+    MAX_TOKENS,
+    UsageError,
+    add_device_option,
+    add_dtype_option,
+    dtype_setting,
+    input_dir,
+    non_negative_int,
+    positive_int,
+)
+from kvstate.terminal import inert
 
 REQUIRED_FILES = ("config.json", "tokenizer.json")
 
@@ -31,14 +44,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-new-tokens",
-        type=positive_int("max_new_tokens"),
+        type=positive_int("max_new_tokens", maximum=MAX_TOKENS),
         default=64,
         help="most tokens to generate (default %(default)s); generation also stops at the EOS token",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default %(default)s)")
-    p.add_argument("--seed", type=non_negative_int("seed"), default=0, help="sampling seed (default %(default)s)")
-    p.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
-    p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="(default %(default)s)")
+    p.add_argument(
+        "--seed", type=non_negative_int("seed", maximum=MAX_SEED), default=0, help="sampling seed (default %(default)s)"
+    )
+    add_device_option(p)
+    add_dtype_option(p)
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="print the generated text as it is, control characters included (default: escaped, visible)",
+    )
     p.set_defaults(run=_run)
 
 
@@ -62,7 +82,9 @@ def _run(args: argparse.Namespace) -> int:
     try:
         resolve_device(args.device)
         tokenizer = load_tokenizer(checkpoint)
-        config = EngineConfig(checkpoint=str(checkpoint), device=args.device, dtype=args.dtype, seed=args.seed)
+        config = EngineConfig(
+            checkpoint=str(checkpoint), device=args.device, dtype=dtype_setting(args.dtype), seed=args.seed
+        )
         with Engine(config) as engine:
             pieces = generate_text(
                 engine,
@@ -72,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
                 sampling=SamplingParams(temperature=args.temperature),
             )
             for piece in pieces:
-                sys.stdout.write(piece)
+                sys.stdout.write(piece if args.raw else inert(piece, keep="\n\t"))
                 sys.stdout.flush()
     except ValueError as err:  # CheckpointError, a refused request, an unusable device
         raise UsageError(str(err)) from None

@@ -13,34 +13,63 @@ import os
 import sys
 from dataclasses import replace
 
+from executor.pipeline.config import MAX_TIMEOUT_S, MIN_TIMEOUT_S
 from executor.pipeline.demo import DEMO_TIMEOUT_S
-from kvstate.commands.args import positive_multiple_of
+from kvstate.commands.args import (
+    MAX_BLOCK_SIZE,
+    MAX_BLOCKS,
+    MAX_HIDDEN_SIZE,
+    MAX_REQUESTS,
+    MAX_SEED,
+    MAX_STAGES,
+    MAX_TOKENS,
+    device_name,
+    non_negative_int,
+    positive_int,
+    positive_multiple_of,
+    seconds,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m executor.pipeline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--pp", type=int, default=2, help="stages to spawn without torchrun (default %(default)s)")
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--gpu-blocks", type=int, default=32)
-    p.add_argument("--host-blocks", type=int, default=16, help="0 = no host tier")
-    p.add_argument("--block-size", type=int, default=8)
-    p.add_argument("--chunk-size", type=int, default=64)
-    p.add_argument("--hidden-size", type=positive_multiple_of(8, "hidden_size"), default=64, help="the model's width")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    p.add_argument(
+        "--pp",
+        type=positive_int("pp", maximum=MAX_STAGES),
+        default=2,
+        help="stages to spawn without torchrun (default %(default)s)",
+    )
+    p.add_argument("--requests", type=positive_int("requests", maximum=MAX_REQUESTS), default=16)
+    p.add_argument("--gpu-blocks", type=positive_int("gpu_blocks", maximum=MAX_BLOCKS), default=32)
+    p.add_argument(
+        "--host-blocks", type=non_negative_int("host_blocks", maximum=MAX_BLOCKS), default=16, help="0 = no host tier"
+    )
+    p.add_argument("--block-size", type=positive_int("block_size", maximum=MAX_BLOCK_SIZE), default=8)
+    p.add_argument("--chunk-size", type=positive_int("chunk_size", maximum=MAX_TOKENS), default=64)
+    p.add_argument(
+        "--hidden-size",
+        type=positive_multiple_of(8, "hidden_size", maximum=MAX_HIDDEN_SIZE),
+        default=64,
+        help="the model's width",
+    )
+    p.add_argument("--seed", type=non_negative_int("seed", maximum=MAX_SEED), default=0)
+    p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or auto")
     p.add_argument("--dtype", default="float64", choices=("float64", "float32"))
     p.add_argument("--trace", default=None, help="rank 0's trace file; rank r writes <stem>.rank<r><suffix>")
     p.add_argument(
         "--fail-host-tier-on-rank",
-        type=int,
+        type=non_negative_int("rank", maximum=MAX_STAGES - 1),
         action="append",
         default=[],
         help="force this rank's host-tier allocation to fail (repeatable; tests the fallback)",
     )
     p.add_argument(
-        "--micro-batches", type=int, default=None, help="micro-batches in flight (default: one per stage; 1 = lockstep)"
+        "--micro-batches",
+        type=positive_int("micro_batches", maximum=MAX_STAGES),
+        default=None,
+        help="micro-batches in flight (default: one per stage; 1 = lockstep)",
     )
     p.add_argument(
         "--compare-lockstep",
@@ -49,9 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=seconds(MIN_TIMEOUT_S, MAX_TIMEOUT_S),
         default=DEMO_TIMEOUT_S,
-        help="bound of every wait on a peer rank, seconds (default %(default)s)",
+        help=f"bound of every wait on a peer rank, {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} s (default %(default)s)",
     )
     return p
 

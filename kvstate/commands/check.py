@@ -12,7 +12,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvstate.commands.args import input_file, output_dir, positive_float, positive_int
+from kvstate.commands.args import (
+    MAX_STATES,
+    add_mkdir_option,
+    add_spec_option,
+    input_file,
+    output_dir,
+    positive_float,
+    positive_int,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--spec", metavar="PATH", default=None, help="spec TOML file (default: packaged)")
+    add_spec_option(parser)
     parser.add_argument(
         "--bounds-file", metavar="PATH", default=None, help="bounds TOML file (default: the packaged spec/bounds.toml)"
     )
@@ -36,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-states",
         metavar="N",
-        type=positive_int(),
+        type=positive_int(maximum=MAX_STATES),
         default=None,
         help="stop each search after N states (verdict incomplete)",
     )
@@ -54,23 +62,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="where a counterexample regression test is written (default: .)",
     )
     parser.add_argument("--no-refinement", action="store_true", help="check the abstract model only")
+    add_mkdir_option(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     spec_path = input_file(args.spec, "--spec") if args.spec is not None else None
     bounds_path = input_file(args.bounds_file, "--bounds-file") if args.bounds_file is not None else None
-    counterexample_dir = output_dir(args.counterexample_dir, "--counterexample-dir")
-
-    from rich.console import Console
+    counterexample_dir = output_dir(args.counterexample_dir, "--counterexample-dir", mkdir=args.mkdir)
 
     from kvstate.checker.bounds import select_bounds
     from kvstate.checker.runner import run_check
     from kvstate.spec import load_spec
+    from kvstate.terminal import console as make_console
 
     bounds = select_bounds(args.bound, bounds_path)
     spec = load_spec(spec_path)
-    console = Console(highlight=False, soft_wrap=True)
+    console = make_console()
     code, _ = run_check(
         bounds,
         spec=spec,

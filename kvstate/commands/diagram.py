@@ -13,10 +13,11 @@ import argparse
 import difflib
 from pathlib import Path
 
-from kvstate.commands.args import input_file, output_dir, positive_float
+from kvstate.commands.args import add_mkdir_option, add_spec_option, input_file, output_dir, positive_float
 from kvstate.diagrams import DOT_MISSING, DOT_TIMEOUT_S, SVG_FILES, render_sources, render_svg
 from kvstate.errors import KVStateError
 from kvstate.spec import load_spec
+from kvstate.terminal import inert
 
 DEFAULT_OUT = Path("diagrams")
 
@@ -28,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--spec", type=Path, default=None, help="spec TOML file (default: the packaged spec)")
+    add_spec_option(parser)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (default: ./diagrams)")
     parser.add_argument(
         "--check",
@@ -50,13 +51,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="stop Graphviz `dot` after this long (default %(default)g s)",
     )
+    add_mkdir_option(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     spec_path = input_file(args.spec, "--spec") if args.spec is not None else None
     if not args.check:
-        output_dir(args.out, "--out")
+        output_dir(args.out, "--out", mkdir=args.mkdir)
     sources = render_sources(load_spec(spec_path), all_edges=args.all_edges)
     if args.check:
         return check(sources, args.out)
@@ -71,7 +73,7 @@ def write(sources: dict[str, str], out: Path, dot_timeout: float = DOT_TIMEOUT_S
     for dot_file, svg_file in SVG_FILES.items():
         svg = render_svg(sources[dot_file], timeout=dot_timeout)
         if svg is None:
-            print(f"skipped {out / svg_file}: {DOT_MISSING}")
+            print(inert(f"skipped {out / svg_file}: {DOT_MISSING}"))
         else:
             write_file(out / svg_file, svg)
 
@@ -82,7 +84,7 @@ def write_file(path: Path, content: bytes) -> None:
         path.write_bytes(content)
     except OSError as err:
         raise KVStateError(f"cannot write {path}: {err.strerror}; pass a writable directory with --out") from err
-    print(f"wrote {path}")
+    print(inert(f"wrote {path}"))
 
 
 def check(sources: dict[str, str], out: Path) -> int:
@@ -93,12 +95,14 @@ def check(sources: dict[str, str], out: Path) -> int:
         diff = diff_against(path, expected)
         if diff:
             stale += 1
-            print(f"DIFFERS: {path}")
-            print(diff, end="")
+            print(inert(f"DIFFERS: {path}"))
+            print(inert(diff, keep="\n\t"), end="")
         else:
-            print(f"ok: {path}")
+            print(inert(f"ok: {path}"))
     if stale:
-        print(f"{stale} diagram file(s) differ from the spec; run `kvstate diagram --out {out}` to regenerate them")
+        print(
+            inert(f"{stale} diagram file(s) differ from the spec; run `kvstate diagram --out {out}` to regenerate them")
+        )
     return 1 if stale else 0
 
 

@@ -12,6 +12,9 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvstate.commands.args import add_spec_option
+from kvstate.terminal import cell, console, say
+
 if TYPE_CHECKING:  # the checker and rich are imported when the command runs: `kvstate --help` stays fast
     from rich.table import Table
 
@@ -26,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("trace", metavar="TRACE", type=Path, help="trace file written by the engine (NDJSON)")
-    parser.add_argument("--spec", metavar="PATH", type=Path, default=None, help="spec TOML file (default: packaged)")
+    add_spec_option(parser)
     parser.add_argument(
         "--require-done",
         action=argparse.BooleanOptionalAction,
@@ -37,45 +40,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.markup import escape
-
     from kvstate.checker.trace import FORMAT, TraceError, validate_trace
     from kvstate.spec import load_spec
 
     spec = load_spec(args.spec)
     report = validate_trace(args.trace, spec, require_done=args.require_done)
-    console = Console(highlight=False, soft_wrap=True)
+    out = console()
     if report.divergence is not None:
         unusable = report.divergence.rule == FORMAT
-        console.print(
-            "[bold red]UNUSABLE[/] (not a trace in the format of spec/TRACE.md)"
-            if unusable
-            else "[bold red]INVALID[/]",
-            escape(report.source),
+        verdict = "UNUSABLE" if unusable else "INVALID"
+        say(
+            out,
+            (verdict, "bold red"),
+            " (not a trace in the format of spec/TRACE.md) " if unusable else " ",
+            report.source,
         )
-        console.print(report.divergence.describe(), markup=False)
+        for line in report.divergence.describe().splitlines():
+            say(out, line)
         return 2 if unusable else 1
     if report.lines == 0:
         raise TraceError(
             "the trace is empty, so nothing was validated; pass a trace written by a run that had at least one request",
             path=report.source,
         )
-    console.print(summary(report))
+    say(out, ("VALID", "bold green"), f" {report.source}: {report.lines} lines, {report.requests} requests")
+    out.print(summary(report))
     return 0
 
 
 def summary(report: TraceReport) -> Table:
-    """A short table: lines, requests and transitions per event of a valid trace."""
+    """A short table: the transitions per event of a valid trace."""
     from rich.table import Table
 
-    table = Table(
-        title=f"VALID {report.source}: {report.lines} lines, {report.requests} requests",
-        title_justify="left",
-        show_edge=False,
-    )
+    table = Table(show_edge=False)
     table.add_column("event")
     table.add_column("transitions", justify="right")
     for event, count in report.transitions.items():
-        table.add_row(event, str(count))
+        table.add_row(cell(event), str(count))
     return table
