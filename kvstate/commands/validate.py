@@ -3,7 +3,8 @@
 Exit codes: 0 the trace is valid; 1 it diverges from the spec (the first divergent line is printed: line number,
 request, expected vs observed state, the rule and its invariant id); 2 the input is unusable: the trace cannot be
 read, is empty, or a line is not a trace line (malformed JSON, a missing or mistyped field, a line or file over the
-reader's limits: rule `format`, printed as UNUSABLE with its line), or the spec cannot be read.
+reader's limits: rule `format`, printed as UNUSABLE with its line), or the spec cannot be read. A last line cut
+mid-write (no newline, not a whole line) is reported as torn, and the lines before it are validated as a trace.
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     report = validate_trace(args.trace, spec, require_done=args.require_done)
     out = console()
+    if report.torn_line is not None:
+        say(
+            out,
+            ("note", "yellow"),
+            f": line {report.torn_line}, the last, is torn (the file ends mid-line: its writer stopped mid-write, "
+            f"on a full disk say); the {report.lines} lines before it were validated",
+        )
     if report.divergence is not None:
         unusable = report.divergence.rule == FORMAT
         verdict = "UNUSABLE" if unusable else "INVALID"
@@ -59,8 +67,10 @@ def run(args: argparse.Namespace) -> int:
             say(out, line)
         return 2 if unusable else 1
     if report.lines == 0:
+        what = "holds only a torn line" if report.torn_line is not None else "is empty"
         raise TraceError(
-            "the trace is empty, so nothing was validated; pass a trace written by a run that had at least one request",
+            f"the trace {what}, so nothing was validated; pass a trace written by a run that had at least one "
+            "request",
             path=report.source,
         )
     say(out, ("VALID", "bold green"), f" {report.source}: {report.lines} lines, {report.requests} requests")
