@@ -67,13 +67,13 @@ from executor.kv_cache import Fence, HostTierAllocationError, MigrationFailed, P
 from executor.model import DECODE_KV_BUDGET_BYTES, BatchPlanner, LlamaModel, ModelConfig
 from executor.sampler import GREEDY, SamplingParams, sample_batch
 from executor.trace import TraceWriter
-from kvstate.trace import request_id_problem
 from kvstate.config import ConfigError, RequestRejected, SchedulerConfig, normalize_stop_token_ids
 from kvstate.errors import KVStateError, PoolError
 from kvstate.output import SchedulerOutput, planned_chunks
 from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan, ceil_div
 from kvstate.scheduler import Scheduler, Step, UnknownRequestId
 from kvstate.stats import IterationStats
+from kvstate.trace import request_id_problem
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -29,9 +29,10 @@ which a test checks against the packaged spec):
 A report is a frozen value: `TraceReport.ok` is True when no rule was broken; otherwise `divergence` names the
 first broken rule with its line number. A trace file whose last line is cut short (no newline, and not a whole
 line: its writer stopped mid-write, on a full disk say) is validated up to the line before, and `torn_line` names
-the cut one; a cut line before the last one is a ``format`` divergence like any other. A ``format`` divergence means the input is not a usable trace (the CLI
-exits 2 for it, as for a file it cannot open, which raises `TraceError`); every other rule means a well-formed
-trace departs from the spec (exit 1). An empty trace is vacuously valid here (`lines == 0`); the CLI refuses it.
+the cut one; a cut line before the last one is a ``format`` divergence like any other. A ``format`` divergence
+means the input is not a usable trace (the CLI exits 2 for it, as for a file it cannot open, which raises
+`TraceError`); every other rule means a well-formed trace departs from the spec (exit 1). An empty trace is
+vacuously valid here (`lines == 0`); the CLI refuses it.
 """
 
 from __future__ import annotations

@@ -69,8 +69,7 @@ def run(args: argparse.Namespace) -> int:
     if report.lines == 0:
         what = "holds only a torn line" if report.torn_line is not None else "is empty"
         raise TraceError(
-            f"the trace {what}, so nothing was validated; pass a trace written by a run that had at least one "
-            "request",
+            f"the trace {what}, so nothing was validated; pass a trace written by a run that had at least one request",
             path=report.source,
         )
     say(out, ("VALID", "bold green"), f" {report.source}: {report.lines} lines, {report.requests} requests")
