@@ -5,6 +5,10 @@ Exit codes:
   1  violated: a counterexample was found (printed, and written as a pytest regression test)
   2  unusable input: a bad option, an unreadable or invalid spec or bounds file, an unknown bound
   3  incomplete: a search was cut short by --max-states or --time-limit (never reported as 'holds')
+
+Both limits have defaults, so a bounds file far larger than the packaged one (whose largest search has about 26,000
+states) ends as 'incomplete' instead of filling the memory or running for days: 1,000,000 states per search and
+3,600 s per bound. Pass larger values to search further.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from kvstate.commands.args import (
     positive_float,
     positive_int,
 )
+
+DEFAULT_MAX_STATES = 1_000_000  # states of one search: what bounds its memory
+DEFAULT_TIME_LIMIT_S = 3600.0  # seconds per bound
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -45,15 +52,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-states",
         metavar="N",
         type=positive_int(maximum=MAX_STATES),
-        default=None,
-        help="stop each search after N states (verdict incomplete)",
+        default=DEFAULT_MAX_STATES,
+        help="stop each search after N states (verdict incomplete; default %(default)s, which bounds its memory)",
     )
     parser.add_argument(
         "--time-limit",
         metavar="S",
         type=positive_float,
-        default=None,
-        help="stop each bound's search after S seconds (verdict incomplete)",
+        default=DEFAULT_TIME_LIMIT_S,
+        help="stop each bound's search after S seconds (verdict incomplete; default %(default)g)",
     )
     parser.add_argument(
         "--counterexample-dir",
