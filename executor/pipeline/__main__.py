@@ -29,6 +29,7 @@ from kvstate.commands.args import (
     positive_multiple_of,
     seconds,
 )
+from kvstate.terminal import inert
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -95,7 +96,7 @@ def _print(summary) -> None:
     if summary.comparison is not None:
         print(f"throughput: {summary.comparison}")
     for path, lines in summary.traces:
-        print(f"trace: {path} ({lines} transitions)")
+        print(inert(f"trace: {path} ({lines} transitions)"))
     verdict = "PASS" if not summary.differ else f"FAIL ({len(summary.differ)} differ: {list(summary.differ)[:10]})"
     print(f"OUTPUT EQUIVALENCE: {verdict}; leaked blocks: {summary.leaked_blocks}")
 
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             compare_lockstep=args.compare_lockstep,
         )
     except (RankLost, RankFailed) as err:
-        print(f"python -m executor.pipeline: error: {err}", file=sys.stderr)
+        print(inert(f"python -m executor.pipeline: error: {err}"), file=sys.stderr)
         return 2
     _print(summary)
     return summary.exit_code
