@@ -24,34 +24,18 @@ from pathlib import Path
 
 from executor.commands.inject import check_fault_plan
 from executor.commands.outputs import add_output_options, check_outputs, prepare_outputs
+from executor.commands.workload import WORKLOAD_COUNTS, WORKLOAD_DEFAULTS, option_key
 from kvstate.commands.args import (
-    MAX_BLOCK_SIZE,
-    MAX_BLOCKS,
-    MAX_HIDDEN_SIZE,
-    MAX_REQUESTS,
-    MAX_SEED,
     MAX_STAGES,
-    MAX_TOKENS,
-    BoundedInt,
     UsageError,
     add_device_option,
     add_dtype_option,
     add_lifecycle_option,
-    non_negative_int,
     positive_int,
-    positive_multiple_of,
 )
 from kvstate.terminal import cell, console, say
 
-DEFAULTS = {
-    "requests": 48,
-    "gpu_blocks": 32,
-    "host_blocks": 16,
-    "block_size": 8,
-    "chunk_size": 64,
-    "hidden_size": 64,
-    "seed": 0,
-}
+DEFAULTS = WORKLOAD_DEFAULTS
 # `--pp N`: a workload with many requests at once, still under memory pressure, on a wider model. Pipeline stages
 # overlap only when a micro-batch carries work: with the single-process workload about three requests fit in the
 # GPU tier, so each micro-batch would hold one or two. And pipeline parallelism is for models whose stages compute
@@ -73,21 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Exit status 1 if any output differs or a block leaked, 2 on a usage error."
         ),
     )
-    options = [
-        ("--requests", BoundedInt(1, MAX_REQUESTS, "positive", "--requests"), "number of requests"),
-        ("--gpu-blocks", positive_int("gpu_blocks", maximum=MAX_BLOCKS), "GPU tier blocks"),
-        ("--host-blocks", non_negative_int("host_blocks", maximum=MAX_BLOCKS), "host tier blocks, 0 = no host tier"),
-        ("--block-size", positive_int("block_size", maximum=MAX_BLOCK_SIZE), "tokens per block"),
-        ("--chunk-size", positive_int("chunk_size", maximum=MAX_TOKENS), "prefill chunk size in tokens"),
-        (
-            "--hidden-size",
-            positive_multiple_of(8, "hidden_size", maximum=MAX_HIDDEN_SIZE),
-            "the model's width (seeded weights)",
-        ),
-        ("--seed", non_negative_int("seed", maximum=MAX_SEED), "workload, weights and sampling seed"),
-    ]
-    for flag, kind, text in options:
-        key = flag[2:].replace("-", "_")
+    for flag, kind, text in WORKLOAD_COUNTS:
+        key = option_key(flag)
         if key in PP_DEFAULTS:  # filled by `check_args`, which knows whether --pp was given
             p.add_argument(
                 flag, type=kind, default=None, help=f"{text} (default {DEFAULTS[key]}; with --pp {PP_DEFAULTS[key]})"

@@ -13,23 +13,13 @@ import os
 import sys
 from dataclasses import replace
 
+from executor.commands.workload import WORKLOAD_COUNTS, WORKLOAD_DEFAULTS, option_key
 from executor.pipeline.config import MAX_TIMEOUT_S, MIN_TIMEOUT_S
 from executor.pipeline.demo import DEMO_TIMEOUT_S
-from kvstate.commands.args import (
-    MAX_BLOCK_SIZE,
-    MAX_BLOCKS,
-    MAX_HIDDEN_SIZE,
-    MAX_REQUESTS,
-    MAX_SEED,
-    MAX_STAGES,
-    MAX_TOKENS,
-    device_name,
-    non_negative_int,
-    positive_int,
-    positive_multiple_of,
-    seconds,
-)
+from kvstate.commands.args import MAX_STAGES, device_name, non_negative_int, positive_int, seconds
 from kvstate.terminal import inert
+
+DEFAULTS = {**WORKLOAD_DEFAULTS, "requests": 16}  # the demo's workload, with fewer requests
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,20 +32,8 @@ def _parser() -> argparse.ArgumentParser:
         default=2,
         help="stages to spawn without torchrun (default %(default)s)",
     )
-    p.add_argument("--requests", type=positive_int("requests", maximum=MAX_REQUESTS), default=16)
-    p.add_argument("--gpu-blocks", type=positive_int("gpu_blocks", maximum=MAX_BLOCKS), default=32)
-    p.add_argument(
-        "--host-blocks", type=non_negative_int("host_blocks", maximum=MAX_BLOCKS), default=16, help="0 = no host tier"
-    )
-    p.add_argument("--block-size", type=positive_int("block_size", maximum=MAX_BLOCK_SIZE), default=8)
-    p.add_argument("--chunk-size", type=positive_int("chunk_size", maximum=MAX_TOKENS), default=64)
-    p.add_argument(
-        "--hidden-size",
-        type=positive_multiple_of(8, "hidden_size", maximum=MAX_HIDDEN_SIZE),
-        default=64,
-        help="the model's width",
-    )
-    p.add_argument("--seed", type=non_negative_int("seed", maximum=MAX_SEED), default=0)
+    for flag, kind, text in WORKLOAD_COUNTS:
+        p.add_argument(flag, type=kind, default=DEFAULTS[option_key(flag)], help=f"{text} (default %(default)s)")
     p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or auto")
     p.add_argument("--dtype", default="float64", choices=("float64", "float32"))
     p.add_argument("--trace", default=None, help="rank 0's trace file; rank r writes <stem>.rank<r><suffix>")

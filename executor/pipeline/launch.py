@@ -176,13 +176,19 @@ def _spawned(rank: int, world_size: int, config: PipelineConfig, requests: tuple
         dist.destroy_process_group()
 
 
-def _stopped(pid: int) -> bool:
-    """The process is stopped by a signal (state T in /proc; False where /proc cannot be read)."""
+def process_state(pid: int) -> str | None:
+    """The state letter /proc gives process `pid` (R running, S sleeping, T stopped, Z zombie, ...); None where
+    /proc cannot be read (no such process, or no /proc)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    return stat[stat.rindex(")") + 2 :].startswith("T")
+        return None
+    return stat[stat.rindex(")") + 2]
+
+
+def _stopped(pid: int) -> bool:
+    """The process is stopped by a signal (state T in /proc; False where /proc cannot be read)."""
+    return process_state(pid) == "T"
 
 
 @contextmanager

@@ -23,7 +23,7 @@ from executor.pipeline import PipelineConfig, RankFailed, RankLost, run_pipeline
 from executor.pipeline import __main__ as pipeline_main
 from executor.pipeline.config import PipelineConfigError
 from executor.pipeline.demo import DEMO_TIMEOUT_S, run_pp_demo
-from executor.pipeline.launch import LOOPBACK, loopback_store
+from executor.pipeline.launch import LOOPBACK, loopback_store, process_state
 
 from .conftest import pressured, workload
 
@@ -178,12 +178,4 @@ def test_sigterm_to_the_launcher_stops_the_ranks_and_removes_its_temporary_direc
     launcher.send_signal(signal.SIGTERM)
     assert launcher.wait(60) == 128 + signal.SIGTERM
     assert not list(temp.glob("kvstate-pp-*"))
-    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists() and not _zombie(pid)], "a rank outlived it"
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat[stat.rindex(")") + 2 :].startswith("Z")
+    assert [process_state(pid) for pid in ranks if process_state(pid) not in (None, "Z")] == [], "a rank outlived it"
