@@ -34,7 +34,7 @@ DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 DTYPES = ("auto", "float64", "float32", "bfloat16", "float16")
 
 # Upper bounds of the counts the commands take (each is named in the error that refuses a larger one).
-MAX_REQUESTS = 100_000  # a demo or soak of this many requests runs for hours on two cores
+MAX_REQUESTS = 100_000  # far past what a demo or a soak is for (their defaults: 48 and 2,000)
 MAX_BLOCKS = 1 << 20  # blocks per tier
 MAX_BLOCK_SIZE = 1 << 12  # tokens per block
 MAX_TOKENS = 1 << 16  # tokens in a chunk, a prompt or a request's budget

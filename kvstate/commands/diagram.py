@@ -13,7 +13,7 @@ import argparse
 import difflib
 from pathlib import Path
 
-from kvstate.commands.args import add_mkdir_option, add_spec_option, input_file, output_dir, positive_float
+from kvstate.commands.args import add_mkdir_option, add_spec_option, input_file, output_dir, seconds
 from kvstate.diagrams import DOT_MISSING, DOT_TIMEOUT_S, SVG_FILES, render_sources, render_svg
 from kvstate.errors import KVStateError
 from kvstate.spec import load_spec
@@ -46,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--dot-timeout",
-        type=positive_float,
+        type=seconds(0.01, 86_400),  # finite: a timer of 1e300 s overflows
         default=DOT_TIMEOUT_S,
         metavar="SECONDS",
         help="stop Graphviz `dot` after this long (default %(default)g s)",

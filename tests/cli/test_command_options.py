@@ -49,6 +49,13 @@ def test_a_count_past_its_bound_is_refused_by_the_parser_naming_the_bound(capsys
     assert err.strip().splitlines()[-1].startswith(f"kvstate {command}: error: argument {flag}")
 
 
+def test_a_duration_too_large_for_a_timer_is_refused(capsys):
+    assert main(["diagram", "--dot-timeout", "1e300"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "kvstate diagram: error: argument --dot-timeout: must be between 0.01 and 86400 seconds, got '1e300'"
+    )
+
+
 def test_a_count_with_thousands_of_digits_is_echoed_short(capsys):
     assert main(["demo", "--requests", "9" * 5000]) == 2
     err = capsys.readouterr().err
