@@ -13,8 +13,9 @@ which a test checks against the packaged spec):
   declares no such self-loop);
 * ``from``: a request's first line starts from the spec's initial state, every later line from the state the
   validator holds for it (its previous `to`); a request in a terminal state takes no further line, except one that
-  starts from the initial state again: its id was reused after `take_finished` (spec/TRACE.md), and from that line
-  on it is a new request;
+  starts from the initial state again and holds as a new request's first line: its id was reused after
+  `take_finished` (spec/TRACE.md), and from that line on it is a new request (a line from the initial state that
+  breaks a rule as a first line is reported as a ``from`` divergence: a line the ended request took);
 * ``residency`` (RES-STATE): a request holds no block outside the tier its `to` state's residency names;
 * ``no-host-no-suspend`` (NO-HOST-NO-SUSPEND): with `host_capacity == 0`, no request is in a host-residency state;
 * ``conservation`` (CONS-HOST / CONS-GPU), over all requests, from the trace alone: a request's host blocks change
@@ -262,22 +263,38 @@ class _Validator:
     def check_line(self, number: int, raw: str | bytes) -> None:
         """Check one line against every rule (module docstring, in order), then take its transition."""
         line = parse_line(raw, number, path=None if self.source == "<lines>" else self.source, limits=self.limits)
-        self._restart_reused(line)
+        rid = line["request_id"]
+        ended = self.state.get(rid)
+        if ended not in self.terminal or line["from"] != self.spec.initial:
+            self._check_and_take(number, line)
+            return
+        # a line from the initial state for a request that ended: the first line of a new request reusing its id
+        # (after `take_finished`), when the line holds as one; a line that does not is one the request took after
+        # its end (``from``)
+        ended_at, generated = self.last_line.pop(rid), self.generated.pop(rid)
+        del self.state[rid]
+        try:
+            self._check_and_take(number, line)
+        except _Stop as stop:
+            self.state[rid], self.last_line[rid], self.generated[rid] = ended, ended_at, generated
+            broken = stop.divergence
+            raise self.fail(
+                number,
+                FROM,
+                f"request {shown(rid)} already reached the terminal state {ended!r} at line {ended_at}; read as the "
+                f"first line of a new request reusing its id it breaks rule {broken.rule}: {broken.message}",
+                line=line,
+                expected=ended,
+            ) from None
+        self.reused += 1
+
+    def _check_and_take(self, number: int, line: dict) -> None:
         self._check_order(number, line)
         transition = self._check_edge(number, line)
         host_held = self._check_residency(number, line)
         totals = self._check_conservation(number, line)
         self._check_output(number, line, transition)
         self._take(number, line, host_held, totals)
-
-    def _restart_reused(self, line: dict) -> None:
-        """A line from the initial state for a request that ended: its id was reused (after `take_finished`), so
-        the validator forgets the request that ended and reads the line as a new request's first."""
-        rid = line["request_id"]
-        if self.state.get(rid) in self.terminal and line["from"] == self.spec.initial:
-            for book in (self.state, self.last_line, self.generated):
-                del book[rid]
-            self.reused += 1
 
     def _check_order(self, number: int, line: dict) -> None:
         """``iteration`` and ``capacity``."""
