@@ -31,6 +31,7 @@ from kvstate.commands.args import (
     add_device_option,
     add_dtype_option,
     add_lifecycle_option,
+    dtype_setting,
     positive_int,
 )
 from kvstate.terminal import cell, console, say
@@ -125,8 +126,6 @@ def check_args(args: argparse.Namespace) -> None:
     for key, value in PP_DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, value if args.pp > 1 else DEFAULTS[key])
-    if args.requests <= 0:
-        raise UsageError(f"--requests must be positive, got {args.requests}")  # the wording of `kvstate soak`
     if args.pp > 1 and args.inject:
         raise UsageError(
             f"--inject is not supported with --pp {args.pp}: faults are injected by the "
@@ -155,7 +154,6 @@ def _run(args: argparse.Namespace) -> int:
 
     from executor import resolve_device
     from executor.engine import resolve_dtype
-    from kvstate.commands.args import dtype_setting
 
     try:
         device = resolve_device(args.device)
