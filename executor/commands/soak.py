@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from executor.commands.inject import check_fault_plan
 from executor.commands.outputs import add_output_options, check_outputs, prepare_outputs
+from executor.commands.workload import option_key
 from kvstate.commands.args import (
     MAX_BLOCK_SIZE,
     MAX_BLOCKS,
@@ -328,8 +329,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ("--cancel-rate", float, "share of requests cancelled at a random time after arrival"),
     ]
     for flag, kind, text in options:
-        key = flag[2:].replace("-", "_")
-        p.add_argument(flag, type=kind, default=getattr(defaults, key), help=f"{text} (default %(default)s)")
+        p.add_argument(
+            flag, type=kind, default=getattr(defaults, option_key(flag)), help=f"{text} (default %(default)s)"
+        )
     p.add_argument(
         "--inject",
         action="append",
