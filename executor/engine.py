@@ -39,7 +39,10 @@ Invariants kept:
 * no block of a migration's source is reused before that migration's fence has completed;
 * between two calls nothing is in flight: every fence has completed and `scheduler.pool.in_flight` is empty,
   also after a failed step and after `close()` (so the device cache may then be freed);
-* every lifecycle transition is written to the trace (when `trace_path` is set) as it happens;
+* every lifecycle transition is written to the trace (when `trace_path` is set) as it happens; an interruption
+  (KeyboardInterrupt) inside the trace write marks the engine broken (the trace then misses lines) before it
+  propagates, so a trace is either complete or its engine says it is not;
+* a request id its trace could not carry (`kvstate.trace.request_id_problem`) is refused at submission;
 * a refused call (bad request, unknown id, closed engine, re-entrant or concurrent misuse) raises a `ValueError`
   subclass and changes nothing;
 * memory is bounded by the active requests plus the finished ones not yet handed over with `take_finished()`.
@@ -70,6 +73,7 @@ from kvstate.output import SchedulerOutput, planned_chunks
 from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan, ceil_div
 from kvstate.scheduler import Scheduler, Step, UnknownRequestId
 from kvstate.stats import IterationStats
+from kvstate.trace import request_id_problem
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -435,6 +439,8 @@ class Engine:
                 f"prompt ({len(prompt_token_ids)}) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"model's max_position_embeddings={limit}; shorten the request"
             )
+        if type(request_id) in (int, str) and (problem := request_id_problem(request_id)) is not None:
+            raise RequestRejected(f"{problem}; the trace format (spec/TRACE.md) could not carry it")
         request = self.scheduler.submit(prompt_token_ids, max_new_tokens, stop_token_ids=stop, request_id=request_id)
         self._submissions[request.request_id] = _Submission(request.prompt, max_new_tokens, stop, sampling)
         return request.request_id
@@ -626,12 +632,16 @@ class Engine:
 
     def _break(self, message: str, cause: BaseException) -> None:
         """Mark the engine broken (every later driving call raises this error) and raise it."""
+        raise EngineBroken(self._mark_broken(message, cause).args[0]) from cause
+
+    def _mark_broken(self, message: str, cause: BaseException) -> EngineBroken:
+        """Mark the engine broken: every later driving call raises the error returned."""
         self._broken = EngineBroken(
             f"the engine is broken: {message}. Finished outputs can still be read "
             "(outputs(), take_finished()); create a new Engine to continue"
         )
         self._broken.__cause__ = cause
-        raise EngineBroken(self._broken.args[0]) from cause
+        return self._broken
 
     def _break_on_trace_failure(self, where: str) -> None:
         """Take the transitions of `where` (`_take_transitions`); if a trace write failed (the state is consistent,
@@ -896,18 +906,31 @@ class Engine:
         """Take the transitions the scheduler recorded since the last call (after every call that may fire one):
         count each event, forget a dropped host copy's checksums, write the trace lines. A failed trace write is
         kept, not raised, so that a failing step is still settled; `_break_on_trace_failure` then breaks the
-        engine once its state is consistent."""
+        engine once its state is consistent. An interruption (KeyboardInterrupt, or any other BaseException)
+        anywhere in here, the trace write included, leaves lines unwritten: the engine is marked broken at once
+        (naming it) and the interruption goes on, so the trace is never silently short."""
         events, host_states = self.totals.events, self._host_states
-        for fired in self.scheduler.take_fired():
-            transition = fired.transition
-            events[transition.event] += 1
-            if transition.source in host_states and transition.event != "resume":
-                self._checksums.pop(fired.request.request_id, None)  # the host copy is gone (lost, promoted, ...)
-            if self.trace is not None and self._trace_failure is None:
-                try:
-                    self.trace.write(fired)
-                except Exception as err:
-                    self._trace_failure = err
+        try:
+            for fired in self.scheduler.take_fired():
+                transition = fired.transition
+                events[transition.event] += 1
+                if transition.source in host_states and transition.event != "resume":
+                    self._checksums.pop(fired.request.request_id, None)  # the host copy is gone (lost, ...)
+                if self.trace is not None and self._trace_failure is None:
+                    try:
+                        self.trace.write(fired)
+                    except Exception as err:
+                        self._trace_failure = err
+        except BaseException as interrupt:
+            self._trace_failure = self._trace_failure or interrupt
+            path = None if self.trace is None else self.trace.path
+            broken = self._mark_broken(
+                f"{type(interrupt).__name__} interrupted taking the lifecycle transitions, so they were not all "
+                f"recorded (the trace {path} misses lines)",
+                interrupt,
+            )
+            interrupt.add_note(f"kvstate: {broken}")
+            raise
 
     def close(self) -> None:
         """Drain the copy stream (every fence completes, so the device cache may then be freed), close the trace

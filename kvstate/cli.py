@@ -4,17 +4,23 @@
 A bad command line never prints a traceback: argparse refuses malformed options with the subcommand's own usage,
 each command checks its values and paths before it starts work (and before torch is imported), and an expected
 error (`KVStateError`, an `OSError` on a path the user named) is one line on stderr. All of these exit with 2.
+A warning raised while a command runs (the engine's `HostTierFallbackWarning`, say) is one line of its own on
+stderr, ``kvstate COMMAND: warning: ...``, never Python's default display with a source line. Everything printed
+here is inert text (`kvstate.terminal.inert`): a message cannot carry terminal control sequences.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
+from importlib import metadata
 
 from executor.commands import demo, generate, soak
 from kvstate.commands import bench, check, diagram, export, report, spec_summary, validate
 from kvstate.errors import KVStateError
+from kvstate.terminal import inert
 
 COMMANDS = (bench, check, demo, diagram, export, generate, report, soak, spec_summary, validate)  # in `--help` order
 
@@ -27,12 +33,22 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvstate",
         description="A formally specified request lifecycle for paged KV caches with a GPU tier and a host tier.",
     )
+    parser.add_argument("--version", action="version", version=f"kvstate {version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMANDS:
         module.register(subparsers)
     for subparser in subparsers.choices.values():
         subparser.set_defaults(subparser=subparser)  # unknown options are then reported with its usage
     return parser
+
+
+def version() -> str:
+    """The installed distribution's version ("unknown" when kvstate runs from a source tree it was not installed
+    from)."""
+    try:
+        return metadata.version("kvstate")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -51,20 +67,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # --help (0) or a usage error (2), already printed by argparse
         return exit_.code if isinstance(exit_.code, int) else USAGE_ERROR
     try:
-        return int(args.run(args) or 0)
+        with warnings.catch_warnings():
+            warnings.showwarning = _warning_printer(args.command)
+            return int(args.run(args) or 0)
     except KVStateError as err:
         return _error(args.command, str(err))
     except OSError as err:  # a path named on the command line failed while the command was using it
         where = f"{err.filename}: " if err.filename else ""
         return _error(args.command, f"{where}{err.strerror or err}")
-    except KeyboardInterrupt:
-        print(f"kvstate {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as err:
+        notes = "".join(f"; {note}" for note in getattr(err, "__notes__", ()))  # e.g. what it left broken
+        print(inert(f"kvstate {args.command}: interrupted{notes}"), file=sys.stderr)
         return INTERRUPTED
 
 
 def _error(command: str, message: str) -> int:
-    print(f"kvstate {command}: error: {message}", file=sys.stderr)
+    print(inert(f"kvstate {command}: error: {message}", keep="\n"), file=sys.stderr)
     return USAGE_ERROR
+
+
+def _warning_printer(command: str):
+    """A `warnings.showwarning` that prints a warning as one line of its own on stderr."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(inert(f"kvstate {command}: warning: {message}"), file=sys.stderr)
+
+    return show
 
 
 if __name__ == "__main__":

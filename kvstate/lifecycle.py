@@ -2,8 +2,8 @@
 what runs by default) and a table compiled from the same spec (`TransitionTable`, the opt-in fast path and the
 model checker's engine). `make_lifecycle(kind)` picks one by name (`LIFECYCLES`).
 
-Both drive request objects that keep their state in the attribute `STATE_ATTRIBUTE` (requests expose it
-read-only as `state`). Neither registers requests with the machine (`add_model` is quadratic): events are
+Both drive request objects that keep their state in the attribute `kvstate.request.STATE_ATTRIBUTE` (requests
+expose it read-only as `state`). Neither registers requests with the machine (`add_model` is quadratic): events are
 triggered on a request passed in, and requests compare by identity. They share the spec, the error wording and
 `fire`: `Lifecycle` lets `transitions` find the edge (its conditions are the guards, its callbacks record the edge
 taken, and an event with no edge from the state is its `MachineError`), `TransitionTable` looks the edge up itself. A
@@ -28,12 +28,11 @@ from transitions import Machine, MachineError
 
 from kvstate.config import LIFECYCLES
 from kvstate.errors import GuardRejected, IllegalTransition
+from kvstate.request import STATE_ATTRIBUTE
 from kvstate.semantics import GUARDS, EffectHooks, Guard, PoolView, RequestView
 from kvstate.spec import Spec, Transition, load_spec
 
 R = TypeVar("R", bound=RequestView)  # the request a transition fires on, and so the one its effect hooks take
-
-STATE_ATTRIBUTE = "_lifecycle_state"
 
 
 class _SpecRules(ABC):

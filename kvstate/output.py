@@ -14,11 +14,10 @@ from typing import NamedTuple, cast, overload
 from kvstate.errors import InvariantViolation, KVStateError
 from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan, TieredBlockPool
 from kvstate.request import Request
+from kvstate.roles import LIST_NAMES
 from kvstate.spec import Spec, default_spec
+from kvstate.untrusted import shown
 
-# The request lists of an output, in serialization order. The spec's [[output_lists]] declare the same names and
-# the states a request in each may be in once the pass is over (OUT-STATE, `Spec.list_states`).
-LIST_NAMES: tuple[str, ...] = ("context", "generation", "replay", "resumed", "suspended", "recompute_paused", "aborted")
 # The lists whose requests compute in the forward pass, in batch order (`SchedulerOutput.scheduled`).
 SCHEDULED_LISTS: tuple[str, ...] = ("context", "replay", "generation")
 
@@ -176,14 +175,19 @@ class SchedulerOutput:  # noqa: PLW1641
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping, requests_by_id: Mapping[Hashable, Request]) -> SchedulerOutput:
+    def from_dict(
+        cls, d: Mapping, requests_by_id: Mapping[Hashable, Request], *, capacities: Mapping[str, int] | None = None
+    ) -> SchedulerOutput:
         """Rebuild an output from `to_dict()`; every id must be in `requests_by_id` (the active requests).
 
         The dict comes from another rank, so it is checked as untrusted data before anything is built: an unknown
         request id raises `UnknownRequest`; any other departure from the shape `to_dict()` writes (a non-mapping,
-        a string or number where a list belongs, an id in two lists (OUT-DISJOINT), a chunk count below 1 or for a
-        request not scheduled, a migration without `pairs`, in an unknown direction, with a negative block id or a
-        repeated plan id) raises `MalformedOutput` naming the key.
+        a string or number where a list belongs, an id in two lists (OUT-DISJOINT), a chunk count below 1, for a
+        request not scheduled or longer than the request can ever be (prompt + max_new_tokens), a
+        `num_fitting_requests` above the requests scheduled, a migration without `pairs`, in an unknown direction,
+        with a negative block id, a block id outside its tier's capacity (`capacities`: blocks per tier, "gpu"
+        and "host", when given), a destination block written twice or a repeated plan id) raises
+        `MalformedOutput` naming the key; values are echoed short.
         """
         if not isinstance(d, Mapping):
             raise MalformedOutput(
@@ -197,7 +201,7 @@ class SchedulerOutput:  # noqa: PLW1641
                 request = _lookup(requests_by_id, rid, name)
                 if rid in listed:
                     raise MalformedOutput(
-                        f"request {_shown(rid)} is in lists {listed[rid]!r} and {name!r}; the lists "
+                        f"request {shown(rid)} is in lists {listed[rid]!r} and {name!r}; the lists "
                         "of an output are disjoint (OUT-DISJOINT)"
                     )
                 listed[rid] = name
@@ -206,7 +210,7 @@ class SchedulerOutput:  # noqa: PLW1641
         chunk_tokens: dict[Hashable, int] = {}
         for entry in _sequence(d, "chunk_tokens"):
             if not isinstance(entry, (list, tuple)) or len(entry) != 2:
-                raise MalformedOutput(f"'chunk_tokens' entries are [request id, tokens] pairs, got {_shown(entry)}")
+                raise MalformedOutput(f"'chunk_tokens' entries are [request id, tokens] pairs, got {shown(entry)}")
             rid, n = entry
             if not isinstance(rid, (int, str)) or rid not in scheduled or rid in chunk_tokens:
                 why = (
@@ -215,24 +219,34 @@ class SchedulerOutput:  # noqa: PLW1641
                     else "for a request not in context, replay or generation"
                 )
                 raise MalformedOutput(
-                    f"'chunk_tokens' gives request {_shown(rid)} a chunk {why}; each scheduled request has exactly one"
+                    f"'chunk_tokens' gives request {shown(rid)} a chunk {why}; each scheduled request has exactly one"
                 )
-            chunk_tokens[rid] = _count(n, f"'chunk_tokens' of request {_shown(rid)}", minimum=1)
+            request = requests_by_id[rid]
+            chunk_tokens[rid] = _count(
+                n,
+                f"'chunk_tokens' of request {shown(rid)}",
+                minimum=1,
+                maximum=len(request.prompt) + request.max_new_tokens,
+                why="the tokens the request can ever hold (prompt + max_new_tokens)",
+            )
         if scheduled - set(chunk_tokens):
             rid = next(iter(scheduled - set(chunk_tokens)))
             raise MalformedOutput(
-                f"scheduled request {_shown(rid)} has no 'chunk_tokens' entry; each scheduled request has exactly one"
+                f"scheduled request {shown(rid)} has no 'chunk_tokens' entry; each scheduled request has exactly one"
             )
-        migrations = [_migration(p, requests_by_id) for p in _sequence(d, "migrations")]
+        migrations = [_migration(p, requests_by_id, capacities) for p in _sequence(d, "migrations")]
         plan_ids = [p.plan_id for p in migrations]
         if len(set(plan_ids)) != len(plan_ids):
-            raise MalformedOutput(f"'migrations' repeats a plan id ({sorted(plan_ids)}); each plan id is unique")
-        return cls(
-            **lists,
-            migrations=migrations,
-            chunk_tokens=chunk_tokens,
-            num_fitting_requests=_count(d.get("num_fitting_requests", 0), "'num_fitting_requests'", minimum=0),
+            raise MalformedOutput(f"'migrations' repeats a plan id ({shown(sorted(plan_ids))}); each plan id is unique")
+        _check_destinations(migrations)
+        fitting = _count(
+            d.get("num_fitting_requests", 0),
+            "'num_fitting_requests'",
+            minimum=0,
+            maximum=len(chunk_tokens),
+            why="the requests the output schedules",
         )
+        return cls(**lists, migrations=migrations, chunk_tokens=chunk_tokens, num_fitting_requests=fitting)
 
     def __eq__(self, other: object) -> bool:
         """Equal when they name the same requests, chunks and migrations (requests compare by id here)."""
@@ -245,21 +259,16 @@ class MalformedOutput(KVStateError, ValueError):
     """A serialized scheduler output (`SchedulerOutput.from_dict`) is not in the shape `to_dict()` writes."""
 
 
-def _shown(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:60] + "..."
-
-
 def _lookup(requests_by_id: Mapping[Hashable, Request], rid: object, where: str) -> Request:
     if not isinstance(rid, (int, str)) or isinstance(rid, bool):
         raise MalformedOutput(
-            f"scheduler output list {where!r} holds {_shown(rid)}; request ids are integers or strings"
+            f"scheduler output list {where!r} holds {shown(rid)}; request ids are integers or strings"
         )
     try:
         return requests_by_id[rid]
     except KeyError:
         raise UnknownRequest(
-            f"scheduler output list {where!r} names request {rid!r}, which is not active here; "
+            f"scheduler output list {where!r} names request {shown(rid)}, which is not active here; "
             "send outputs only to ranks that know the same requests"
         ) from None
 
@@ -267,19 +276,24 @@ def _lookup(requests_by_id: Mapping[Hashable, Request], rid: object, where: str)
 def _sequence(d: Mapping, key: str) -> list | tuple:
     value = d.get(key, [])
     if not isinstance(value, (list, tuple)):
-        raise MalformedOutput(f"{key!r} must be a list, got {type(value).__name__} {_shown(value)}")
+        raise MalformedOutput(f"{key!r} must be a list, got {type(value).__name__} {shown(value)}")
     return value
 
 
-def _count(value: object, what: str, *, minimum: int) -> int:
+def _count(value: object, what: str, *, minimum: int, maximum: int | None = None, why: str = "") -> int:
+    """`value`, an integer from `minimum` to `maximum` (`why` says what the maximum is)."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise MalformedOutput(f"{what} must be an integer >= {minimum}, got {_shown(value)}")
+        raise MalformedOutput(f"{what} must be an integer >= {minimum}, got {shown(value)}")
+    if maximum is not None and value > maximum:
+        raise MalformedOutput(f"{what} is {shown(value)}, more than {maximum}, {why}")
     return value
 
 
-def _migration(p: object, requests_by_id: Mapping[Hashable, Request]) -> MigrationPlan:
+def _migration(
+    p: object, requests_by_id: Mapping[Hashable, Request], capacities: Mapping[str, int] | None
+) -> MigrationPlan:
     if not isinstance(p, Mapping):
-        raise MalformedOutput(f"'migrations' entries are mappings (MigrationPlan.to_dict()), got {_shown(p)}")
+        raise MalformedOutput(f"'migrations' entries are mappings (MigrationPlan.to_dict()), got {shown(p)}")
     missing = [k for k in ("plan_id", "request_id", "direction", "pairs") if k not in p]
     if missing:
         raise MalformedOutput(f"a migration lacks {', '.join(map(repr, missing))}; got keys {sorted(map(str, p))}")
@@ -287,18 +301,45 @@ def _migration(p: object, requests_by_id: Mapping[Hashable, Request]) -> Migrati
     _lookup(requests_by_id, p["request_id"], f"migrations (plan {plan_id})")
     if p["direction"] not in (TO_HOST, TO_GPU):
         raise MalformedOutput(
-            f"migration plan {plan_id} has direction {_shown(p['direction'])}; it is {TO_HOST!r} or {TO_GPU!r}"
+            f"migration plan {plan_id} has direction {shown(p['direction'])}; it is {TO_HOST!r} or {TO_GPU!r}"
         )
+    tiers = _TIERS[p["direction"]]  # (source tier, destination tier)
+    sizes = [None if capacities is None else capacities[tier] for tier in tiers]
     pairs: list[tuple[int, int]] = []
     for pair in _sequence(p, "pairs"):
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise MalformedOutput(
-                f"migration plan {plan_id}: 'pairs' holds {_shown(pair)}; each pair is "
-                "[source block, destination block]"
+                f"migration plan {plan_id}: 'pairs' holds {shown(pair)}; each pair is [source block, destination block]"
             )
-        source, dest = (_count(b, f"migration plan {plan_id}: a block id", minimum=0) for b in pair)
+        source, dest = (
+            _count(
+                b,
+                f"migration plan {plan_id}: a block id",
+                minimum=0,
+                maximum=None if size is None else size - 1,
+                why=f"the last block of the {tier} tier of {size} blocks",
+            )
+            for b, size, tier in zip(pair, sizes, tiers, strict=True)
+        )
         pairs.append((source, dest))
     return MigrationPlan(plan_id, p["request_id"], p["direction"], tuple(pairs))
+
+
+_TIERS = {TO_HOST: ("gpu", "host"), TO_GPU: ("host", "gpu")}  # direction -> (source tier, destination tier)
+
+
+def _check_destinations(migrations: list[MigrationPlan]) -> None:
+    """No block of a tier is the destination of two copies of one output."""
+    written: set[tuple[str, int]] = set()
+    for plan in migrations:
+        tier = _TIERS[plan.direction][1]
+        for _, dest in plan.pairs:
+            if (tier, dest) in written:
+                raise MalformedOutput(
+                    f"migration plan {plan.plan_id} copies into {tier} block {dest}, which another copy of the "
+                    "output writes too; each destination block is written once"
+                )
+            written.add((tier, dest))
 
 
 def check_output(output: SchedulerOutput, spec: Spec | None = None) -> None:

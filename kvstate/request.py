@@ -21,7 +21,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from kvstate.lifecycle import STATE_ATTRIBUTE
+# The attribute in which every request object the lifecycle drives keeps its state (the `transitions` machine's
+# `model_attribute`; `kvstate.lifecycle` writes it, and the model checker's and the executor's requests carry it too).
+STATE_ATTRIBUTE = "_lifecycle_state"
 
 
 @dataclass(eq=False, slots=True)

@@ -64,6 +64,7 @@ from kvstate.semantics import PassView, first_chunk_blocks, first_chunk_tokens, 
 from kvstate.spec import Spec, Transition
 from kvstate.stats import IterationStats
 from kvstate.trace import FiredTransition
+from kvstate.untrusted import shown
 
 
 class SchedulerStalled(KVStateError, RuntimeError):
@@ -221,7 +222,7 @@ class Scheduler:
         elif not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
             raise RequestRejected(f"request_id must be a str or an int, got {type(request_id).__name__}")
         if request_id in self.requests or request_id in self.finished:
-            raise RequestRejected(f"request id {request_id!r} is already in use; pick a fresh id or pass None")
+            raise RequestRejected(f"request id {shown(request_id)} is already in use; pick a fresh id or pass None")
         request = new_request(
             request_id,
             prompt,
@@ -245,7 +246,7 @@ class Scheduler:
         """The active or finished request with this id."""
         found = self.requests.get(request_id) or self.finished.get(request_id)
         if found is None:
-            raise UnknownRequestId(f"no request with id {request_id!r}; submit it first")
+            raise UnknownRequestId(f"no request with id {shown(request_id)}; submit it first")
         return found
 
     @property
@@ -266,7 +267,7 @@ class Scheduler:
         if request is None:
             where = "has already finished" if request_id in self.finished else "is unknown"
             raise UnknownRequestId(
-                f"cannot {event} request {request_id!r}: it {where}; only active requests can be ended"
+                f"cannot {event} request {shown(request_id)}: it {where}; only active requests can be ended"
             )
         self._fire(request, event, self._idle)
         return request
@@ -932,7 +933,7 @@ class Scheduler:
         missing = [rid for rid in ids if rid not in self.finished]
         if missing:
             raise UnknownRequestId(
-                f"cannot forget requests {missing[:5]!r}: they are not finished (active, unknown "
+                f"cannot forget requests {shown(missing[:5])}: they are not finished (active, unknown "
                 "or already forgotten); forget only ids from `finished`"
             )
         return [self.finished.pop(rid) for rid in ids]

@@ -11,7 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 from kvstate.errors import SpecError
-from kvstate.untrusted import Limits, UntrustedFileError, read_toml
+from kvstate.untrusted import Limits, UntrustedFileError, bare, read_toml, shown
 from kvstate.validate import validate_spec
 
 RESIDENCIES = ("gpu", "host", "none")
@@ -304,7 +304,7 @@ class _Reader:
     def string(self, entry: dict, key: str, where: str) -> str:
         value = entry.get(key)
         if not isinstance(value, str) or not value:
-            raise self.fail(where, f"'{key}' must be a non-empty string, got {value!r}")
+            raise self.fail(where, f"'{key}' must be a non-empty string, got {shown(value)}")
         return value
 
     def optional_string(self, entry: dict, key: str, where: str) -> str | None:
@@ -316,35 +316,37 @@ class _Reader:
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
-            raise self.fail(where, f"'{key}' must be a non-empty list of names, got {value!r}")
+            raise self.fail(where, f"'{key}' must be a non-empty list of names, got {shown(value)}")
         return value
 
     def choice(self, entry: dict, key: str, where: str, allowed: tuple[str, ...]) -> str:
         value = self.string(entry, key, where)
         if value not in allowed:
-            raise self.fail(where, f"{key} {value!r} is not one of {', '.join(allowed)}")
+            raise self.fail(where, f"{key} {shown(value)} is not one of {', '.join(allowed)}")
         return value
 
     def integer(self, entry: dict, key: str, where: str) -> int:
         value = entry.get(key)
         if not isinstance(value, int) or isinstance(value, bool):
-            raise self.fail(where, f"'{key}' must be an integer, got {value!r}")
+            raise self.fail(where, f"'{key}' must be an integer, got {shown(value)}")
         return value
 
     def boolean(self, entry: dict, key: str, where: str, default: bool) -> bool:
         value = entry.get(key, default)
         if not isinstance(value, bool):
-            raise self.fail(where, f"'{key}' must be true or false, got {value!r}")
+            raise self.fail(where, f"'{key}' must be true or false, got {shown(value)}")
         return value
 
     def state(self, entry: dict, index: int) -> State:
-        where = f"states[{index}] ({entry.get('name', '?')})"
+        where = f"states[{index}] ({bare(entry.get('name', '?'))})"
         residency = self.string(entry, "residency", where)
         if residency not in RESIDENCIES:
-            raise self.fail(where, f"residency {residency!r} is not one of {', '.join(RESIDENCIES)}")
+            raise self.fail(where, f"residency {shown(residency)} is not one of {', '.join(RESIDENCIES)}")
         lists = entry.get("chunk_lists", {})
         if not isinstance(lists, dict) or not all(isinstance(v, str) and v for v in lists.values()):
-            raise self.fail(where, f"'chunk_lists' must be a table {{ prefill = LIST, decode = LIST }}, got {lists!r}")
+            raise self.fail(
+                where, f"'chunk_lists' must be a table {{ prefill = LIST, decode = LIST }}, got {shown(lists)}"
+            )
         return State(
             name=self.string(entry, "name", where),
             residency=residency,
@@ -365,7 +367,7 @@ class _Reader:
 
     def event(self, entry: dict, index: int) -> Event:
         name = self.string(entry, "name", f"events[{index}]")
-        where = f"event {name!r}"
+        where = f"event {shown(name)}"
         destructive = self.boolean(entry, "destructive", where, False)
         done_reason = self.optional_string(entry, "done_reason", where)
         edges = entry.get("transitions")
@@ -396,7 +398,7 @@ class _Reader:
         )
 
     def output_list(self, entry: dict, index: int) -> OutputList:
-        where = f"output_lists[{index}] ({entry.get('name', '?')})"
+        where = f"output_lists[{index}] ({bare(entry.get('name', '?'))})"
         return OutputList(
             name=self.string(entry, "name", where),
             states=tuple(self.strings(entry, "states", where)),
@@ -425,10 +427,10 @@ class _Reader:
         )
 
     def invariant(self, entry: dict, index: int) -> Invariant:
-        where = f"invariants[{index}] ({entry.get('id', '?')})"
+        where = f"invariants[{index}] ({bare(entry.get('id', '?'))})"
         scope = self.string(entry, "scope", where)
         if scope not in INVARIANT_SCOPES:
-            raise self.fail(where, f"scope {scope!r} is not one of {', '.join(INVARIANT_SCOPES)}")
+            raise self.fail(where, f"scope {shown(scope)} is not one of {', '.join(INVARIANT_SCOPES)}")
         return Invariant(
             id=self.string(entry, "id", where), scope=scope, statement=self.string(entry, "statement", where)
         )

@@ -9,7 +9,9 @@ Invariants kept:
 * one line per transition, its figures read when the scheduler took it (after the transition's effect ran), in
   the order the transitions happened; each line's (event, from, to) is an edge of spec/lifecycle.toml;
 * block counts are read from the pool at that moment, so for every line
-  ``gpu_free + gpu_fenced + (blocks held by all requests) == gpu_capacity`` (and likewise for the host tier).
+  ``gpu_free + gpu_fenced + (blocks held by all requests) == gpu_capacity`` (and likewise for the host tier);
+* every line is within `TRACE_LIMITS`: a request id the format cannot carry (`request_id_problem`: an integer of
+  more than 19 digits, a string longer than `MAX_ID_BYTES` as JSON) is refused when the request is submitted.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Hashable, Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, NamedTuple
 
+from kvstate.errors import KVStateError
 from kvstate.untrusted import Limits, UntrustedFileError, iter_lines, open_binary, parse_json, shown
 
 if TYPE_CHECKING:  # annotations only: the trace format stays importable without the scheduler
@@ -47,6 +50,28 @@ TRACE_FIELDS = (
 
 # a trace line is about 300 bytes; request ids are the only free-form text
 TRACE_LIMITS = Limits(max_bytes=1 << 30, max_line_bytes=1 << 16, max_depth=2, max_int_digits=19)
+MAX_ID_BYTES = 1 << 12  # a request id as JSON (quotes and escapes included): far within a line's 64 KiB
+
+
+def request_id_problem(request_id: object) -> str | None:
+    """Why a trace line cannot carry `request_id` (None when it can): ids are integers of at most
+    ``TRACE_LIMITS.max_int_digits`` digits and strings of at most `MAX_ID_BYTES` bytes as JSON."""
+    if isinstance(request_id, bool) or not isinstance(request_id, (int, str)):
+        return f"request ids are integers or strings, got {type(request_id).__name__}"
+    if isinstance(request_id, int):
+        if not -(10**TRACE_LIMITS.max_int_digits) < request_id < 10**TRACE_LIMITS.max_int_digits:
+            return (
+                f"request id {shown(request_id)} has more than {TRACE_LIMITS.max_int_digits} digits, more than a "
+                "trace line carries; use a smaller integer or a string"
+            )
+        return None
+    size = len(json.dumps(request_id))
+    if size > MAX_ID_BYTES:
+        return (
+            f"request id {shown(request_id)} takes {size} bytes in a trace line (JSON), more than the "
+            f"{MAX_ID_BYTES} an id may; use a shorter id"
+        )
+    return None
 
 
 class FiredTransition(NamedTuple):
@@ -99,12 +124,25 @@ def trace_record(scheduler: Scheduler, request: Request, transition: Transition)
     return trace_line(scheduler.snapshot(request, transition))
 
 
+class TraceWriteError(KVStateError, OSError):
+    """The trace file cannot be opened for writing; the message names it and says what to do."""
+
+
 class TraceWriter:
     """Writes trace lines to a file (line-buffered, so a crashed run still leaves every line before it)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._file: IO[str] | None = self.path.open("w", encoding="utf-8", buffering=1)
+        try:
+            self._file: IO[str] | None = self.path.open("w", encoding="utf-8", buffering=1)
+        except OSError as err:
+            parent = self.path.absolute().parent
+            advice = (
+                f"the directory {parent} does not exist: create it first"
+                if not parent.is_dir()
+                else "pass a writable file path"
+            )
+            raise TraceWriteError(f"cannot write the trace {self.path}: {err.strerror or err}; {advice}") from None
         self.lines = 0
 
     def write(self, fired: FiredTransition) -> None:

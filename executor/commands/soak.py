@@ -11,7 +11,8 @@ What a soak checks (the run fails, exit status 1, on any breach):
 * `Scheduler.check_invariants(output)` holds around every iteration (the engine's `check_invariants`).
 
 `run_soak(SoakSettings(...))` is the library entry (tests call it); torch and the engine are imported inside it,
-so building the command line imports no torch. Every random choice derives from `SoakSettings.seed`.
+so building the command line imports no torch. Every random choice derives from `SoakSettings.seed`. As with
+`kvstate demo`, nothing is written unless asked (`--trace PATH`, `--report DIR`: `executor.commands.outputs`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,27 @@ import random
 import sys
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from executor.commands.inject import check_fault_plan
-from kvstate.commands.args import add_lifecycle_option, device_name
+from executor.commands.outputs import add_output_options, check_outputs, prepare_outputs
+from executor.commands.workload import option_key
+from kvstate.commands.args import (
+    MAX_BLOCK_SIZE,
+    MAX_BLOCKS,
+    MAX_REQUESTS,
+    MAX_SEED,
+    MAX_TOKENS,
+    BoundedInt,
+    add_device_option,
+    add_dtype_option,
+    add_lifecycle_option,
+    dtype_setting,
+    non_negative_int,
+    positive_int,
+)
 from kvstate.config import SchedulerConfig
 from kvstate.errors import KVStateError
 from kvstate.stats import IterationStats
@@ -61,6 +78,7 @@ class SoakSettings:
     dtype: str = "float64"
     reference_batch: int = 256
     lifecycle: str = "machine"
+    trace: str | None = None  # the lifecycle trace file (spec/TRACE.md), None: no trace
 
     def __post_init__(self) -> None:
         for name in ("requests", "gpu_blocks", "block_size", "chunk_size", "max_num_tokens", "reference_batch"):
@@ -107,6 +125,7 @@ class SoakReport:
     run_seconds: float = 0.0
     reference_seconds: float = 0.0
     events: dict[str, int] = field(default_factory=dict)
+    trace_lines: int = 0  # lines written to `settings.trace`
 
     @property
     def ok(self) -> bool:
@@ -168,6 +187,7 @@ def _engine_config(settings: SoakSettings) -> EngineConfig:
         dtype=settings.dtype,
         seed=settings.seed,
         weights_seed=settings.seed,
+        trace_path=settings.trace,
         check_invariants=True,
         faults=FaultPlan.parse(settings.faults, seed=settings.seed),
         verify_host_checksums=settings.checksums,
@@ -277,6 +297,7 @@ def run_soak(
         run_seconds=run_seconds,
         reference_seconds=reference_seconds,
         events=dict(totals.events),
+        trace_lines=engine.trace.lines if engine.trace is not None else 0,
     )
 
 
@@ -294,19 +315,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     options = [
-        ("--requests", int, "number of requests"),
-        ("--seed", int, "seed of the workload, arrivals, cancellations, faults, weights and sampling"),
-        ("--gpu-blocks", int, "GPU tier blocks"),
-        ("--host-blocks", int, "host tier blocks, 0 = no host tier"),
-        ("--block-size", int, "tokens per block"),
-        ("--chunk-size", int, "prefill chunk size in tokens"),
+        ("--requests", BoundedInt(1, MAX_REQUESTS, "positive", "--requests"), "number of requests"),
+        (
+            "--seed",
+            non_negative_int("--seed", maximum=MAX_SEED),
+            "seed of the workload, arrivals, cancellations, faults, weights and sampling",
+        ),
+        ("--gpu-blocks", positive_int("--gpu-blocks", maximum=MAX_BLOCKS), "GPU tier blocks"),
+        ("--host-blocks", non_negative_int("--host-blocks", maximum=MAX_BLOCKS), "host tier blocks, 0 = no host tier"),
+        ("--block-size", positive_int("--block-size", maximum=MAX_BLOCK_SIZE), "tokens per block"),
+        ("--chunk-size", positive_int("--chunk-size", maximum=MAX_TOKENS), "prefill chunk size in tokens"),
         ("--arrival-rate", float, "mean request arrivals per iteration"),
         ("--cancel-rate", float, "share of requests cancelled at a random time after arrival"),
-        ("--device", device_name, "cpu, cuda, cuda:N or auto"),
     ]
     for flag, kind, text in options:
-        key = flag[2:].replace("-", "_")
-        p.add_argument(flag, type=kind, default=getattr(defaults, key), help=f"{text} (default %(default)s)")
+        p.add_argument(
+            flag, type=kind, default=getattr(defaults, option_key(flag)), help=f"{text} (default %(default)s)"
+        )
     p.add_argument(
         "--inject",
         action="append",
@@ -322,56 +347,61 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="do not checksum suspended blocks (corrupt_host faults then garble outputs)",
     )
-    p.add_argument(
-        "--dtype",
-        default=defaults.dtype,
-        choices=("float64", "float32", "bfloat16", "float16"),
-        help=(
-            "model and cache dtype; outputs are compared exactly in float64 and float32, and in lower "
-            "precision up to near-ties of the reference (executor.checks.GAP_TOLERANCE)"
-        ),
+    add_device_option(p)
+    add_dtype_option(
+        p,
+        "; outputs are compared exactly in float64 and float32, and in lower precision up to near-ties of the "
+        "reference (executor.checks.GAP_TOLERANCE)",
     )
     add_lifecycle_option(p, "the engine")
+    add_output_options(p)
     p.set_defaults(run=_run)
 
 
 def settings_from_args(args: argparse.Namespace) -> SoakSettings:
     injected = DEFAULT_FAULTS if args.inject is None else tuple(i for i in args.inject if i != "none")
     names = {f.name for f in fields(SoakSettings)}
-    values = {k: v for k, v in vars(args).items() if k in names and k != "faults"}
+    values = {k: v for k, v in vars(args).items() if k in names and k not in ("faults", "dtype")}
     return SoakSettings(**values, faults=injected, checksums=not args.no_checksums)
 
 
 def _run(args: argparse.Namespace) -> int:
+    check_outputs(args)
     settings = settings_from_args(args)  # every setting and --inject checked before torch is imported
     check_fault_plan(settings.faults, settings.seed)
     import torch
 
     from executor import resolve_device
+    from executor.engine import resolve_dtype
 
     try:
-        resolve_device(settings.device)
+        device = resolve_device(settings.device)
     except ValueError as err:
         raise SoakError(f"--device {settings.device}: {err}") from None
+    settings = replace(settings, dtype=str(resolve_dtype(dtype_setting(args.dtype), device)).removeprefix("torch."))
+    prepare_outputs(args)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model's ops are microseconds long: intra-op threads only add barriers
     try:
-        return _soak(settings)
+        return _soak(settings, args.report)
     finally:
         torch.set_num_threads(threads)
 
 
-def _soak(settings: SoakSettings) -> int:
-    from rich.console import Console
+def _soak(settings: SoakSettings, report_dir: str | None = None) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    console = Console(file=sys.stdout)
+    from kvstate.terminal import cell, console, inert, say
+
+    out = console()
     host = f"{settings.host_blocks} blocks" if settings.host_blocks else "none"
-    console.print(
-        f"[bold]kvstate soak[/bold]: {settings.requests} requests, seed {settings.seed}, GPU tier "
-        f"{settings.gpu_blocks} blocks x {settings.block_size} tokens, host tier {host}, faults: "
-        f"{' '.join(settings.faults) or 'none'}, checksums {'on' if settings.checksums else 'off'}"
+    say(
+        out,
+        ("kvstate soak", "bold"),
+        f": {settings.requests} requests, seed {settings.seed}, GPU tier {settings.gpu_blocks} blocks x "
+        f"{settings.block_size} tokens, host tier {host}, faults: {' '.join(settings.faults) or 'none'}, checksums "
+        f"{'on' if settings.checksums else 'off'}",
     )
     columns = (
         TextColumn("requests done"),
@@ -380,7 +410,7 @@ def _soak(settings: SoakSettings) -> int:
         TimeElapsedColumn(),
         TextColumn("{task.fields[status]}"),
     )
-    with Progress(*columns, console=console) as progress:
+    with Progress(*columns, console=out) as progress:
         task = progress.add_task("soak", total=settings.requests, status="")
 
         def update(done: int, total: int, stats: IterationStats | None) -> None:
@@ -396,28 +426,36 @@ def _soak(settings: SoakSettings) -> int:
         try:
             report = run_soak(settings, update)
         except ValueError as err:
-            print(f"kvstate soak: error: {err}", file=sys.stderr)
+            print(inert(f"kvstate soak: error: {err}"), file=sys.stderr)
             return 2
     table = Table(title="Soak summary")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for name, value in report.rows():
-        table.add_row(name, value)
-    console.print(table)
+        table.add_row(cell(name), cell(value))
+    out.print(table)
+    if settings.trace is not None:
+        say(out, f"trace: {Path(settings.trace).resolve()} ({report.trace_lines} transitions)")
+        if report_dir is not None:
+            from kvstate.report import write_report
+
+            say(out, f"report: {write_report(settings.trace, report_dir).html.resolve()}")
     if report.ok:
         near = (
             f" ({len(report.accepted)} diverge at a near-tie of the reference: accepted in {settings.dtype})"
             if report.accepted
             else ""
         )
-        console.print(
-            f"[bold green]SOAK: PASS[/bold green] - {report.compared} outputs equal their references{near}, "
-            "no block leaked"
+        say(
+            out,
+            ("SOAK: PASS", "bold green"),
+            f" - {report.compared} outputs equal their references{near}, no block leaked",
         )
         return 0
-    console.print(
-        f"[bold red]SOAK: FAIL[/bold red] - {len(report.mismatches)} mismatches "
-        f"{list(report.mismatches[:10])}, {report.leaked_blocks} leaked blocks, "
-        f"{report.unfinished} unfinished, {report.aborted} aborted"
+    say(
+        out,
+        ("SOAK: FAIL", "bold red"),
+        f" - {len(report.mismatches)} mismatches {list(report.mismatches[:10])}, {report.leaked_blocks} leaked "
+        f"blocks, {report.unfinished} unfinished, {report.aborted} aborted",
     )
     return 1

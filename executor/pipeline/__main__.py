@@ -13,34 +13,42 @@ import os
 import sys
 from dataclasses import replace
 
+from executor.commands.workload import WORKLOAD_COUNTS, WORKLOAD_DEFAULTS, option_key
+from executor.pipeline.config import MAX_TIMEOUT_S, MIN_TIMEOUT_S
 from executor.pipeline.demo import DEMO_TIMEOUT_S
-from kvstate.commands.args import positive_multiple_of
+from kvstate.commands.args import MAX_STAGES, device_name, non_negative_int, positive_int, seconds
+from kvstate.terminal import inert
+
+DEFAULTS = {**WORKLOAD_DEFAULTS, "requests": 16}  # the demo's workload, with fewer requests
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m executor.pipeline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--pp", type=int, default=2, help="stages to spawn without torchrun (default %(default)s)")
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--gpu-blocks", type=int, default=32)
-    p.add_argument("--host-blocks", type=int, default=16, help="0 = no host tier")
-    p.add_argument("--block-size", type=int, default=8)
-    p.add_argument("--chunk-size", type=int, default=64)
-    p.add_argument("--hidden-size", type=positive_multiple_of(8, "hidden_size"), default=64, help="the model's width")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    p.add_argument(
+        "--pp",
+        type=positive_int("pp", maximum=MAX_STAGES),
+        default=2,
+        help="stages to spawn without torchrun (default %(default)s)",
+    )
+    for flag, kind, text in WORKLOAD_COUNTS:
+        p.add_argument(flag, type=kind, default=DEFAULTS[option_key(flag)], help=f"{text} (default %(default)s)")
+    p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or auto")
     p.add_argument("--dtype", default="float64", choices=("float64", "float32"))
     p.add_argument("--trace", default=None, help="rank 0's trace file; rank r writes <stem>.rank<r><suffix>")
     p.add_argument(
         "--fail-host-tier-on-rank",
-        type=int,
+        type=non_negative_int("rank", maximum=MAX_STAGES - 1),
         action="append",
         default=[],
         help="force this rank's host-tier allocation to fail (repeatable; tests the fallback)",
     )
     p.add_argument(
-        "--micro-batches", type=int, default=None, help="micro-batches in flight (default: one per stage; 1 = lockstep)"
+        "--micro-batches",
+        type=positive_int("micro_batches", maximum=MAX_STAGES),
+        default=None,
+        help="micro-batches in flight (default: one per stage; 1 = lockstep)",
     )
     p.add_argument(
         "--compare-lockstep",
@@ -49,9 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=seconds(MIN_TIMEOUT_S, MAX_TIMEOUT_S),
         default=DEMO_TIMEOUT_S,
-        help="bound of every wait on a peer rank, seconds (default %(default)s)",
+        help=f"bound of every wait on a peer rank, {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} s (default %(default)s)",
     )
     return p
 
@@ -66,7 +74,7 @@ def _print(summary) -> None:
     if summary.comparison is not None:
         print(f"throughput: {summary.comparison}")
     for path, lines in summary.traces:
-        print(f"trace: {path} ({lines} transitions)")
+        print(inert(f"trace: {path} ({lines} transitions)"))
     verdict = "PASS" if not summary.differ else f"FAIL ({len(summary.differ)} differ: {list(summary.differ)[:10]})"
     print(f"OUTPUT EQUIVALENCE: {verdict}; leaked blocks: {summary.leaked_blocks}")
 
@@ -92,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             compare_lockstep=args.compare_lockstep,
         )
     except (RankLost, RankFailed) as err:
-        print(f"python -m executor.pipeline: error: {err}", file=sys.stderr)
+        print(inert(f"python -m executor.pipeline: error: {err}"), file=sys.stderr)
         return 2
     _print(summary)
     return summary.exit_code

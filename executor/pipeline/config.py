@@ -16,6 +16,9 @@ from pathlib import Path
 from executor.engine import EngineConfig
 from executor.sampler import GREEDY, SamplingParams
 
+MIN_TIMEOUT_S = 1.0  # the least `PipelineConfig.timeout_s`: the ranks and their store need this long to meet
+MAX_TIMEOUT_S = 86_400.0  # the most: one day
+
 
 class PipelineConfigError(ValueError):
     """A pipeline setting is out of range; the message names it and what to change."""
@@ -63,7 +66,9 @@ class PipelineConfig:
       next while later stages compute earlier ones); None = one per stage, as pipeline engines run; 1 = lockstep
       (every stage waits for the last before the next pass).
     * `timeout_s`: bound of every wait on a peer (each collective, joining the group; `run_pipeline` also
-      fails a rank stopped that long), so a dead or stopped rank fails the run instead of hanging it.
+      fails a rank stopped that long), so a dead or stopped rank fails the run instead of hanging it; from
+      `MIN_TIMEOUT_S` (below it, the ranks cannot even meet) to `MAX_TIMEOUT_S` (a day: torch's timers overflow
+      far above it, and a run should never wait that long on a peer).
     * `fail_host_tier_on_ranks`: ranks whose host-tier allocation is forced to fail (tests; PP-FALLBACK).
     * `ack_delay`: ((rank, iterations), ...): that rank acknowledges a pause this many iterations late (a slow
       stage; tests that nothing resets before every stage acknowledged).
@@ -86,8 +91,10 @@ class PipelineConfig:
         object.__setattr__(self, "ack_delay", tuple((int(r), int(d)) for r, d in self.ack_delay))
         if self.backend not in ("auto", "gloo", "nccl"):
             raise PipelineConfigError(f"backend must be 'auto', 'gloo' or 'nccl', got {self.backend!r}")
-        if not self.timeout_s > 0:
-            raise PipelineConfigError(f"timeout_s must be positive seconds, got {self.timeout_s!r}")
+        if not MIN_TIMEOUT_S <= self.timeout_s <= MAX_TIMEOUT_S:
+            raise PipelineConfigError(
+                f"timeout_s must be between {MIN_TIMEOUT_S:g} and {MAX_TIMEOUT_S:g} seconds, got {self.timeout_s!r}"
+            )
         if any(d < 0 for _, d in self.ack_delay):
             raise PipelineConfigError(f"ack_delay iterations must be >= 0, got {self.ack_delay}")
         if self.micro_batches is not None and (not isinstance(self.micro_batches, int) or self.micro_batches < 1):

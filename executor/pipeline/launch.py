@@ -20,7 +20,10 @@ Invariants kept:
   `max_iterations`; so a run never hangs;
 * a rank that dies (exits or is killed) or stops ends the run with `RankLost` (a `ConnectionError`), a rank's
   exception with `RankFailed` (a `ProcessRaisedException`); both carry a one-line message naming the rank, and
-  every other rank is killed before they are raised.
+  every other rank is killed before they are raised;
+* the launcher's temporary directory (``kvstate-pp-*``, where the ranks leave their results) is removed however
+  the run ends, also when the launcher is sent SIGTERM (`run_pipeline` turns it into `SystemExit` while the ranks
+  run, so that they are killed and the directory removed on the way out). A SIGKILL leaves it behind.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ import gc
 import logging
 import os
 import pickle
+import signal
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
@@ -116,16 +121,18 @@ def loopback_store(world_size: int, timeout_s: float) -> Iterator[int]:
         listener.bind((LOOPBACK, 0))
         listener.listen(max(world_size, 1) * 4)
         port = listener.getsockname()[1]
-        store = dist.TCPStore(
-            LOOPBACK,
-            port,
-            world_size,
-            is_master=True,
-            master_listen_fd=listener.fileno(),
-            wait_for_workers=False,
-            timeout=timedelta(seconds=timeout_s),
-        )
-        listener.detach()  # the store owns the descriptor now and closes it
+        try:
+            store = dist.TCPStore(
+                LOOPBACK,
+                port,
+                world_size,
+                is_master=True,
+                master_listen_fd=listener.fileno(),
+                wait_for_workers=False,
+                timeout=timedelta(seconds=timeout_s),
+            )
+        finally:
+            listener.detach()  # the store owns the descriptor and closes it, also when it fails to start
     try:
         yield port
     finally:
@@ -169,13 +176,19 @@ def _spawned(rank: int, world_size: int, config: PipelineConfig, requests: tuple
         dist.destroy_process_group()
 
 
-def _stopped(pid: int) -> bool:
-    """The process is stopped by a signal (state T in /proc; False where /proc cannot be read)."""
+def process_state(pid: int) -> str | None:
+    """The state letter /proc gives process `pid` (R running, S sleeping, T stopped, Z zombie, ...); None where
+    /proc cannot be read (no such process, or no /proc)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    return stat[stat.rindex(")") + 2 :].startswith("T")
+        return None
+    return stat[stat.rindex(")") + 2]
+
+
+def _stopped(pid: int) -> bool:
+    """The process is stopped by a signal (state T in /proc; False where /proc cannot be read)."""
+    return process_state(pid) == "T"
 
 
 @contextmanager
@@ -237,6 +250,24 @@ def _wait(context, world_size: int, timeout_s: float) -> None:
         ) from None
 
 
+@contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """While in the block, SIGTERM raises `SystemExit(143)` in this process (main thread only: elsewhere signals
+    cannot be handled), so `finally` blocks run: the ranks are killed and the temporary directory removed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
 def run_pipeline(
     config: PipelineConfig, requests: Sequence[PipelineRequest | tuple], world_size: int
 ) -> PipelineResult:
@@ -253,6 +284,7 @@ def run_pipeline(
     validate_requests(config, normalised)
     local_devices(config, world_size)  # refuses, before any rank starts, ranks that cannot share the devices
     with (
+        _sigterm_exits(),
         tempfile.TemporaryDirectory(prefix="kvstate-pp-") as out_dir,
         loopback_store(world_size, config.timeout_s) as port,
     ):

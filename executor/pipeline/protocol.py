@@ -25,10 +25,10 @@ from typing import Any
 
 from executor.sampler import SamplingParams
 from kvstate.errors import KVStateError
-from kvstate.lifecycle import STATE_ATTRIBUTE, TransitionTable
+from kvstate.lifecycle import TransitionTable
 from kvstate.output import SchedulerOutput, planned_chunks
 from kvstate.pool import TieredBlockPool
-from kvstate.request import Request, new_request
+from kvstate.request import STATE_ATTRIBUTE, Request, new_request
 from kvstate.roles import PENDING_RESET
 from kvstate.spec import Spec
 
@@ -70,7 +70,9 @@ def held_blocks(out: SchedulerOutput, pool: TieredBlockPool, spec: Spec) -> list
 class MirrorBook:
     """Mirror request records on a rank other than 0: enough for `SchedulerOutput.from_dict` and sampling."""
 
-    def __init__(self, spec: Spec) -> None:
+    def __init__(self, spec: Spec, capacities: Mapping[str, int] | None = None) -> None:
+        """`capacities`: this rank's blocks per tier ("gpu", "host"), which bound the block ids of an output."""
+        self.capacities = capacities
         self.lifecycle = TransitionTable(spec)
         self.spec = self.lifecycle.spec
         self.edges = {(t.event, t.source, t.dest) for t in self.spec.transitions}
@@ -106,7 +108,7 @@ class MirrorBook:
 
     def output(self, d: Mapping) -> SchedulerOutput:
         """`SchedulerOutput.from_dict` against the mirrors; checks the listed states (OUT-STATE) on this rank."""
-        out = SchedulerOutput.from_dict(d, self.requests)
+        out = SchedulerOutput.from_dict(d, self.requests, capacities=self.capacities)
         for name, requests in out.lists():
             for request in requests:
                 if request.state not in self.spec.terminal_states and request.state not in self.spec.list_states[name]:

@@ -162,7 +162,8 @@ class PipelineRank:
             BatchPlanner(e.scheduler.block_size, self.device, decode_kv_budget=e.decode_kv_bytes)
             for _ in range(self.micro_batches)
         ]
-        self.mirrors = MirrorBook(self.spec) if rank else None
+        capacities = {"gpu": e.scheduler.gpu_blocks, "host": self.host.host_blocks}
+        self.mirrors = MirrorBook(self.spec, capacities) if rank else None
         self.scheduler: Scheduler | None = None
         if rank == 0:
             self._init_driver(dtype)

@@ -20,9 +20,9 @@ from kvstate.bench.results import Row, Section
 from kvstate.bench.stepping import BLOCK_SIZE, REGIMES, Figures, OursDriver, Workload, measure
 from kvstate.bench.timing import interleaved, medians
 from kvstate.config import LIFECYCLES
-from kvstate.lifecycle import STATE_ATTRIBUTE, Lifecycle, TransitionTable
+from kvstate.lifecycle import Lifecycle, TransitionTable
 from kvstate.pool import TieredBlockPool
-from kvstate.request import new_request
+from kvstate.request import STATE_ATTRIBUTE, new_request
 from kvstate.roles import ACTIVE
 
 SIZES = (256, 1024, 4096)

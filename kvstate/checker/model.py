@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvstate.checker.bounds import Bound
-from kvstate.lifecycle import STATE_ATTRIBUTE, TransitionTable
+from kvstate.lifecycle import TransitionTable
 from kvstate.pool import ceil_div
+from kvstate.request import STATE_ATTRIBUTE
 from kvstate.roles import ACTIVE, PENDING_RESET, RECOMPUTING
 from kvstate.semantics import GUARDS, Guard, first_chunk_blocks
 from kvstate.spec import Spec, Transition

@@ -24,6 +24,7 @@ from kvstate.checker.replay import format_abstract_path
 from kvstate.errors import KVStateError
 from kvstate.semantics import Guard
 from kvstate.spec import Spec, Transition, load_spec, packaged_spec_path
+from kvstate.terminal import description_column, inert, say
 
 if TYPE_CHECKING:  # rich is imported only where a console is in use
     from rich.console import Console
@@ -305,10 +306,10 @@ def run_check(
     for bound in bounds:
         progress_ctx: AbstractContextManager[Progress | None] = nullcontext(None)
         if show_progress and console is not None:
-            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress, SpinnerColumn, TimeElapsedColumn
 
             progress_ctx = Progress(
-                SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True
+                SpinnerColumn(), description_column(), TimeElapsedColumn(), console=console, transient=True
             )
         with progress_ctx as bar:
             callback = _progress_callback(bar, bound.name) if bar is not None else None
@@ -346,7 +347,8 @@ def run_check(
 
 
 def _printer(console: Console | None) -> Callable[[str], None]:
-    """Print one line as plain text (no rich markup or highlighting: spec names may hold brackets)."""
+    """Print one line as inert plain text (`kvstate.terminal`: spec and bound names may hold brackets or control
+    characters)."""
     if console is None:
-        return print
-    return lambda text: console.print(text, markup=False, highlight=False)
+        return lambda text: print(inert(text))
+    return lambda text: say(console, text)

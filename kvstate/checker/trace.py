@@ -12,7 +12,10 @@ which a test checks against the packaged spec):
 * ``stutter`` / ``edge``: `(event, from, to)` is an edge of the spec (``stutter`` when `from == to` and the spec
   declares no such self-loop);
 * ``from``: a request's first line starts from the spec's initial state, every later line from the state the
-  validator holds for it (its previous `to`); a request in a terminal state takes no further line;
+  validator holds for it (its previous `to`); a request in a terminal state takes no further line, except one that
+  starts from the initial state again and holds as a new request's first line: its id was reused after
+  `take_finished` (spec/TRACE.md), and from that line on it is a new request (a line from the initial state that
+  breaks a rule as a first line is reported as a ``from`` divergence: a line the ended request took);
 * ``residency`` (RES-STATE): a request holds no block outside the tier its `to` state's residency names;
 * ``no-host-no-suspend`` (NO-HOST-NO-SUSPEND): with `host_capacity == 0`, no request is in a host-residency state;
 * ``conservation`` (CONS-HOST / CONS-GPU), over all requests, from the trace alone: a request's host blocks change
@@ -25,9 +28,12 @@ which a test checks against the packaged spec):
 * ``terminal`` (end of file, with `require_done`): every request ends in a terminal state.
 
 A report is a frozen value: `TraceReport.ok` is True when no rule was broken; otherwise `divergence` names the
-first broken rule with its line number. A ``format`` divergence means the input is not a usable trace (the CLI
-exits 2 for it, as for a file it cannot open, which raises `TraceError`); every other rule means a well-formed
-trace departs from the spec (exit 1). An empty trace is vacuously valid here (`lines == 0`); the CLI refuses it.
+first broken rule with its line number. A trace file whose last line is cut short (no newline, and not a whole
+line: its writer stopped mid-write, on a full disk say) is validated up to the line before, and `torn_line` names
+the cut one; a cut line before the last one is a ``format`` divergence like any other. A ``format`` divergence
+means the input is not a usable trace (the CLI exits 2 for it, as for a file it cannot open, which raises
+`TraceError`); every other rule means a well-formed trace departs from the spec (exit 1). An empty trace is
+vacuously valid here (`lines == 0`); the CLI refuses it.
 """
 
 from __future__ import annotations
@@ -136,6 +142,7 @@ class TraceReport:
     transitions: Mapping[str, int]  # event -> lines with that event (lines before a divergence)
     final_states: Mapping[Hashable, str]  # request id -> the state the validator holds at the end
     divergence: Divergence | None
+    torn_line: int | None = None  # the file's last line, cut mid-write and left unvalidated
 
     @property
     def ok(self) -> bool:
@@ -159,8 +166,8 @@ def validate_trace(
     spec = spec if spec is not None else load_spec()
     if isinstance(source, (str, Path)):
         with open_trace(source) as handle:
-            lines = trace_lines(handle, limits, path=source)
-            return _Validator(spec, str(source), limits, progress).run(lines, require_done)
+            validator = _Validator(spec, str(source), limits, progress, file=True)
+            return validator.run(trace_lines(handle, limits, path=source), require_done)
     return _Validator(spec, "<lines>", limits, progress).run(enumerate(source, 1), require_done)
 
 
@@ -172,11 +179,22 @@ class _Stop(Exception):
 class _Validator:
     """Holds per-request state while reading one trace; see the module docstring for the rules."""
 
-    def __init__(self, spec: Spec, source: str, limits: Limits, progress: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        spec: Spec,
+        source: str,
+        limits: Limits,
+        progress: Callable[[int], None] | None = None,
+        *,
+        file: bool = False,
+    ) -> None:
         self.progress = progress
         self.spec = spec
         self.source = source
         self.limits = limits
+        self.file = file  # lines are a file's (each but a cut last one ends with a newline)
+        self.reused = 0  # requests that ended and whose id then started a new request
+        self.torn: int | None = None
         self.edges = {(t.event, t.source, t.dest): t for t in spec.transitions}
         self.terminal = frozenset(spec.terminal_states)
         self.host_states = frozenset(spec.states_with_residency("host"))
@@ -202,6 +220,8 @@ class _Validator:
                 for number, raw in lines:
                     if not raw.strip():
                         continue
+                    if self._torn(number, raw):
+                        break  # the file's last line (only it lacks a newline)
                     self.lines += 1
                     self.check_line(number, raw)
                     if self.progress is not None and self.lines % PROGRESS_LINES == 0:
@@ -216,11 +236,24 @@ class _Validator:
         return TraceReport(
             source=self.source,
             lines=self.lines,
-            requests=len(self.state),
+            requests=len(self.state) + self.reused,
             transitions=MappingProxyType(dict(sorted(self.counts.items()))),
             final_states=MappingProxyType(dict(self.state)),
             divergence=divergence,
+            torn_line=self.torn,
         )
+
+    def _torn(self, number: int, raw: str | bytes) -> bool:
+        """Whether `raw` is a file's last line cut mid-write: no newline, and not a whole trace line."""
+        ended = raw.endswith(b"\n") if isinstance(raw, bytes) else raw.endswith("\n")
+        if not self.file or ended:
+            return False
+        try:
+            parse_line(raw, number, path=self.source, limits=self.limits)
+        except TraceError:
+            self.torn = number
+            return True
+        return False
 
     # ------------------------------------------------------------------------------------------- one line
     def fail(
@@ -245,6 +278,32 @@ class _Validator:
     def check_line(self, number: int, raw: str | bytes) -> None:
         """Check one line against every rule (module docstring, in order), then take its transition."""
         line = parse_line(raw, number, path=None if self.source == "<lines>" else self.source, limits=self.limits)
+        rid = line["request_id"]
+        ended = self.state.get(rid)
+        if ended not in self.terminal or line["from"] != self.spec.initial:
+            self._check_and_take(number, line)
+            return
+        # a line from the initial state for a request that ended: the first line of a new request reusing its id
+        # (after `take_finished`), when the line holds as one; a line that does not is one the request took after
+        # its end (``from``)
+        ended_at, generated = self.last_line.pop(rid), self.generated.pop(rid)
+        del self.state[rid]
+        try:
+            self._check_and_take(number, line)
+        except _Stop as stop:
+            self.state[rid], self.last_line[rid], self.generated[rid] = ended, ended_at, generated
+            broken = stop.divergence
+            raise self.fail(
+                number,
+                FROM,
+                f"request {shown(rid)} already reached the terminal state {ended!r} at line {ended_at}; read as the "
+                f"first line of a new request reusing its id it breaks rule {broken.rule}: {broken.message}",
+                line=line,
+                expected=ended,
+            ) from None
+        self.reused += 1
+
+    def _check_and_take(self, number: int, line: dict) -> None:
         self._check_order(number, line)
         transition = self._check_edge(number, line)
         in_host = self._check_residency(number, line)
@@ -289,8 +348,9 @@ class _Validator:
                 )
             elif held in self.terminal:
                 why = (
-                    f"it already reached the terminal state {held!r} at line {self.last_line[rid]}; request ids "
-                    "are never reused within a run"
+                    f"it already reached the terminal state {held!r} at line {self.last_line[rid]}; a request id is "
+                    f"used again only for a new request, whose first line starts from {spec.initial!r} "
+                    "(spec/TRACE.md)"
                 )
             else:
                 why = (

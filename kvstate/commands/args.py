@@ -1,14 +1,26 @@
 """Argument checks shared by the subcommands, all done before any work starts (and before torch is imported).
 
-`argparse` types (`positive_int`, `non_negative_int`, `positive_float`, `device_name`) refuse a bad value with
-argparse's one-line usage error (exit 2). The path checks (`input_file`, `input_dir`, `output_file`,
-`output_dir`) raise `UsageError`, which the command line prints as one line with exit status 2. The output
-checks leave nothing behind: they probe writability with a temporary entry that they remove at once.
+`argparse` types (`positive_int`, `non_negative_int`, `positive_multiple_of`, `positive_float`, `seconds`,
+`device_name`) refuse a bad value with argparse's one-line usage error (exit 2). Every count has an upper bound
+(`maximum`, required, and named in the error: a count far past anything the command can do is refused at once,
+never discovered as a run that stalls while its memory grows); values are echoed as a short prefix.
+
+The path checks (`input_file`, `input_dir`, `output_file`, `output_dir`) raise `UsageError`, which the command
+line prints as one line with exit status 2. One rule holds for every output path: its parent directory exists,
+or the command was given `--mkdir` (`add_mkdir_option`), which creates the missing directories at once; the error
+names the path and what to do. The output checks leave nothing else behind: they probe writability with a
+temporary entry that they remove at once.
+
+Options several commands share are added by one function each, so they read the same everywhere:
+`add_spec_option` (``--spec PATH``), `add_device_option` (``--device``, default ``auto``), `add_dtype_option`
+(``--dtype``, default ``auto``: the engine's default for the device, float64 on the CPU and float32 on CUDA),
+`add_lifecycle_option` and `add_mkdir_option`.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import tempfile
@@ -16,8 +28,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvstate.errors import KVStateError
+from kvstate.untrusted import shown
 
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+DTYPES = ("auto", "float64", "float32", "bfloat16", "float16")
+
+# Upper bounds of the counts the commands take (each is named in the error that refuses a larger one).
+MAX_REQUESTS = 100_000  # far past what a demo or a soak is for (their defaults: 48 and 2,000)
+MAX_BLOCKS = 1 << 20  # blocks per tier
+MAX_BLOCK_SIZE = 1 << 12  # tokens per block
+MAX_TOKENS = 1 << 16  # tokens in a chunk, a prompt or a request's budget
+MAX_HIDDEN_SIZE = 1 << 14
+MAX_STAGES = 64  # pipeline stages or micro-batches in flight
+MAX_SEED = (1 << 63) - 1  # torch seeds are 64-bit
+MAX_STATES = 10**9  # states of one model-checking search
 
 
 def add_lifecycle_option(parser: argparse.ArgumentParser, what: str) -> None:
@@ -40,33 +64,42 @@ class UsageError(KVStateError, ValueError):
     """A command-line value cannot be used; the message names the option and says what to pass instead."""
 
 
-def _integer(minimum: int, words: str, name: str | None, step: int = 1) -> Callable[[str], int]:
-    def parse(text: str) -> int:
+class BoundedInt:
+    """An argparse type: an integer in [`minimum`, `maximum`] that `step` divides; `words` says what it must be
+    ("a positive integer") and `name`, when given, is the setting named in the error."""
+
+    def __init__(self, minimum: int, maximum: int, words: str, name: str | None, step: int = 1) -> None:
+        self.minimum, self.maximum, self.words, self.name, self.step = minimum, maximum, words, name, step
+
+    def __call__(self, text: str) -> int:
         try:
             value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {words}, got {text!r}") from None
-        if value < minimum or value % step:
-            prefix = f"{name} must be" if name else "must be"
-            raise argparse.ArgumentTypeError(f"{prefix} {words}, got {value}")
+        except ValueError:  # not an integer, or more digits than Python reads
+            raise argparse.ArgumentTypeError(f"expected {self.words}, got {shown(text)}") from None
+        prefix = f"{self.name} must be" if self.name else "must be"
+        if value < self.minimum or value % self.step:
+            raise argparse.ArgumentTypeError(f"{prefix} {self.words}, got {shown(value)}")
+        if value > self.maximum:
+            raise argparse.ArgumentTypeError(
+                f"{prefix} at most {self.maximum}, got {shown(value)}; this bound keeps a run within what the "
+                "machine can do"
+            )
         return value
 
-    return parse
+
+def positive_int(name: str | None = None, *, maximum: int) -> BoundedInt:
+    """An argparse type: an integer from 1 to `maximum` (`name`, when given, is the setting named in the error)."""
+    return BoundedInt(1, maximum, "a positive integer", name)
 
 
-def positive_int(name: str | None = None) -> Callable[[str], int]:
-    """An argparse type: an integer >= 1 (`name`, when given, is the setting named in the error)."""
-    return _integer(1, "a positive integer", name)
+def positive_multiple_of(step: int, name: str | None = None, *, maximum: int) -> BoundedInt:
+    """An argparse type: a positive integer up to `maximum` that `step` divides."""
+    return BoundedInt(step, maximum, f"a positive multiple of {step}", name, step)
 
 
-def positive_multiple_of(step: int, name: str | None = None) -> Callable[[str], int]:
-    """An argparse type: a positive integer that `step` divides."""
-    return _integer(step, f"a positive multiple of {step}", name, step)
-
-
-def non_negative_int(name: str | None = None) -> Callable[[str], int]:
-    """An argparse type: an integer >= 0."""
-    return _integer(0, "an integer >= 0", name)
+def non_negative_int(name: str | None = None, *, maximum: int) -> BoundedInt:
+    """An argparse type: an integer from 0 to `maximum`."""
+    return BoundedInt(0, maximum, "an integer >= 0", name)
 
 
 def positive_float(text: str) -> float:
@@ -74,17 +107,71 @@ def positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {shown(text)}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {shown(text)}")
     return value
+
+
+def seconds(minimum: float, maximum: float) -> Callable[[str], float]:
+    """An argparse type: a duration in seconds from `minimum` to `maximum` (finite, so timers never overflow)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected seconds, got {shown(text)}") from None
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"must be between {minimum:g} and {maximum:g} seconds, got {shown(text)}")
+        return value
+
+    return parse
 
 
 def device_name(text: str) -> str:
     """An argparse type: `auto`, `cpu`, `cuda` or `cuda:N` (whether CUDA is usable is checked once torch loads)."""
     if not DEVICE.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {shown(text)}")
     return text
+
+
+def add_device_option(parser: argparse.ArgumentParser, *, default: str | None = "auto", what: str = "") -> None:
+    """`--device`: auto (CUDA if available), cpu, cuda or cuda:N."""
+    parser.add_argument(
+        "--device",
+        type=device_name,
+        default=default,
+        help=f"auto (CUDA if available), cpu, cuda or cuda:N{what} (default {default or 'auto'})",
+    )
+
+
+def add_dtype_option(parser: argparse.ArgumentParser, what: str = "") -> None:
+    """`--dtype`: the model and cache dtype; `auto` is the engine's default for the device."""
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help=f"model and cache dtype; auto = float64 on the CPU, float32 on CUDA{what} (default %(default)s)",
+    )
+
+
+def dtype_setting(dtype: str) -> str | None:
+    """The `EngineConfig.dtype` a `--dtype` value names (None: the engine's default for the device)."""
+    return None if dtype == "auto" else dtype
+
+
+def add_spec_option(parser: argparse.ArgumentParser) -> None:
+    """`--spec PATH`: the specification to work on instead of the packaged one."""
+    parser.add_argument("--spec", metavar="PATH", default=None, help="a spec TOML file (default: the packaged spec)")
+
+
+def add_mkdir_option(parser: argparse.ArgumentParser) -> None:
+    """`--mkdir`: create the missing parent directories of the command's output paths."""
+    parser.add_argument(
+        "--mkdir",
+        action="store_true",
+        help="create missing parent directories of the output paths (default: their parent must exist)",
+    )
 
 
 def input_file(path: str | os.PathLike, option: str) -> Path:
@@ -111,8 +198,9 @@ def input_dir(path: str | os.PathLike, option: str) -> Path:
     return path
 
 
-def output_file(path: str | os.PathLike, option: str) -> Path:
-    """A file can be written at `path`: it is an existing writable regular file, or it can be created."""
+def output_file(path: str | os.PathLike, option: str, *, mkdir: bool = False) -> Path:
+    """A file can be written at `path`: it is an existing writable regular file, or it can be created in its
+    parent directory, which exists (or, with `mkdir`, is created now)."""
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"{option} {path} is a directory; pass a file name")
@@ -125,12 +213,13 @@ def output_file(path: str | os.PathLike, option: str) -> Path:
         except OSError as err:
             raise UsageError(f"{option} {path} cannot be written ({err.strerror}); pass a writable file") from None
         return path
-    _probe_creatable(path.parent, option, path)
+    _probe_creatable(_parent(path, option, mkdir), option, path)
     return path
 
 
-def output_dir(path: str | os.PathLike, option: str) -> Path:
-    """A directory at `path` can hold new files: it exists and is writable, or it can be created."""
+def output_dir(path: str | os.PathLike, option: str, *, mkdir: bool = False) -> Path:
+    """A directory at `path` can hold new files: it exists and is writable, or it can be created in its parent
+    directory, which exists (or, with `mkdir`, is created now)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise UsageError(f"{option} {path} exists and is not a directory; pass a directory")
@@ -141,21 +230,36 @@ def output_dir(path: str | os.PathLike, option: str) -> Path:
         except OSError as err:
             raise UsageError(f"{option} {path} is not writable ({err.strerror}); pass a writable directory") from None
         return path
-    _probe_creatable(path, option, path)
+    _probe_creatable(_parent(path, option, mkdir), option, path)
     return path
 
 
+def _parent(path: Path, option: str, mkdir: bool) -> Path:
+    """The directory `path` would be created in; it must exist, unless `mkdir` creates it (with its parents)."""
+    parent = path.absolute().parent
+    if not parent.exists() and mkdir:
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UsageError(
+                f"{option} {path}: cannot create the directory {parent} ({err.strerror}); pass a path under a "
+                "writable directory"
+            ) from None
+    if not parent.exists():
+        raise UsageError(
+            f"{option} {path}: the directory {parent} does not exist; create it first, or pass --mkdir to create it"
+        )
+    if not parent.is_dir():
+        raise UsageError(f"{option} {path}: {parent} is not a directory; pass a path under a directory")
+    return parent
+
+
 def _probe_creatable(directory: Path, option: str, path: Path) -> None:
-    """Directories up to `directory` can be created under its nearest existing ancestor (probed, then removed)."""
-    ancestor = directory.absolute()
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise UsageError(f"{option} {path}: {ancestor} is not a directory; pass a path under a writable directory")
+    """Entries can be created in the existing `directory` (probed, then removed)."""
     try:
-        os.rmdir(tempfile.mkdtemp(dir=ancestor))
+        os.rmdir(tempfile.mkdtemp(dir=directory))
     except OSError as err:
         raise UsageError(
-            f"{option} {path}: cannot create entries in {ancestor} ({err.strerror}); "
+            f"{option} {path}: cannot create entries in {directory} ({err.strerror}); "
             "pass a path under a writable directory"
         ) from None

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import argparse
 import platform
-import sys
 import time
 from collections.abc import Callable
 
 from kvstate.bench import GROUPS, PEER_GROUPS, TORCH_GROUPS
 from kvstate.commands.args import (
+    MAX_REQUESTS,
+    MAX_SEED,
     UsageError,
     add_lifecycle_option,
+    add_mkdir_option,
     device_name,
     non_negative_int,
     output_dir,
@@ -82,10 +84,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--seed",
-        type=non_negative_int("seed"),
+        type=non_negative_int("seed", maximum=MAX_SEED),
         default=0,
         help="seed of every workload and shuffle (default %(default)s)",
     )
+    add_mkdir_option(p)
     p.set_defaults(run=_run)
 
 
@@ -94,16 +97,15 @@ def _run(args: argparse.Namespace) -> int:
     groups = tuple(g for g in GROUPS if g in chosen) if chosen else GROUPS
     if args.device is not None and not set(groups) & set(TORCH_GROUPS):
         raise UsageError(f"--device does not apply to --only {' '.join(groups)} (pure Python); drop --device")
-    json_path = output_file(args.json, "--json") if args.json else None
-    plots_dir = output_dir(args.plots, "--plots") if args.plots else None
-
-    from rich.console import Console
+    json_path = output_file(args.json, "--json", mkdir=args.mkdir) if args.json else None
+    plots_dir = output_dir(args.plots, "--plots", mkdir=args.mkdir) if args.plots else None
 
     from kvstate.bench import run_all
     from kvstate.bench.table import document, render_table, write_json
+    from kvstate.terminal import console as make_console
 
     device = _resolve(args.device or "auto") if set(groups) & set(TORCH_GROUPS) else "none (pure Python)"
-    console = Console(file=sys.stdout)
+    console = make_console()  # no markup; piped, the table is not wrapped
     started = time.perf_counter()
     sections = _run_groups(
         console,
@@ -152,7 +154,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _positive_ints(option: str) -> Callable[[str], tuple[int, ...]]:
     """argparse type: a comma-separated list of positive integers, e.g. `32,64`."""
-    one = positive_int(option)
+    one = positive_int(option, maximum=MAX_REQUESTS)
 
     def parse(text: str) -> tuple[int, ...]:
         return tuple(one(part.strip()) for part in text.split(","))

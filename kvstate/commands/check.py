@@ -5,6 +5,10 @@ Exit codes:
   1  violated: a counterexample was found (printed, and written as a pytest regression test)
   2  unusable input: a bad option, an unreadable or invalid spec or bounds file, an unknown bound
   3  incomplete: a search was cut short by --max-states or --time-limit (never reported as 'holds')
+
+Both limits have defaults, so a bounds file far larger than the packaged one (whose largest search has about 26,000
+states) ends as 'incomplete' instead of filling the memory or running for days: 1,000,000 states per search and
+3,600 s per bound. Pass larger values to search further.
 """
 
 from __future__ import annotations
@@ -14,7 +18,19 @@ import io
 import sys
 
 from kvstate.commands import check_tlc
-from kvstate.commands.args import input_file, output_dir, positive_float, positive_int
+from kvstate.commands.args import (
+    MAX_STATES,
+    add_mkdir_option,
+    add_spec_option,
+    input_file,
+    output_dir,
+    positive_float,
+    positive_int,
+)
+from kvstate.terminal import inert
+
+DEFAULT_MAX_STATES = 1_000_000  # states of one search: what bounds its memory
+DEFAULT_TIME_LIMIT_S = 3600.0  # seconds per bound
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--spec", metavar="PATH", default=None, help="spec TOML file (default: packaged)")
+    add_spec_option(parser)
     parser.add_argument(
         "--bounds-file", metavar="PATH", default=None, help="bounds TOML file (default: the packaged spec/bounds.toml)"
     )
@@ -38,16 +54,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-states",
         metavar="N",
-        type=positive_int(),
-        default=None,
-        help="stop each search after N states (verdict incomplete)",
+        type=positive_int(maximum=MAX_STATES),
+        default=DEFAULT_MAX_STATES,
+        help="stop each search after N states (verdict incomplete; default %(default)s, which bounds its memory)",
     )
     parser.add_argument(
         "--time-limit",
         metavar="S",
         type=positive_float,
-        default=None,
-        help="stop each bound's search after S seconds (verdict incomplete)",
+        default=DEFAULT_TIME_LIMIT_S,
+        help="stop each bound's search after S seconds (verdict incomplete; default %(default)g)",
     )
     parser.add_argument(
         "--counterexample-dir",
@@ -63,6 +79,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="also check OLD_SPEC on the same bounds and say which invariants' verdicts changed",
     )
+    add_mkdir_option(parser)
     parser.set_defaults(run=run)
 
 
@@ -72,18 +89,17 @@ def run(args: argparse.Namespace) -> int:
     check_tlc.refuse_tlc_options(args)
     spec_path = input_file(args.spec, "--spec") if args.spec is not None else None
     bounds_path = input_file(args.bounds_file, "--bounds-file") if args.bounds_file is not None else None
-    counterexample_dir = output_dir(args.counterexample_dir, "--counterexample-dir")
-
-    from rich.console import Console
+    counterexample_dir = output_dir(args.counterexample_dir, "--counterexample-dir", mkdir=args.mkdir)
 
     from kvstate.checker.bounds import select_bounds
     from kvstate.checker.runner import run_check
     from kvstate.spec import load_spec
+    from kvstate.terminal import console as make_console
 
     old_path = input_file(args.diff, "--diff") if args.diff is not None else None
     bounds = select_bounds(args.bound, bounds_path)
     spec = load_spec(spec_path)
-    console = Console(highlight=False, soft_wrap=True)
+    console = make_console()
     code, reports = run_check(
         bounds,
         spec=spec,
@@ -99,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
         from kvstate.checker.verdict_diff import changed_verdicts, verdict_lines
 
         old = load_spec(old_path)
-        quiet = Console(file=io.StringIO())
+        quiet = make_console()
+        quiet.file = io.StringIO()
         _, old_reports = run_check(
             bounds,
             spec=old,
@@ -110,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
             refine=not args.no_refinement,
         )
         for line in verdict_lines(changed_verdicts(old_reports, old, reports, spec), str(old_path)):
-            console.print(line, markup=False, highlight=False)
+            console.print(inert(line))
     return code
 
 
@@ -126,8 +143,6 @@ def draw_counterexamples(reports, spec, console) -> None:
         try:
             drawn = write_report(trace.path, out, spec=spec, loop=trace.loop)
         except (ValueError, OSError) as err:
-            console.print(
-                f"  counterexample not drawn ({err}); draw it with: {trace.report_command(out)}", markup=False
-            )
+            console.print(inert(f"  counterexample not drawn ({err}); draw it with: {trace.report_command(out)}"))
             continue
-        console.print(f"  counterexample drawn: {drawn.html.resolve().as_uri()}", markup=False, highlight=False)
+        console.print(inert(f"  counterexample drawn: {drawn.html.resolve().as_uri()}"))

@@ -18,10 +18,11 @@ import argparse
 import difflib
 from pathlib import Path
 
-from kvstate.commands.args import input_file, output_dir, positive_float
+from kvstate.commands.args import add_mkdir_option, add_spec_option, input_file, output_dir, seconds
 from kvstate.diagrams import DOT_MISSING, DOT_TIMEOUT_S, SVG_FILES, render_sources, render_svg
 from kvstate.errors import KVStateError
 from kvstate.spec import load_spec
+from kvstate.terminal import inert
 
 DEFAULT_OUT = Path("diagrams")
 DEFAULT_DIFF_OUT = Path("spec-diff")
@@ -35,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--spec", type=Path, default=None, help="spec TOML file (default: the packaged spec)")
+    add_spec_option(parser)
     parser.add_argument(
         "--out", type=Path, default=None, help="output directory (default: ./diagrams; with --diff ./spec-diff)"
     )
@@ -62,11 +63,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--dot-timeout",
-        type=positive_float,
+        type=seconds(0.01, 86_400),  # finite: a timer of 1e300 s overflows
         default=DOT_TIMEOUT_S,
         metavar="SECONDS",
         help="stop Graphviz `dot` after this long (default %(default)g s)",
     )
+    add_mkdir_option(parser)
     parser.set_defaults(run=run)
 
 
@@ -76,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     args.out = args.out if args.out is not None else DEFAULT_OUT
     spec_path = input_file(args.spec, "--spec") if args.spec is not None else None
     if not args.check:
-        output_dir(args.out, "--out")
+        output_dir(args.out, "--out", mkdir=args.mkdir)
     sources = render_sources(load_spec(spec_path), all_edges=args.all_edges)
     if args.check:
         return check(sources, args.out)
@@ -91,7 +93,7 @@ def run_diff(args: argparse.Namespace) -> int:
     old_path, new_path = (
         input_file(path, name) for path, name in zip(args.diff, ("OLD_SPEC", "NEW_SPEC"), strict=True)
     )
-    out = output_dir(args.out if args.out is not None else DEFAULT_DIFF_OUT, "--out")
+    out = output_dir(args.out if args.out is not None else DEFAULT_DIFF_OUT, "--out", mkdir=args.mkdir)
     old, new = load_spec(old_path), load_spec(new_path)
     diff = diff_specs(old, new)
     summary = summary_markdown(old, new, diff)
@@ -100,10 +102,10 @@ def run_diff(args: argparse.Namespace) -> int:
     write_file(out / DIFF_DOT, dot.encode("utf-8"))
     svg = render_svg(dot, timeout=args.dot_timeout)
     if svg is None:
-        print(f"skipped {out / DIFF_SVG}: {DOT_MISSING}")
+        print(inert(f"skipped {out / DIFF_SVG}: {DOT_MISSING}"))
     else:
         write_file(out / DIFF_SVG, svg)
-    print(summary, end="")
+    print(inert(summary, keep="\n"), end="")
     return 0
 
 
@@ -114,7 +116,7 @@ def write(sources: dict[str, str], out: Path, dot_timeout: float = DOT_TIMEOUT_S
     for dot_file, svg_file in SVG_FILES.items():
         svg = render_svg(sources[dot_file], timeout=dot_timeout)
         if svg is None:
-            print(f"skipped {out / svg_file}: {DOT_MISSING}")
+            print(inert(f"skipped {out / svg_file}: {DOT_MISSING}"))
         else:
             write_file(out / svg_file, svg)
 
@@ -125,7 +127,7 @@ def write_file(path: Path, content: bytes) -> None:
         path.write_bytes(content)
     except OSError as err:
         raise KVStateError(f"cannot write {path}: {err.strerror}; pass a writable directory with --out") from err
-    print(f"wrote {path}")
+    print(inert(f"wrote {path}"))
 
 
 def check(sources: dict[str, str], out: Path) -> int:
@@ -136,12 +138,14 @@ def check(sources: dict[str, str], out: Path) -> int:
         diff = diff_against(path, expected)
         if diff:
             stale += 1
-            print(f"DIFFERS: {path}")
-            print(diff, end="")
+            print(inert(f"DIFFERS: {path}"))
+            print(inert(diff, keep="\n\t"), end="")
         else:
-            print(f"ok: {path}")
+            print(inert(f"ok: {path}"))
     if stale:
-        print(f"{stale} diagram file(s) differ from the spec; run `kvstate diagram --out {out}` to regenerate them")
+        print(
+            inert(f"{stale} diagram file(s) differ from the spec; run `kvstate diagram --out {out}` to regenerate them")
+        )
     return 1 if stale else 0
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from kvstate.commands.args import input_file, output_dir
+from kvstate.commands.args import add_mkdir_option, add_spec_option, input_file, output_dir
+from kvstate.terminal import console, inert
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("trace", help="trace file (NDJSON)")
     p.add_argument("--out", default="kvstate-report", help="output directory (default %(default)s)")
-    p.add_argument("--spec", default=None, help="specification file the trace was produced with (default: bundled)")
+    add_spec_option(p)
     p.add_argument(
         "--loop",
         type=iteration_span,
@@ -36,6 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="draw every transition as its own arrow (default: a broadcast event is one arrow)",
     )
+    add_mkdir_option(p)
     p.set_defaults(run=_run)
 
 
@@ -49,23 +51,21 @@ def iteration_span(text: str) -> tuple[int, int]:
 
 def _run(args: argparse.Namespace) -> int:
     trace = input_file(args.trace, "TRACE")
-    out = output_dir(args.out, "--out")
+    out = output_dir(args.out, "--out", mkdir=args.mkdir)
     spec_path = input_file(args.spec, "--spec") if args.spec is not None else None
-
-    from rich.console import Console
 
     from kvstate.report import write_report
     from kvstate.spec import load_spec
 
     spec = load_spec(spec_path) if spec_path is not None else None
-    with Console(stderr=True).status(f"drawing the report of {trace} into {out}") as status:  # on a terminal only
+    with console(stderr=True).status(inert(f"drawing the report of {trace} into {out}")) as status:  # a tty only
         result = write_report(
             trace,
             out,
             spec=spec,
             all_edges=args.all_edges,
             loop=args.loop,
-            progress=lambda stage: status.update(f"{trace}: {stage}"),
+            progress=lambda stage: status.update(inert(f"{trace}: {stage}")),
         )
     s = result.summary
     print(
@@ -73,8 +73,8 @@ def _run(args: argparse.Namespace) -> int:
         f"{s.first_iteration}-{s.last_iteration}"
     )
     for path in result.files:
-        print(f"  {path}")
+        print(inert(f"  {path}"))
     if result.note:
-        print(f"  note: {result.note}")
-    print(f"open {result.html.resolve()}")
+        print(inert(f"  note: {result.note}"))
+    print(inert(f"open {result.html.resolve()}"))
     return 0

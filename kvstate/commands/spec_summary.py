@@ -1,10 +1,11 @@
 """`kvstate spec`: validate a specification and print its states, events and invariants.
 
-The tables fit the terminal's width (80 columns when output is piped): each transition takes two lines
-(`source` over `→ dest`, `[guard]` over `/ effect`) and cells fold rather than cut, so no name is ever truncated.
-A transition is marked `DROPS_KV_MARK` when the spec's data says it drops the request's KV (a destructive edge into a
-non-terminal state without KV: the request must be replayed; `kvstate.diagrams.ir.EdgeKind.DROP`), never by its
-event's name: a recompute-pause that holds the KV until consensus is not marked.
+The tables fit the terminal's width (piped, they are not wrapped; `COLUMNS` sets a width): each transition takes
+two lines (`source` over `→ dest`, `[guard]` over `/ effect`) and cells fold rather than cut, so no name is ever
+truncated. Everything from the spec is printed as inert text (`kvstate.terminal`). A transition is marked
+`DROPS_KV_MARK` when the spec's data says it drops the request's KV (a destructive edge into a non-terminal state
+without KV: the request must be replayed; `kvstate.diagrams.ir.EdgeKind.DROP`), never by its event's name: a
+recompute-pause that holds the KV until consensus is not marked.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import argparse
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from kvstate.commands.args import input_file
+from kvstate.commands.args import add_spec_option, input_file
+from kvstate.terminal import cell, console, say
 
 DROPS_KV_MARK = "⚠ "
 
@@ -27,22 +29,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "spec", help="validate the specification and print a summary of it", description=__doc__
     )
-    parser.add_argument("--spec", metavar="PATH", help="a spec TOML file (default: the packaged spec)")
+    add_spec_option(parser)
     parser.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     path = input_file(args.spec, "--spec") if args.spec is not None else None
 
-    from rich.console import Console
-
     from kvstate.spec import load_spec
 
     spec = load_spec(path)
-    console = Console()
-    console.print(f"[bold]{spec.name}[/] v{spec.version} — {spec.source}: valid")
+    out = console()
+    say(out, (spec.name, "bold"), f" v{spec.version} — {spec.source}: valid")
     for table in tables(spec):
-        console.print(table)
+        out.print(table)
     return 0
 
 
@@ -81,13 +81,12 @@ def _transition_row(spec: Spec, t: Transition) -> tuple[str, str, str]:
 
 
 def _table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]]) -> Table:
-    """A rich table of plain-text cells (never read as markup) that fold rather than truncate."""
+    """A rich table of inert plain-text cells (never read as markup) that fold rather than truncate."""
     from rich.table import Table
-    from rich.text import Text
 
     table = Table(title=title)
     for column in columns:
-        table.add_column(Text(column), overflow="fold")
+        table.add_column(cell(column), overflow="fold")
     for row in rows:
-        table.add_row(*(Text(cell) for cell in row))
+        table.add_row(*(cell(value) for value in row))
     return table

@@ -3,7 +3,8 @@
 Exit codes: 0 the trace is valid; 1 it diverges from the spec (the first divergent line is printed: line number,
 request, expected vs observed state, the rule and its invariant id); 2 the input is unusable: the trace cannot be
 read, is empty, or a line is not a trace line (malformed JSON, a missing or mistyped field, a line or file over the
-reader's limits: rule `format`, printed as UNUSABLE with its line), or the spec cannot be read.
+reader's limits: rule `format`, printed as UNUSABLE with its line), or the spec cannot be read. A last line cut
+mid-write (no newline, not a whole line) is reported as torn, and the lines before it are validated as a trace.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from kvstate.commands.args import add_spec_option
+from kvstate.terminal import cell, console, inert, say
 
 if TYPE_CHECKING:  # the checker and rich are imported when the command runs: `kvstate --help` stays fast
     from rich.table import Table
@@ -26,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("trace", metavar="TRACE", type=Path, help="trace file written by the engine (NDJSON)")
-    parser.add_argument("--spec", metavar="PATH", type=Path, default=None, help="spec TOML file (default: packaged)")
+    add_spec_option(parser)
     parser.add_argument(
         "--require-done",
         action=argparse.BooleanOptionalAction,
@@ -37,51 +41,55 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.markup import escape
-
     from kvstate.checker.trace import FORMAT, TraceError, validate_trace
     from kvstate.spec import load_spec
 
     spec = load_spec(args.spec)
-    with Console(stderr=True).status(f"validating {escape(str(args.trace))}") as status:  # on a terminal only
+    with console(stderr=True).status(inert(f"validating {args.trace}")) as status:  # on a terminal only
         report = validate_trace(
             args.trace,
             spec,
             require_done=args.require_done,
-            progress=lambda lines: status.update(f"validating {escape(str(args.trace))}: {lines} lines"),
+            progress=lambda lines: status.update(inert(f"validating {args.trace}: {lines} lines")),
         )
-    console = Console(highlight=False, soft_wrap=True)
+    out = console()
+    if report.torn_line is not None:
+        say(
+            out,
+            ("note", "yellow"),
+            f": line {report.torn_line}, the last, is torn (the file ends mid-line: its writer stopped mid-write, "
+            f"on a full disk say); the {report.lines} lines before it were validated",
+        )
     if report.divergence is not None:
         unusable = report.divergence.rule == FORMAT
-        console.print(
-            "[bold red]UNUSABLE[/] (not a trace in the format of spec/TRACE.md)"
-            if unusable
-            else "[bold red]INVALID[/]",
-            escape(report.source),
+        verdict = "UNUSABLE" if unusable else "INVALID"
+        say(
+            out,
+            (verdict, "bold red"),
+            " (not a trace in the format of spec/TRACE.md) " if unusable else " ",
+            report.source,
         )
-        console.print(report.divergence.describe(), markup=False)
+        for line in report.divergence.describe().splitlines():
+            say(out, line)
         return 2 if unusable else 1
     if report.lines == 0:
+        what = "holds only a torn line" if report.torn_line is not None else "is empty"
         raise TraceError(
-            "the trace is empty, so nothing was validated; pass a trace written by a run that had at least one request",
+            f"the trace {what}, so nothing was validated; pass a trace written by a run that had at least one request",
             path=report.source,
         )
-    console.print(summary(report))
+    say(out, ("VALID", "bold green"), f" {report.source}: {report.lines} lines, {report.requests} requests")
+    out.print(summary(report))
     return 0
 
 
 def summary(report: TraceReport) -> Table:
-    """A short table: lines, requests and transitions per event of a valid trace."""
+    """A short table: the transitions per event of a valid trace."""
     from rich.table import Table
 
-    table = Table(
-        title=f"VALID {report.source}: {report.lines} lines, {report.requests} requests",
-        title_justify="left",
-        show_edge=False,
-    )
+    table = Table(show_edge=False)
     table.add_column("event")
     table.add_column("transitions", justify="right")
     for event, count in report.transitions.items():
-        table.add_row(event, str(count))
+        table.add_row(cell(event), str(count))
     return table

@@ -494,3 +494,46 @@ def test_gpu_blocks_counted_over_all_requests_catch_what_the_per_line_bound_miss
     corrupted[i]["gpu_free"] += slack[i] + 1  # one more free block than there can be
     assert per_line_bound_holds(corrupted[i], "gpu"), "the old per-line bound would have missed it"
     assert_rejected(corrupted, i + 1, vt.CONSERVATION, "CONS-GPU")
+
+
+# ---------------------------------------------------------- issue 32: reused ids (item 20), torn lines (item 21)
+def test_an_id_reused_after_its_request_ended_starts_a_new_request(pressured):
+    from tests.conftest import two_line_trace
+
+    ended = two_line_trace(SPEC, "a")
+    again = [dict(r, iteration=r["iteration"] + 10, generated=0) for r in two_line_trace(SPEC, "a")]
+    report = validate_trace(dumps(ended + again))
+    assert report.ok, report.divergence.describe()
+    assert report.requests == 2 and report.final_states == {"a": ended[-1]["to"]}
+    # a line that does not start from the initial state is still refused for a request that ended
+    assert_rejected([*ended, dict(ended[-1], iteration=9)], 3, vt.FROM)
+
+
+def torn(lines: list[str], keep: int) -> str:
+    """`lines` with the last one cut after `keep` characters (no newline): a writer stopped mid-write."""
+    return "".join(lines[:-1]) + lines[-1][:keep]
+
+
+def test_a_torn_last_line_is_reported_and_every_line_before_it_validated(pressured, tmp_path, capsys):
+    lines = dumps(pressured)
+    path = tmp_path / "torn.ndjson"
+    path.write_text(torn(lines, len(lines[-1]) // 2), encoding="utf-8")
+    report = validate_trace(path, require_done=False)
+    assert report.ok and report.torn_line == len(lines) and report.lines == len(lines) - 1
+    assert main(["validate", "--no-require-done", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"line {len(lines)}, the last, is torn" in out and f"VALID {path}: {len(lines) - 1} lines" in out
+    report = validate_trace(path)  # the torn line would have ended a request: now reported as not done
+    assert report.torn_line == len(lines) and report.divergence.rule == vt.TERMINAL
+    assert main(["validate", str(path)]) == 1 and "is torn" in capsys.readouterr().out
+
+
+def test_a_cut_line_that_is_not_the_last_is_unusable(pressured, tmp_path):
+    lines = dumps(pressured)
+    path = tmp_path / "cut.ndjson"
+    path.write_text("".join(lines[:3]) + lines[3][:20] + "\n" + "".join(lines[4:]), encoding="utf-8")
+    report = validate_trace(path)
+    assert report.torn_line is None and report.divergence.rule == vt.FORMAT and report.divergence.line == 4
+    whole_last = tmp_path / "whole.ndjson"  # a whole last line without its newline is just a line
+    whole_last.write_text(torn(lines, len(lines[-1]) - 1), encoding="utf-8")
+    assert validate_trace(whole_last).ok and validate_trace(whole_last).torn_line is None

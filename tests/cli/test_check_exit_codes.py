@@ -61,3 +61,21 @@ def test_a_bounds_file_that_is_not_utf8_is_exit_2(tmp_path, capsys):
     assert main(["check", "--bounds-file", str(path)]) == USAGE_ERROR
     err = capsys.readouterr().err
     assert err.startswith("kvstate check: error: ") and "not UTF-8" in err and "Traceback" not in err
+
+
+def test_check_has_default_state_and_time_limits(tmp_path, capsys, monkeypatch):
+    """Issue 32, item 22: a huge bounds file ends as incomplete (exit 3), not as a full memory or a run of days."""
+    from kvstate.cli import parse
+    from kvstate.commands import check
+
+    args = parse(["check"])
+    assert (args.max_states, args.time_limit) == (check.DEFAULT_MAX_STATES, check.DEFAULT_TIME_LIMIT_S)
+    assert check.DEFAULT_MAX_STATES <= 10**6 and check.DEFAULT_TIME_LIMIT_S <= 3600
+    path = tmp_path / "huge.toml"
+    path.write_text(
+        "[bounds.huge]\nrequests = " + str([[4, 4]] * 12) + "\ngpu_blocks = 40\nhost_blocks = 20\nblock_size = 1\n"
+        "chunk_size = 2\nenv_cancels = 4\n"
+    )
+    monkeypatch.setattr(check, "DEFAULT_MAX_STATES", 200)  # the default, made small enough to reach in a test
+    code = main(["check", "--bounds-file", str(path), "--no-refinement", "--counterexample-dir", str(tmp_path)])
+    assert code == 3 and "incomplete" in capsys.readouterr().out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 from rich.console import Console
 
@@ -84,3 +85,39 @@ def test_spec_marks_exactly_the_transitions_whose_data_drop_the_kv():
         assert _transition_row(spec, t)[0].startswith(DROPS_KV_MARK) == expected
     holds = [t for t in spec.transitions if t.destructive and spec.state_by_name[t.dest].residency != "none"]
     assert holds and not any(drops_kv(spec, t) for t in holds), "the hold-for-consensus edge keeps its KV"
+
+
+# ------------------------------------------------------------------------ issue 32, item 5: wrap only on a terminal
+def test_piped_output_is_not_wrapped_and_a_long_path_stays_whole(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    directory = tmp_path / ("a-directory-name-long-enough-to-push-the-path-past-eighty-columns" * 2)
+    directory.mkdir()
+    spec = directory / "lifecycle.toml"
+    spec.write_bytes(Path(load_spec().source).read_bytes())
+    assert main(["spec", "--spec", str(spec)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.endswith(f"{spec}: valid")  # one line, the path whole
+
+
+def test_bench_table_rows_are_one_line_each_when_piped(monkeypatch, capsys):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    rows = [
+        Row(
+            "lifecycle",
+            f"schedule() steady decode, {n:,} running requests on a wide workload",
+            0.25,
+            "ms",
+            "nano-vllm-style peer measured side by side",
+            0.25,
+            better="lower",
+            target="ratio <= 1.5",
+            met=True,
+            note="a note long enough that an 80-column table would fold it",
+        )
+        for n in (256, 1024, 4096)
+    ]
+    monkeypatch.setattr("kvstate.bench.run_all", lambda **_: [Section("lifecycle", rows, {})])
+    assert main(["bench", "--only", "lifecycle"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for row in rows:
+        assert sum(row.name in line for line in lines) == 1  # each figure's name whole, on one line

@@ -10,6 +10,8 @@ import inspect
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,8 +21,9 @@ import torch.multiprocessing as mp
 
 from executor.pipeline import PipelineConfig, RankFailed, RankLost, run_pipeline
 from executor.pipeline import __main__ as pipeline_main
+from executor.pipeline.config import PipelineConfigError
 from executor.pipeline.demo import DEMO_TIMEOUT_S, run_pp_demo
-from executor.pipeline.launch import LOOPBACK, loopback_store
+from executor.pipeline.launch import LOOPBACK, loopback_store, process_state
 
 from .conftest import pressured, workload
 
@@ -139,3 +142,40 @@ def test_the_demo_waits_on_a_peer_for_60_seconds_by_default():
     assert inspect.signature(run_pp_demo).parameters["timeout_s"].default == DEMO_TIMEOUT_S
     assert pipeline_main._parser().parse_args([]).timeout == DEMO_TIMEOUT_S
     assert pipeline_main._parser().parse_args(["--timeout", "7"]).timeout == 7.0
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300", "nan", "1e-9", "0", "-1"])
+def test_a_timeout_out_of_range_is_one_usage_error(value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        pipeline_main._parser().parse_args(["--timeout", value])
+    assert exit_.value.code == 2
+    assert "must be between 1 and 86400 seconds" in capsys.readouterr().err
+    with pytest.raises(PipelineConfigError, match="between 1 and 86400 seconds"):
+        PipelineConfig(timeout_s=float(value))
+
+
+def test_sigterm_to_the_launcher_stops_the_ranks_and_removes_its_temporary_directory(tmp_path):
+    """The launcher (`python -m executor.pipeline`) is sent SIGTERM mid-run: its ranks are killed and its
+    `kvstate-pp-*` directory is removed on the way out."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    trace = tmp_path / "trace.ndjson"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "executor.pipeline", "--pp", "2", "--requests", "48", "--trace", str(trace)],
+        env={**os.environ, "TMPDIR": str(temp)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    rank1 = trace.with_name("trace.rank1.ndjson")
+    deadline = time.monotonic() + 120
+    while not (rank1.exists() and len(rank1.read_text().splitlines()) >= 5) and launcher.poll() is None:
+        assert time.monotonic() < deadline, "rank 1 never started serving"
+        time.sleep(0.05)
+    assert list(temp.glob("kvstate-pp-*")), "the launcher's directory is not where the test looks"
+    children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True, check=False)
+    ranks = [int(pid) for pid in children.stdout.split() if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(ranks) == 2  # the spawned ranks (not torch's resource tracker)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(60) == 128 + signal.SIGTERM
+    assert not list(temp.glob("kvstate-pp-*"))
+    assert [process_state(pid) for pid in ranks if process_state(pid) not in (None, "Z")] == [], "a rank outlived it"

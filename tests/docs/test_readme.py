@@ -23,3 +23,12 @@ def test_quick_start_has_the_demo_and_the_test_command_and_ci_runs_the_latter() 
     assert test_command.endswith("pytest")
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert test_command.replace("pip install", "pip install -q") in ci
+
+
+def test_the_quick_start_commands_make_distinct_virtual_environments() -> None:
+    """Each quick-start command makes its own environment: the second never reuses the first's installs."""
+    environments = re.findall(r"^python3 -m venv (\S+) && \. (\S+)/bin/activate", README, flags=re.M)
+    assert len(environments) == 2 and all(made == activated for made, activated in environments)
+    assert environments[0][0] != environments[1][0]
+    for made, _ in environments:
+        assert f"`{made}`" in README  # and the README says which is which

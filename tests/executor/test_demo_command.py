@@ -71,15 +71,16 @@ def test_demo_writes_a_report_of_its_trace(tmp_path, capsys):
             "--device",
             "cpu",
             "--trace",
-            str(tmp_path / "t.ndjson"),
+            str(tmp_path / "[x] t.ndjson"),  # paths that read as Rich markup are printed as typed (issue 32)
             "--report",
-            str(tmp_path / "report"),
+            str(tmp_path / "[link=https:x]report"),
         ]
     )
-    out = capsys.readouterr().out.replace("\n", "")
+    out = capsys.readouterr().out
     assert code == 0
-    html = tmp_path / "report" / "report.html"
-    assert str(html) in out and html.stat().st_size > 0
+    html = tmp_path / "[link=https:x]report" / "report.html"
+    assert f"report: {html}" in out.splitlines() and html.stat().st_size > 0
+    assert f"trace: {tmp_path / '[x] t.ndjson'} (" in out
 
 
 @pytest.mark.distributed

@@ -27,7 +27,7 @@ from executor.checks import leaked_blocks, random_workload
 from executor.engine import EngineBroken, EngineBusy, FinishedRequest
 from kvstate import load_spec
 from kvstate.checker import validate_trace
-from kvstate.config import ConfigError, SchedulerConfig
+from kvstate.config import ConfigError, RequestRejected, SchedulerConfig
 from kvstate.scheduler import UnknownRequestId
 from kvstate.trace import TraceWriter
 
@@ -459,13 +459,16 @@ def test_take_finished_hands_over_and_forgets(make_engine, references, tmp_path)
             engine.scheduler.get(rid)
     report = validate_trace(Path(engine.trace.path).read_text().splitlines(), SPEC)  # line-buffered: all there
     assert report.ok, report.divergence.describe()
-    # a taken id may be used again (the trace then names it twice, which `kvstate validate` refuses)
+    # a taken id may be used again: the trace then names it twice, the second time from the initial state, which
+    # the trace format documents and `kvstate validate` accepts (issue 32, item 20)
     prompt, new = WORK[3]
     assert engine.add_request(prompt, new, request_id=3) == 3
     assert engine.run() == {3: references[3]}
     assert engine.take_finished() == {3: FinishedRequest(references[3], "finished")}
     engine.close()
     assert engine.take_finished() == {}  # also on a closed engine
+    report = validate_trace(Path(engine.trace.path))
+    assert report.ok and report.requests == len(WORK) + 1, report.divergence and report.divergence.describe()
 
 
 def test_take_finished_reports_cancelled_requests(make_engine, tmp_path):
@@ -640,3 +643,53 @@ def test_a_hook_failure_at_any_transition_is_settled_or_breaks_cleanly(make_engi
     assert len(firsts) >= 5  # admit, suspend, resume, a pause, finish at least
     outcomes = _sweep(make_engine, monkeypatch, _fail_hook_at, occasions)
     assert outcomes == {k: "broken" if seen[k][1] else "settled" for k in occasions}
+
+
+# ------------------------------------------------------------------------------------------ issue 32
+def test_an_interrupt_inside_the_trace_write_breaks_the_engine_and_says_so(make_engine, tmp_path, monkeypatch):
+    """Ctrl-C landing in the trace write (item 16): the lines left unwritten would make the trace lie, so the engine
+    is broken at once, says why, and the interrupt goes on; what was written is a valid prefix."""
+    engine = pressured(make_engine, tmp_path)
+    fired = _patch(
+        engine, monkeypatch, TraceWriter, "write", when=lambda: engine.scheduler.iteration >= 6, exc=KeyboardInterrupt()
+    )
+    with pytest.raises(KeyboardInterrupt) as info:
+        engine.run()
+    assert fired()
+    assert any("the engine is broken: KeyboardInterrupt interrupted" in note for note in info.value.__notes__)
+    for call in (engine.step, lambda: engine.add_request([1, 2], 2)):
+        with pytest.raises(EngineBroken, match="misses lines") as broken:
+            call()
+        assert isinstance(broken.value.__cause__, KeyboardInterrupt)
+    assert_settled(engine)
+    engine.close()
+    assert validate_trace(Path(engine.trace.path), require_done=False).ok
+
+
+@pytest.mark.parametrize(
+    "request_id, words",
+    [(10**19, "more than 19 digits"), (-(10**19), "more than 19 digits"), ("x" * 70_000, "70002 bytes")],
+)
+def test_an_id_the_trace_cannot_carry_is_refused_at_submission(make_engine, tmp_path, request_id, words):
+    """Item 20: what the engine accepts, its own trace reader accepts."""
+    engine = make_engine(trace_path=tmp_path / "trace.ndjson")
+    with pytest.raises(RequestRejected, match=words) as info:
+        engine.add_request([1, 2, 3], 2, request_id=request_id)
+    assert len(str(info.value)) < 400 and not engine.scheduler.requests
+    for fits in (10**19 - 1, "é" * 680):  # at the bounds: 19 digits; 4082 bytes as JSON (\u00e9 each)
+        engine.add_request([1, 2, 3], 2, request_id=fits)
+    engine.run()
+    engine.close()
+    report = validate_trace(Path(engine.trace.path))
+    assert report.ok and report.requests == 2
+
+
+def test_a_trace_path_in_a_missing_directory_is_a_clear_error(make_engine, tmp_path):
+    """Item 2: the engine names the trace path and what to do, not a bare `[Errno 2]`."""
+    path = tmp_path / "missing" / "trace.ndjson"
+    with pytest.raises(OSError) as info:
+        make_engine(trace_path=path)
+    assert str(info.value) == (
+        f"cannot write the trace {path}: No such file or directory; the directory {path.parent} does not exist: "
+        "create it first"
+    )

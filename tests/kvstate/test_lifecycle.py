@@ -15,7 +15,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from kvstate import EFFECTS, GUARDS, GuardRejected, IllegalTransition, Lifecycle, Transition, TransitionTable, load_spec
-from kvstate.lifecycle import STATE_ATTRIBUTE
+from kvstate.request import STATE_ATTRIBUTE
 
 SPEC = load_spec()
 STATES = tuple(s.name for s in SPEC.states)

@@ -11,7 +11,8 @@ import pytest
 
 from kvstate.config import SchedulerConfig
 from kvstate.errors import InvariantViolation
-from kvstate.output import LIST_NAMES, SchedulerOutput, UnknownRequest, check_output
+from kvstate.output import SchedulerOutput, UnknownRequest, check_output
+from kvstate.roles import LIST_NAMES
 from kvstate.scheduler import Scheduler
 from kvstate.sim import SimExecutor
 
@@ -228,3 +229,51 @@ def test_from_dict_refuses_strings_where_lists_belong_and_non_mappings() -> None
     sched, d = wire(6)
     d["num_fitting_requests"] = -2
     refused(d, sched, "'num_fitting_requests'", ">= 0")
+
+
+# ------------------------------------------------------------------ from_dict bounds (issue 32, item 22)
+CAPACITIES = {"gpu": 15, "host": 6}  # the pools of `pressured_pass`
+
+
+def refused_within(d: dict, sched: Scheduler, *needles: str) -> None:
+    from kvstate.output import MalformedOutput
+
+    with pytest.raises(MalformedOutput) as info:
+        SchedulerOutput.from_dict(d, sched.requests, capacities=CAPACITIES)
+    message = str(info.value)
+    assert len(message) < 400 and all(needle in message for needle in needles), message
+
+
+def test_from_dict_within_capacities_loads_what_the_scheduler_wrote() -> None:
+    sched, d = wire(6)
+    assert d["migrations"]
+    assert SchedulerOutput.from_dict(d, sched.requests, capacities=CAPACITIES).to_dict() == d
+
+
+@pytest.mark.parametrize("n", [10**30, "longest + 1"])
+def test_from_dict_refuses_a_chunk_longer_than_its_request_can_be(n) -> None:
+    sched, d = wire(0)
+    rid = d["chunk_tokens"][0][0]
+    request = sched.requests[rid]
+    longest = len(request.prompt) + request.max_new_tokens
+    d["chunk_tokens"][0][1] = longest + 1 if n == "longest + 1" else n
+    refused_within(d, sched, f"more than {longest}", "prompt + max_new_tokens")
+
+
+def test_from_dict_refuses_block_ids_past_the_capacity_and_destinations_written_twice() -> None:
+    sched, d = wire(6)
+    plan = d["migrations"][0]
+    source_tier, dest_tier = ("gpu", "host") if plan["direction"] == "to_host" else ("host", "gpu")
+    plan["pairs"][0][0] = 10**9
+    refused_within(d, sched, "a block id is 1000000000", f"the last block of the {source_tier} tier")
+    sched, d = wire(6)
+    pairs = d["migrations"][0]["pairs"]
+    assert len(pairs) >= 2
+    pairs[1][1] = pairs[0][1]
+    refused_within(d, sched, f"copies into {dest_tier} block {pairs[0][1]}", "written once")
+
+
+def test_from_dict_refuses_more_fitting_requests_than_it_schedules() -> None:
+    sched, d = wire(6)
+    d["num_fitting_requests"] = 10**30
+    refused_within(d, sched, "'num_fitting_requests' is", f"more than {len(d['chunk_tokens'])}")

@@ -601,3 +601,33 @@ def test_recorded_transitions_are_taken_once_and_only_from_a_scheduler_that_reco
     assert [(f.request.request_id, f.transition.event) for f in taken] == [("a", "admit")]
     assert (taken[0].gpu_blocks, taken[0].gpu_free, taken[0].iteration) == (2, 2, 1)
     assert sched.take_fired() == []
+
+
+def test_forget_finished_is_all_or_nothing() -> None:
+    """Issue 32, item 23: one active id among finished ones refuses the call and forgets none of them."""
+    sched = Scheduler(SchedulerConfig(gpu_blocks=8, host_blocks=0, block_size=2))
+    done = sched.submit([1, 2], 1, request_id="done")
+    active = sched.submit([3, 4, 5, 6], 4, request_id="active")
+    ex = SimExecutor(sched)
+    while "done" not in sched.finished:
+        ex.step()
+    assert "active" in sched.requests
+    with pytest.raises(UnknownRequestId, match="active"):
+        sched.forget_finished(["done", "active"])
+    assert sched.finished["done"] is done and sched.requests["active"] is active
+    assert sched.forget_finished(["done"]) == [done] and "done" not in sched.finished
+
+
+def test_an_id_is_echoed_short_in_the_scheduler_errors() -> None:
+    """Issue 32, item 22: a 50,000-character id is echoed as a short prefix, not whole."""
+    sched = Scheduler(SchedulerConfig(gpu_blocks=8, host_blocks=0, block_size=2))
+    long_id = "x" * 50_000
+    sched.submit([1, 2], 1, request_id=long_id)
+    for call in (
+        lambda: sched.submit([1, 2], 1, request_id=long_id),
+        lambda: sched.get("y" * 50_000),
+        lambda: sched.forget_finished([long_id]),
+    ):
+        with pytest.raises(KVStateError) as info:
+            call()
+        assert len(str(info.value)) < 400  # a short prefix of the id, not 50,000 characters

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from kvstate.config import SchedulerConfig
-from kvstate.lifecycle import STATE_ATTRIBUTE, make_lifecycle
+from kvstate.lifecycle import make_lifecycle
 from kvstate.output import PlannedBatch, PlannedChunk, planned_chunks
-from kvstate.request import new_request
+from kvstate.request import STATE_ATTRIBUTE, new_request
 from kvstate.scheduler import Scheduler
 
 

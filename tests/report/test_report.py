@@ -134,7 +134,7 @@ def test_report_command_on_a_real_engine_trace(tmp_path, capsys):
     from executor import Engine, EngineConfig
     from executor.checks import random_workload, submit_all
 
-    trace = tmp_path / "t.ndjson"
+    trace = tmp_path / "[x] t.ndjson"  # a path that reads as Rich markup is printed as typed (issue 32)
     with Engine(
         EngineConfig(
             device="cpu", scheduler=SchedulerConfig(gpu_blocks=16, host_blocks=6, block_size=4), trace_path=trace
@@ -143,8 +143,8 @@ def test_report_command_on_a_real_engine_trace(tmp_path, capsys):
         submit_all(engine, random_workload(10, 1, (4, 30), (4, 24)))
         engine.run()
         assert engine.totals.suspensions > 0
-    assert main(["report", str(trace), "--out", str(tmp_path / "rep")]) == 0
+    assert main(["report", str(trace), "--out", str(tmp_path / "rep[/x]"), "--mkdir"]) == 0
     out = capsys.readouterr().out
-    assert "10 requests" in out and "report.html" in out
+    assert "10 requests" in out and f"open {tmp_path / 'rep[' / 'x]' / 'report.html'}" in out
     assert main(["report", str(tmp_path / "missing"), "--out", str(tmp_path / "rep")]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -13,6 +13,7 @@ import re
 import pytest
 
 from executor.commands.soak import DEFAULT_FAULTS, SoakError, SoakSettings, run_soak
+from kvstate.checker import validate_trace
 from kvstate.cli import main
 
 
@@ -52,9 +53,14 @@ def test_ci_soak_when_the_host_tier_cannot_be_allocated():
     assert report.faults == {"host_alloc": 1} and report.host_tier_fallback and report.suspensions == 0
 
 
-def test_soak_command_prints_a_summary_and_passes(capsys):
-    assert main(["soak", "--requests", "40", "--seed", "1", "--inject", "copy_to_host:0.2"]) == 0
-    out = " ".join(re.sub(r"[^\w\s:/.,()-]", " ", capsys.readouterr().out).split())  # drop table borders
+def test_soak_command_prints_a_summary_and_passes(capsys, tmp_path):
+    report = tmp_path / "report"  # --report writes the trace and a visual report of it (issue 32, item 9)
+    argv = ["soak", "--requests", "40", "--seed", "1", "--inject", "copy_to_host:0.2", "--report", str(report)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"report: {report / 'report.html'}" in printed and (report / "report.html").stat().st_size > 0
+    assert validate_trace(report / "trace.ndjson").ok
+    out = " ".join(re.sub(r"[^\w\s:/.,()-]", " ", printed).split())  # drop table borders
     for row in (
         "requests 40",
         "outputs compared 40",
