@@ -85,7 +85,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.engine == "tlc":  # the cross-check with TLC: kvstate.commands.check_tlc
-        return check_tlc.run(args)
+        return check_tlc.run(args, max_states_given=args.max_states != DEFAULT_MAX_STATES)
     check_tlc.refuse_tlc_options(args)
     spec_path = input_file(args.spec, "--spec") if args.spec is not None else None
     bounds_path = input_file(args.bounds_file, "--bounds-file") if args.bounds_file is not None else None

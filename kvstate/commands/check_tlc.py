@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from kvstate.commands.args import UsageError, input_file, output_dir
+from kvstate.terminal import inert
 
 ENGINES = ("kvstate", "tlc")
 
@@ -44,14 +45,15 @@ def refuse_tlc_options(args: argparse.Namespace) -> None:
             raise UsageError(f"{option} applies to --engine tlc only; add --engine tlc or drop it")
 
 
-def run(args: argparse.Namespace) -> int:
-    """`kvstate check --engine tlc` (the other options of `kvstate check` as they apply to the cross-check)."""
-    for option, given in (("--max-states", args.max_states is not None), ("--no-refinement", args.no_refinement)):
+def run(args: argparse.Namespace, *, max_states_given: bool) -> int:
+    """`kvstate check --engine tlc` (the other options of `kvstate check` as they apply to the cross-check;
+    `max_states_given`: --max-states was set to other than its default, which TLC has no counterpart of)."""
+    for option, given in (("--max-states", max_states_given), ("--no-refinement", args.no_refinement)):
         if given:
             raise UsageError(f"{option} does not apply to --engine tlc (it compares the abstract model); drop it")
     spec_path = input_file(args.spec, "--spec") if args.spec is not None else None
     bounds_path = input_file(args.bounds_file, "--bounds-file") if args.bounds_file is not None else None
-    counterexample_dir = output_dir(args.counterexample_dir, "--counterexample-dir")
+    counterexample_dir = output_dir(args.counterexample_dir, "--counterexample-dir", mkdir=args.mkdir)
 
     from kvstate.checker.bounds import select_bounds
     from kvstate.spec import load_spec
@@ -67,5 +69,5 @@ def run(args: argparse.Namespace) -> int:
         time_limit=args.time_limit,
         counterexample_dir=counterexample_dir,
     )
-    code, _ = cross_check(bounds, spec, options, say=lambda line: print(line, flush=True), tools=tools)
+    code, _ = cross_check(bounds, spec, options, say=lambda line: print(inert(line), flush=True), tools=tools)
     return code

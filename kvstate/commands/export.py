@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from kvstate.commands.args import input_file, output_dir
+from kvstate.commands.args import add_mkdir_option, add_spec_option, input_file, output_dir
+from kvstate.terminal import inert
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("format", choices=["tla"], help="tla: a TLA+ module and TLC models")
-    parser.add_argument("--spec", metavar="PATH", default=None, help="spec TOML file (default: packaged)")
+    add_spec_option(parser)
     parser.add_argument(
         "--bounds-file", metavar="PATH", default=None, help="bounds TOML file (default: the packaged spec/bounds.toml)"
     )
@@ -33,13 +34,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--no-symmetry", action="store_true", help="write the models without symmetry sets (every permutation counts)"
     )
+    add_mkdir_option(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     spec_path = input_file(args.spec, "--spec") if args.spec is not None else None
     bounds_path = input_file(args.bounds_file, "--bounds-file") if args.bounds_file is not None else None
-    out = output_dir(args.out, "--out")
+    out = output_dir(args.out, "--out", mkdir=args.mkdir)
 
     from kvstate.checker.bounds import load_bounds, select_bounds
     from kvstate.spec import load_spec
@@ -47,11 +49,11 @@ def run(args: argparse.Namespace) -> int:
 
     bounds = select_bounds(args.bound, bounds_path) if args.bound else list(load_bounds(bounds_path)[0].values())
     module, models = export(load_spec(spec_path), bounds, out, symmetry=not args.no_symmetry)
-    print(f"kvstate export tla: wrote {module}")
+    print(inert(f"kvstate export tla: wrote {module}"))
     for model in models:
         symmetry = "symmetry over equal requests" if model.symmetric else "no symmetry"
-        print(f"  {out / model.name}.tla with {model.name}.cfg ({symmetry}) and {model.name}_liveness.cfg")
+        print(inert(f"  {out / model.name}.tla with {model.name}.cfg ({symmetry}) and {model.name}_liveness.cfg"))
     for bound in bounds:
         if not bound.abstract_model:
-            print(f"  bound {bound.name} not written: abstract_model = false (too large to enumerate)")
+            print(inert(f"  bound {bound.name} not written: abstract_model = false (too large to enumerate)"))
     return 0

@@ -136,7 +136,7 @@ def test_device_dtype_and_spec_read_the_same_in_every_command():
     assert set(dtypes) == {"demo", "soak", "generate"}
     assert len({tuple(a.choices) for a in dtypes.values()}) == 1 and {a.default for a in dtypes.values()} == {"auto"}
     specs = {c: options(c)["--spec"] for c in COMMANDS if "--spec" in options(c)}
-    assert set(specs) == {"spec", "diagram", "check", "validate", "report"}
+    assert set(specs) == {"spec", "diagram", "check", "validate", "report", "export"}
     assert {a.metavar for a in specs.values()} == {"PATH"}
     for command in ("demo", "soak"):
         assert {"--trace", "--report", "--mkdir"} <= set(options(command))
