@@ -172,9 +172,7 @@ def run_pp_demo(  # noqa: PLR0913 - keyword-only, one per `kvstate demo --pp` fl
     return PipelineDemoSummary(header, states, rows, traces, differ, len(result.outputs), leaked, result, lockstep)
 
 
-def mismatched(
-    engine_config: EngineConfig, work: list[tuple[list[int], int]], runs: Iterable[PipelineResult]
-) -> tuple:
+def mismatched(engine_config: EngineConfig, work: list[tuple[list[int], int]], runs: Iterable[PipelineResult]) -> tuple:
     """Ids (ascending) of finished requests whose output in any of `runs` fails the per-dtype equality rule against
     the oracle: the same request alone on one GPU-only engine."""
     import torch

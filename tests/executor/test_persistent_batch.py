@@ -31,7 +31,9 @@ def test_requests_that_leave_are_dropped_from_the_kept_plan_in_place(tiny_model)
     tables = [tuple(range(6 * i, 6 * i + 6)) for i in range(5)]  # room to grow: 6 blocks each
     lengths = [3, 5, 8, 2, 6]
     planned, fresh = (PagedKVCache.for_model(tiny_model, 30, block_size=BLOCK, device="cpu") for _ in range(2))
-    prefill = [SeqChunk(tuple(rng.randrange(512) for _ in range(n)), 0, t) for n, t in zip(lengths, tables, strict=True)]
+    prefill = [
+        SeqChunk(tuple(rng.randrange(512) for _ in range(n)), 0, t) for n, t in zip(lengths, tables, strict=True)
+    ]
     for cache in (planned, fresh):
         tiny_model.forward_paged(PagedBatch.build(prefill, BLOCK), cache)
     planner = BatchPlanner(BLOCK)
