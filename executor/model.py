@@ -40,9 +40,9 @@ import functools
 import itertools
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Protocol, cast
+from typing import NamedTuple, Protocol, cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -375,7 +375,7 @@ class PagedBatch:
     positions: torch.Tensor
     slot_blocks: torch.Tensor
     slot_offsets: torch.Tensor
-    seqs: tuple[_SeqView, ...]
+    seqs: Sequence[_SeqView]  # a tuple, or for a kept decode plan's batch views built when read (`_Seqs`)
     logits_indices: torch.Tensor
     # decode requests (one token) form one group, multi-token chunks another; None: attend request by request
     groups: tuple[_AttnGroup, ...] | None = None
@@ -599,31 +599,76 @@ class _DecodePlan:
 
     def _moved_on(self, columns: _Columns, rows: list[int], blocks: list[int], device: torch.device) -> PagedBatch:
         """Update the device tensors in place (one upload: the new tokens, and the new blocks with where they go)
-        and return the step's batch."""
-        batch, group, starts, n, width = self.batch, self.group, self.starts, len(self.starts), self.width
-        packer = _Indices()
-        packer.add(list(itertools.chain.from_iterable(columns.tokens)))
+        and return the step's batch (built field by field: `dataclasses.replace` costs more than the update)."""
+        batch, group, starts, width = self.batch, self.group, self.starts, self.width
+        tokens = list(itertools.chain.from_iterable(columns.tokens))
+        positions = batch.positions
         if rows:
-            packer.add(rows)
-            packer.add(blocks)
-            packer.add([i * width + starts[i] // self.block_size for i in rows])
-        host, views = packer.upload(device)
-        batch.positions.add_(1)
-        torch.remainder(batch.positions, self.block_size, out=batch.slot_offsets)
-        if rows:
-            batch.slot_blocks.index_copy_(0, views[1], views[2])
-            group.blocks.index_copy_(0, views[3], views[2])
-        num_keys = max(starts) + 1
-        full = min(starts) + 1 == num_keys
-        plan = {"num_seqs": n, "num_queries": 1, "num_keys": num_keys}
-        self.group = group = replace(
-            group, num_keys=num_keys, mask=None if full else _attention_mask(batch.positions, plan)
+            packer = _Indices()
+            for values in (tokens, rows, blocks, [i * width + starts[i] // self.block_size for i in rows]):
+                packer.add(values)
+            host, (input_ids, at, new_blocks, slots) = packer.upload(device)
+            batch.slot_blocks.index_copy_(0, at, new_blocks)
+            group.blocks.index_copy_(0, slots, new_blocks)
+        else:
+            host = host_longs(tokens, pinned=device.type == "cuda")
+            input_ids = host.to(device, non_blocking=True)
+        positions.add_(1)
+        torch.remainder(positions, self.block_size, out=batch.slot_offsets)
+        n, num_keys = len(starts), max(starts) + 1
+        mask = (
+            None
+            if min(starts) + 1 == num_keys
+            else _attention_mask(positions, {"num_seqs": n, "num_queries": 1, "num_keys": num_keys})
         )
-        seqs = tuple(map(_SeqView._make, zip(range(n), range(1, n + 1), starts, self.tables, strict=True)))
-        self.batch = batch = replace(
-            batch, input_ids=views[0], seqs=seqs, groups=(group,), host_indices=host, decode_kv=self.decode_kv
+        self.group = group = _AttnGroup(n, 1, width, num_keys, None, 0, group.blocks, mask, None)
+        self.batch = batch = PagedBatch(
+            input_ids,
+            positions,
+            batch.slot_blocks,
+            batch.slot_offsets,
+            _Seqs(starts, self.tables),
+            batch.logits_indices,
+            (group,),
+            None,
+            host,
+            self.decode_kv,
         )
         return batch
+
+
+class _Seqs(Sequence[_SeqView]):
+    """The per-request views of a kept decode plan's batch (request i: row i, at `starts[i]`, its `tables[i]`),
+    built when read: nothing on the batched path reads them (a tuple of `_SeqView`s compares equal)."""
+
+    __slots__ = ("starts", "tables")
+
+    def __init__(self, starts: list[int], tables: list[tuple[int, ...]]) -> None:
+        self.starts, self.tables = starts, list(tables)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @overload
+    def __getitem__(self, index: int) -> _SeqView: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[_SeqView, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> _SeqView | tuple[_SeqView, ...]:
+        if isinstance(index, slice):
+            return tuple(self)[index]
+        i = range(len(self.starts))[index]
+        return _SeqView(i, i + 1, self.starts[i], self.tables[i])
+
+    def __iter__(self) -> Iterator[_SeqView]:
+        n = len(self.starts)
+        return map(_SeqView, range(n), range(1, n + 1), self.starts, self.tables)
+
+    def __eq__(self, other: object) -> bool:
+        return tuple(self) == (tuple(other) if isinstance(other, Sequence) else other)
+
+    __hash__ = None  # type: ignore[assignment]  # compared by content, like the tuple it stands for
 
 
 _ONE = itertools.repeat(1)  # `map(add, starts, _ONE)`: every position one further, without a Python loop body
