@@ -17,8 +17,11 @@ Invariants kept (ids from the spec; the policy's rules are the spec's `[policy]`
   requester takes a victim instead of counting the same blocks (WORK-CONSERVE);
 * admissions follow the policy's classes in order, each by arrival, stopping at the first misfit (ADMIT-ORDER);
   no new request in a pass that chose a victim or left a requester waiting (ADMIT-HOLD); output lists are disjoint
-  (OUT-DISJOINT); requests' block counts mirror the pool (RES-STATE), checked by `check_invariants`.
-Steady-state decode costs O(1) per running request: no lifecycle event fires unless a state changes.
+  (OUT-DISJOINT); requests' block counts mirror the pool (RES-STATE), checked by `check_invariants`;
+* the per-state counts and the token and block sums the statistics report (`StateTally`) are kept on each
+  transition and equal a recount of the requests (STATS-COUNT), checked by `check_invariants`.
+Steady-state decode costs O(1) per running request: no lifecycle event fires unless a state changes, and a step
+walks only the requests it schedules (the statistics of those it leaves alone are kept, not recounted).
 
 One scheduler step, written once: schedule -> issue copies -> compute -> complete. Every executor (the slot-level
 simulator `kvstate.sim.SimExecutor`, the engine `executor.Engine`, and the pipeline runtime's rank 0) carries out a
@@ -50,7 +53,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from kvstate.config import RequestRejected, SchedulerConfig, normalize_stop_token_ids
 from kvstate.errors import InvariantViolation, KVStateError, PoolError
@@ -62,7 +65,7 @@ from kvstate.request import Request, new_request
 from kvstate.roles import ACTIVE, DROPPED, ENDED, OFFLOADED, PENDING_RESET, RECOMPUTING
 from kvstate.semantics import PassView, first_chunk_blocks, first_chunk_tokens, promotion_saves_kv
 from kvstate.spec import Spec, Transition
-from kvstate.stats import Figures, IterationStats, StateTally
+from kvstate.stats import IterationStats
 from kvstate.trace import FiredTransition
 
 
@@ -125,6 +128,95 @@ class SchedulingPass:
         """Spend `tokens` of the token budget and `slots` batch slots on requests scheduled in this pass."""
         self.tokens_left -= tokens
         self.slots_left -= slots
+
+
+class Holding(Protocol):
+    """What the tally reads of a request (`kvstate.Request` is one)."""
+
+    state: str
+    num_computed_tokens: int
+    prefill_tokens: tuple[int, ...]
+    num_gpu_blocks: int
+
+
+Figures = tuple[int, int, int]  # (num_computed_tokens, len(prefill_tokens), num_gpu_blocks) of one request
+
+
+def figures(request: Holding) -> Figures:
+    """What `StateTally` sums of `request`."""
+    return request.num_computed_tokens, len(request.prefill_tokens), request.num_gpu_blocks
+
+
+class StateTally:
+    """Per-state request counts, and token and block sums of the requests that hold still, kept on every transition
+    so that a step's statistics cost O(states), never O(requests held) (STATS-COUNT).
+
+    Invariants kept, checked against `recount` by `Scheduler.check_invariants`:
+    * `counts[s]` is the number of active (unfinished) requests in state s, for every non-terminal state s;
+    * for every `held` state s (a non-terminal state whose requests do not compute: the spec's `computing` flag
+      says which, never a name), `kv_tokens[s]`, `replay_tokens[s]` and `gpu_blocks[s]` are the sums of
+      `num_computed_tokens`, `len(prefill_tokens)` and `num_gpu_blocks` over the requests in s. A computing
+      request's figures change on every step, so computing states keep a count only.
+
+    The owner calls `added` for a new request, `moved` after every transition (with the request's figures from
+    before it: the edge's effect changes them) and `changed` when a held request's figures change without one (a
+    pipelined step that lands after its request was preempted); nothing else changes a held request's figures.
+    """
+
+    __slots__ = ("counts", "gpu_blocks", "held", "kv_tokens", "replay_tokens")
+
+    def __init__(self, states: Iterable[str], held: Iterable[str]) -> None:
+        self.counts: dict[str, int] = dict.fromkeys(states, 0)
+        self.held = frozenset(held)
+        if not self.held <= set(self.counts):
+            raise ValueError(f"held states {sorted(self.held - set(self.counts))} are not among the tallied states")
+        self.kv_tokens: dict[str, int] = dict.fromkeys(self.held, 0)
+        self.replay_tokens: dict[str, int] = dict.fromkeys(self.held, 0)
+        self.gpu_blocks: dict[str, int] = dict.fromkeys(self.held, 0)
+
+    def before(self, request: Holding) -> Figures | None:
+        """What `moved` needs of `request` before a transition: its figures when its state is held, else None."""
+        return figures(request) if request.state in self.held else None
+
+    def added(self, request: Holding) -> None:
+        self.counts[request.state] += 1
+        self._add(request.state, figures(request), 1)
+
+    def moved(self, request: Holding, old: str, before: Figures | None) -> None:
+        """`request` left `old` (its figures were `before`) for its present state (terminal: no longer counted)."""
+        self.counts[old] -= 1
+        if before is not None:
+            self._add(old, before, -1)
+        if request.state in self.counts:
+            self.counts[request.state] += 1
+            self._add(request.state, figures(request), 1)
+
+    def changed(self, request: Holding, before: Figures) -> None:
+        """A held `request`'s figures changed from `before` without a transition."""
+        self._add(request.state, before, -1)
+        self._add(request.state, figures(request), 1)
+
+    def _add(self, state: str, of: Figures, sign: int) -> None:
+        if state in self.held:
+            computed, replay, blocks = of
+            self.kv_tokens[state] += sign * computed
+            self.replay_tokens[state] += sign * replay
+            self.gpu_blocks[state] += sign * blocks
+
+    def recount(self, requests: Iterable[Holding]) -> StateTally:
+        """A tally of the same states built from scratch over `requests` (the active ones)."""
+        fresh = StateTally(self.counts, self.held)
+        for request in requests:
+            fresh.added(request)
+        return fresh
+
+    def to_dict(self) -> dict[str, dict[str, int]]:
+        return {
+            "counts": dict(self.counts),
+            "kv_tokens": dict(self.kv_tokens),
+            "replay_tokens": dict(self.replay_tokens),
+            "gpu_blocks": dict(self.gpu_blocks),
+        }
 
 
 class Scheduler:

@@ -12,9 +12,8 @@ import pytest
 from kvstate.config import SchedulerConfig
 from kvstate.errors import InvariantViolation
 from kvstate.output import planned_chunks
-from kvstate.scheduler import Scheduler
+from kvstate.scheduler import Scheduler, StateTally
 from kvstate.sim import SimExecutor
-from kvstate.stats import StateTally
 
 BLOCK_BYTES = 4096
 

@@ -1,4 +1,4 @@
-"""The statistics the scheduler keeps on each transition (`kvstate.stats.StateTally`: per-state counts, KV and
+"""The statistics the scheduler keeps on each transition (`kvstate.scheduler.StateTally`: per-state counts, KV and
 replay token sums, blocks held) equal a recount of its requests after every rule of a conformance machine: the
 adapter's deep checks run `Scheduler.check_invariants`, which recounts (STATS-COUNT), so each machine of
 `test_conformance` holds it in its configuration. A planted drift shows that a machine catches a tally that
@@ -13,8 +13,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvstate.config import SchedulerConfig
 from kvstate.errors import InvariantViolation
-from kvstate.scheduler import Scheduler
-from kvstate.stats import StateTally, figures
+from kvstate.scheduler import Scheduler, StateTally, figures
 from kvstate.testing import KVStateAdapter, conformance_machine
 
 # the conformance suite's default configuration: suspensions, recompute-pauses and replays within a few rules
