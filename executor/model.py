@@ -549,9 +549,11 @@ class _DecodePlan:
     def advance(self, columns: _Columns, device: torch.device) -> PagedBatch | None:
         """The plan moved one position on, updated in place, as this step's batch; None (nothing changed here,
         the planner builds anew) when the batch is not the same requests one step further within the plan."""
-        if not _all_decode(columns) or (len(columns.starts) != len(self.tables) and not self._drop_left(columns)):
+        if not columns.starts or not _all_decode(columns):
             return None
-        starts, given, tables, size = columns.starts, columns.block_tables, self.tables, self.block_size
+        if len(columns.starts) != len(self.tables) and not self._drop_left(columns):
+            return None
+        starts, given, tables, size = list(columns.starts), columns.block_tables, self.tables, self.block_size
         if starts != list(map(operator.add, self.starts, _ONE)):
             return None
         if not all(map(operator.is_, given, self.given)):  # a new table object: the same blocks, or one more
@@ -567,7 +569,7 @@ class _DecodePlan:
             tables[i] = given[i][: k + 1]  # k == its blocks so far: its context filled them at the last step
             rows.append(i)
             blocks.append(given[i][k])
-        self.given, self.starts = list(given), list(starts)
+        self.given, self.starts = list(given), starts
         return self._moved_on(columns, rows, blocks, device)
 
     def _drop_left(self, columns: _Columns) -> bool:
