@@ -57,6 +57,8 @@ from collections import Counter
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
+from itertools import compress, count
+from operator import add, attrgetter
 from pathlib import Path
 
 import torch
@@ -71,6 +73,7 @@ from kvstate.config import ConfigError, RequestRejected, SchedulerConfig, normal
 from kvstate.errors import KVStateError, PoolError
 from kvstate.output import SchedulerOutput, planned_chunks
 from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan, ceil_div
+from kvstate.request import Request
 from kvstate.scheduler import Scheduler, Step, UnknownRequestId
 from kvstate.stats import IterationStats
 from kvstate.trace import request_id_problem
@@ -250,12 +253,26 @@ _FIELD_KINDS = {
 
 @dataclass
 class RunTotals:
-    """Sums over every step of an engine (for summaries)."""
+    """The run totals of an engine (`Engine.totals`): sums over every step since it was built, where
+    `Engine.stats()` describes the last step only. Updated after each step and each call that fires lifecycle
+    events (cancel, a lost host tier), so they are complete between calls.
+
+    * work: `steps`, `generated_tokens`, `scheduled_tokens`, and `recomputed_tokens` (replayed after a
+      recompute-pause: never counted as cache hits);
+    * preemptions by path (`preemptions`): suspensions (KV copied to the host tier) and recompute-pauses (KV
+      dropped, replayed later; a suspended request promoted to recompute-pause, or a resume whose copy failed,
+      counts here too); every lifecycle event by name in `events`;
+    * copies: `migrations` (suspend and resume copy plans carried out to completion), `blocks_migrated`,
+      `bytes_migrated`;
+    * failures (`failures`): copies that failed, host copies found corrupt, host copies lost, host tiers lost;
+      injected faults by kind in `faults`.
+    """
 
     steps: int = 0
     generated_tokens: int = 0
     recomputed_tokens: int = 0
     scheduled_tokens: int = 0
+    migrations: int = 0  # migration plans whose copies completed
     blocks_migrated: int = 0
     bytes_migrated: int = 0
     events: Counter = field(default_factory=Counter)  # lifecycle event name -> transitions fired
@@ -271,6 +288,28 @@ class RunTotals:
     @property
     def recompute_pauses(self) -> int:
         return self.events["recompute_pause"]
+
+    @property
+    def preemptions(self) -> dict[str, int]:
+        """Preemptions by path: ``{"suspend": n, "recompute_pause": n}``."""
+        return {"suspend": self.suspensions, "recompute_pause": self.recompute_pauses}
+
+    @property
+    def failures(self) -> dict[str, int]:
+        """What failed and was recovered from, by kind (each replays the requests it hit)."""
+        return {
+            "failed_copies": self.failed_copies,
+            "checksum_mismatches": self.checksum_mismatches,
+            "lost_host_copies": self.events["lose_host_copy"],
+            "host_tier_losses": self.host_tier_losses,
+        }
+
+    def to_dict(self) -> dict:
+        """JSON-ready: every total, the preemptions and failures by kind, events and faults as plain dicts."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d.update(events=dict(self.events), faults=dict(self.faults), preemptions=self.preemptions)
+        d["failures"] = self.failures
+        return d
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,11 +330,17 @@ class _Attempt:
     def __init__(self) -> None:
         self.phase = "start"
         self.step: Step[Fence] | None = None
-        self.progress: list[tuple[int, int, str]] | None = None
+        self.progress: list[tuple[int, str]] | None = None
 
 
-def _progress(out: SchedulerOutput) -> list[tuple[int, int, str]]:
-    return [(r.num_computed_tokens, len(r.generated), r.state) for r in out.scheduled]
+def _progress(out: SchedulerOutput) -> list[tuple[int, str]]:
+    """What `complete_step` changes of every scheduled request it applies (each advances its computed tokens)."""
+    return list(map(_PROGRESS, out.scheduled))
+
+
+_PROGRESS = attrgetter("num_computed_tokens", "state")
+_REQUEST_ID = attrgetter("request_id")
+_SAMPLING = attrgetter("sampling")
 
 
 class Engine:
@@ -350,7 +395,7 @@ class Engine:
         self._host_states = frozenset(s.name for s in spec.states if spec.residency(s.name) == "host")
         self.trace = TraceWriter(config.trace_path) if config.trace_path is not None else None
         self.totals = RunTotals()
-        self.last_produced: list[tuple[Hashable, int]] = []
+        self._produced: list[Request] = []  # the requests that produced a token in the last step (`last_produced`)
         self._submissions: dict[Hashable, _Submission] = {}
         self._checksums: dict[Hashable, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # id -> (host blocks, CRCs)
         self._closed = False
@@ -498,6 +543,12 @@ class Engine:
         with self._lock:
             yield
 
+    @property
+    def last_produced(self) -> list[tuple[Hashable, int]]:
+        """(request id, token) of every token the last step produced, in batch order (built when read: a request's
+        last token stays its last until the next step)."""
+        return [(r.request_id, r.generated[-1]) for r in self._produced]
+
     def _check_usable(self, what: str) -> None:
         if self._broken is not None:
             raise EngineBroken(self._broken.args[0]) from self._broken.__cause__
@@ -550,7 +601,7 @@ class Engine:
         attempt.progress = _progress(step.output)
         produced = step.finish(sampled)
         attempt.phase = "after the step"
-        self.last_produced = [(r.request_id, r.generated[-1]) for r in produced]
+        self._produced = produced
         if check:
             scheduler.check_invariants()
         stats = self.stats()
@@ -578,7 +629,7 @@ class Engine:
         """`err` interrupted a step: drain the copies, settle every migration, discard the forward pass, and
         return (the caller re-raises `err`) if the state is consistent; otherwise raise `EngineBroken`."""
         scheduler = self.scheduler
-        self.last_produced = []
+        self._produced = []
         iteration = scheduler.iteration
         problem = None
         try:
@@ -679,6 +730,7 @@ class Engine:
     def _wait(self, plan: MigrationPlan, fence: Fence) -> None:
         """`plan`'s copies completed (its fenced sources may be reused once the scheduler is told)."""
         fence.wait()
+        self.totals.migrations += 1
         if plan.direction == TO_HOST:
             self._after_suspend(plan, self.scheduler.iteration)
 
@@ -731,13 +783,17 @@ class Engine:
         if not chunks:
             return {}
         logits = self.model.forward_paged(self._planner.plan(chunks), self.cache)
-        producing = [i for i, produces in enumerate(chunks.produces_token) if produces]  # read column by column
-        if not producing:
-            return {}
-        requests, starts, inputs, submissions = chunks.requests, chunks.starts, chunks.tokens, self._submissions
-        ids = [requests[i].request_id for i in producing]
-        params = [submissions[rid].sampling for rid in ids]
-        positions = [starts[i] + len(inputs[i]) for i in producing]
+        requests, starts, inputs = chunks.requests, chunks.starts, chunks.tokens  # read column by column
+        if not all(chunks.produces_token):  # some chunk is not the last of its prefill: keep the rows that sample
+            producing = list(compress(count(), chunks.produces_token))
+            if not producing:
+                return {}
+            requests = [requests[i] for i in producing]
+            starts = [starts[i] for i in producing]
+            inputs = [inputs[i] for i in producing]
+        ids = list(map(_REQUEST_ID, requests))  # whole-list operations: a steady step runs no loop body per request
+        params = list(map(_SAMPLING, map(self._submissions.__getitem__, ids)))
+        positions = list(map(add, starts, map(len, inputs)))
         tokens = sample_batch(logits, params, seed=self.config.seed, request_ids=ids, positions=positions)
         return dict(zip(ids, tokens, strict=True))
 

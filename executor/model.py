@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import array
 import functools
+import itertools
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Protocol, cast
+from typing import NamedTuple, Protocol, cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -303,9 +304,10 @@ class DecodeKV:
     """The keys and values a reused decode plan attends over, kept from one step to the next (`BatchPlanner`).
 
     A decode step of an unchanged batch reads the same blocks as the step before, plus one new key and value per
-    request. So the first step of a plan gathers each layer's blocks from the cache as usual, ``[B, span,
-    kv_heads, head_dim]``, and keeps them; each later step writes only its new key and value into them (row i, at
-    request i's position) after writing them into the cache, instead of gathering every block again.
+    request. So the first step of a plan gathers each layer's blocks from the cache as usual, head-major ``[B,
+    kv_heads, span, head_dim]`` (`_gather`: each head's keys contiguous, the layout attention reads fastest), and
+    keeps them; each later step writes only its new key and value into them (row i, at request i's position)
+    after writing them into the cache, instead of gathering every block again.
 
     Invariants: it belongs to one plan (the planner makes a new one for every plan it builds), whose requests
     only append to their own blocks while it is reused, so at every position a request attends (its context) the
@@ -317,7 +319,7 @@ class DecodeKV:
 
     def __init__(self, budget: int = DECODE_KV_BUDGET_BYTES) -> None:
         self.budget = budget
-        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (keys, values) [B, span, Hkv, D]
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (keys, values) [B, Hkv, span, D]
 
     def read(
         self,
@@ -334,7 +336,7 @@ class DecodeKV:
         if kept is not None:
             rows = _key_positions(group.num_seqs, positions.device)
             for tensor, values in zip(kept, new, strict=True):
-                tensor.index_put_((rows, positions), values)
+                tensor.transpose(1, 2).index_put_((rows, positions), values)  # token-major view: [B, span, Hkv, D]
             return kept
         gathered = _gather(cache, group)
         size = sum(t.numel() * t.element_size() for pair in (*self.kept.values(), gathered) for t in pair)
@@ -342,13 +344,23 @@ class DecodeKV:
             self.kept[layer] = gathered
         return gathered
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Only the requests of these rows stay in the plan (in this order): keep theirs alone."""
+        for layer, (keys, values) in self.kept.items():
+            self.kept[layer] = keys.index_select(0, rows), values.index_select(0, rows)
+
 
 def _gather(cache: tuple[torch.Tensor, torch.Tensor], group: _AttnGroup) -> tuple[torch.Tensor, torch.Tensor]:
-    """The blocks of `group` from one layer's (keys, values): ``[B, num_blocks * block_size, kv_heads, head_dim]``
-    each, request by request."""
+    """The blocks of `group` from one layer's (keys, values), head-major: ``[B, kv_heads, num_blocks * block_size,
+    head_dim]`` each, contiguous, request by request (the cache is token-major; attention reads a head's keys
+    fastest when they are contiguous)."""
     keys, values = cache
     shape = (group.num_seqs, group.num_blocks * keys.shape[1], *keys.shape[2:])
-    return keys.index_select(0, group.blocks).view(shape), values.index_select(0, group.blocks).view(shape)
+
+    def head_major(t: torch.Tensor) -> torch.Tensor:
+        return t.index_select(0, group.blocks).view(shape).transpose(1, 2).contiguous()
+
+    return head_major(keys), head_major(values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,7 +375,7 @@ class PagedBatch:
     positions: torch.Tensor
     slot_blocks: torch.Tensor
     slot_offsets: torch.Tensor
-    seqs: tuple[_SeqView, ...]
+    seqs: Sequence[_SeqView]  # a tuple, or for a kept decode plan's batch views built when read (`_Seqs`)
     logits_indices: torch.Tensor
     # decode requests (one token) form one group, multi-token chunks another; None: attend request by request
     groups: tuple[_AttnGroup, ...] | None = None
@@ -455,36 +467,29 @@ class PagedBatch:
 
 
 class BatchPlanner:
-    """Builds each forward pass's `PagedBatch`, reusing the previous decode plan when the batch did not change.
+    """Builds each forward pass's `PagedBatch`, keeping the previous decode plan when the batch did not change.
 
     A decode-only batch of the same requests as the previous one (each one position further, the same block
-    table up to its new block) keeps its Python plan (views, padded block lists, group shape) and is updated in
-    place: new tokens and positions, and a request that crossed into a new block gets that block written into
-    its slot of the padded block list. Anything else (a new or departed request, a prefill chunk, a request
-    whose context outgrew the plan's blocks, a changed table) is built from scratch with `PagedBatch.build`.
-    The chunks are read as columns (`BatchColumns`), so a steady step does a few list passes, not a loop body
-    per request. Each decode plan gets its own `DecodeKV`, so its steps after the first gather no blocks.
+    table up to its new block) is a persistent batch: its plan (`_DecodePlan`: the index tensors on the device,
+    the padded block list, the group's shape and the `DecodeKV` of what it gathered) is updated in place, only
+    where something changed: positions move on by one and offsets follow (two tensor operations), the requests
+    that crossed into a new block get that block written into their slot and their row of the block list (one
+    small upload), and the new tokens are uploaded. Anything else (a new or departed request, a prefill chunk, a
+    request whose context outgrew the plan's blocks, a changed table, a step that did not advance) is built from
+    scratch with `PagedBatch.build`. The chunks are read as columns (`BatchColumns`) and compared with the plan's
+    by whole-list operations, so a steady step runs no Python loop body per request. Each decode plan gets its
+    own `DecodeKV`, so its steps after the first gather no blocks.
 
     Invariants kept: `plan(chunks)` holds the same values as `PagedBatch.build(chunks, ...)`, and the same
     logits (`DecodeKV` keeps exactly what a gather would read); block tables are owned exclusively, so "the same
     table" identifies "the same request"; a table given as the very object of the previous step (the scheduler's
     pool keeps one immutable tuple per request until it changes) is that table, any other is compared block by
-    block with the blocks the plan holds.
+    block with the blocks the plan holds. A batch of a kept plan shares the plan's tensors: it is valid until
+    the planner's next `plan()`, which updates them in place (on CUDA in stream order, after the forward that
+    reads them).
     """
 
-    __slots__ = (
-        "_blocks",
-        "_decode_kv",
-        "_given",
-        "_num_blocks",
-        "_starts",
-        "_tables",
-        "block_size",
-        "builds",
-        "decode_kv_budget",
-        "device",
-        "reuses",
-    )
+    __slots__ = ("_decode", "block_size", "builds", "decode_kv_budget", "device", "reuses")
 
     def __init__(
         self, block_size: int, device: torch.device | str = "cpu", decode_kv_budget: int = DECODE_KV_BUDGET_BYTES
@@ -492,99 +497,189 @@ class BatchPlanner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.decode_kv_budget = decode_kv_budget  # bytes the kept keys and values of a decode plan may take
-        self._tables: list[tuple[int, ...]] | None = None  # per request: its blocks covering its context
-        self._given: list[tuple[int, ...]] = []  # per request: the block table object it was last planned with
-        self._starts: list[int] = []  # per request: the position of its last decoded token
-        self._blocks: list[int] = []  # the padded block list of the decode group, `_num_blocks` per request
-        self._num_blocks = 0
-        self._decode_kv: DecodeKV | None = None  # the keys and values of the decode plan, kept across its steps
+        self._decode: _DecodePlan | None = None  # the plan of the last batch, when it was a steady decode step
         self.builds = 0  # batches built from scratch
         self.reuses = 0  # decode plans reused
 
+    @property
+    def _decode_kv(self) -> DecodeKV | None:
+        """The keys and values the current decode plan keeps (None: the last batch was not decode-only)."""
+        return None if self._decode is None else self._decode.decode_kv
+
     def plan(self, chunks: Sequence[BatchChunk]) -> PagedBatch:
         columns = _columns(chunks)
-        batch = self._advance(columns)
-        if batch is not None:
-            self.reuses += 1
-            return batch
+        if self._decode is not None:
+            batch = self._decode.advance(columns, self.device)
+            if batch is not None:
+                self.reuses += 1
+                return batch
         batch = PagedBatch.build(chunks, self.block_size, self.device)
         self.builds += 1
-        self._remember(columns, batch)
-        return batch if self._tables is None else replace(batch, decode_kv=self._decode_kv)
-
-    def _remember(self, columns: _Columns, batch: PagedBatch) -> None:
-        """Keep the plan of a decode-only batch whose every request samples (the steady decode step)."""
-        self._tables, self._decode_kv = None, None
+        self._decode = None
         if not columns.starts or not _all_decode(columns):
-            return
-        if batch.groups is None:
+            return batch
+        if batch.groups is None or len(batch.groups) != 1:
             raise AssertionError("a decode-only batch is planned as one attention group")
-        (group,) = batch.groups
-        self._tables = [s.table for s in batch.seqs]
-        self._given = list(columns.block_tables)
-        self._starts = list(columns.starts)
-        self._num_blocks = group.num_blocks
-        self._decode_kv = DecodeKV(self.decode_kv_budget)
-        self._blocks = []
-        for table in self._tables:
-            self._blocks.extend(table)
-            self._blocks.extend(table[:1] * (group.num_blocks - len(table)))
+        self._decode = _DecodePlan(columns, batch, self.block_size, DecodeKV(self.decode_kv_budget))
+        return replace(batch, decode_kv=self._decode.decode_kv)
 
-    def _advance(self, columns: _Columns) -> PagedBatch | None:
-        """The previous decode plan moved one position on, or None when it does not apply."""
-        tables, size, width = self._tables, self.block_size, self._num_blocks
-        positions = list(columns.starts)
-        if (
-            tables is None
-            or len(positions) != len(tables)
-            or positions != [p + 1 for p in self._starts]
-            or not _all_decode(columns)
-        ):
+
+class _DecodePlan:
+    """The decode group of the last batch (a steady decode step: every request one token and sampling), kept so
+    that the next step updates it in place (`BatchPlanner`). Its tensors are the last batch's own.
+
+    Requests that left the batch since (finished, preempted, cancelled) are dropped from it first (`_drop_left`:
+    their rows taken out of every tensor and of the `DecodeKV`); a request that joins it makes a new plan.
+
+    Invariants: `tables[i]` are request i's blocks covering its context at the last step (a request is known by
+    its first block: tables are exclusive) and `given[i]` the table object it was handed; `starts` its last
+    positions; `blocks` holds `width` blocks per request (its table, then its first block repeated), and the
+    device tensors hold what `PagedBatch.build` of the last step would."""
+
+    __slots__ = ("batch", "block_size", "decode_kv", "given", "group", "starts", "tables", "width")
+
+    def __init__(self, columns: _Columns, batch: PagedBatch, block_size: int, decode_kv: DecodeKV) -> None:
+        (group,) = cast("tuple[_AttnGroup, ...]", batch.groups)
+        self.batch, self.group, self.block_size, self.decode_kv = batch, group, block_size, decode_kv
+        self.tables = [seq.table for seq in batch.seqs]
+        self.given = list(columns.block_tables)
+        self.starts = list(columns.starts)
+        self.width = group.num_blocks
+
+    def advance(self, columns: _Columns, device: torch.device) -> PagedBatch | None:
+        """The plan moved one position on, updated in place, as this step's batch; None (nothing changed here,
+        the planner builds anew) when the batch is not the same requests one step further within the plan."""
+        if not columns.starts or not _all_decode(columns):
             return None
-        given = columns.block_tables
-        if not all(map(operator.is_, given, self._given)) and not all(
-            new[: len(table)] == table for new, table in zip(given, tables, strict=True)
-        ):
-            return None  # some request's blocks are not the ones the plan holds: another request
-        block_index = [p // size for p in positions]
-        grown = [i for i, (k, table) in enumerate(zip(block_index, tables, strict=True)) if k == len(table)]
-        for i in grown:  # crossed into a new block (allocated by the scheduler before this step)
-            k = block_index[i]
-            if k >= width or len(given[i]) <= k:
-                return None
-        for i in grown:
-            tables[i] = given[i][: block_index[i] + 1]
-            self._blocks[i * width + block_index[i]] = given[i][block_index[i]]
-        self._given = list(given)
-        self._starts = positions
-        n = len(positions)
-        seqs = tuple(map(_SeqView._make, zip(range(n), range(1, n + 1), positions, tables, strict=True)))
-        num_keys = max(positions) + 1
-        plan = {
-            "num_seqs": n,
-            "num_queries": 1,
-            "num_blocks": width,
-            "num_keys": num_keys,
-            "row_start": 0,
-            "blocks": self._blocks,
-            "query_pos": None if min(positions) + 1 == num_keys else positions,
-            "rows": None,
-            "valid": None,
-        }
-        rows = _TokenRows(
-            [tokens[0] for tokens in columns.tokens],
-            positions,
-            [table[k] for table, k in zip(tables, block_index, strict=True)],
-            [p % size for p in positions],
-            list(range(n)),
-            None,
+        if len(columns.starts) != len(self.tables) and not self._drop_left(columns):
+            return None
+        starts, given, tables, size = list(columns.starts), columns.block_tables, self.tables, self.block_size
+        if starts != list(map(operator.add, self.starts, _ONE)):
+            return None
+        if not all(map(operator.is_, given, self.given)):  # a new table object: the same blocks, or one more
+            for i in itertools.compress(itertools.count(), map(operator.is_not, given, self.given)):
+                if given[i][: len(tables[i])] != tables[i]:
+                    return None  # some request's blocks are not the ones the plan holds: another request
+        at_boundary = map(operator.not_, map(operator.mod, starts, itertools.repeat(size)))
+        rows, blocks = [], []  # the requests whose step enters a new block, and that block
+        for i in itertools.compress(itertools.count(), at_boundary):
+            k = starts[i] // size
+            if k >= self.width or len(given[i]) <= k:
+                return None  # its context outgrew the plan's blocks (or its table lacks the block): rebuild
+            tables[i] = given[i][: k + 1]  # k == its blocks so far: its context filled them at the last step
+            rows.append(i)
+            blocks.append(given[i][k])
+        self.given, self.starts = list(given), starts
+        return self._moved_on(columns, rows, blocks, device)
+
+    def _drop_left(self, columns: _Columns) -> bool:
+        """Take out of the plan the requests of the last step that are not in `columns`; False (the plan is not
+        changed) when `columns` holds a request the plan does not, or holds them in another order."""
+        row_of = dict(zip(map(_FIRST, self.tables), itertools.count()))
+        rows = list(map(row_of.get, map(_FIRST, columns.block_tables)))
+        if None in rows:
+            return False
+        kept = cast("list[int]", rows)
+        if not all(map(operator.lt, kept, itertools.islice(kept, 1, None))):
+            return False
+        batch, group, width = self.batch, self.group, self.width
+        keep = host_longs(kept).to(batch.positions.device)
+        self.tables = [self.tables[r] for r in kept]
+        self.given = [self.given[r] for r in kept]
+        self.starts = [self.starts[r] for r in kept]
+        self.decode_kv.keep_rows(keep)
+        blocks = group.blocks.view(len(row_of), width).index_select(0, keep).view(-1)
+        self.group = replace(group, num_seqs=len(kept), blocks=blocks)
+        self.batch = replace(
+            batch,
+            positions=batch.positions.index_select(0, keep),
+            slot_blocks=batch.slot_blocks.index_select(0, keep),
+            slot_offsets=batch.slot_offsets.index_select(0, keep),
+            logits_indices=_key_positions(len(kept), keep.device),
         )
-        return replace(PagedBatch._upload(rows, seqs, [plan], self.device), decode_kv=self._decode_kv)
+        return True
+
+    def _moved_on(self, columns: _Columns, rows: list[int], blocks: list[int], device: torch.device) -> PagedBatch:
+        """Update the device tensors in place (one upload: the new tokens, and the new blocks with where they go)
+        and return the step's batch (built field by field: `dataclasses.replace` costs more than the update)."""
+        batch, group, starts, width = self.batch, self.group, self.starts, self.width
+        tokens = list(itertools.chain.from_iterable(columns.tokens))
+        positions = batch.positions
+        if rows:
+            packer = _Indices()
+            for values in (tokens, rows, blocks, [i * width + starts[i] // self.block_size for i in rows]):
+                packer.add(values)
+            host, (input_ids, at, new_blocks, slots) = packer.upload(device)
+            batch.slot_blocks.index_copy_(0, at, new_blocks)
+            group.blocks.index_copy_(0, slots, new_blocks)
+        else:
+            host = host_longs(tokens, pinned=device.type == "cuda")
+            input_ids = host.to(device, non_blocking=True)
+        positions.add_(1)
+        torch.remainder(positions, self.block_size, out=batch.slot_offsets)
+        n, num_keys = len(starts), max(starts) + 1
+        mask = (
+            None
+            if min(starts) + 1 == num_keys
+            else _attention_mask(positions, {"num_seqs": n, "num_queries": 1, "num_keys": num_keys})
+        )
+        self.group = group = _AttnGroup(n, 1, width, num_keys, None, 0, group.blocks, mask, None)
+        self.batch = batch = PagedBatch(
+            input_ids,
+            positions,
+            batch.slot_blocks,
+            batch.slot_offsets,
+            _Seqs(starts, self.tables),
+            batch.logits_indices,
+            (group,),
+            None,
+            host,
+            self.decode_kv,
+        )
+        return batch
+
+
+class _Seqs(Sequence[_SeqView]):
+    """The per-request views of a kept decode plan's batch (request i: row i, at `starts[i]`, its `tables[i]`),
+    built when read: nothing on the batched path reads them (a tuple of `_SeqView`s compares equal)."""
+
+    __slots__ = ("starts", "tables")
+
+    def __init__(self, starts: list[int], tables: list[tuple[int, ...]]) -> None:
+        self.starts, self.tables = starts, list(tables)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @overload
+    def __getitem__(self, index: int) -> _SeqView: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[_SeqView, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> _SeqView | tuple[_SeqView, ...]:
+        if isinstance(index, slice):
+            return tuple(self)[index]
+        i = range(len(self.starts))[index]
+        return _SeqView(i, i + 1, self.starts[i], self.tables[i])
+
+    def __iter__(self) -> Iterator[_SeqView]:
+        n = len(self.starts)
+        return map(_SeqView, range(n), range(1, n + 1), self.starts, self.tables)
+
+    def __eq__(self, other: object) -> bool:
+        return tuple(self) == (tuple(other) if isinstance(other, Sequence) else other)
+
+    __hash__ = None  # type: ignore[assignment]  # compared by content, like the tuple it stands for
+
+
+_ONE = itertools.repeat(1)  # `map(add, starts, _ONE)`: every position one further, without a Python loop body
+_FIRST = operator.itemgetter(0)  # a table's first block: which request it is (tables are exclusive)
 
 
 def _all_decode(columns: _Columns) -> bool:
     """Every chunk is one token that samples (a decode step)."""
-    return all(columns.produces_token) and all(len(tokens) == 1 for tokens in columns.tokens)
+    return all(columns.produces_token) and all(map((1).__eq__, map(len, columns.tokens)))
 
 
 class RMSNorm(nn.Module):
@@ -610,14 +705,29 @@ def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor
 
 
 def rotary_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype, max_positions: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary factors of each position for `apply_rotary`, ``[T, 1, head_dim]`` each (broadcast over heads):
     cos, and sin with its first half negated (the sign of Hugging Face's ``rotate_half``). Angles are computed in
-    float64, then cast. Computed once per forward pass and shared by every layer."""
+    float64, then cast. Computed once per forward pass and shared by every layer. With `max_positions` (every
+    position is below it) the factors are read from a table of all of them (`_rotary_table`, made once): the
+    same values, two lookups instead of computing them again."""
+    if max_positions is not None:
+        cos, sin = _rotary_table(head_dim, theta, dtype, positions.device, max_positions)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
     angles = positions.to(torch.float64)[:, None, None] * _inv_freq(head_dim, theta, positions.device)
     sin = angles.sin()
     return torch.cat((angles, angles), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _rotary_table(
+    head_dim: int, theta: float, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_cos_sin` of positions ``0 .. max_positions - 1`` (made once per shape, dtype and device; never
+    mutated)."""
+    with torch.inference_mode(False):  # normal tensors, usable outside inference mode too
+        return rotary_cos_sin(torch.arange(max_positions, device=device), head_dim, theta, dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -710,11 +820,10 @@ class Attention(nn.Module):
             gq = q if q.shape[0] == b * nq else q[group.row_start : group.row_start + b * nq]
         else:
             gq = q.index_select(0, group.query_rows)
-        gk, gv = gathered
-        span, read = gk.shape[1], group.num_keys
+        gk, gv = gathered  # head-major: [B, Hkv, span, D]
+        span, read = gk.shape[2], group.num_keys
         if read < span:  # nobody's context reaches the last slots
-            gk, gv = gk[:, :read], gv[:, :read]
-        gk, gv = gk.transpose(1, 2), gv.transpose(1, 2)
+            gk, gv = gk[:, :, :read], gv[:, :, :read]
         if nq == 1:  # decode: the query heads sharing a KV head are that head's query rows, [B, Hkv, H / Hkv, D]
             out = F.scaled_dot_product_attention(
                 gq.reshape(b, kv_heads, heads // kv_heads, dim), gk, gv, attn_mask=group.mask
@@ -867,7 +976,8 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch | None, cache: LayerCache | None
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)
+        c = self.config
+        cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta, h.dtype, c.max_position_embeddings)
         for layer in self.layers:
             h = layer(h, cos, sin, batch, cache)
         return self.norm(h)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Hashable
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 
@@ -40,6 +41,7 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams()
+_TEMPERATURE = attrgetter("temperature")
 
 
 def draw_seed(seed: int, request_id: Hashable, position: int) -> int:
@@ -77,9 +79,9 @@ def sample_batch(
     logits: torch.Tensor, params: list[SamplingParams], *, seed: int, request_ids: list[Hashable], positions: list[int]
 ) -> list[int]:
     """Tokens for each row of ``logits [B, vocab]``; greedy rows take one batched argmax (one device sync)."""
-    sampled_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]  # greedy: temperature 0
-    if not sampled_rows:  # the usual case: nothing but one argmax per step
+    if not any(map(_TEMPERATURE, params)):  # every row greedy (temperature 0), the usual case: one argmax per step
         return torch.argmax(logits, dim=-1).tolist()
+    sampled_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
     greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0.0]
     tokens: list[int] = [0] * len(params)
     if greedy_rows:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import chain
+from operator import attrgetter
 from typing import NamedTuple, cast, overload
 
 from kvstate.errors import InvariantViolation, KVStateError
@@ -80,21 +81,26 @@ def planned_chunks(output: SchedulerOutput, pool: TieredBlockPool) -> PlannedBat
     prefilling, prefill_tables = _holding_blocks(output.context + output.replay, table_of)
     decoding, decode_tables = _holding_blocks(output.generation, table_of)
     chunk_tokens = output.chunk_tokens
-    starts = [request.num_computed_tokens for request in prefilling]
+    starts = list(map(_computed, prefilling))
     ends = [start + chunk_tokens[request.request_id] for request, start in zip(prefilling, starts, strict=True)]
     tokens = [request.prefill_tokens[start:end] for request, start, end in zip(prefilling, starts, ends, strict=True)]
     produces = [end >= len(request.prefill_tokens) for request, end in zip(prefilling, ends, strict=True)]
-    starts += [request.num_computed_tokens for request in decoding]
-    tokens += [request.last_token for request in decoding]
+    starts += map(_computed, decoding)  # the decode steps: whole-list operations, no loop body per request
+    tokens += map(_last_token, decoding)
     produces += [True] * len(decoding)
     return PlannedBatch(prefilling + decoding, starts, tokens, prefill_tables + decode_tables, produces)
+
+
+_computed = attrgetter("num_computed_tokens")
+_last_token = attrgetter("last_token")
+_request_id = attrgetter("request_id")
 
 
 def _holding_blocks(
     requests: list[Request], table_of: Callable[[Hashable], tuple[int, ...] | None]
 ) -> tuple[list[Request], list[tuple[int, ...]]]:
     """The requests that still hold GPU blocks, in order, and their block tables (`table_of`: None for none)."""
-    found = list(map(table_of, [request.request_id for request in requests]))
+    found = list(map(table_of, map(_request_id, requests)))
     if all(found):
         return requests, cast("list[tuple[int, ...]]", found)
     kept = [i for i, table in enumerate(found) if table]

@@ -17,8 +17,11 @@ Invariants kept (ids from the spec; the policy's rules are the spec's `[policy]`
   requester takes a victim instead of counting the same blocks (WORK-CONSERVE);
 * admissions follow the policy's classes in order, each by arrival, stopping at the first misfit (ADMIT-ORDER);
   no new request in a pass that chose a victim or left a requester waiting (ADMIT-HOLD); output lists are disjoint
-  (OUT-DISJOINT); requests' block counts mirror the pool (RES-STATE), checked by `check_invariants`.
-Steady-state decode costs O(1) per running request: no lifecycle event fires unless a state changes.
+  (OUT-DISJOINT); requests' block counts mirror the pool (RES-STATE), checked by `check_invariants`;
+* the per-state counts and the token and block sums the statistics report (`StateTally`) are kept on each
+  transition and equal a recount of the requests (STATS-COUNT), checked by `check_invariants`.
+Steady-state decode costs O(1) per running request: no lifecycle event fires unless a state changes, and a step
+walks only the requests it schedules (the statistics of those it leaves alone are kept, not recounted).
 
 One scheduler step, written once: schedule -> issue copies -> compute -> complete. Every executor (the slot-level
 simulator `kvstate.sim.SimExecutor`, the engine `executor.Engine`, and the pipeline runtime's rank 0) carries out a
@@ -50,7 +53,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from kvstate.config import RequestRejected, SchedulerConfig, normalize_stop_token_ids
 from kvstate.errors import InvariantViolation, KVStateError, PoolError
@@ -132,6 +135,95 @@ class SchedulingPass:
         self.slots_left -= slots
 
 
+class Holding(Protocol):
+    """What the tally reads of a request (`kvstate.Request` is one)."""
+
+    state: str
+    num_computed_tokens: int
+    prefill_tokens: tuple[int, ...]
+    num_gpu_blocks: int
+
+
+Figures = tuple[int, int, int]  # (num_computed_tokens, len(prefill_tokens), num_gpu_blocks) of one request
+
+
+def figures(request: Holding) -> Figures:
+    """What `StateTally` sums of `request`."""
+    return request.num_computed_tokens, len(request.prefill_tokens), request.num_gpu_blocks
+
+
+class StateTally:
+    """Per-state request counts, and token and block sums of the requests that hold still, kept on every transition
+    so that a step's statistics cost O(states), never O(requests held) (STATS-COUNT).
+
+    Invariants kept, checked against `recount` by `Scheduler.check_invariants`:
+    * `counts[s]` is the number of active (unfinished) requests in state s, for every non-terminal state s;
+    * for every `held` state s (a non-terminal state whose requests do not compute: the spec's `computing` flag
+      says which, never a name), `kv_tokens[s]`, `replay_tokens[s]` and `gpu_blocks[s]` are the sums of
+      `num_computed_tokens`, `len(prefill_tokens)` and `num_gpu_blocks` over the requests in s. A computing
+      request's figures change on every step, so computing states keep a count only.
+
+    The owner calls `added` for a new request, `moved` after every transition (with the request's figures from
+    before it: the edge's effect changes them) and `changed` when a held request's figures change without one (a
+    pipelined step that lands after its request was preempted); nothing else changes a held request's figures.
+    """
+
+    __slots__ = ("counts", "gpu_blocks", "held", "kv_tokens", "replay_tokens")
+
+    def __init__(self, states: Iterable[str], held: Iterable[str]) -> None:
+        self.counts: dict[str, int] = dict.fromkeys(states, 0)
+        self.held = frozenset(held)
+        if not self.held <= set(self.counts):
+            raise ValueError(f"held states {sorted(self.held - set(self.counts))} are not among the tallied states")
+        self.kv_tokens: dict[str, int] = dict.fromkeys(self.held, 0)
+        self.replay_tokens: dict[str, int] = dict.fromkeys(self.held, 0)
+        self.gpu_blocks: dict[str, int] = dict.fromkeys(self.held, 0)
+
+    def before(self, request: Holding) -> Figures | None:
+        """What `moved` needs of `request` before a transition: its figures when its state is held, else None."""
+        return figures(request) if request.state in self.held else None
+
+    def added(self, request: Holding) -> None:
+        self.counts[request.state] += 1
+        self._add(request.state, figures(request), 1)
+
+    def moved(self, request: Holding, old: str, before: Figures | None) -> None:
+        """`request` left `old` (its figures were `before`) for its present state (terminal: no longer counted)."""
+        self.counts[old] -= 1
+        if before is not None:
+            self._add(old, before, -1)
+        if request.state in self.counts:
+            self.counts[request.state] += 1
+            self._add(request.state, figures(request), 1)
+
+    def changed(self, request: Holding, before: Figures) -> None:
+        """A held `request`'s figures changed from `before` without a transition."""
+        self._add(request.state, before, -1)
+        self._add(request.state, figures(request), 1)
+
+    def _add(self, state: str, of: Figures, sign: int) -> None:
+        if state in self.held:
+            computed, replay, blocks = of
+            self.kv_tokens[state] += sign * computed
+            self.replay_tokens[state] += sign * replay
+            self.gpu_blocks[state] += sign * blocks
+
+    def recount(self, requests: Iterable[Holding]) -> StateTally:
+        """A tally of the same states built from scratch over `requests` (the active ones)."""
+        fresh = StateTally(self.counts, self.held)
+        for request in requests:
+            fresh.added(request)
+        return fresh
+
+    def to_dict(self) -> dict[str, dict[str, int]]:
+        return {
+            "counts": dict(self.counts),
+            "kv_tokens": dict(self.kv_tokens),
+            "replay_tokens": dict(self.replay_tokens),
+            "gpu_blocks": dict(self.gpu_blocks),
+        }
+
+
 class Scheduler:
     """Continuous batching over a `TieredBlockPool` with suspend and recompute-pause preemption."""
 
@@ -161,7 +253,10 @@ class Scheduler:
         self.suspended: list[Request] = []  # arrival order
         self.paused: list[Request] = []  # recompute-paused; arrival order
         self.admitted: list[Request] = []  # computing, admission order (victims from the tail)
-        self.active_per_state = {s.name: 0 for s in spec.states if not s.terminal}  # kept by `_move` (STATS-COUNT)
+        self.tally = StateTally(  # kept by `_move` (STATS-COUNT): what the statistics read, no walk per step
+            (s.name for s in spec.states if not s.terminal),
+            (s.name for s in spec.states if not s.terminal and not s.computing),
+        )
         self.iteration = 0
         self.host_tier_fallback = False
         self.in_flight: dict[Hashable, int] = {}  # id -> blocks allocated for its step still in the pipeline
@@ -189,7 +284,7 @@ class Scheduler:
         self._idle = SchedulingPass(config, None)  # the pass that events between passes fire in
         self.last_pass: SchedulingPass | None = None
         self._idle_iterations = 0
-        self._last_stats = IterationStats(iteration=0)
+        self._last_stats: IterationStats | None = None  # of the last completed iteration
 
     def _queue_of(self, event: str) -> list[Request]:
         """The queue of the one state the admission class `event` leaves."""
@@ -233,7 +328,7 @@ class Scheduler:
         )
         self.lifecycle.start(request)
         self.requests[request_id] = request
-        self.active_per_state[request.state] += 1
+        self.tally.added(request)
         self.waiting.append(request)
         return request
 
@@ -285,13 +380,13 @@ class Scheduler:
         evaluated once on a `PassView` of that pass; then run the edge's effect in it, move the request between the
         containers, record the transition (`fired`) and tell `on_transition`. None (nothing changed) when no guard
         holds."""
-        before = request.state
+        before, figures = request.state, self.tally.before(request)
         transition = self.lifecycle.try_fire(request, event, self._view(pass_))
         if transition is None:
             return None
         if transition.effect is not None:
             getattr(self._effects_in(pass_), transition.effect)(request, transition)
-        self._move(request, before, transition.dest)
+        self._move(request, before, transition.dest, figures)
         if self.fired is not None:
             self.fired.append(self.snapshot(request, transition))
         if self.on_transition is not None:
@@ -345,13 +440,17 @@ class Scheduler:
         self.fired = []
         return fired
 
-    def _move(self, request: Request, old: str, new: str) -> None:
-        """Keep the per-state containers and counts in step with a transition."""
+    @property
+    def active_per_state(self) -> dict[str, int]:
+        """Active requests per non-terminal state (the tally's counts, kept on each transition)."""
+        return self.tally.counts
+
+    def _move(self, request: Request, old: str, new: str, figures: Figures | None) -> None:
+        """Keep the per-state containers and the tally in step with a transition (`figures`: the request's tallied
+        figures before it, `StateTally.before`)."""
+        self.tally.moved(request, old, figures)
         if old == new:
             return
-        self.active_per_state[old] -= 1
-        if new in self.active_per_state:
-            self.active_per_state[new] += 1
         source, target = self._containers[old], self._containers[new]
         if source is not target:
             if source is not None:
@@ -419,13 +518,7 @@ class Scheduler:
 
     def _room_on_its_way(self) -> int:
         """GPU blocks that free without further preemption: fenced by copies, or held awaiting consensus."""
-        return len(self.pool.gpu.fenced) + sum(r.num_gpu_blocks for r in self._awaiting_consensus())
-
-    def _awaiting_consensus(self) -> list[Request]:
-        """Resident requests held for consensus (none walked while the state's count is 0, as in steady decode)."""
-        if not self.active_per_state[self._pending_reset]:
-            return []
-        return [r for r in self.resident if r.state == self._pending_reset]
+        return len(self.pool.gpu.fenced) + self.tally.gpu_blocks[self._pending_reset]
 
     def _schedule_decoding(self, pass_: SchedulingPass) -> list[Request]:
         """Decode steps of the resident requests in arrival order, in one walk that also returns the resident
@@ -686,7 +779,7 @@ class Scheduler:
         if self.in_flight:
             for request_id in output.chunk_tokens:
                 self.in_flight.pop(request_id, None)
-        self._last_stats = self._stats(output, recomputed, generated=len(produced))  # one token per produced
+        self._last_stats = self._stats(output, recomputed, len(produced), iteration=self.iteration)  # a token each
         if progress:
             self._idle_iterations = 0
         return produced
@@ -747,7 +840,10 @@ class Scheduler:
         token = sampled[request.request_id]  # a decode step: a request with a chunk in flight is no victim
         if state == self._offloaded and (token in request.stop_token_ids or request.remaining_tokens <= 1):
             return False
+        before = self.tally.before(request)
         request.advance(1, False)
+        if before is not None:
+            self.tally.changed(request, before)
         if request.append_token(token):
             self._fire(request, "finish", self._idle)
         return True
@@ -861,22 +957,25 @@ class Scheduler:
 
     # ---------------------------------------------------------------------------------------- observation
     def stats(self) -> IterationStats:
-        """Statistics of the last completed iteration."""
+        """Statistics of the last completed iteration; before the first one completes, the requests and the pool as
+        they are (iteration 0, nothing done yet). Every state is in `requests_per_state` from the start."""
+        if self._last_stats is None:
+            return self._stats(SchedulerOutput(), 0, 0, iteration=0)
         return self._last_stats
 
-    def _stats(self, out: SchedulerOutput, recomputed: int, generated: int) -> IterationStats:
-        counts = {**self.active_per_state, self._ended: len(self.finished)}
-        pending_kv = sum(r.num_computed_tokens for r in self._awaiting_consensus())
+    def _stats(self, out: SchedulerOutput, recomputed: int, generated: int, *, iteration: int) -> IterationStats:
+        tally = self.tally
+        counts = {**tally.counts, self._ended: len(self.finished)}
         blocks = sum(p.num_blocks for p in out.migrations)
         usage = self.pool.usage()
         return IterationStats(
-            iteration=self.iteration,
+            iteration=iteration,
             requests_per_state=counts,
             num_suspended=counts[self._offloaded],
             num_recompute_paused=counts[self._dropped] + counts[self._pending_reset],
-            suspended_kv_tokens=sum(r.num_computed_tokens for r in self.suspended),
-            recompute_paused_kv_tokens=pending_kv,
-            recompute_paused_tokens_to_replay=sum(len(r.prefill_tokens) for r in self.paused),
+            suspended_kv_tokens=tally.kv_tokens[self._offloaded],
+            recompute_paused_kv_tokens=tally.kv_tokens[self._pending_reset],
+            recompute_paused_tokens_to_replay=tally.replay_tokens[self._dropped],
             suspended_this_iteration=len(out.suspended),
             recompute_paused_this_iteration=len(out.recompute_paused),
             preemptions=len(out.suspended) + len(out.recompute_paused),
@@ -895,9 +994,7 @@ class Scheduler:
     def check_invariants(self, output: SchedulerOutput | None = None) -> None:
         """Raise `InvariantViolation` unless the pool, every request and `output` satisfy the spec's invariants."""
         self.pool.check_invariants()
-        walked = dict.fromkeys(self.active_per_state, 0)
         for request in self.requests.values():
-            walked[request.state] += 1
             gpu = len(self.pool.gpu_blocks(request.request_id))
             host = len(self.pool.host_blocks(request.request_id))
             residency = self.spec.residency(request.state)
@@ -916,10 +1013,9 @@ class Scheduler:
                 raise InvariantViolation(
                     "NO-HOST-NO-SUSPEND", f"request {request.request_id!r} is suspended without a host tier"
                 )
-        if walked != self.active_per_state:
-            raise InvariantViolation(
-                "STATS-COUNT", f"requests per state are {walked}, the scheduler counts {self.active_per_state}"
-            )
+        kept, recount = self.tally.to_dict(), self.tally.recount(self.requests.values()).to_dict()
+        if recount != kept:
+            raise InvariantViolation("STATS-COUNT", f"a recount of the requests gives {recount}, the tally {kept}")
         for request in self.finished.values():
             if self.pool.gpu_blocks(request.request_id) or self.pool.host_blocks(request.request_id):
                 raise InvariantViolation("RES-STATE", f"finished request {request.request_id!r} still holds blocks")

@@ -1,11 +1,15 @@
-"""Per-iteration statistics (DESIGN §1.8).
+"""Per-iteration statistics (DESIGN §1.8), and the tally that keeps them up to date on every transition.
 
 Invariant kept (STATS-COUNT, names as in SPEC.md section 11): suspended and recompute-paused requests are
 counted (`num_suspended`; `num_recompute_paused` includes victims awaiting consensus) with the KV tokens they hold
 (`suspended_kv_tokens` in the host tier; `recompute_paused_kv_tokens`, still on the GPU while consensus is awaited)
 and the tokens their replays must recompute (`recompute_paused_tokens_to_replay`); tokens recomputed by replay are
 reported as `recomputed_tokens`, never as cache hits (this model has no prefix cache, so no token is ever a cache
-hit). `requests_per_state` is keyed by the spec's state names.
+hit). `requests_per_state` is keyed by the spec's state names, every state present from the start.
+
+The scheduler reads these figures from its `kvstate.scheduler.StateTally`, which it updates on each transition, so
+that a step costs O(requests scheduled): nothing walks the requests a step leaves alone
+(`Scheduler.check_invariants` recounts).
 """
 
 from __future__ import annotations

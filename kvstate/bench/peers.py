@@ -1,30 +1,92 @@
-"""The `vllm` group: our scheduler beside vLLM's real v1 `Scheduler` on the same workloads, in one loop.
+"""The `vllm` and `nano-vllm` groups: our scheduler beside a peer's real scheduler on the same workloads, in one
+loop.
 
 Both sides step the same `stepping.Workload`s (256 / 1,024 / 4,096 running requests, blocks of 16 tokens): steady
-decode, and memory pressure with recompute-only preemption (what vLLM does; ours runs without a host tier, so it
-too can only recompute-pause), ours once per lifecycle implementation under pressure. Per size and regime, two
+decode, and memory pressure with recompute-only preemption (what both peers do; ours runs without a host tier, so
+it too can only recompute-pause), ours once per lifecycle implementation under pressure. Per size and regime, two
 rows: `schedule()` alone, and a full step (ours: schedule() + planned_chunks() + complete_migrations() +
-complete_step(); vLLM: schedule() + update_from_output() with the model runner's reply fed back), each as ours over
-vLLM's µs with the per-request cost in the note. Without vLLM (`scripts/install-peers`) ours is still measured and
-the rows say "not installed". The engine beside `transformers` is `end_to_end.decode_section` (`transformers`
-group).
+complete_step(); the peer's: what its engine calls around the model, see its driver), each as ours over the peer's
+µs with the per-request cost in the note. A steady workload that preempted, on either side, is an error: it would
+not measure steady decode. Without the peer ours is still measured and the rows say why there is no baseline.
+
+* `vllm`: vLLM 0.33's v1 `Scheduler` (`vllm_peer`, installed by `scripts/install-peers`);
+* `nano-vllm`: nano-vllm's `engine/` scheduler from a checkout the user points the bench at (`nanovllm_peer`).
+
+The engine beside `transformers` is `end_to_end` (`transformers` group).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from kvstate.bench.overhead import SIZES, TARGET_SIZES, WARMUP, machine_share
+from kvstate.bench.overhead import SIZES, WARMUP, machine_share
 from kvstate.bench.results import Row, Section
 from kvstate.bench.stepping import REGIMES, Driver, Figures, OursDriver, Workload, measure
 from kvstate.config import LIFECYCLES
 
 NOT_INSTALLED = "vLLM v1 Scheduler: not installed (run scripts/install-peers)"
-STEP_RATIO_TARGET = 0.07  # issue 13: our steady step <= 0.07x vLLM's at 1,024 and 4,096
 
 
-def vllm_section(
+@dataclass(frozen=True)
+class Peer:
+    """A peer scheduler as one group of rows: its name in the rows, how to build its driver on a workload (None:
+    unavailable, `missing` says why), what its step calls, and the ratio targets of ours over it per regime."""
+
+    group: str
+    name: str
+    driver: Callable[[Workload], Driver] | None
+    missing: str | None
+    step_calls: str
+    schedule_call: str
+    targets: dict[str, float]  # regime -> the step ratio (ours / peer) to stay at or below, at every size
+
+
+# issue 30's goals: ours over vLLM's step <= 0.05 steady and <= 0.1 under pressure; over nano-vllm's <= 0.7
+VLLM_TARGETS = {"steady": 0.05, "pressure": 0.1}
+NANO_VLLM_TARGETS = {"steady": 0.7, "pressure": 0.7}
+
+
+def vllm_peer(progress: Callable[[str], None]) -> Peer:
+    """vLLM's v1 scheduler, imported here; its absence leaves the peer without a driver."""
+    driver: Callable[[Workload], Driver] | None
+    missing: str | None
+    try:
+        progress("importing vLLM")
+        from kvstate.bench.vllm_peer import VLLM_VERSION, VLLMDriver
+    except ImportError as err:
+        driver, name, missing = None, NOT_INSTALLED, str(err)
+    else:
+        driver, name, missing = VLLMDriver, f"vLLM {VLLM_VERSION}", None
+    return Peer(
+        "vllm", name, driver, missing, "schedule() + update_from_output()", "Scheduler.schedule()", VLLM_TARGETS
+    )
+
+
+def nano_vllm_peer(checkout: str | None) -> Peer:
+    """nano-vllm's scheduler from `checkout` (None: not given, the rows say where to get it)."""
+    from kvstate.bench import nanovllm_peer
+
+    driver: Callable[[Workload], Driver] | None = None
+    if checkout is None:
+        name = f"nano-vllm: no checkout given (git clone {nanovllm_peer.WHERE}; kvstate bench --nano-vllm DIR)"
+        missing: str | None = "no checkout given"
+    else:
+        try:
+            nano = nanovllm_peer.load(checkout)
+        except nanovllm_peer.NanoVLLMUnavailable as err:
+            name, missing = f"nano-vllm: unavailable ({err})", str(err)
+        else:
+            name, missing = f"nano-vllm {nano.source}", None
+            driver = functools.partial(nanovllm_peer.NanoVLLMDriver, nano=nano)
+    return Peer(
+        "nano-vllm", name, driver, missing, "schedule() + postprocess()", "Scheduler.schedule()", NANO_VLLM_TARGETS
+    )
+
+
+def peer_section(
+    peer: Peer,
     *,
     sizes=SIZES,
     repeats: int,
@@ -32,18 +94,9 @@ def vllm_section(
     lifecycle: str = "machine",
     progress: Callable[[str], None] | None = None,
 ) -> Section:
-    """Ours beside vLLM per size: steady (ours with `lifecycle`) and under recompute-only pressure (ours with
-    both lifecycles). vLLM is imported here; its absence leaves the rows without a baseline."""
+    """Ours beside `peer` per size: steady (ours with `lifecycle`) and under recompute-only pressure (ours with
+    both lifecycles), every driver taking turns in one loop."""
     say = progress or (lambda message: None)
-    peer_driver: Callable[[Workload], Driver] | None
-    missing: str | None
-    try:
-        say("importing vLLM")
-        from kvstate.bench.vllm_peer import VLLM_VERSION, VLLMDriver
-    except ImportError as err:
-        peer_driver, peer, missing = None, NOT_INSTALLED, str(err)
-    else:
-        peer_driver, peer, missing = VLLMDriver, f"vLLM {VLLM_VERSION}", None
     steps = WARMUP + repeats
     builders: dict[str, Callable[[], Driver]] = {}
     for size in sizes:
@@ -51,18 +104,19 @@ def vllm_section(
             workload = Workload(size, regime, steps)
             for kind in _lifecycles(regime, lifecycle):
                 builders[f"{size} {regime} ours {kind}"] = functools.partial(OursDriver, workload, lifecycle=kind)
-            if peer_driver is not None:
-                builders[f"{size} {regime} vllm"] = functools.partial(peer_driver, workload)
+            if peer.driver is not None:
+                builders[f"{size} {regime} {peer.group}"] = functools.partial(peer.driver, workload)
     drivers: dict[str, Driver] = {}
     for n, (name, build) in enumerate(builders.items(), 1):
         say(f"settling {name} ({n}/{len(builders)})")
         drivers[name] = build()
     figures = measure(drivers, repeats=repeats, warmup=WARMUP, seed=seed, progress=say)
+    _check_steady(figures)
     section = Section(
-        "vllm",
+        peer.group,
         data={
-            "peer": peer,
-            "missing": missing,
+            "peer": peer.name,
+            "missing": peer.missing,
             "sizes": list(sizes),
             "repeats": repeats,
             "lifecycle": lifecycle,
@@ -71,15 +125,36 @@ def vllm_section(
     )
     for regime in REGIMES:
         for size in sizes:
-            theirs = figures.get(f"{size} {regime} vllm")
+            theirs = figures.get(f"{size} {regime} {peer.group}")
             for kind in _lifecycles(regime, lifecycle):
                 ours = figures[f"{size} {regime} ours {kind}"]
                 share = ""
                 if regime == "pressure" and kind == "machine":
                     compiled = figures[f"{size} {regime} ours compiled"]
                     share = f"; transitions machine share {machine_share(ours, compiled):.0%}"
-                section.rows += _rows(size, regime, kind, ours=ours, theirs=theirs, peer=peer, share=share)
+                section.rows += _rows(peer, size, regime, kind, ours=ours, theirs=theirs, share=share)
     return section
+
+
+def vllm_section(*, progress: Callable[[str], None] | None = None, **options) -> Section:
+    """`peer_section` beside vLLM's scheduler (`options`: those of `peer_section`)."""
+    return peer_section(vllm_peer(progress or (lambda message: None)), progress=progress, **options)
+
+
+def nano_vllm_section(checkout: str | None, **options) -> Section:
+    """`peer_section` beside nano-vllm's scheduler from `checkout` (`options`: those of `peer_section`)."""
+    return peer_section(nano_vllm_peer(checkout), **options)
+
+
+def _check_steady(figures: dict[str, Figures]) -> None:
+    """Every steady driver decoded every request on every measured step and preempted none."""
+    for name, f in figures.items():
+        if " steady " in name and (f.preempted_per_step or f.scheduled_per_step != f.size):
+            raise RuntimeError(
+                f"{name}: the steady workload preempted ({f.preempted_per_step:.1f} per step) or left requests out "
+                f"({f.scheduled_per_step:.1f} of {f.size} scheduled per step); it does not measure steady decode "
+                "(kvstate.bench.stepping.Workload sizes its GPU tier)"
+            )
 
 
 def _lifecycles(regime: str, lifecycle: str) -> tuple[str, ...]:
@@ -88,37 +163,48 @@ def _lifecycles(regime: str, lifecycle: str) -> tuple[str, ...]:
 
 
 def _rows(
-    size: int, regime: str, kind: str, *, ours: Figures, theirs: Figures | None, peer: str, share: str
+    peer: Peer, size: int, regime: str, kind: str, *, ours: Figures, theirs: Figures | None, share: str
 ) -> list[Row]:
-    """The schedule() row and the step row of one workload (and lifecycle), ours over vLLM's µs."""
+    """The schedule() row and the step row of one workload (and lifecycle), ours over the peer's µs."""
     where = "steady decode" if regime == "steady" else f"under pressure (recompute only), lifecycle {kind}"
     work = (
         ""
         if theirs is None or regime == "steady"
         else f"; preempted/step {ours.preempted_per_step:.1f} vs {theirs.preempted_per_step:.1f}"
     )
+    goal = peer.targets[regime]
     rows = []
     for label, their_call, mine, base in (
-        ("schedule()", "Scheduler.schedule()", ours.schedule_us, None if theirs is None else theirs.schedule_us),
-        ("step", "schedule() + update_from_output()", ours.step_us, None if theirs is None else theirs.step_us),
+        ("schedule()", peer.schedule_call, ours.schedule_us, None if theirs is None else theirs.schedule_us),
+        ("step", peer.step_calls, ours.step_us, None if theirs is None else theirs.step_us),
     ):
-        targeted = label == "step" and regime == "steady" and size in TARGET_SIZES
+        targeted = label == "step"
         note = f"{mine / size:.3f} µs/request" + ("" if base is None else f" vs {base / size:.3f}") + work
         rows.append(
             Row(
-                group="vllm",
+                group=peer.group,
                 name=f"{label}, {size} running, {where}",
                 value=mine,
                 unit="µs",
-                baseline_name=peer if base is None else f"{peer} {their_call}",
+                baseline_name=peer.name if base is None else f"{peer.name} {their_call}",
                 baseline=base,
                 better="lower",
-                target=f"ratio <= {STEP_RATIO_TARGET}" if targeted else "",
-                met=mine / base <= STEP_RATIO_TARGET if targeted and base else None,
+                target=f"ratio <= {goal}" if targeted else "",
+                met=mine / base <= goal if targeted and base else None,
                 note=note + (share if label == "step" else ""),
             )
         )
     return rows
 
 
-__all__ = ["NOT_INSTALLED", "vllm_section"]
+__all__ = [
+    "NANO_VLLM_TARGETS",
+    "NOT_INSTALLED",
+    "VLLM_TARGETS",
+    "Peer",
+    "nano_vllm_peer",
+    "nano_vllm_section",
+    "peer_section",
+    "vllm_peer",
+    "vllm_section",
+]

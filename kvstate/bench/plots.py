@@ -20,7 +20,12 @@ def write_plots(sections: list[Section], out_dir: str | Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     by_name = {s.name: s for s in sections}
     written = []
-    for name, draw in (("migration", _migration), ("scheduler", _scheduler), ("vllm", _scheduler)):
+    for name, draw in (
+        ("migration", _migration),
+        ("scheduler", _scheduler),
+        ("vllm", _scheduler),
+        ("nano-vllm", _scheduler),
+    ):
         if name in by_name:
             fig = draw(plt, by_name[name])
             written.append(_save(fig, out / f"{name}.png", plt))
@@ -70,15 +75,16 @@ def _migration(plt, section: Section):
 
 
 def _scheduler(plt, section: Section):
-    """Per-request step and schedule() cost against size for every driver of the section (ours, and vLLM's in
-    the `vllm` section): flat lines are linear growth."""
+    """Per-request step and schedule() cost against size for every driver of the section (ours, and the peer's in
+    the `vllm` and `nano-vllm` sections): flat lines are linear growth."""
     sizes, figures = section.data["sizes"], section.data["figures"]
     series = sorted({key.split(" ", 1)[1] for key in figures})  # "steady ours machine", "pressure vllm", ...
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
     colors = plt.get_cmap("tab10").colors
     for i, name in enumerate(series):
         style = "-" if name.startswith("steady") else "--"
-        color = PEER if "vllm" in name else colors[i % len(colors)]
+        peer = name.endswith(section.name)  # "steady vllm", "pressure nano-vllm": the peer's drivers
+        color = PEER if peer else colors[i % len(colors)]
         for ax, what in ((left, "step_us_per_request"), (right, "schedule_us_per_request")):
             ax.plot(
                 sizes,
@@ -86,7 +92,7 @@ def _scheduler(plt, section: Section):
                 style,
                 marker="o",
                 color=color,
-                label=name.replace("vllm", section.data.get("peer") or "vLLM"),
+                label=name.replace(section.name, section.data.get("peer") or section.name) if peer else name,
             )
     left.axhline(1.0, color=TARGET, linestyle=":", label="target: 1 µs per request (1,024 and 4,096)")
     left.set(title="full step (schedule + completion)", ylabel="µs per running request (median)")

@@ -1,4 +1,4 @@
-"""The rich table of every figure and the JSON document of a run."""
+"""The rich table of every figure, the JSON document of a run, and the summary of its targets."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvstate.bench.results import Section
+from kvstate.bench.results import Row, Section
 
 if TYPE_CHECKING:  # rich is imported where a table is drawn
     from rich.console import JustifyMethod
@@ -73,3 +73,21 @@ def render_table(sections: list[Section], title: str):
             )
         table.add_section()
     return table
+
+
+def summary(sections: list[Section]) -> tuple[int, list[Row], int]:
+    """(targets met, the rows whose target was not met, targets that could not be judged: no baseline)."""
+    targeted = [row for section in sections for row in section.rows if row.target]
+    missed = [row for row in targeted if row.met is False]
+    return sum(row.met is True for row in targeted), missed, sum(row.met is None for row in targeted)
+
+
+def summary_line(sections: list[Section]) -> str:
+    """'targets: 5 met, 2 not met (group: figure; ...), 1 not judged (no baseline)' for the end of a run."""
+    met, missed, unjudged = summary(sections)
+    text = f"targets: {met} met, {len(missed)} not met"
+    if missed:
+        text += " (" + "; ".join(f"{row.group}: {row.name}" for row in missed) + ")"
+    if unjudged:
+        text += f", {unjudged} not judged (no baseline)"
+    return text

@@ -1,6 +1,8 @@
 """`kvstate bench`: measure migration bandwidth, lifecycle/scheduler overhead and end-to-end throughput, each as
-a ratio to a baseline measured side by side in the same run; print a table, optionally write JSON and PNGs.
-`--peers` runs the groups measured beside real peers (vLLM's v1 scheduler, transformers' `generate`).
+a ratio to a baseline measured side by side in the same run; print a table and a summary line of the targets
+met and not met, optionally write JSON and PNGs. `--peers` runs the groups measured beside real peers (vLLM's v1
+scheduler, nano-vllm's scheduler from a checkout, transformers' `generate`) and the pipeline beside lockstep;
+`--only` runs exactly the groups it names; `--strict` exits 1 when a target is not met.
 
 Options and output paths are checked first; torch, vLLM, transformers and matplotlib are imported only then (via
 `kvstate.bench`), so `import kvstate` never imports them and a usage error takes well under a second. The
@@ -11,6 +13,7 @@ the terminal's width.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -38,20 +41,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Measure every figure as a ratio to a baseline run side by side in the same loop (variants "
             "interleaved, repeated, medians): migration copies vs one contiguous copy, the compiled "
             "lifecycle table vs the transitions machine, our scheduler's step vs its targets, host tier sizes "
-            "vs recompute only, and with --peers our scheduler beside vLLM 0.33's v1 Scheduler (steady "
-            "decode and recompute-only pressure at 256/1,024/4,096 requests) and the engine's decode "
-            "beside transformers' generate (batch 1, 8, 32, 64). A peer that is not installed "
-            "(scripts/install-peers) leaves its rows saying so; everything else runs."
+            "vs recompute only, and with --peers our scheduler beside vLLM 0.33's v1 Scheduler and nano-vllm's "
+            "scheduler (steady decode and recompute-only pressure at 256/1,024/4,096 requests), the engine "
+            "beside transformers' generate (decode at batch 1, 8, 32, 64; ragged prompts, staggered budgets, "
+            "arrivals during decode and memory pressure at batch 64) and two pipeline stages with "
+            "micro-batches in flight beside lockstep. A peer that is not installed (scripts/install-peers; "
+            "nano-vllm: --nano-vllm) leaves its rows saying so; everything else runs. The last line counts the "
+            "targets met and not met; with --strict a target not met exits 1."
         ),
     )
     p.add_argument("--quick", action="store_true", help="CI-sized runs (seconds, not minutes; noisier)")
     p.add_argument("--json", metavar="PATH", help="write every figure and its raw data as JSON")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots")
-    p.add_argument("--only", action="append", choices=GROUPS, help="run only this group (repeatable; default: all)")
+    p.add_argument(
+        "--only",
+        action="append",
+        choices=GROUPS,
+        help="run exactly this group (repeatable; default: all, or with --peers the peer groups)",
+    )
     p.add_argument(
         "--peers",
         action="store_true",
-        help=f"run the groups measured beside real peers ({', '.join(PEER_GROUPS)}), with any --only",
+        help=f"run the groups measured beside real peers ({', '.join(PEER_GROUPS)}); with --only, only those named",
+    )
+    p.add_argument(
+        "--nano-vllm",
+        metavar="DIR",
+        default=None,
+        help=(
+            "a checkout of nano-vllm (git clone https://github.com/GeeeekExplorer/nano-vllm; needs pip install "
+            "xxhash) for the nano-vllm group, which runs its real engine/ scheduler beside ours"
+        ),
+    )
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 when any target is not met (default: report it in the summary line and exit 0)",
     )
     p.add_argument(
         "--sizes",
@@ -93,15 +118,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    chosen = set(args.only or ()) | (set(PEER_GROUPS) if args.peers else set())
-    groups = tuple(g for g in GROUPS if g in chosen) if chosen else GROUPS
+    groups = _groups(args.only, peers=args.peers)
+    if args.nano_vllm is not None:
+        if "nano-vllm" not in groups:
+            raise UsageError(f"--nano-vllm applies to the nano-vllm group, not to {' '.join(groups)}; drop it")
+        if not os.path.isdir(args.nano_vllm):
+            raise UsageError(
+                f"--nano-vllm {args.nano_vllm}: not a directory; git clone https://github.com/GeeeekExplorer/nano-vllm "
+                "and pass the checkout's directory"
+            )
     if args.device is not None and not set(groups) & set(TORCH_GROUPS):
         raise UsageError(f"--device does not apply to --only {' '.join(groups)} (pure Python); drop --device")
     json_path = output_file(args.json, "--json", mkdir=args.mkdir) if args.json else None
     plots_dir = output_dir(args.plots, "--plots", mkdir=args.mkdir) if args.plots else None
 
     from kvstate.bench import run_all
-    from kvstate.bench.table import document, render_table, write_json
+    from kvstate.bench.table import document, render_table, summary, summary_line, write_json
     from kvstate.terminal import console as make_console
 
     device = _resolve(args.device or "auto") if set(groups) & set(TORCH_GROUPS) else "none (pure Python)"
@@ -117,15 +149,22 @@ def _run(args: argparse.Namespace) -> int:
         lifecycle=args.lifecycle,
         sizes=args.sizes,
         batches=args.batches,
+        nano_vllm=args.nano_vllm,
     )
     wall = time.perf_counter() - started
-    command = "kvstate bench" + (" --quick" if args.quick else "") + (" --peers" if args.peers else "")
+    command = " ".join(
+        ["kvstate bench"]
+        + (["--quick"] if args.quick else [])
+        + (["--peers"] if args.peers else [])
+        + [f"--only {g}" for g in args.only or ()]
+    )
     meta = {
         "command": command,
         "quick": args.quick,
         "seed": args.seed,
         "sizes": args.sizes,
         "batches": args.batches,
+        "nano_vllm": args.nano_vllm,
         "device": device,
         "groups": list(groups),
         "python": platform.python_version(),
@@ -149,7 +188,21 @@ def _run(args: argparse.Namespace) -> int:
 
         for path in write_plots(sections, plots_dir):
             console.print(f"plot: {path}", soft_wrap=True)
-    return 0
+    console.print(summary_line(sections), soft_wrap=True, markup=False)
+    return 1 if args.strict and summary(sections)[1] else 0
+
+
+def _groups(only: list[str] | None, *, peers: bool) -> tuple[str, ...]:
+    """The groups to run, in the order of `GROUPS`: exactly those of `--only`; else with `--peers` the peer
+    groups; else all. With both, every `--only` group must be a peer group."""
+    if only:
+        if peers and set(only) - set(PEER_GROUPS):
+            raise UsageError(
+                f"--only {' '.join(sorted(set(only) - set(PEER_GROUPS)))} is not a peer group "
+                f"({', '.join(PEER_GROUPS)}); drop --peers or that --only"
+            )
+        return tuple(g for g in GROUPS if g in only)
+    return PEER_GROUPS if peers else GROUPS
 
 
 def _positive_ints(option: str) -> Callable[[str], tuple[int, ...]]:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvstate.bench.peers import NOT_INSTALLED, vllm_section
+from kvstate.bench.peers import NOT_INSTALLED, nano_vllm_section, vllm_section
 from kvstate.cli import main
 
 
@@ -41,13 +41,16 @@ def test_bench_peers_without_peers_prints_not_installed_and_writes_json(no_vllm,
     monkeypatch.setattr("executor.named_models.metadata.distribution", _no_distribution)  # the smollm2 group's model
     monkeypatch.setenv("COLUMNS", "100")
     path = tmp_path / "peers.json"
-    assert main(["bench", "--peers", "--quick", "--sizes", "16", "--batches", "1,2", "--json", str(path)]) == 0
+    groups = ["--only", "vllm", "--only", "transformers", "--only", "smollm2"]  # the peer groups without their peer
+    command = ["bench", "--peers", *groups, "--quick", "--sizes", "16", "--batches", "1,2", "--json", str(path)]
+    assert main(command) == 0
     doc = json.loads(path.read_text())
     assert doc["meta"]["groups"] == ["vllm", "transformers", "smollm2"] and doc["meta"]["sizes"] == [16]
-    vllm, decode, smollm2 = doc["sections"]
-    assert [s["name"] for s in doc["sections"]] == ["vllm", "decode", "smollm2"]
+    vllm, decode, _, serving, smollm2 = doc["sections"]
+    assert [s["name"] for s in doc["sections"]] == ["vllm", "decode", "decode_step", "serving", "smollm2"]
     assert decode["data"]["missing"] and list(decode["data"]["per_batch"]) == ["1", "2"]
-    for row in vllm["rows"] + decode["rows"]:
+    beside_peers = vllm["rows"] + decode["rows"] + [r for r in serving["rows"] if "pressure" not in r["name"]]
+    for row in beside_peers:
         assert row["baseline"] is None and row["ratio"] is None and "not installed" in row["baseline_name"]
         assert row["value"] > 0
     (missing,) = smollm2["rows"]  # no model: nothing of ours to measure either, and the row says what to install
@@ -59,6 +62,14 @@ def _no_distribution(name: str):
     from importlib import metadata
 
     raise metadata.PackageNotFoundError(name)
+
+
+def test_nano_vllm_rows_without_a_checkout_say_where_to_get_it() -> None:
+    section = nano_vllm_section(None, sizes=(16,), repeats=2)
+    assert section.data["missing"] == "no checkout given" and len(section.rows) == 6
+    for row in section.rows:
+        assert row.baseline is None and row.met is None and row.value > 0
+        assert "git clone https://github.com/GeeeekExplorer/nano-vllm" in row.baseline_name
 
 
 @pytest.mark.parametrize("text", ["0", "1,x", ""])

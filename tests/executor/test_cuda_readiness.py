@@ -48,9 +48,9 @@ def _values(batch: PagedBatch) -> dict:
 
 
 def test_planner_reuses_decode_plans_and_equals_a_fresh_build():
-    """Decode steps of a stable batch reuse the plan, also across block boundaries inside the plan's width; a
-    request leaving, a prefill chunk or a context outgrowing the plan rebuilds it; every batch holds exactly the
-    values `PagedBatch.build` gives."""
+    """Decode steps of a stable batch reuse the plan, also across block boundaries inside the plan's width, and
+    when a request leaves (its row is dropped in place: the persistent decode batch); a prefill chunk or a context
+    outgrowing the plan rebuilds it; every batch holds exactly the values `PagedBatch.build` gives."""
     rng = random.Random(0)
     size = 4
     lengths = [3, 9, 6]  # the longest request sets the plan's width (3 blocks), the others cross inside it
@@ -71,10 +71,10 @@ def test_planner_reuses_decode_plans_and_equals_a_fresh_build():
         for c, i in zip(chunks, members, strict=True):
             lengths[i] += len(c.tokens)
     # built: 0 the first step; 3, 7, 11 request 1 needs one block more than the plan's width; 5 a prefill chunk;
-    # 6 the step after it; 8 request 2 left. Reused: every other step, requests 0 and 2 crossing into a new block
-    # inside the width at steps 1 and 2
-    assert reused == [False, True, True, False, True, False, False, False, False, True, True, False]
-    assert planner.reuses == 5 and planner.builds == 7
+    # 6 the step after it. Reused: every other step, requests 0 and 2 crossing into a new block inside the width at
+    # steps 1 and 2, and step 8, where request 2 left (dropped from the kept plan)
+    assert reused == [False, True, True, False, True, False, False, False, True, True, True, False]
+    assert planner.reuses == 6 and planner.builds == 6
 
 
 def test_planner_refuses_a_changed_table():

@@ -5,13 +5,14 @@ request records and outputs, never hard-coded."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
 from kvstate.config import SchedulerConfig
 from kvstate.errors import InvariantViolation
 from kvstate.output import planned_chunks
-from kvstate.scheduler import Scheduler
+from kvstate.scheduler import Scheduler, StateTally
 from kvstate.sim import SimExecutor
 
 BLOCK_BYTES = 4096
@@ -155,3 +156,43 @@ def test_steady_decode_fires_no_lifecycle_event(lifecycle: str) -> None:
         sched.complete_step(out, {c.request.request_id: 1 for c in chunks})
         sched.check_invariants(out)
     assert fired == ["admit"] * 8
+
+
+class SkipsLandedSteps(StateTally):
+    """Planted: a step that lands on a preempted request changes its tokens, and the tally misses it."""
+
+    def changed(self, request, before) -> None:
+        pass
+
+
+@pytest.mark.parametrize("tally", [StateTally, SkipsLandedSteps])
+def test_steps_landing_on_preempted_requests_keep_the_tally_equal_to_a_recount(tally: type[StateTally]) -> None:
+    """With two micro-batches in flight a decode step can land after its request was suspended or held for
+    consensus: its tokens change without a transition. `SimExecutor` recounts (`check_invariants`) after every
+    pass and every landing; the tally follows, and a tally that misses those changes is caught (STATS-COUNT)."""
+    sched = Scheduler(
+        SchedulerConfig(
+            gpu_blocks=15, host_blocks=6, block_size=1, prefill_chunk_size=6, max_num_tokens=14, pipeline_stages=2
+        )
+    )
+    sched.tally = tally(sched.tally.counts, sched.tally.held)
+    rng = random.Random(0)
+    for _ in range(12):
+        sched.submit([rng.randrange(100) for _ in range(rng.randrange(1, 8))], rng.randrange(2, 8))
+    executor = SimExecutor(sched, micro_batches=2)
+    if tally is StateTally:
+        assert len(executor.run()) == 12
+        assert sched.tally.to_dict() == sched.tally.recount([]).to_dict()  # nothing active: all zero
+        return
+    with pytest.raises(InvariantViolation) as info:
+        executor.run()
+    assert info.value.invariant_id == "STATS-COUNT"
+
+
+def test_stats_before_the_first_step_count_every_state() -> None:
+    """Before any iteration completes, `stats()` describes the requests as they are, every state present."""
+    sched, _ = scenario(host_blocks=6)
+    stats = sched.stats()
+    assert stats.iteration == 0 and set(stats.requests_per_state) == {s.name for s in sched.spec.states}
+    assert stats.requests_per_state["waiting"] == 3 and stats.requests_per_state["done"] == 0
+    assert (stats.gpu_capacity, stats.host_capacity, stats.gpu_blocks_used) == (15, 6, 0)

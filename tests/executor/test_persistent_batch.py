@@ -1,0 +1,61 @@
+"""The persistent decode batch: a kept decode plan is updated in place where the batch changed (positions moved
+on, a request entered a new block, requests left), and its logits equal a fresh build's bit for bit."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from executor import BatchPlanner, PagedBatch, PagedKVCache, SeqChunk
+from kvstate.output import PlannedBatch
+
+BLOCK = 4
+
+
+def _columns(chunks: list[SeqChunk]) -> PlannedBatch:
+    return PlannedBatch(
+        [None] * len(chunks),  # type: ignore[list-item]
+        [c.start for c in chunks],
+        [c.tokens for c in chunks],
+        [c.block_table for c in chunks],
+        [c.produces_token for c in chunks],
+    )
+
+
+def test_requests_that_leave_are_dropped_from_the_kept_plan_in_place(tiny_model) -> None:
+    """Five requests of unequal contexts decode; one leaves at step 2, two more at step 4 (out of the middle and
+    the end): the planner keeps its plan and its kept keys and values, rows dropped, and every step's logits equal
+    a fresh build's on a second cache. A request that joins (or a reordered batch) makes a new plan."""
+    rng = random.Random(5)
+    tables = [tuple(range(6 * i, 6 * i + 6)) for i in range(5)]  # room to grow: 6 blocks each
+    lengths = [3, 5, 8, 2, 6]
+    planned, fresh = (PagedKVCache.for_model(tiny_model, 30, block_size=BLOCK, device="cpu") for _ in range(2))
+    prefill = [
+        SeqChunk(tuple(rng.randrange(512) for _ in range(n)), 0, t) for n, t in zip(lengths, tables, strict=True)
+    ]
+    for cache in (planned, fresh):
+        tiny_model.forward_paged(PagedBatch.build(prefill, BLOCK), cache)
+    planner = BatchPlanner(BLOCK)
+    live = list(range(5))
+    kept = []
+    for step in range(7):
+        if step == 2:
+            live.remove(1)
+        if step == 4:
+            live.remove(4)
+            live.remove(2)
+        chunks = [SeqChunk((rng.randrange(512),), lengths[i], tables[i]) for i in live]
+        batch = planner.plan(_columns(chunks))
+        logits = tiny_model.forward_paged(batch, planned)
+        assert torch.equal(logits, tiny_model.forward_paged(PagedBatch.build(chunks, BLOCK), fresh))
+        assert batch.positions.tolist() == [lengths[i] for i in live]
+        kept.append(batch.decode_kv)
+        lengths = [n + 1 if i in live else n for i, n in enumerate(lengths)]
+    assert planner.builds == 1 and planner.reuses == 6 and all(kv is kept[0] for kv in kept)
+    assert all(keys.shape[0] == len(live) for keys, _ in kept[-1].kept.values())
+    joined = [SeqChunk((1,), lengths[i], tables[i]) for i in (*live, 1)]  # request 1 is back: a new plan
+    planner.plan(_columns(joined))
+    reordered = [SeqChunk((1,), lengths[i] + 1, tables[i]) for i in (1, *live)]
+    planner.plan(_columns(reordered))
+    assert planner.builds == 3
