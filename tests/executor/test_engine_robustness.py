@@ -13,6 +13,7 @@ and refuses configurations it cannot run.
 
 from __future__ import annotations
 
+import enum
 import errno
 import sys
 import threading
@@ -481,6 +482,23 @@ def test_take_finished_reports_cancelled_requests(make_engine, tmp_path):
         engine.reference_outputs([5])
 
 
+def test_an_id_reused_after_each_cancel_while_waiting_gives_a_valid_trace(make_engine, tmp_path):
+    """Item 20: the same id cancelled while waiting, taken and submitted again writes the same line each time (the
+    validator reads each as a new request's first line), then once run to its end."""
+    engine = make_engine(trace_path=tmp_path / "trace.ndjson")
+    for _ in range(3):
+        engine.add_request([1, 2, 3], 2, request_id="again")
+        engine.cancel("again")
+        assert engine.take_finished()["again"].reason == "cancelled"
+    engine.add_request([1, 2, 3], 2, request_id="again")
+    engine.run()
+    engine.close()
+    lines = Path(engine.trace.path).read_text().splitlines()
+    assert lines[0] == lines[1] == lines[2]
+    report = validate_trace(Path(engine.trace.path))
+    assert report.ok and report.requests == 4, report.divergence and report.divergence.describe()
+
+
 # ------------------------------------------------------------------------------------------------ config
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.complex64, torch.int64, "int8", "float8_e5m2", 3])
 def test_unsupported_dtypes_are_refused_at_construction(dtype):
@@ -666,9 +684,18 @@ def test_an_interrupt_inside_the_trace_write_breaks_the_engine_and_says_so(make_
     assert validate_trace(Path(engine.trace.path), require_done=False).ok
 
 
+class _BigId(enum.IntEnum):
+    HUGE = 10**25
+
+
 @pytest.mark.parametrize(
     "request_id, words",
-    [(10**19, "more than 19 digits"), (-(10**19), "more than 19 digits"), ("x" * 70_000, "70002 bytes")],
+    [
+        (10**19, "more than 19 digits"),
+        (-(10**19), "more than 19 digits"),
+        (_BigId.HUGE, "more than 19 digits"),  # an int subclass is an int id (its trace line carries the int)
+        ("x" * 70_000, "70002 bytes"),
+    ],
 )
 def test_an_id_the_trace_cannot_carry_is_refused_at_submission(make_engine, tmp_path, request_id, words):
     """Item 20: what the engine accepts, its own trace reader accepts."""
