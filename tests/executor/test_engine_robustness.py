@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import io
 import sys
 import threading
 from pathlib import Path
@@ -28,6 +29,7 @@ from executor.checks import leaked_blocks, random_workload
 from executor.engine import EngineBroken, EngineBusy, FinishedRequest
 from kvstate import load_spec
 from kvstate.checker import validate_trace
+from kvstate.cli import main
 from kvstate.config import ConfigError, RequestRejected, SchedulerConfig
 from kvstate.scheduler import UnknownRequestId
 from kvstate.trace import TraceWriter
@@ -682,6 +684,47 @@ def test_an_interrupt_inside_the_trace_write_breaks_the_engine_and_says_so(make_
     assert_settled(engine)
     engine.close()
     assert validate_trace(Path(engine.trace.path), require_done=False).ok
+
+
+class _FillingFile(io.RawIOBase):
+    """A file on a disk that fills after `room` bytes: the write that crosses it stores what fits (a short write),
+    every later one fails with ENOSPC."""
+
+    def __init__(self, path: Path, room: int) -> None:
+        self._file, self._room = path.open("wb"), room
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        if self._room == 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        kept = bytes(data[: self._room])
+        self._file.write(kept)
+        self._room -= len(kept)
+        return len(kept)
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def test_a_disk_that_fills_mid_line_leaves_a_torn_trace_the_validator_reads(make_engine, tmp_path, capsys):
+    """Item 21: the disk fills inside a line; the engine breaks naming the trace, and `kvstate validate` reports
+    the cut last line as torn and validates every line before it."""
+    engine = pressured(make_engine, tmp_path)
+    path = engine.trace.path
+    engine.trace._file.close()
+    engine.trace._file = io.TextIOWrapper(io.BufferedWriter(_FillingFile(path, 6_000)), "utf-8", line_buffering=True)
+    with pytest.raises(EngineBroken, match=f"writing the trace {path} failed .*No space left on device"):
+        engine.run()
+    engine.close()
+    whole = path.read_bytes().count(b"\n")
+    assert path.stat().st_size == 6_000 and not path.read_bytes().endswith(b"\n") and whole > 10
+    report = validate_trace(path, require_done=False)
+    assert report.ok and report.torn_line == whole + 1 and report.lines == whole, report
+    assert main(["validate", "--no-require-done", str(path)]) == 0
+    assert f"line {whole + 1}, the last, is torn" in capsys.readouterr().out
 
 
 class _BigId(enum.IntEnum):
