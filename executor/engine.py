@@ -484,7 +484,9 @@ class Engine:
                 f"prompt ({len(prompt_token_ids)}) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"model's max_position_embeddings={limit}; shorten the request"
             )
-        if type(request_id) in (int, str) and (problem := request_id_problem(request_id)) is not None:
+        # an id of another type (bool, float, ...) is the scheduler's to refuse; int and str subclasses are ids
+        is_id = isinstance(request_id, (int, str)) and not isinstance(request_id, bool)
+        if is_id and (problem := request_id_problem(request_id)) is not None:
             raise RequestRejected(f"{problem}; the trace format (spec/TRACE.md) could not carry it")
         request = self.scheduler.submit(prompt_token_ids, max_new_tokens, stop_token_ids=stop, request_id=request_id)
         self._submissions[request.request_id] = _Submission(request.prompt, max_new_tokens, stop, sampling)

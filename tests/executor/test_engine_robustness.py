@@ -13,7 +13,9 @@ and refuses configurations it cannot run.
 
 from __future__ import annotations
 
+import enum
 import errno
+import io
 import sys
 import threading
 from pathlib import Path
@@ -27,6 +29,7 @@ from executor.checks import leaked_blocks, random_workload
 from executor.engine import EngineBroken, EngineBusy, FinishedRequest
 from kvstate import load_spec
 from kvstate.checker import validate_trace
+from kvstate.cli import main
 from kvstate.config import ConfigError, RequestRejected, SchedulerConfig
 from kvstate.scheduler import UnknownRequestId
 from kvstate.trace import TraceWriter
@@ -481,6 +484,23 @@ def test_take_finished_reports_cancelled_requests(make_engine, tmp_path):
         engine.reference_outputs([5])
 
 
+def test_an_id_reused_after_each_cancel_while_waiting_gives_a_valid_trace(make_engine, tmp_path):
+    """Item 20: the same id cancelled while waiting, taken and submitted again writes the same line each time (the
+    validator reads each as a new request's first line), then once run to its end."""
+    engine = make_engine(trace_path=tmp_path / "trace.ndjson")
+    for _ in range(3):
+        engine.add_request([1, 2, 3], 2, request_id="again")
+        engine.cancel("again")
+        assert engine.take_finished()["again"].reason == "cancelled"
+    engine.add_request([1, 2, 3], 2, request_id="again")
+    engine.run()
+    engine.close()
+    lines = Path(engine.trace.path).read_text().splitlines()
+    assert lines[0] == lines[1] == lines[2]
+    report = validate_trace(Path(engine.trace.path))
+    assert report.ok and report.requests == 4, report.divergence and report.divergence.describe()
+
+
 # ------------------------------------------------------------------------------------------------ config
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.complex64, torch.int64, "int8", "float8_e5m2", 3])
 def test_unsupported_dtypes_are_refused_at_construction(dtype):
@@ -666,9 +686,59 @@ def test_an_interrupt_inside_the_trace_write_breaks_the_engine_and_says_so(make_
     assert validate_trace(Path(engine.trace.path), require_done=False).ok
 
 
+class _FillingFile(io.RawIOBase):
+    """A file on a disk that fills after `room` bytes: the write that crosses it stores what fits (a short write),
+    every later one fails with ENOSPC."""
+
+    def __init__(self, path: Path, room: int) -> None:
+        self._file, self._room = path.open("wb"), room
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        if self._room == 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        kept = bytes(data[: self._room])
+        self._file.write(kept)
+        self._room -= len(kept)
+        return len(kept)
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def test_a_disk_that_fills_mid_line_leaves_a_torn_trace_the_validator_reads(make_engine, tmp_path, capsys):
+    """Item 21: the disk fills inside a line; the engine breaks naming the trace, and `kvstate validate` reports
+    the cut last line as torn and validates every line before it."""
+    engine = pressured(make_engine, tmp_path)
+    path = engine.trace.path
+    engine.trace._file.close()
+    engine.trace._file = io.TextIOWrapper(io.BufferedWriter(_FillingFile(path, 6_000)), "utf-8", line_buffering=True)
+    with pytest.raises(EngineBroken, match=f"writing the trace {path} failed .*No space left on device"):
+        engine.run()
+    engine.close()
+    whole = path.read_bytes().count(b"\n")
+    assert path.stat().st_size == 6_000 and not path.read_bytes().endswith(b"\n") and whole > 10
+    report = validate_trace(path, require_done=False)
+    assert report.ok and report.torn_line == whole + 1 and report.lines == whole, report
+    assert main(["validate", "--no-require-done", str(path)]) == 0
+    assert f"line {whole + 1}, the last, is torn" in capsys.readouterr().out
+
+
+class _BigId(enum.IntEnum):
+    HUGE = 10**25
+
+
 @pytest.mark.parametrize(
     "request_id, words",
-    [(10**19, "more than 19 digits"), (-(10**19), "more than 19 digits"), ("x" * 70_000, "70002 bytes")],
+    [
+        (10**19, "more than 19 digits"),
+        (-(10**19), "more than 19 digits"),
+        (_BigId.HUGE, "more than 19 digits"),  # an int subclass is an int id (its trace line carries the int)
+        ("x" * 70_000, "70002 bytes"),
+    ],
 )
 def test_an_id_the_trace_cannot_carry_is_refused_at_submission(make_engine, tmp_path, request_id, words):
     """Item 20: what the engine accepts, its own trace reader accepts."""
