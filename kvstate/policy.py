@@ -42,6 +42,14 @@ VOCABULARY: Mapping[str, Mapping[str, str]] = {
             "is suspended or awaits consensus (PP-TERMINATE)"
         ),
     },
+    "no_eligible_victim": {
+        "preempt_self": "a requester that finds no eligible victim preempts itself (by its victim path rule)",
+        "wait_for_chunk_in_flight": (
+            "a requester that finds no eligible victim waits, keeping its blocks and reserving nothing, while a "
+            "request that chunk_in_flight alone excludes holds GPU blocks (that chunk lands within the micro-batches "
+            "in flight, and then it is a victim again); otherwise it preempts itself (the progress rule, P1)"
+        ),
+    },
     "promotion_candidates": {"suspended_this_pass": "requests suspended earlier in the same pass"},
     "promotion_order": {"latest_suspension_first": "the most recently suspended candidate first"},
     "promotion_worth": {"fewer_kv_tokens_than_victim": "the promoted requests hold fewer KV tokens than the victim"},
@@ -128,6 +136,7 @@ class RequestSnapshot:
     kv_tokens: int
     gpu_blocks: int
     in_flight: bool = False  # its step of an earlier pass is still in the pipeline: not schedulable in this pass
+    copying: bool = False  # its resume copy is still in flight: not schedulable in this pass (its KV is not back)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +153,7 @@ class PassSnapshot:
 def snapshot(scheduler) -> PassSnapshot:
     """A `PassSnapshot` of `scheduler` (a `kvstate.Scheduler`) now."""
     cap = scheduler.config.max_preemptions_per_request
+    not_ready = scheduler.not_ready()
     requests = tuple(
         RequestSnapshot(
             r.request_id,
@@ -156,6 +166,7 @@ def snapshot(scheduler) -> PassSnapshot:
             r.num_computed_tokens,
             r.num_gpu_blocks,
             r.request_id in scheduler.in_flight,
+            r.request_id in not_ready and r.request_id not in scheduler.in_flight,
         )
         for r in scheduler.requests.values()
     )
@@ -182,7 +193,7 @@ class _PassCheck:
         self.scheduled = [r.request_id for r in output.scheduled]
         self.victims = [d.victim for d in record.decisions if isinstance(d, Victim)]
         # requesters in the order the pass serves them (SPEC.md 7.2): decode steps, then chunks, each by arrival
-        computing = [r for r in before.requests if r.state in spec.computing_states and not r.in_flight]
+        computing = [r for r in before.requests if r.state in spec.computing_states and not (r.in_flight or r.copying)]
         self.order = [r.request_id for r in sorted(computing, key=lambda r: (r.prefilling, r.arrival))]
 
     def run(self) -> None:
@@ -203,8 +214,11 @@ class _PassCheck:
         earlier = set(self.order[: self.order.index(requester)])
         return {rid for rid in self.scheduled if rid in earlier}
 
-    def eligible(self, requester: Hashable, chosen: set[Hashable], waiting: set[Hashable]) -> list[RequestSnapshot]:
-        excluded = set(self.policy.victim_exclusions)
+    def eligible(
+        self, requester: Hashable, chosen: set[Hashable], waiting: set[Hashable], ignoring: frozenset[str] = frozenset()
+    ) -> list[RequestSnapshot]:
+        """The eligible victims at a choice of `requester` (the policy's exclusions but those in `ignoring`)."""
+        excluded = set(self.policy.victim_exclusions) - ignoring
         scheduled = self.served_before(requester) if "scheduled_this_pass" in excluded else set()
         if "waiting_this_pass" in excluded:
             scheduled |= waiting
@@ -231,7 +245,6 @@ class _PassCheck:
             if d.victim in chosen:
                 self.fail("VICTIM-ONCE", f"request {d.victim!r} was chosen as a victim twice in one pass")
             eligible = self.eligible(d.requester, chosen, waiting)
-            chosen.add(d.victim)
             if d.victim == d.requester:
                 if eligible:
                     self.fail(
@@ -239,7 +252,10 @@ class _PassCheck:
                         f"requester {d.requester!r} preempted itself although "
                         f"{[r.request_id for r in eligible]!r} were eligible victims",
                     )
+                self.check_self_preemption(d.requester, chosen, waiting)
+                chosen.add(d.victim)
                 continue
+            chosen.add(d.victim)
             victim = self.by_id.get(d.victim)
             if victim is not None and victim.about_to_finish:
                 self.fail(
@@ -260,6 +276,21 @@ class _PassCheck:
                     f"{d.requester!r}'s victim, but {tail.request_id!r} (admission {tail.admission}) was admitted "
                     "later and is eligible: victims are taken tail-first",
                 )
+
+    def check_self_preemption(self, requester: Hashable, chosen: set[Hashable], waiting: set[Hashable]) -> None:
+        """VICTIM-SELF: under `wait_for_chunk_in_flight`, a requester preempts itself only when no request that
+        `chunk_in_flight` alone excludes could give up its blocks once its chunk lands."""
+        if self.policy.no_eligible_victim != "wait_for_chunk_in_flight":
+            return
+        landing = self.eligible(requester, chosen, waiting, ignoring=frozenset({"chunk_in_flight"}))
+        if landing:
+            self.fail(
+                "VICTIM-SELF",
+                f"requester {requester!r} preempted itself although {[r.request_id for r in landing]!r}, excluded "
+                "only because a prompt or replay chunk of theirs is in flight, could give up blocks once it lands: "
+                "it must wait for that chunk (wait_for_chunk_in_flight), or two requests may pause each other "
+                "forever",
+            )
 
     # ---- promotions
     def check_promotions(self) -> None:

@@ -58,6 +58,10 @@ class RequestView(Protocol):
     def kv_tokens(self) -> int:
         """KV tokens it holds (computed tokens): what throwing its KV away costs to recompute."""
 
+    @property
+    def copy_in_flight(self) -> bool:
+        """A copy of its KV (a suspend's or a resume's) is issued and not yet reported complete or failed."""
+
 
 class PoolView(Protocol):
     """What guards may read of the block pool."""
@@ -127,13 +131,15 @@ def gpu_room_for_first_chunk(request: RequestView, pool: PoolView) -> bool:
 
 
 def gpu_room_for_all_blocks(request: RequestView, pool: PoolView) -> bool:
-    """The GPU tier has a free block for every block the request holds in the host tier."""
-    return pool.gpu_free_blocks >= request.num_host_blocks
+    """Its host copy is complete (no copy of it in flight) and the GPU tier has a free block for every block the
+    request holds in the host tier."""
+    return not request.copy_in_flight and pool.gpu_free_blocks >= request.num_host_blocks
 
 
 def host_room_for_all_blocks(request: RequestView, pool: PoolView) -> bool:
-    """A host tier exists and has a free block for every GPU block the request holds (suspend is all-or-nothing)."""
-    return pool.has_host_tier and pool.host_free_blocks >= request.num_gpu_blocks
+    """Its KV is all on the GPU (no copy of it in flight), and a host tier exists and has a free block for every GPU
+    block the request holds (suspend is all-or-nothing)."""
+    return not request.copy_in_flight and pool.has_host_tier and pool.host_free_blocks >= request.num_gpu_blocks
 
 
 def promotion_saves_kv(promoted_kv_tokens: float, victim_kv_tokens: float) -> bool:

@@ -10,7 +10,7 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict, Unpack
 
@@ -40,6 +40,7 @@ class BoundReport:
     counterexample: list[str]
     counterexample_file: Path | None = None
     violated_invariant: str | None = None
+    fair_lasso_lines: list[str] = field(default_factory=list)  # the abstract model's weakly fair lasso, numbered
 
 
 def combine(*verdicts: str) -> str:
@@ -73,7 +74,7 @@ def check_bound(
     spec = spec if spec is not None else load_spec()
     plan_invariants(spec)
     start = time.perf_counter()
-    model = AbstractModel(bound, spec, inject.get("guards"), inject.get("effects", AbstractEffects))
+    model = AbstractModel(bound, spec, inject.get("guards"), inject.get("effects", AbstractEffects), symmetry=False)
     if bound.abstract_model:
         abstract = explore(
             model,
@@ -101,6 +102,8 @@ def check_bound(
     abstract.reachable = None  # free memory
     verdicts = [v for v in (abstract.verdict, refinement.verdict if refinement else None) if v not in (SKIPPED, None)]
     report = BoundReport(bound, abstract, refinement, combine(*verdicts) if verdicts else INCOMPLETE, lines)
+    if abstract.fair_lasso is not None:
+        report.fair_lasso_lines = format_abstract_path(model, abstract.fair_lasso)
     if abstract.violation is not None:
         report.violated_invariant = abstract.violation.invariant
         lines += [
@@ -215,7 +218,9 @@ def describe_bound(bound: Bound) -> str:
     )
 
 
-def report_lines(report: BoundReport, spec: Spec) -> list[str]:
+def report_lines(report: BoundReport, spec: Spec, *, verbose: bool = False) -> list[str]:
+    """The lines of one bound's report; `verbose` adds what is information only: the transitions this bound never
+    enables (other bounds take them: the overall coverage says whether any bound does) and the progress-free SCCs."""
     a = report.abstract
     total = len(spec.transitions)
     lines = [f"bound {report.bound.name}: {describe_bound(report.bound)}"]
@@ -226,18 +231,33 @@ def report_lines(report: BoundReport, spec: Spec) -> list[str]:
         lines.append("  abstract model: not run (abstract_model = false: too large to enumerate)")
     else:
         lines.append(
-            f"  abstract model: {a.states} states, {a.edges} edges, {a.seconds:.2f} s ({a.rate:.0f} states/s), "
-            f"{coverage}: {a.verdict}" + (f" ({a.stop_reason})" if a.stop_reason else "")
+            f"  abstract model: {a.states} states ({a.symmetric_states} up to symmetry), {a.edges} edges, "
+            f"{a.seconds:.2f} s ({a.rate:.0f} states/s), {coverage}: {a.verdict}"
+            + (f" ({a.stop_reason})" if a.stop_reason else "")
         )
     if a.verdict == HOLDS:
-        if a.never_enabled:
-            lines.append(
-                "    never enabled: " + ", ".join(f"{t.source} -{t.event}-> {t.dest}" for t in a.never_enabled)
-            )
         lines.append(
-            f"    progress-free cycles (information, left by a fair non-environment action): "
-            f"{a.progress_free_sccs} non-trivial SCCs with an unfinished request"
+            "    liveness: DEADLOCK and no trap hold (every request can still finish from every reachable state); "
+            + (
+                f"weak fairness alone admits a fair lasso of {len(a.fair_lasso.path) - (a.fair_lasso.loop_start or 0)} "
+                "steps (expected: this model has no policy; the refinement checks LIVE-DONE)"
+                if a.fair_lasso is not None
+                else "weak fairness alone already makes every request finish"
+            )
         )
+        if a.never_enabled and verbose:
+            lines.append(
+                "    never enabled in this bound (information: other bounds may take them): "
+                + ", ".join(f"{t.source} -{t.event}-> {t.dest}" for t in a.never_enabled)
+            )
+        if verbose:
+            lines.append(
+                f"    progress-free cycles (information: cycles a policy may take without progress, left by a fair "
+                f"non-environment action): {a.progress_free_sccs} non-trivial SCCs with an unfinished request"
+            )
+            if a.fair_lasso is not None:
+                lines.append(f"    the fair lasso: {a.fair_lasso.message}")
+                lines.extend(f"      {line}" for line in report.fair_lasso_lines)
     r = report.refinement
     if r is not None:
         checked = (
@@ -275,7 +295,7 @@ def _progress_callback(bar: Progress, name: str) -> Callable[[str, int, int], No
     return callback
 
 
-def run_check(
+def run_check(  # noqa: PLR0913 - keyword-only, one per `kvstate check` option
     bounds: list[Bound],
     *,
     spec: Spec | None = None,
@@ -285,6 +305,7 @@ def run_check(
     console: Console | None = None,
     show_progress: bool = False,
     refine: bool = True,
+    verbose: bool = False,
     **inject: Unpack[Injected],
 ) -> tuple[int, list[BoundReport]]:
     """Check every bound, print the report; returns (exit code, reports)."""
@@ -316,7 +337,7 @@ def run_check(
                 **inject,
             )
         reports.append(report)
-        for line in report_lines(report, spec) + report.counterexample:
+        for line in report_lines(report, spec, verbose=verbose) + report.counterexample:
             say(line)
         if report.counterexample_file is not None:
             say(f"  wrote regression test {report.counterexample_file}")

@@ -54,6 +54,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="where a counterexample regression test is written (default: .)",
     )
     parser.add_argument("--no-refinement", action="store_true", help="check the abstract model only")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also list, per bound, the transitions it never enables, its progress-free cycles and the abstract "
+        "model's weakly fair lasso (information, not warnings)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -80,5 +86,6 @@ def run(args: argparse.Namespace) -> int:
         console=console,
         show_progress=sys.stderr.isatty(),
         refine=not args.no_refinement,
+        verbose=args.verbose,
     )
     return code
