@@ -2,12 +2,16 @@
 
 A bound fixes everything that makes the state space finite: the requests (prompt length, max new tokens), the
 GPU and host tiers (host 0 = no host tier), the block size, the prefill chunk, the pipeline depth, and how much
-environment nondeterminism the scheduler refinement injects (cancellations, lost host copies), and optionally the
-scheduler's batch budgets (`max_batch_size`, `max_num_tokens`; left out: the `SchedulerConfig` defaults).
-`micro_batches` (default 1) is how many scheduler outputs the refinement's executor keeps in flight at once
-(`SimExecutor(micro_batches=)`, pipeline stages > 1 only): tokens land, and copies complete, that many passes later,
-so a request may be preempted while its decode step is in flight and receive its token while suspended or awaiting
-consensus (a deferred finish). The abstract model is the same for every depth of the pipeline.
+environment nondeterminism the scheduler refinement injects (cancellations, aborts, lost host copies, failed
+copies), and optionally the scheduler's batch budgets (`max_batch_size`, `max_num_tokens`), its preemption cap
+(`max_preemptions`, A3) and no-progress limit (`no_progress_limit`, A4) (left out: the `SchedulerConfig` defaults),
+and stop tokens (`stop_at`: per request, the position of its output that is a stop token, -1 for none).
+Executor timing: `micro_batches` (default 1) is how many scheduler outputs the refinement's executor keeps in flight
+at most (`SimExecutor(micro_batches=)`, pipeline stages > 1 only; the oldest may land earlier), so a request may be
+preempted while its decode step is in flight and receive its token while suspended or awaiting consensus (a deferred
+finish); `copy_delay` (default 0) is how many passes after the pass that issued it a copy may still be in flight
+(it completes at the end of its own step at the earliest, after the forward pass). The abstract model is the same
+for every depth of the pipeline and every copy delay. `cancel = false` keeps cancel and abort out of both models.
 `abstract_model = false` marks a bound whose abstract model is too large to enumerate (the pipeline livelock
 bound: five requests): `kvstate check` runs only its scheduler refinement there, which checks every state
 predicate and LIVE-DONE on the real scheduler but cannot match its states against the model's (REFINES).
@@ -45,7 +49,7 @@ class Bound:
     pipeline_stages: int = 1
     micro_batches: int = 1  # refinement: scheduler outputs in flight at once, at most (pipeline_stages > 1)
     copy_delay: int = 0  # refinement: passes a copy may still be in flight after the pass that issued it
-    cancel: bool = True  # abstract model: cancel and abort may hit any request in any state
+    cancel: bool = True  # cancel and abort may hit any request in any state (false: in neither model)
     env_cancels: int = 1  # refinement: cancellations the environment may inject in one run
     env_aborts: int = 0  # refinement: aborts the environment may inject in one run
     env_host_losses: int = 0  # refinement: host copies the environment may lose in one run

@@ -550,17 +550,24 @@ class AbstractModel:
         return 1 if request.state == self.active and cut is None else None
 
     def _take_blocks(self, request: RequestState, pool: PoolState, tokens: int, in_host: bool) -> bool:
-        """Allocate the blocks a step of `tokens` needs, in the tier the request is in (the host tier for a step
-        landing on a suspended request); False when that tier has too few free."""
+        """Allocate the blocks a step of `tokens` needs, in the tier the request is in; False when that tier has too
+        few free. A step landing on a suspended request was copied with its other blocks: its block is in the host
+        tier, and while that copy is in flight its GPU source is fenced by the copy too."""
         held = request.host if in_host else request.gpu
         need = ceil_div(request.computed + tokens, self.bound.block_size) - held
         if need <= 0:
             return True
-        if need > (pool.host_free if in_host else pool.gpu_free):
+        copying = in_host and bool(request.incoming)
+        if need > (pool.host_free if in_host else pool.gpu_free) or (copying and need > pool.gpu_free):
             return False
         if in_host:
             pool.host_free -= need
             request.host += need
+            if copying:
+                pool.gpu_free -= need
+                pool.gpu_fenced += need
+                request.fenced_gpu += need
+                request.incoming += need
         else:
             pool.gpu_free -= need
             request.gpu += need

@@ -269,7 +269,7 @@ class Refinement:
             out += [("fail", rid) for rid in copying]
         if sim.micro_batches > 1 and sim.pipeline:
             out.append(("land",))
-        active = sorted(s.requests, key=bound_index)
+        active = sorted(s.requests, key=bound_index) if self.bound.cancel else []  # cancel = false: none ends
         if world.cancels_left:
             out += [("cancel", rid) for rid in active]
         if world.aborts_left:
@@ -343,38 +343,40 @@ class Refinement:
 
     def _act(self, world: World, action: tuple) -> None:
         """Carry out `action`; a scheduler error is the violation it stands for."""
-        s = world.scheduler
+        s, sim, kind = world.scheduler, world.sim, action[0]
+        calls = {  # kind -> (what it does, the budget it spends)
+            "complete": (sim.complete_copy, None),
+            "fail": (sim.fail_copy, "failures_left"),
+            "cancel": (s.cancel, "cancels_left"),
+            "abort": (s.abort, "aborts_left"),
+            "lose_host_copy": (s.lose_host_copy, "losses_left"),
+        }
+        if kind not in calls and kind not in ("submit", "step", "land"):
+            raise ValueError(f"unknown action {action!r}")
         try:
-            if action[0] == "submit":
+            if kind == "submit":
                 i = action[1]
                 s.submit(self.prompts[i], self.bound.requests[i][1], stop_token_ids=self.stops[i], request_id=i)
                 world.submitted += 1
-            elif action[0] == "step":
+            elif kind == "step":
                 self._step(world, action)
-            elif action[0] == "complete":
-                world.sim.complete_copy(action[1])
-            elif action[0] == "fail":
-                world.sim.fail_copy(action[1])
-                world.failures_left -= 1
-            elif action[0] == "land":
-                world.sim.land()
-            elif action[0] == "cancel":
-                s.cancel(action[1])
-                world.cancels_left -= 1
-            elif action[0] == "abort":
-                s.abort(action[1])
-                world.aborts_left -= 1
-            elif action[0] == "lose_host_copy":
-                s.lose_host_copy(action[1])
-                world.losses_left -= 1
-            else:
-                raise ValueError(f"unknown action {action!r}")
+            elif kind == "land":
+                sim.land()
+            elif kind in calls:
+                call, budget = calls[kind]
+                call(action[1])
+                if budget is not None:
+                    setattr(world, budget, getattr(world, budget) - 1)
         except (InvariantViolation, NotEnabled):
             raise
         except SchedulerStalled as err:
             raise InvariantViolation("LIVE-DONE", str(err)) from err
         except KVStateError as err:
             raise InvariantViolation("SPEC-EDGE", f"{type(err).__name__}: {err}") from err
+        except Exception as err:  # a crash inside the scheduler: the transition under way was not taken whole
+            raise InvariantViolation(
+                "SPEC-EDGE", f"the scheduler crashed with {type(err).__name__}: {err} (a transition not taken whole)"
+            ) from err
 
     @staticmethod
     def _step(world: World, action: tuple) -> None:
@@ -458,6 +460,7 @@ class Refinement:
         pool = s.pool
         gpu_free, host_free = pool.gpu_free_blocks, pool.host_free_blocks
         copies = self._copies(pool)
+        gpu_fenced = len(pool.gpu.fenced)
         preempted = (self.model.pending_reset, self.model.offloaded)
         reqs = []
         for i in range(len(self.bound.requests)):
@@ -477,6 +480,13 @@ class Refinement:
                 step = s.in_flight.get(i, 0) if r.num_gpu_blocks or r.num_host_blocks else 0  # its step's blocks
                 if host:  # suspended since: its host copy holds the step's blocks (its GPU blocks are free)
                     host, host_free = host - step, host_free + step
+                    if incoming:  # and that copy, still in flight, fences their GPU sources
+                        fenced_gpu, incoming, gpu_fenced, gpu_free = (
+                            fenced_gpu - step,
+                            incoming - step,
+                            gpu_fenced - step,
+                            gpu_free + step,
+                        )
                 else:
                     gpu, gpu_free = gpu - step, gpu_free + step
                 landing = int(i in s.in_flight and r.state in preempted)  # its decode step may still land
@@ -496,7 +506,7 @@ class Refinement:
                         incoming,
                     )
                 )
-        return AbstractState(tuple(reqs), gpu_free, host_free, len(pool.gpu.fenced), len(pool.host.fenced))
+        return AbstractState(tuple(reqs), gpu_free, host_free, gpu_fenced, len(pool.host.fenced))
 
     @staticmethod
     def _copies(pool) -> dict[Hashable, tuple[int, int, int]]:

@@ -214,6 +214,12 @@ def describe_bound(bound: Bound) -> str:
         f"requests [{reqs}] (prompt+max_new), gpu {bound.gpu_blocks}, host {bound.host_blocks}, "
         f"block {bound.block_size}, chunk {bound.chunk_size}, stages {bound.pipeline_stages}{budgets}"
         + (f", {bound.micro_batches} micro-batches in flight" if bound.micro_batches > 1 else "")
+        + (f", copies up to {bound.copy_delay} pass(es) late" if bound.copy_delay else "")
+        + (f", {bound.env_copy_failures} failed cop(ies)" if bound.env_copy_failures else "")
+        + (f", {bound.env_aborts} abort(s)" if bound.env_aborts and bound.cancel else "")
+        + (f", stop tokens at {list(bound.stop_at)}" if bound.stop_tokens else "")
+        + (f", preemption cap {bound.max_preemptions}" if bound.max_preemptions is not None else "")
+        + (f", no-progress limit {bound.no_progress_limit}" if bound.no_progress_limit is not None else "")
         + ("" if bound.cancel else ", no cancel")
     )
 

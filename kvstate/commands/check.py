@@ -10,9 +10,10 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from kvstate.commands.args import input_file, output_dir, positive_float, positive_int
+from kvstate.commands.args import UsageError, input_file, output_dir, positive_float, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -53,6 +54,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=".",
         help="where a counterexample regression test is written (default: .)",
     )
+    parser.add_argument(
+        "--sweep",
+        metavar="NAME",
+        default=None,
+        help="check every configuration of the sweep NAME of the bounds file ([sweeps.NAME]) instead of bounds, "
+        "with a progress bar and a summary table of configurations x verdicts",
+    )
+    parser.add_argument(
+        "--workers",
+        metavar="N",
+        type=positive_int(),
+        default=None,
+        help="processes a sweep runs on (default: the CPUs this process may use)",
+    )
     parser.add_argument("--no-refinement", action="store_true", help="check the abstract model only")
     parser.add_argument(
         "--verbose",
@@ -67,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
     spec_path = input_file(args.spec, "--spec") if args.spec is not None else None
     bounds_path = input_file(args.bounds_file, "--bounds-file") if args.bounds_file is not None else None
     counterexample_dir = output_dir(args.counterexample_dir, "--counterexample-dir")
+    if args.sweep is not None and args.bound:
+        raise UsageError("--sweep and --bound exclude each other: a sweep names its own bounds; give one of them")
 
     from rich.console import Console
 
@@ -74,9 +91,11 @@ def run(args: argparse.Namespace) -> int:
     from kvstate.checker.runner import run_check
     from kvstate.spec import load_spec
 
+    console = Console(highlight=False, soft_wrap=True)
+    if args.sweep is not None:
+        return _sweep(args, spec_path, bounds_path, counterexample_dir, console)
     bounds = select_bounds(args.bound, bounds_path)
     spec = load_spec(spec_path)
-    console = Console(highlight=False, soft_wrap=True)
     code, _ = run_check(
         bounds,
         spec=spec,
@@ -88,4 +107,40 @@ def run(args: argparse.Namespace) -> int:
         refine=not args.no_refinement,
         verbose=args.verbose,
     )
+    return code
+
+
+def _sweep(args: argparse.Namespace, spec_path, bounds_path, counterexample_dir, console) -> int:
+    """`kvstate check --sweep NAME`: every configuration of the sweep, then its summary table."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from kvstate.checker.runner import EXIT_CODES
+    from kvstate.checker.sweep import run_sweep, select_sweep
+
+    sweep = select_sweep(args.sweep, bounds_path)
+    workers = args.workers or max(1, len(os.sched_getaffinity(0)))
+    total = len(sweep.bounds())
+    say = lambda text: console.print(text, markup=False, highlight=False)  # noqa: E731 - file names hold brackets
+    say(f"kvstate check: sweep {sweep.name} of {bounds_path or 'the packaged bounds'}: {total} configurations")
+    with Progress(
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not sys.stderr.isatty(),
+    ) as bar:
+        task = bar.add_task("configurations", total=total)
+        report = run_sweep(
+            sweep,
+            spec_path=None if spec_path is None else str(spec_path),
+            workers=workers,
+            max_states=args.max_states,
+            counterexample_dir=counterexample_dir,
+            progress=lambda done, _: bar.update(task, completed=done),
+        )
+    for line in report.lines():
+        say(line)
+    code = EXIT_CODES[report.verdict]
+    say(f"verdict: {report.verdict} ({len(report.outcomes)} configurations, exit {code})")
     return code
