@@ -1,31 +1,41 @@
-"""Refinement of the real `Scheduler` against the spec, by exhaustive exploration of scheduler + sim states.
+"""Refinement of the real `Scheduler` against the spec, by exhaustive exploration of scheduler + executor states.
 
 The world is a real `Scheduler` (an observing subclass that only records and checks) driven by a real
-`SimExecutor`. Environment nondeterminism at every point between iterations: the next request arrives
-(requests arrive in the bound's order), one iteration runs (`SimExecutor.step`: consensus, schedule, copies,
-compute), a request is cancelled (at most `env_cancels` per run) or a suspended request loses its host copy (at
-most `env_host_losses` per run). Each branch deep-copies the world; worlds are identified by a canonical
-fingerprint (request states, token lists, block tables, free lists, KV contents of held blocks, admission
-order, environment budget; iteration numbers, plan ids and statistics counters are left out).
+`SimExecutor`. Nondeterminism of the executor and the environment at every point between iterations (`actions`):
+the next request arrives (in the bound's order); one iteration runs (`SimExecutor.step`: land what must land,
+consensus, schedule, issue copies, compute, complete the copies that are due), possibly with the k-th copy it issues
+failing at once; a copy in flight completes early or fails (copies complete up to `copy_delay` passes late:
+`SimExecutor`); the oldest micro-batch in flight lands early (`micro_batches` > 1); a request is cancelled or
+aborted; a suspended request loses its host copy — each environment choice at most its budget's times per run, so
+arrivals and faults stop (F4). Each branch deep-copies the world; worlds are identified by a canonical fingerprint
+(request states, token lists, block tables, free lists, KV contents of held blocks, copies in flight and how long they
+may still take, outputs in flight, admission order, what the no-progress detector reads, environment budgets;
+iteration numbers, plan ids and statistics counters are left out).
 
 Checked on every action: every transition the scheduler fires (collected with its `on_transition` listener)
 is a spec edge, and every decision the scheduler takes (an edge, or a refusal when no guard holds) is the one
-the checker's own table with the real guards resolves on the same view just before (SPEC-EDGE);
-`Scheduler.check_invariants` (pool, RES-STATE, OUT-DISJOINT, OUT-STATE; run by the sim); VICTIM-ONCE; generated
-tokens only grow (GEN-APPEND); outputs equal `reference_output` (OUT-EQUIV: a finished request's whole output, a
-cancelled or unfinished one a prefix of it); the abstraction of the world satisfies every state predicate of the
-abstract model and, when the abstract model's reachable set is given, is one of
-its states (REFINES: the scheduler never reaches a state the spec does not allow).
+the checker's own table with the real guards resolves on the same view just before (SPEC-EDGE); the step invariants
+on every transition it takes (RESET-*, PROMOTE-GATE, PP-TERMINATE with the first deferred reason kept, FENCE on the
+pool); `Scheduler.check_invariants` (pool, RES-STATE, OUT-DISJOINT, OUT-STATE; run by the sim); VICTIM-ONCE;
+generated tokens only grow (GEN-APPEND); outputs equal `reference_output` (OUT-EQUIV: a finished request's whole
+output, a cancelled or unfinished one a prefix of it); the abstraction of the world satisfies every state predicate
+of the abstract model; the abstraction after the action is reached from the one before by a sequence of abstract
+actions (`StepMatcher`: step refinement) and, when the abstract model's reachable set is given, is one of its
+states (REFINES: the scheduler never reaches a state the spec does not allow). A crash of the scheduler is the
+SPEC-EDGE violation of a transition not taken whole.
 
-With `micro_batches` > 1 the sim keeps that many outputs in flight (`SimExecutor`): a step lands the oldest output
-when it must (`Scheduler.must_land`) before it schedules, so cancellations and lost host copies also hit requests
-whose step is in flight, and a request preempted while its decode step is in flight receives its token suspended
-or awaiting consensus (the deferred finish). The abstraction shows a request whose step is in flight as it was
-before that step (`AbstractModel` computes a step atomically): the blocks allocated for the step count as free.
+With `micro_batches` > 1 a step lands the oldest output when it must (`Scheduler.must_land`) before it schedules, so
+cancellations and lost host copies also hit requests whose step is in flight, and a request preempted while its
+decode step is in flight receives its token suspended or awaiting consensus (the deferred finish). The abstraction
+shows a request whose step is in flight as it was before that step (`AbstractModel` computes a step atomically): the
+blocks allocated for the step count as free, also in the copy of a request suspended with it.
 
-Liveness (LIVE-DONE): the scheduler is deterministic given the environment, so once arrivals, cancellations and
-losses stop only `step` moves the world: the step edges form a functional graph, and a cycle in it through a
-world with an unfinished request is a livelock (a stall, or a suspend/resume ping-pong). There must be none.
+Liveness (LIVE-DONE): once arrivals and faults stop (every budgeted action spends a budget the fingerprint counts,
+so none lies on a cycle), only steps, early completions and early landings move the world, and every infinite run of
+them is one an executor may follow under F1-F4 (copies are due within `copy_delay` passes, outputs land when they
+must, consensus follows the landing of the output that announced the pause). So a cycle through a world with an
+unfinished request is a livelock, and a stall of the no-progress detector (A4) reports one it would otherwise
+loop in: there must be neither.
 """
 
 from __future__ import annotations

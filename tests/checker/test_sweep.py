@@ -106,7 +106,7 @@ def test_a_bad_sweep_is_refused_with_the_key_named(entry, message):
 def test_the_packaged_sweeps_span_the_dimensions_the_issue_names():
     sweeps = load_sweeps()
     ci = sweeps["ci"]
-    assert len(ci.bounds()) == 3024 and not ci.abstract_model
+    assert len(ci.bounds()) == 1440 and not ci.abstract_model
     union = {key: set() for key in ("request_counts", "host_blocks", "block_sizes", "chunk_sizes", "copy_delays")}
     for sweep in sweeps.values():
         for key, values in union.items():

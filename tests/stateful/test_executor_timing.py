@@ -119,8 +119,35 @@ class TimingMachine(ConformanceMachine):
         self.observe()
 
 
-def timing_machine(config: SchedulerConfig, name: str, *, spec: Spec | None = None, **timing) -> type:
-    return TimingMachine.bind(
+class ReleaseBurstMachine(TimingMachine):
+    """The timing machine plus bursts of release-causing events on one request whose copy is in flight (a machine of
+    its own, so that the timing machine's derandomized search, which the tests below rely on, stays as it is)."""
+
+    @precondition(lambda self: any(rid in self.adapter.scheduler.requests for rid in self.copying()))
+    @rule(
+        events=st.lists(st.sampled_from(["lose_host_copy", "cancel", "abort"]), min_size=1, max_size=3),
+        nth=st.integers(0, 3),
+    )
+    def releases_while_copying(self, events: list[str], nth: int) -> None:
+        """A burst of environment events on one request whose copy is in flight, each while it has an edge from the
+        request's state (a lost host copy only while it is suspended): every sequence of releases during a copy."""
+        ids = [rid for rid in self.copying() if rid in self.adapter.scheduler.requests]
+        rid = ids[nth % len(ids)]
+        for event in events:
+            request = self.adapter.scheduler.get(rid)
+            if event == "cancel":
+                self._cancel(rid)
+            elif event == "abort" and request.state not in self.model.terminal:
+                self.cancelled.add(rid)
+                self._environment("abort", rid)
+            elif event == "lose_host_copy" and request.state == self.model.spec.role("offloaded"):
+                self._environment("lose_host_copy", rid)
+
+
+def timing_machine(
+    config: SchedulerConfig, name: str, *, spec: Spec | None = None, machine: type = TimingMachine, **timing
+) -> type:
+    return machine.bind(
         lambda: TimingAdapter(config, spec=spec, **timing), name=name, **({"spec": spec} if spec else {})
     )
 
@@ -128,11 +155,15 @@ def timing_machine(config: SchedulerConfig, name: str, *, spec: Spec | None = No
 TightTimingMachine = timing_machine(TIGHT, "TightTimingMachine", micro_batches=2, copy_delay=1)
 RoomyTimingMachine = timing_machine(ROOMY, "RoomyTimingMachine", copy_delay=2)
 Mb2TimingMachine = timing_machine(MB2, "Mb2TimingMachine", micro_batches=2)
+ReleaseBurstTiming = timing_machine(
+    TIGHT, "ReleaseBurstTiming", machine=ReleaseBurstMachine, micro_batches=2, copy_delay=1
+)
 
 TestTightTiming = TightTimingMachine.TestCase
 TestRoomyTiming = RoomyTimingMachine.TestCase
 TestMb2Timing = Mb2TimingMachine.TestCase  # where the policy before P1 livelocks (below): with P1 it holds
-for _case in (TestTightTiming, TestRoomyTiming, TestMb2Timing):
+TestReleaseBursts = ReleaseBurstTiming.TestCase
+for _case in (TestTightTiming, TestRoomyTiming, TestMb2Timing, TestReleaseBursts):
     _case.settings = STEPS
 del _case
 
