@@ -52,6 +52,14 @@ VOCABULARY: Mapping[str, Mapping[str, str]] = {
             "behind it only: TensorRT-LLM scans its active list from the tail down to the requester)"
         ),
     },
+    "no_eligible_victim": {
+        "preempt_self": "a requester that finds no eligible victim preempts itself (by its victim path rule)",
+        "wait_for_chunk_in_flight": (
+            "a requester that finds no eligible victim waits, keeping its blocks and reserving nothing, while a "
+            "request that chunk_in_flight alone excludes holds GPU blocks (that chunk lands within the micro-batches "
+            "in flight, and then it is a victim again); otherwise it preempts itself (the progress rule, P1)"
+        ),
+    },
     "promotion_candidates": {"suspended_this_pass": "requests suspended earlier in the same pass"},
     "promotion_order": {"latest_suspension_first": "the most recently suspended candidate first"},
     "promotion_worth": {"fewer_kv_tokens_than_victim": "the promoted requests hold fewer KV tokens than the victim"},
@@ -143,6 +151,7 @@ class RequestSnapshot:
     kv_tokens: int
     gpu_blocks: int
     in_flight: bool = False  # its step of an earlier pass is still in the pipeline: not schedulable in this pass
+    copying: bool = False  # its resume copy is still in flight: not schedulable in this pass (its KV is not back)
     # read only by the rules that name them (a third-party engine's declared policy, `kvstate.declared`):
     num_output_tokens: int = 0  # tokens generated so far (victim order fewest_outputs_first)
     prompt_tokens: int = 0  # its original prompt's length (fewest_outputs_first's tie-break)
@@ -166,6 +175,7 @@ class PassSnapshot:
 def snapshot(scheduler) -> PassSnapshot:
     """A `PassSnapshot` of `scheduler` (a `kvstate.Scheduler`) now."""
     cap = scheduler.config.max_preemptions_per_request
+    not_ready = scheduler.not_ready()
     requests = tuple(
         RequestSnapshot(
             r.request_id,
@@ -178,6 +188,7 @@ def snapshot(scheduler) -> PassSnapshot:
             r.num_computed_tokens,
             r.num_gpu_blocks,
             r.request_id in scheduler.in_flight,
+            r.request_id in not_ready and r.request_id not in scheduler.in_flight,
         )
         for r in scheduler.requests.values()
     )
@@ -215,7 +226,7 @@ class _PassCheck:
         self.scheduled = [r.request_id for r in output.scheduled]
         self.victims = [d.victim for d in record.decisions if isinstance(d, Victim)]
         # requesters in the order the pass serves them (SPEC.md 7.2): decode steps, then chunks, each by arrival
-        computing = [r for r in before.requests if r.state in spec.computing_states and not r.in_flight]
+        computing = [r for r in before.requests if r.state in spec.computing_states and not (r.in_flight or r.copying)]
         if before.serve_order is None:
             self.order = [r.request_id for r in sorted(computing, key=lambda r: (r.prefilling, r.arrival))]
         else:
@@ -240,8 +251,11 @@ class _PassCheck:
         earlier = set(self.order[: self.order.index(requester)])
         return {rid for rid in self.scheduled if rid in earlier}
 
-    def eligible(self, requester: Hashable, chosen: set[Hashable], waiting: set[Hashable]) -> list[RequestSnapshot]:
-        excluded = set(self.policy.victim_exclusions)
+    def eligible(
+        self, requester: Hashable, chosen: set[Hashable], waiting: set[Hashable], ignoring: frozenset[str] = frozenset()
+    ) -> list[RequestSnapshot]:
+        """The eligible victims at a choice of `requester` (the policy's exclusions but those in `ignoring`)."""
+        excluded = set(self.policy.victim_exclusions) - ignoring
         scheduled = self.served_before(requester) if "scheduled_this_pass" in excluded else set()
         if "waiting_this_pass" in excluded:
             scheduled |= waiting
@@ -272,7 +286,6 @@ class _PassCheck:
             if d.victim in chosen:
                 self.fail("VICTIM-ONCE", f"request {d.victim!r} was chosen as a victim twice in one pass")
             eligible = self.eligible(d.requester, chosen, waiting)
-            chosen.add(d.victim)
             if d.victim == d.requester:
                 others = [r.request_id for r in eligible if r.request_id != d.requester]
                 if others:
@@ -280,7 +293,10 @@ class _PassCheck:
                         "VICTIM-TAIL",
                         f"requester {d.requester!r} preempted itself although {others!r} were eligible victims",
                     )
+                self.check_self_preemption(d.requester, chosen, waiting)
+                chosen.add(d.victim)
                 continue
+            chosen.add(d.victim)
             victim = self.by_id.get(d.victim)
             if victim is not None and victim.about_to_finish and "about_to_finish" in self.policy.victim_exclusions:
                 self.fail(
@@ -309,6 +325,22 @@ class _PassCheck:
                 f"request {d.victim!r} ({_ranked(victim)}) was chosen as {d.requester!r}'s victim, but "
                 f"{tail.request_id!r} ({_ranked(tail)}) is eligible and comes first in victim_order {order!r}: "
                 f"{VOCABULARY['victim_order'][order]}",
+            )
+
+    def check_self_preemption(self, requester: Hashable, chosen: set[Hashable], waiting: set[Hashable]) -> None:
+        """VICTIM-SELF: under `wait_for_chunk_in_flight`, a requester preempts itself only when no request that
+        `chunk_in_flight` alone excludes could give up its blocks once its chunk lands."""
+        if self.policy.no_eligible_victim != "wait_for_chunk_in_flight":
+            return
+        eligible = self.eligible(requester, chosen, waiting, ignoring=frozenset({"chunk_in_flight"}))
+        landing = [r for r in eligible if r.request_id != requester]
+        if landing:
+            self.fail(
+                "VICTIM-SELF",
+                f"requester {requester!r} preempted itself although {[r.request_id for r in landing]!r}, excluded "
+                "only because a prompt or replay chunk of theirs is in flight, could give up blocks once it lands: "
+                "it must wait for that chunk (wait_for_chunk_in_flight), or two requests may pause each other "
+                "forever",
             )
 
     # ---- promotions

@@ -22,6 +22,7 @@ from kvstate.errors import InvariantViolation, PoolError
 
 TO_HOST = "to_host"
 TO_GPU = "to_gpu"
+_NOBODY = object()  # the owner of a block nobody holds (never equal to an owner)
 
 
 def ceil_div(numerator: int, denominator: int) -> int:
@@ -120,8 +121,12 @@ class Tier:
         return blocks
 
     def fence_blocks(self, owner: Hashable, blocks: list[int], plan_id: int) -> None:
-        """Move the given blocks of `owner` from held to fenced by `plan_id` (a copy still writes them)."""
+        """Move the given blocks of `owner` from held to fenced by `plan_id` (a copy still writes them). Raises
+        `PoolError` (nothing changed) when `owner` does not hold one of them."""
         wanted = set(blocks)
+        foreign = sorted(b for b in wanted if self.owner_of.get(b, _NOBODY) != owner)
+        if foreign:
+            raise PoolError(f"{self.name} blocks {foreign} are not held by {owner!r}; only held blocks can be fenced")
         self.blocks_of[owner] = tuple(b for b in self.held(owner) if b not in wanted)
         for block in blocks:
             del self.owner_of[block]
@@ -231,10 +236,13 @@ class TieredBlockPool:
 
     def release(self, owner: Hashable) -> int:
         """Free every block `owner` holds in both tiers; returns how many. Blocks an in-flight copy of `owner`
-        still writes stay fenced by that copy until `complete` (FENCE), and are freed then."""
+        still writes stay fenced by that copy until `complete` (FENCE), and are freed then. Releasing an owner
+        again (it holds nothing now; its copies' destinations are fenced already) changes nothing: every sequence
+        of releases during a copy is well defined."""
         for plan in [p for p in self.in_flight.values() if p.request_id == owner]:
             dest = self.host if plan.direction == TO_HOST else self.gpu
-            dest.fence_blocks(owner, [dst for _, dst in plan.pairs], plan.plan_id)
+            held = set(dest.held(owner))
+            dest.fence_blocks(owner, [dst for _, dst in plan.pairs if dst in held], plan.plan_id)
         return len(self.gpu.release(owner)) + len(self.host.release(owner))
 
     # ---- migration

@@ -11,6 +11,9 @@ Invariants kept:
 * after `reset_for_replay`, `prefill_tokens` = original prompt + every generated token, the remaining budget
   is `max_new_tokens - len(generated)`, and every KV-derived counter is zero (RESET-*); its admission number is
   kept (a replay is not the newest admission, so it does not become the next tail victim);
+* `copy_in_flight` is True from the migrate effect that plans a copy of its KV until the executor reports that copy
+  complete or failed (the scheduler clears it): meanwhile it is neither suspended nor resumed again (the guards) nor
+  scheduled (a resumed request computes once its KV is back), so a request has at most one copy in flight;
 * `replay_high_water` is the furthest position any replay of the current replay prompt reached (0 until a replay
   computes, and again whenever a reset makes a longer replay prompt): a replay chunk that does not pass it recomputes
   work an earlier pause threw away, which is no progress (A4).
@@ -52,6 +55,7 @@ class Request:
     termination_reason: str | None = None
     done_reason: str | None = None
     suspended_in_pass: int | None = None
+    copy_in_flight: bool = False  # a migration of its KV is issued and not reported complete or failed (FENCE)
     replay_high_water: int = 0
     state: str = field(default="", init=False)  # written only by the lifecycle, as `STATE_ATTRIBUTE` below
     final_token_produced: bool = field(default=False, init=False)  # `append_token`'s verdict on `generated[-1]`

@@ -57,7 +57,7 @@ from typing import Generic, Protocol, TypeVar
 
 from kvstate.config import RequestRejected, SchedulerConfig, normalize_stop_token_ids
 from kvstate.errors import InvariantViolation, KVStateError, PoolError
-from kvstate.lifecycle import make_lifecycle
+from kvstate.lifecycle import STATE_ATTRIBUTE, make_lifecycle
 from kvstate.output import SCHEDULED_LISTS, FailedMigration, SchedulerOutput, check_output
 from kvstate.policy import PassRecord, Promotion, Victim, Wait
 from kvstate.pool import TO_HOST, MigrationPlan, TieredBlockPool, ceil_div
@@ -270,6 +270,12 @@ class Scheduler:
         self._chunk_list = {s.name: dict(s.chunk_lists) for s in spec.states if s.computing}
         self._decode_list = self._chunk_list[self._active]["decode"]  # where the steady decode steps are listed
         self._exclusions = [VICTIM_EXCLUSIONS[name] for name in self.policy.victim_exclusions]
+        self._landing_exclusions = (  # the other exclusions, when the policy waits for chunks in flight to land
+            [VICTIM_EXCLUSIONS[name] for name in self.policy.victim_exclusions if name != "chunk_in_flight"]
+            if self.policy.no_eligible_victim == "wait_for_chunk_in_flight"
+            and "chunk_in_flight" in self.policy.victim_exclusions
+            else None
+        )
         queues = {
             "waiting": self.waiting,
             "resident": self.resident,
@@ -348,6 +354,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def idle_iterations(self) -> int:
+        """Passes since the last one that made progress (what the no-progress detector, A4, reads)."""
+        return self._idle_iterations
+
     # ----------------------------------------------------------------------------------------- termination
     def cancel(self, request_id: Hashable) -> Request:
         """Cancel an active request from any state (deferred while it awaits consensus)."""
@@ -379,13 +390,18 @@ class Scheduler:
         """Fire `event` on `request` in `pass_` (`_idle` between passes) if one of its guards holds, each guard
         evaluated once on a `PassView` of that pass; then run the edge's effect in it, move the request between the
         containers, record the transition (`fired`) and tell `on_transition`. None (nothing changed) when no guard
-        holds."""
+        holds. A transition happens whole or not at all: every effect checks what can fail before it changes
+        anything, so an effect that raises leaves the request in its old state and nothing else changed."""
         before, figures = request.state, self.tally.before(request)
         transition = self.lifecycle.try_fire(request, event, self._view(pass_))
         if transition is None:
             return None
         if transition.effect is not None:
-            getattr(self._effects_in(pass_), transition.effect)(request, transition)
+            try:
+                getattr(self._effects_in(pass_), transition.effect)(request, transition)
+            except BaseException:
+                setattr(request, STATE_ATTRIBUTE, before)  # the effect refused before changing anything: undo the move
+                raise
         self._move(request, before, transition.dest, figures)
         if self.fired is not None:
             self.fired.append(self.snapshot(request, transition))
@@ -530,12 +546,13 @@ class Scheduler:
         out, block_size, active, pool = pass_.output, self.config.block_size, self._active, self.pool
         decode_list = getattr(out, self._decode_list)
         chunk_tokens, victims = out.chunk_tokens, pass_.victims  # the pass's own containers, filled in place
-        in_flight, continuing = self.in_flight, []
+        in_flight, continuing = self.not_ready(), []
         decodes = 0  # decode steps taken by the fast path below and not yet charged to the pass's budgets
         room = min(pass_.slots_left, pass_.tokens_left)  # decode steps the budgets allow (each takes 1 slot, 1 token)
         for request in tuple(self.resident):  # a copy: a victim taken on the way leaves `resident`
             if in_flight and request.request_id in in_flight:
-                continue  # its step is still in the pipeline: a request is in one micro-batch in flight at most
+                continue  # its step is still in the pipeline (a request is in one micro-batch in flight at most), or
+                # its resume copy is: it computes once its KV is back
             if request.num_computed_tokens < len(request.prefill_tokens):
                 continuing.append(request)
                 continue
@@ -556,6 +573,15 @@ class Scheduler:
             decodes += 1
         pass_.charge(decodes, decodes)
         return continuing
+
+    def not_ready(self) -> Collection[Hashable]:
+        """Ids of the resident requests this pass may not schedule: those whose step of an earlier pass is still in
+        the pipeline (`in_flight`) and those whose resume copy is still in flight (the forward would read KV not
+        written yet). Empty, and built from nothing, in the steady state."""
+        copying = [p.request_id for p in self.pool.in_flight.values() if p.direction != TO_HOST]
+        if not copying:
+            return self.in_flight
+        return {*self.in_flight, *copying}
 
     def _schedule_resident(self, request: Request, pass_: SchedulingPass) -> None:
         tokens = (
@@ -602,6 +628,9 @@ class Scheduler:
                 if protected and (pass_.output.chunk_tokens or pass_.pending_free):
                     self._wait(request, min(short, pass_.pending_free), pass_)
                     return False  # requests scheduled in this pass, or pending copies, will free room
+                if self._victim_lands(pass_):
+                    self._wait(request, 0, pass_)
+                    return False  # a victim once its chunk in flight lands (P1: no mutual self-preemption)
                 self._preempt(request, pass_)
                 if request.state in self._computing:  # it could not even evict itself: it waits for nothing
                     self._wait(request, 0, pass_)
@@ -624,6 +653,18 @@ class Scheduler:
         """`candidate` is in a victim state and no exclusion of the spec's policy (`victim_exclusions`) applies."""
         return candidate.state in self._victim_states and not any(
             excluded(self, candidate, pass_) for excluded in self._exclusions
+        )
+
+    def _victim_lands(self, pass_: SchedulingPass) -> bool:
+        """The policy's `no_eligible_victim` rule waits (`wait_for_chunk_in_flight`) and some request that only
+        `chunk_in_flight` excludes could give up its blocks once that chunk lands."""
+        if self._landing_exclusions is None:
+            return False
+        return any(
+            candidate.state in self._victim_states
+            and VICTIM_EXCLUSIONS["chunk_in_flight"](self, candidate, pass_)
+            and not any(excluded(self, candidate, pass_) for excluded in self._landing_exclusions)
+            for candidate in self.admitted
         )
 
     def _pick_victim(self, pass_: SchedulingPass) -> Request | None:
@@ -697,7 +738,7 @@ class Scheduler:
         """Drop not-yet-issued copy plans of a request promoted in this pass; their GPU sources free at once."""
         for plan in plans:
             pass_.output.migrations.remove(plan)
-            self.pool.complete(plan)
+            self._end_copy(plan)
             pass_.pending_free -= plan.num_blocks
 
     # ------------------------------------------------------------------------------------------- admission
@@ -728,8 +769,8 @@ class Scheduler:
         if pass_.slots_left == 0 or request.request_id in self.in_flight:
             return False  # no slot, or its step of an earlier pass has not landed yet (it lost its host copy since)
         out = pass_.output
-        if request.state == self._offloaded:  # a resume moves KV back and computes from the next pass
-            if self._in_flight(request) or not self._try_fire(request, event, pass_):
+        if request.state == self._offloaded:  # a resume moves KV back and computes once it is back (the guard
+            if not self._try_fire(request, event, pass_):  # refuses while its suspend copy is still in flight)
                 return False
             out.resumed.append(request)
             pass_.slots_left -= 1
@@ -741,9 +782,6 @@ class Scheduler:
         self._add_scheduled(request, first_chunk_tokens(request, self._view(pass_)), pass_)
         return True
 
-    def _in_flight(self, request: Request) -> bool:
-        return any(plan.request_id == request.request_id for plan in self.pool.in_flight.values())
-
     def _reservable(self, request: Request) -> bool:
         """guaranteed_no_evict: the request's worst case fits beside every resident request's worst case."""
         blocks = self.pool.blocks_for_tokens
@@ -752,10 +790,56 @@ class Scheduler:
 
     # --------------------------------------------------------------------------------------- after compute
     def complete_migrations(self, output: SchedulerOutput) -> None:
-        """The executor reports every copy of `output.migrations` complete: end their fences."""
+        """The executor reports every copy of `output.migrations` complete: end their fences (those it reported
+        one by one, `complete_migration`, are skipped)."""
         for plan in output.migrations:
             if plan.plan_id in self.pool.in_flight:
-                self.pool.complete(plan)
+                self._end_copy(plan)
+
+    def complete_migration(self, plan: MigrationPlan) -> None:
+        """The executor reports the copies of `plan` complete, at their own time (possibly passes after the pass
+        that planned them): its fenced blocks free up and its request may move, or be scheduled, again. Raises
+        `PoolError` (nothing changed) when `plan` is not in flight."""
+        if plan.plan_id not in self.pool.in_flight:
+            raise PoolError(f"migration plan {plan.plan_id} is not in flight; report each copy complete once")
+        self._end_copy(plan)
+
+    def needs_undo(self, output: SchedulerOutput, plan: MigrationPlan) -> bool:
+        """A failure of `plan`, an in-flight migration of `output`, must be undone by `fail_migration`: its request
+        is still in the state the plan left it in (listed suspended or resumed in `output`, and the undoing event has
+        an edge from its state) and still holds the plan's destinations (`copy_in_use`). Otherwise nothing will read
+        what the copy writes, and its failure ends its fences as its completion would."""
+        request = self.requests.get(plan.request_id)
+        event, listed = self._undo_of(plan, output)
+        return (
+            request is not None
+            and request in listed
+            and event in self.lifecycle.allowed_events(request.state)
+            and self.copy_in_use(plan)
+        )
+
+    def _undo_of(self, plan: MigrationPlan, output: SchedulerOutput) -> tuple[str, list[Request]]:
+        """The event that undoes a failed `plan`, and the list of `output` its request joined when it was planned."""
+        if plan.direction == TO_HOST:
+            return "lose_host_copy", output.suspended
+        return "recompute_pause", output.resumed
+
+    def copy_in_use(self, plan: MigrationPlan) -> bool:
+        """The request of in-flight `plan` still holds the plan's destination blocks, so it will read what the copy
+        writes: a failure of the copy must be undone (`fail_migration`). False once it released them (it ended,
+        lost its host copy or was preempted since): its copy's failure ends the fences as a completion does."""
+        request = self.requests.get(plan.request_id)
+        tier = self.pool.host if plan.direction == TO_HOST else self.pool.gpu
+        held = set(tier.held(plan.request_id)) if request is not None else set()
+        return bool(held) and all(dst in held for _, dst in plan.pairs)
+
+    def _end_copy(self, plan: MigrationPlan) -> None:
+        """`plan` completed, failed or was withdrawn: its fences end, and its request has no copy in flight (the
+        guards let a request have one at most)."""
+        self.pool.complete(plan)
+        request = self.requests.get(plan.request_id) or self.finished.get(plan.request_id)
+        if request is not None:
+            request.copy_in_flight = False
 
     def complete_step(self, output: SchedulerOutput, sampled: Mapping[Hashable, int]) -> list[Request]:
         """Apply a forward pass: advance computed tokens, append each produced token (`sampled[id]`),
@@ -893,13 +977,15 @@ class Scheduler:
         return lost
 
     def fail_migration(self, output: SchedulerOutput, plan: MigrationPlan) -> FailedMigration:
-        """The executor reports that the copies of `plan`, a migration of this iteration's `output`, failed
-        (or that the host copy it would read is corrupt): undo the move through spec events, atomically.
+        """The executor reports that the copies of `plan`, a migration of `output` (this iteration's, or an earlier
+        one's whose copies are still in flight), failed (or that the host copy it would read is corrupt): undo the
+        move through spec events, atomically.
 
-        * ``to_host`` (a suspend of this pass): the host copy is unusable, so the suspended request takes
-          `lose_host_copy` to `recompute_paused` (its generated tokens are kept and replayed);
-        * ``to_gpu`` (a resume of this pass): its GPU blocks never received the KV, so the now `running`
-          request takes `recompute_pause` (to `recompute_paused`, or `awaiting_consensus` with several stages).
+        * ``to_host`` (a suspend): the host copy is unusable, so the suspended request takes `lose_host_copy` to
+          `recompute_paused` (its generated tokens are kept and replayed);
+        * ``to_gpu`` (a resume): its GPU blocks never received the KV, so the `running` request (not scheduled while
+          its copy is in flight) takes `recompute_pause` (to `recompute_paused`, or `awaiting_consensus` with
+          several stages).
 
         Either way the plan is withdrawn (spec §4.0): it leaves the pool's in-flight set, which frees its fenced
         source blocks, and the request's destination blocks are released. `output` itself is not changed: the
@@ -907,8 +993,9 @@ class Scheduler:
         (the plan left `migrations`, the request moved from `suspended` / `resumed` to `recompute_paused`, so
         OUT-DISJOINT and OUT-STATE hold and `check_invariants` of it passes). Call it before
         `complete_migrations` and only once the executor no longer touches the plan's blocks. Raises `PoolError`
-        (nothing changed) when `plan` is not an in-flight migration of `output`, or its request is not in the
-        state the plan left it.
+        (nothing changed) when `plan` is not an in-flight migration of `output`, or there is nothing to undo
+        (`needs_undo`: its request left the state the plan left it in, or released the destinations since; such a
+        failure ends the plan's fences as its completion does: report it with `complete_migration`).
         """
         if plan not in output.migrations or plan.plan_id not in self.pool.in_flight:
             raise PoolError(
@@ -917,16 +1004,17 @@ class Scheduler:
             )
         request = self.requests.get(plan.request_id)
         suspend = plan.direction == TO_HOST
-        event, listed = ("lose_host_copy", output.suspended) if suspend else ("recompute_pause", output.resumed)
-        if request is None or request not in listed or event not in self.lifecycle.allowed_events(request.state):
+        event, listed = self._undo_of(plan, output)
+        if request is None or not self.needs_undo(output, plan):
             state = "not active (done or unknown)" if request is None else request.state
             raise PoolError(
                 f"cannot fail migration plan {plan.plan_id}: request {plan.request_id!r} is {state} and "
                 f"{'not ' if request is None or request not in listed else ''}listed as "
-                f"{'suspended' if suspend else 'resumed'} in this output; only a suspend or resume of the current "
-                "iteration can fail"
+                f"{'suspended' if suspend else 'resumed'} in this output (or no longer holds the copy's "
+                "destinations); only a suspend or resume of the current iteration can fail, or a later one whose "
+                "request still waits for the copy: report a copy nobody waits for complete (Step.failed does)"
             )
-        self.pool.complete(plan)  # withdraw: sources free at once, destinations stay with the request until released
+        self._end_copy(plan)  # withdraw: sources free at once, destinations stay with the request until released
         self._fire(request, event, self._idle)
         return FailedMigration(plan, request, event)
 
@@ -995,6 +1083,12 @@ class Scheduler:
         """Raise `InvariantViolation` unless the pool, every request and `output` satisfy the spec's invariants."""
         self.pool.check_invariants()
         for request in self.requests.values():
+            if request.state not in self.tally.counts:
+                raise InvariantViolation(
+                    "STATS-COUNT",
+                    f"request {request.request_id!r} is active but in state {request.state!r}, which is not an "
+                    f"active state ({', '.join(self.tally.counts)}): a transition was half applied",
+                )
             gpu = len(self.pool.gpu_blocks(request.request_id))
             host = len(self.pool.host_blocks(request.request_id))
             residency = self.spec.residency(request.state)
@@ -1085,6 +1179,33 @@ class Step(Generic[F]):
         """`plan`'s copies have completed."""
         self.waited_on.add(plan.plan_id)
 
+    def complete(self, plan: MigrationPlan) -> None:
+        """Phase 4 for one plan, for an executor whose copies complete at their own time (possibly passes after this
+        step): `plan`'s copies completed (`waited` first), and the scheduler is told now
+        (`Scheduler.complete_migration`). Raises `PoolError` (nothing told) for a plan not issued or not waited on."""
+        if plan.plan_id not in self.fences or plan.plan_id not in self.waited_on:
+            raise PoolError(
+                f"migration plan {plan.plan_id} of iteration {self.scheduler.iteration} was not issued and waited on; "
+                "report it with issued() and waited() before complete()"
+            )
+        self.scheduler.complete_migration(plan)
+
+    def failed(self, plan: MigrationPlan) -> None:
+        """An issued plan's copies failed at their own time (after `issued`, possibly passes after this step): while
+        its request still reads their destinations the failure is undone through `Scheduler.fail_migration` and
+        `output` becomes the amended output; otherwise (its request released them since) the failure ends the
+        plan's fences as a completion would. Raises `PoolError` (nothing told) for a plan not in flight."""
+        if plan.plan_id not in self.fences or plan.plan_id in self.waited_on:
+            raise PoolError(f"migration plan {plan.plan_id} is not an issued copy in flight; report a failure once")
+        if self.scheduler.needs_undo(self.output, plan):
+            del self.fences[plan.plan_id]  # a failed plan is never waited on
+            failure = self.scheduler.fail_migration(self.output, plan)
+            self.output = self.output.amended(failure)
+            self.failures.append(failure)
+        else:
+            self.waited_on.add(plan.plan_id)
+            self.scheduler.complete_migration(plan)
+
     def complete_migrations(self) -> None:
         """Phase 4, last: tell the scheduler every copy of the output completed (their fenced blocks free up).
         Raises `PoolError` (nothing told) while a plan is still to be issued or waited on."""
@@ -1131,15 +1252,19 @@ class _Effects:
         self._admit(request, transition.event)
 
     def migrate_to_host(self, request: Request, transition: Transition) -> None:
+        migrations = self._migrations()  # before the pool changes: a refusal changes nothing
         plan = self.s.pool.suspend(request.request_id)
-        self._migrations().append(plan)
+        migrations.append(plan)
+        request.copy_in_flight = True
         request.num_gpu_blocks, request.num_host_blocks = 0, plan.num_blocks
         request.num_suspensions += 1
         request.suspended_in_pass = self.pass_.number
 
     def migrate_to_gpu(self, request: Request, transition: Transition) -> None:
+        migrations = self._migrations()  # before the pool changes: a refusal changes nothing
         plan = self.s.pool.resume(request.request_id)
-        self._migrations().append(plan)
+        migrations.append(plan)
+        request.copy_in_flight = True
         request.num_gpu_blocks, request.num_host_blocks = plan.num_blocks, 0
         self._admit(request, transition.event)
 

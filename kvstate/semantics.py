@@ -13,11 +13,11 @@ effect the spec uses without one. A guard's (and a helper's) TLA+ reads the same
 `pool` are records with the fields of `RequestView` and `PoolView` (None is `NoReason` or `NoPass`, `inf` is
 `Unbounded`). An effect's TLA+ is its meaning on the abstract state the model checker explores (block counts, as
 `kvstate.checker.model.AbstractEffects` implements it): `request` is the abstract request record (state, computed,
-generated, gpu, host, deferred, prefill, in_flight, prompt_len, max_new_tokens), `pool` the pool counts (gpu_free,
-host_free, gpu_fenced, host_fenced) and `transition` the edge taken (event, source, dest, done_reason); its value
-is the record `[request |-> ..., pool |-> ...]` after the effect. `kvstate check --engine tlc` runs TLC on the
-exported module beside our checker: a TLA+ meaning that differs from its Python meaning shows as different
-state counts.
+generated, gpu, host, deferred, prefill, in_flight, fenced_gpu, fenced_host, incoming, stopped, prompt_len,
+max_new_tokens: `kvstate.tla.abstract`), `pool` the pool counts (gpu_free, host_free, gpu_fenced, host_fenced) and
+`transition` the edge taken (event, source, dest, done_reason); its value is the record `[request |-> ..., pool |->
+...]` after the effect. `kvstate check --engine tlc` runs TLC on the exported module beside our checker: a TLA+
+meaning that differs from its Python meaning shows as different state counts.
 """
 
 from __future__ import annotations
@@ -70,6 +70,10 @@ class RequestView(Protocol):
     @property
     def kv_tokens(self) -> int:
         """KV tokens it holds (computed tokens): what throwing its KV away costs to recompute."""
+
+    @property
+    def copy_in_flight(self) -> bool:
+        """A copy of its KV (a suspend's or a resume's) is issued and not yet reported complete or failed."""
 
 
 class PoolView(Protocol):
@@ -170,16 +174,18 @@ def gpu_room_for_first_chunk(request: RequestView, pool: PoolView) -> bool:
     return pool.gpu_free_blocks >= first_chunk_blocks(request, pool)
 
 
-@tla("pool.gpu_free_blocks >= request.num_host_blocks")
+@tla(r"~request.copy_in_flight /\ pool.gpu_free_blocks >= request.num_host_blocks")
 def gpu_room_for_all_blocks(request: RequestView, pool: PoolView) -> bool:
-    """The GPU tier has a free block for every block the request holds in the host tier."""
-    return pool.gpu_free_blocks >= request.num_host_blocks
+    """Its host copy is complete (no copy of it in flight) and the GPU tier has a free block for every block the
+    request holds in the host tier."""
+    return not request.copy_in_flight and pool.gpu_free_blocks >= request.num_host_blocks
 
 
-@tla(r"pool.has_host_tier /\ pool.host_free_blocks >= request.num_gpu_blocks")
+@tla(r"~request.copy_in_flight /\ pool.has_host_tier /\ pool.host_free_blocks >= request.num_gpu_blocks")
 def host_room_for_all_blocks(request: RequestView, pool: PoolView) -> bool:
-    """A host tier exists and has a free block for every GPU block the request holds (suspend is all-or-nothing)."""
-    return pool.has_host_tier and pool.host_free_blocks >= request.num_gpu_blocks
+    """Its KV is all on the GPU (no copy of it in flight), and a host tier exists and has a free block for every GPU
+    block the request holds (suspend is all-or-nothing)."""
+    return not request.copy_in_flight and pool.has_host_tier and pool.host_free_blocks >= request.num_gpu_blocks
 
 
 @tla("promoted_kv_tokens < victim_kv_tokens")
@@ -271,15 +277,19 @@ class EffectHooks(Protocol[R_contra]):
         """Allocate GPU blocks for the first prefill chunk (of the prompt, or of the replay prompt)."""
 
     @tla(
-        "[request |-> [request EXCEPT !.gpu = 0, !.host = request.gpu],"
+        "[request |-> [request EXCEPT !.gpu = 0, !.host = request.gpu, !.fenced_gpu = request.gpu,"
+        " !.incoming = request.gpu,"
+        " !.in_flight = IF PipelineStages > 1 /\\ request.computed >= request.prefill THEN 1 ELSE 0],"
         " pool |-> [pool EXCEPT !.gpu_fenced = @ + request.gpu, !.host_free = @ - request.gpu]]",
         params=EFFECT_TLA_PARAMS,
     )
     def migrate_to_host(self, request: R_contra, transition: Transition) -> None:
-        """Plan copies of every GPU block to fresh host blocks; fence the GPU sources until the copies complete."""
+        """Plan copies of every GPU block to fresh host blocks; fence the GPU sources until the copies complete (with
+        several pipeline stages, a decode step of the request may still be in flight: its token may land)."""
 
     @tla(
-        "[request |-> [request EXCEPT !.gpu = request.host, !.host = 0],"
+        "[request |-> [request EXCEPT !.gpu = request.host, !.host = 0, !.fenced_host = request.host,"
+        " !.incoming = request.host, !.in_flight = 0],"
         " pool |-> [pool EXCEPT !.host_fenced = @ + request.host, !.gpu_free = @ - request.host]]",
         params=EFFECT_TLA_PARAMS,
     )
@@ -287,13 +297,14 @@ class EffectHooks(Protocol[R_contra]):
         """Plan copies of every host block to fresh GPU blocks; fence the host sources until the copies complete."""
 
     @tla(
-        "[request |-> [request EXCEPT !.gpu = 0, !.host = 0, !.computed = 0, !.in_flight = 0,"
-        " !.prefill = request.prompt_len + request.generated],"
-        " pool |-> [pool EXCEPT !.gpu_free = @ + request.gpu, !.host_free = @ + request.host]]",
+        "LET released == ReleaseBlocks(request, pool) IN"
+        " [request |-> [released.request EXCEPT !.computed = 0, !.in_flight = 0,"
+        " !.prefill = request.prompt_len + request.generated], pool |-> released.pool]",
         params=EFFECT_TLA_PARAMS,
     )
     def release_kv_and_reset(self, request: R_contra, transition: Transition) -> None:
-        """Free every block the request holds in either tier and reset it for replay (SPEC.md, reset for replay)."""
+        """Release every block the request holds in either tier and reset it for replay (SPEC.md, reset for replay);
+        the destinations of its copy in flight stay fenced by that copy (SPEC.md section 4.0)."""
 
     @tla(
         "[request |-> [request EXCEPT !.in_flight = IF request.computed < request.prefill THEN 0 ELSE 1],"
@@ -304,12 +315,12 @@ class EffectHooks(Protocol[R_contra]):
         """Keep the request's GPU blocks, take it out of every batch and announce the pause to all stages."""
 
     @tla(
-        "[request |-> [request EXCEPT !.gpu = 0, !.host = 0, !.in_flight = 0],"
-        " pool |-> [pool EXCEPT !.gpu_free = @ + request.gpu, !.host_free = @ + request.host]]",
+        "LET released == ReleaseBlocks(request, pool) IN"
+        " [request |-> [released.request EXCEPT !.in_flight = 0], pool |-> released.pool]",
         params=EFFECT_TLA_PARAMS,
     )
     def release_kv_and_terminate(self, request: R_contra, transition: Transition) -> None:
-        """Free every block the request holds and record its done reason."""
+        """Release every block the request holds (its copy's destinations stay fenced) and record its done reason."""
 
     @tla(
         "[request |-> [request EXCEPT !.deferred = IF @ = NoReason THEN transition.done_reason ELSE @], pool |-> pool]",

@@ -6,11 +6,11 @@ function of the tokens *read back* from the block table — so a lost, stale or 
 output, just as garbled KV would in a real engine. `reference_output` runs one request alone with unlimited
 memory: OUT-EQUIV says every finished output equals it.
 
-With `micro_batches` > 1 it models a pipeline with that many micro-batches in flight: a scheduled output is carried
-out at once (the stages run micro-batches in order, so its KV writes and copies happen before any later pass's:
-its copies are complete for every later pass, as the pipeline runtime reports them), but its tokens land only when
-it leaves the last stage, when `Scheduler.must_land` says so; a pending recompute-pause is agreed once the pass that
-announced it has landed (every stage retired it).
+With `micro_batches` > 1 it models a pipeline with that many micro-batches in flight: a scheduled output's forward
+pass is carried out at once (the stages run micro-batches in order, so its KV writes happen before any later pass's),
+but its tokens land only when it leaves the last stage, when `Scheduler.must_land` says so (or earlier, `land`); a
+pending recompute-pause is agreed once the pass that announced it has landed (every stage retired it). Copies
+complete at their own time (`SimExecutor`'s docstring).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from __future__ import annotations
 import zlib
 from array import array
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
+from dataclasses import dataclass
 from typing import cast
 
 from kvstate.errors import InvariantViolation
@@ -48,13 +49,31 @@ def reference_output(
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class InFlightCopy:
+    """A migration plan the executor has issued and not yet reported complete or failed: the `Step` that carries it
+    out, and the last iteration at whose end it completes at the latest (`SimExecutor.copy_delay`)."""
+
+    step: Step[MigrationPlan]
+    plan: MigrationPlan
+    due: int
+
+
 class SimExecutor:
     """Carries out scheduler outputs on slot-level KV contents, one `kvstate.scheduler.Step` at a time.
 
+    Executor timing (what the spec lets an executor do, SPEC.md sections 4.0 and 9): a copy moves its slots when it
+    *completes*, reading its sources then, so a source block reused before its copy completed corrupts the copy
+    (FENCE is checked by its effect on outputs); it completes at the end of its own step (after the forward pass), or
+    up to `copy_delay` passes later, or earlier when told (`complete_copy`); it may instead fail, when issued
+    (`step(fail=...)`) or later (`fail_copy`); with `micro_batches` > 1 up to that many outputs are in flight, landing
+    when `Scheduler.must_land` says or earlier when told (`land`). The model checker's refinement explores every
+    such choice; the defaults are the in-repo executors' timing (copies complete within their step).
+
     Invariant kept: after every step, the slots of each running request's block table hold exactly the tokens
-    it has computed, in order (with micro-batches in flight: also those of its step still in flight). A
-    never-written slot raises OUT-EQUIV at once; a slot holding a wrong token changes the produced token, which
-    the comparison with `reference_output` catches.
+    it has computed, in order (with micro-batches in flight: also those of its step still in flight), once its
+    copies completed. A never-written slot raises OUT-EQUIV at once; a slot holding a wrong token changes the
+    produced token, which the comparison with `reference_output` catches.
     """
 
     def __init__(
@@ -65,10 +84,17 @@ class SimExecutor:
         complete_fences: bool = True,
         check_invariants: bool = True,
         micro_batches: int = 1,
+        copy_delay: int = 0,
     ) -> None:
+        """`complete_fences=False`: copies never complete by themselves (only `complete_copy` ends them)."""
+        if copy_delay < 0:
+            raise ValueError(f"copy_delay must be >= 0 passes, got {copy_delay}")
         self.scheduler = scheduler
         self.micro_batches = micro_batches
+        self.copy_delay = copy_delay
         self.pipeline: deque[tuple[Step, dict[Hashable, int]]] = deque()  # carried out, not landed
+        self.copies: list[InFlightCopy] = []  # issued, neither complete nor failed, in issue order
+        self.last_step: Step[MigrationPlan] | None = None  # the step `step` carried out last
         if micro_batches > 1:
             scheduler.track_in_flight(micro_batches)
         self.vocab = vocab
@@ -83,27 +109,70 @@ class SimExecutor:
         size = self.scheduler.config.block_size
         self.host = [[None] * size for _ in range(self.scheduler.pool.host.capacity)]
 
-    def step(self) -> SchedulerOutput:
-        """Land what must land first (`Scheduler.must_land`), then one `kvstate.scheduler.Step`: schedule, copy, compute
-        (landed at once with one micro-batch). Returns the output carried out."""
+    def step(self, fail: Collection[int] = ()) -> SchedulerOutput:
+        """Land what must land first (`Scheduler.must_land`), then one `kvstate.scheduler.Step`: schedule, issue the
+        copies (those at the positions `fail` names in the output's migrations fail at once), compute, complete the
+        copies that are due (landed at once with one micro-batch). Returns the output carried out."""
         scheduler = self.scheduler
         while scheduler.must_land(len(self.pipeline)):
             self.land()
         if scheduler.pool.pipeline_stages > 1:
             scheduler.reach_consensus(self.agreed())
         step: Step[MigrationPlan] = Step.begin(scheduler)
+        self.last_step = step
         if self.check_invariants:
             scheduler.check_invariants(step.output)
-        for plan in step.to_issue():
-            step.issued(plan, self.copy(plan))
-        if self.complete_fences:  # copied when issued: stages run micro-batches in order, so before any later one
-            for plan, _ in step.to_wait():
-                step.waited(plan)
-            step.complete_migrations()
-        self.pipeline.append((step, self.compute(step.output)))
+        due = scheduler.iteration + self.copy_delay
+        for index, plan in enumerate(step.to_issue()):
+            step.issued(plan, None if index in fail else plan)  # the plan is its own fence
+            if index not in fail:
+                self.copies.append(InFlightCopy(step, plan, due))
+        if step.failures and self.check_invariants:
+            scheduler.check_invariants(step.output)
+        sampled = self.compute(step.output)
+        if self.complete_fences:
+            for copy in [c for c in self.copies if c.due <= scheduler.iteration]:
+                self._end(copy, failed=False)
+        self.pipeline.append((step, sampled))
         if self.micro_batches == 1:
             self.land()
         return step.output
+
+    def copy_of(self, request_id: Hashable) -> InFlightCopy | None:
+        """The copy of `request_id`'s KV in flight, if any (the guards allow one per request)."""
+        return next((c for c in self.copies if c.plan.request_id == request_id), None)
+
+    def complete_copy(self, request_id: Hashable) -> None:
+        """The in-flight copy of `request_id` completes now (before it is due): its slots move, and the scheduler is
+        told."""
+        self._end(self._copy_of(request_id), failed=False)
+
+    def fail_copy(self, request_id: Hashable) -> None:
+        """The in-flight copy of `request_id` fails now: nothing moves (its destinations hold nothing usable), and
+        the failure is reported (`Step.failed`: undone through `Scheduler.fail_migration` while its request still
+        reads the destinations, else it ends its fences as a completion would)."""
+        self._end(self._copy_of(request_id), failed=True)
+
+    def _copy_of(self, request_id: Hashable) -> InFlightCopy:
+        found = self.copy_of(request_id)
+        if found is None:
+            raise ValueError(f"request {request_id!r} has no copy in flight")
+        return found
+
+    def _end(self, copy: InFlightCopy, *, failed: bool) -> None:
+        self.copies.remove(copy)
+        if failed:
+            dest = self.host if copy.plan.direction == TO_HOST else self.gpu
+            size = self.scheduler.config.block_size
+            for _, dst in copy.plan.pairs:
+                dest[dst] = [None] * size
+            copy.step.failed(copy.plan)
+        else:
+            self.copy(copy.plan)
+            copy.step.waited(copy.plan)
+            copy.step.complete(copy.plan)
+        if self.check_invariants:
+            self.scheduler.check_invariants()
 
     def land(self) -> SchedulerOutput:
         """The oldest micro-batch in flight leaves the last stage: its tokens land."""
@@ -114,7 +183,7 @@ class SimExecutor:
         return step.output
 
     def copy(self, plan: MigrationPlan) -> MigrationPlan:
-        """Copy `plan`'s slots between tiers (synchronously: complete when this returns; the plan is its fence)."""
+        """Copy `plan`'s slots between tiers now (its completion; the plan is its own fence)."""
         source, dest = (self.gpu, self.host) if plan.direction == TO_HOST else (self.host, self.gpu)
         for src, dst in plan.pairs:
             dest[dst] = list(source[src])
@@ -156,4 +225,6 @@ class SimExecutor:
             self.step()
         while self.pipeline:
             self.land()
+        while self.copies:
+            self._end(self.copies[0], failed=False)
         return {rid: list(r.generated) for rid, r in self.scheduler.finished.items()}

@@ -94,6 +94,7 @@ class Policy:
 
     victim_order: str
     victim_exclusions: tuple[str, ...]
+    no_eligible_victim: str
     promotion_candidates: str
     promotion_order: str
     promotion_worth: str
@@ -411,6 +412,7 @@ class _Reader:
         return Policy(
             victim_order=self.string(entry, "victim_order", where),
             victim_exclusions=tuple(self.strings(entry, "victim_exclusions", where)),
+            no_eligible_victim=self.string(entry, "no_eligible_victim", where),
             promotion_candidates=self.string(entry, "promotion_candidates", where),
             promotion_order=self.string(entry, "promotion_order", where),
             promotion_worth=self.string(entry, "promotion_worth", where),

@@ -3,9 +3,11 @@
 * `model`: the abstract model derived from the spec (counts, not tokens), with symmetry reduction: its states are
   `AbstractState` records of `AbstractRequest` records, its edges `Edge` values labelled by an `Action`;
 * `invariants`: predicates keyed by spec invariant id, and which layer checks which invariant;
-* `explore`: BFS, deadlock, SCC liveness (fairness assumption in its docstring), coverage;
-* `refinement`: exhaustive exploration of the real `Scheduler` driven by `SimExecutor`;
+* `explore`: BFS, deadlock, no trap, weakly fair lassos (the fairness in its docstring), coverage;
+* `refinement`: exhaustive exploration of the real `Scheduler` driven by `SimExecutor` under every executor timing;
+* `stepmatch`: step refinement, each scheduler action as a sequence of abstract actions;
 * `runner`: the `kvstate check` code path, reports and counterexample regression tests;
+* `sweep`: swept bounds (`kvstate check --sweep NAME`) and their summary table;
 * `bounds`: named bounds from `spec/bounds.toml`;
 * `search`: what both searches share: their limits and shortest-path reconstruction;
 * `trace`: `kvstate validate`, checking an engine's NDJSON trace (spec/TRACE.md) against the spec.
@@ -18,6 +20,8 @@ from kvstate.checker.model import AbstractEffects, AbstractModel, AbstractReques
 from kvstate.checker.refinement import ObservedScheduler, Refinement, replay_refinement
 from kvstate.checker.replay import replay_abstract
 from kvstate.checker.runner import EXIT_CODES, BoundReport, check_bound, run_check
+from kvstate.checker.stepmatch import StepMatcher
+from kvstate.checker.sweep import Sweep, SweepReport, load_sweeps, run_sweep, select_sweep
 from kvstate.checker.trace import Divergence, TraceError, TraceReport, validate_trace
 
 __all__ = [
@@ -41,15 +45,21 @@ __all__ = [
     "ModelResult",
     "ObservedScheduler",
     "Refinement",
+    "StepMatcher",
+    "Sweep",
+    "SweepReport",
     "TraceError",
     "TraceReport",
     "check_bound",
     "explore",
     "load_bounds",
+    "load_sweeps",
     "plan_invariants",
     "replay_abstract",
     "replay_refinement",
     "run_check",
+    "run_sweep",
     "select_bounds",
+    "select_sweep",
     "validate_trace",
 ]

@@ -2,12 +2,16 @@
 
 A bound fixes everything that makes the state space finite: the requests (prompt length, max new tokens), the
 GPU and host tiers (host 0 = no host tier), the block size, the prefill chunk, the pipeline depth, and how much
-environment nondeterminism the scheduler refinement injects (cancellations, lost host copies), and optionally the
-scheduler's batch budgets (`max_batch_size`, `max_num_tokens`; left out: the `SchedulerConfig` defaults).
-`micro_batches` (default 1) is how many scheduler outputs the refinement's executor keeps in flight at once
-(`SimExecutor(micro_batches=)`, pipeline stages > 1 only): tokens land, and copies complete, that many passes later,
-so a request may be preempted while its decode step is in flight and receive its token while suspended or awaiting
-consensus (a deferred finish). The abstract model is the same for every depth of the pipeline.
+environment nondeterminism the scheduler refinement injects (cancellations, aborts, lost host copies, failed
+copies), and optionally the scheduler's batch budgets (`max_batch_size`, `max_num_tokens`), its preemption cap
+(`max_preemptions`, A3) and no-progress limit (`no_progress_limit`, A4) (left out: the `SchedulerConfig` defaults),
+and stop tokens (`stop_at`: per request, the position of its output that is a stop token, -1 for none).
+Executor timing: `micro_batches` (default 1) is how many scheduler outputs the refinement's executor keeps in flight
+at most (`SimExecutor(micro_batches=)`, pipeline stages > 1 only; the oldest may land earlier), so a request may be
+preempted while its decode step is in flight and receive its token while suspended or awaiting consensus (a deferred
+finish); `copy_delay` (default 0) is how many passes after the pass that issued it a copy may still be in flight
+(it completes at the end of its own step at the earliest, after the forward pass). The abstract model is the same
+for every depth of the pipeline and every copy delay. `cancel = false` keeps cancel and abort out of both models.
 `abstract_model = false` marks a bound whose abstract model is too large to enumerate (the pipeline livelock
 bound: five requests): `kvstate check` runs only its scheduler refinement there, which checks every state
 predicate and LIVE-DONE on the real scheduler but cannot match its states against the model's (REFINES).
@@ -43,19 +47,26 @@ class Bound:
     block_size: int = 1
     chunk_size: int = 2
     pipeline_stages: int = 1
-    micro_batches: int = 1  # refinement: scheduler outputs in flight at once (pipeline_stages > 1)
-    cancel: bool = True  # abstract model: cancel and abort may hit any request in any state
+    micro_batches: int = 1  # refinement: scheduler outputs in flight at once, at most (pipeline_stages > 1)
+    copy_delay: int = 0  # refinement: passes a copy may still be in flight after the pass that issued it
+    cancel: bool = True  # cancel and abort may hit any request in any state (false: in neither model)
     env_cancels: int = 1  # refinement: cancellations the environment may inject in one run
+    env_aborts: int = 0  # refinement: aborts the environment may inject in one run
     env_host_losses: int = 0  # refinement: host copies the environment may lose in one run
+    env_copy_failures: int = 0  # refinement: copies the executor may report failed in one run
     recompute_pause: bool = True  # scheduler config enable_recompute_pause
     max_batch_size: int | None = None  # refinement: SchedulerConfig.max_batch_size (None: the config's default)
     max_num_tokens: int | None = None  # refinement: SchedulerConfig.max_num_tokens (None: the config's default)
+    max_preemptions: int | None = None  # refinement: SchedulerConfig.max_preemptions_per_request (A3)
+    no_progress_limit: int | None = None  # refinement: SchedulerConfig.no_progress_limit (A4; None: the default)
+    stop_at: tuple[int, ...] = ()  # per request: the position of its output that is a stop token (-1: none)
     abstract_model: bool = True  # False: too large to enumerate; only the scheduler refinement runs (no REFINES)
     description: str = ""
     groups: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "requests", tuple((int(p), int(m)) for p, m in self.requests))
+        object.__setattr__(self, "stop_at", tuple(self.stop_at))
         object.__setattr__(self, "groups", tuple(sorted(set(self.requests))))
         where = f"bound {self.name!r}"
         if not self.requests:
@@ -68,9 +79,23 @@ class Bound:
                 f"{where}: micro_batches must be >= 1, and > 1 only with pipeline_stages > 1 (one stage "
                 f"has nothing in flight), got {self.micro_batches} on {self.pipeline_stages} stage(s)"
             )
-        if self.host_blocks < 0 or self.env_cancels < 0 or self.env_host_losses < 0:
-            raise BoundsError(f"{where}: host_blocks, env_cancels and env_host_losses must be >= 0")
-        for name in ("max_batch_size", "max_num_tokens"):
+        counts = ("host_blocks", "copy_delay", "env_cancels", "env_aborts", "env_host_losses", "env_copy_failures")
+        for name in counts:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise BoundsError(f"{where}: {name} must be an integer >= 0, got {value!r}")
+        if self.stop_at and (
+            len(self.stop_at) != len(self.requests)
+            or not all(
+                isinstance(p, int) and not isinstance(p, bool) and -1 <= p < m
+                for p, (_, m) in zip(self.stop_at, self.requests, strict=False)
+            )
+        ):
+            raise BoundsError(
+                f"{where}: stop_at must list, for each request, the position (0 .. max_new_tokens - 1) of its output "
+                f"that is a stop token, or -1 for none; got {list(self.stop_at)!r}"
+            )
+        for name in ("max_batch_size", "max_num_tokens", "max_preemptions", "no_progress_limit"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise BoundsError(
@@ -87,6 +112,11 @@ class Bound:
                     "(LIVE-REFUSE), so it cannot be part of a bound: shrink it or enlarge gpu_blocks"
                 )
 
+    @property
+    def stop_tokens(self) -> bool:
+        """Some request of the bound has a stop token (the abstract model lets any produced token be one)."""
+        return any(p >= 0 for p in self.stop_at)
+
     def group_of(self, index: int) -> int:
         """The symmetry group of request `index`: requests with equal parameters are interchangeable."""
         return self.groups.index(self.requests[index])
@@ -101,12 +131,18 @@ class Bound:
             "chunk_size": self.chunk_size,
             "pipeline_stages": self.pipeline_stages,
             "micro_batches": self.micro_batches,
+            "copy_delay": self.copy_delay,
             "cancel": self.cancel,
             "env_cancels": self.env_cancels,
+            "env_aborts": self.env_aborts,
             "env_host_losses": self.env_host_losses,
+            "env_copy_failures": self.env_copy_failures,
             "recompute_pause": self.recompute_pause,
             "max_batch_size": self.max_batch_size,
             "max_num_tokens": self.max_num_tokens,
+            "max_preemptions": self.max_preemptions,
+            "no_progress_limit": self.no_progress_limit,
+            "stop_at": list(self.stop_at),
             "abstract_model": self.abstract_model,
             "description": self.description,
         }
@@ -124,7 +160,10 @@ class Bound:
             raise BoundsError(f"bound {data['name']!r}: 'requests' must be a list of [prompt_len, max_new_tokens]")
         if "gpu_blocks" not in data:
             raise BoundsError(f"bound {data['name']!r}: 'gpu_blocks' is required")
-        return cls(**{**data, "requests": tuple(tuple(r) for r in requests)})
+        stop_at = data.get("stop_at", ())
+        if not isinstance(stop_at, (list, tuple)):
+            raise BoundsError(f"bound {data['name']!r}: 'stop_at' must be a list of positions, one per request")
+        return cls(**{**data, "requests": tuple(tuple(r) for r in requests), "stop_at": tuple(stop_at)})
 
 
 def packaged_bounds_path() -> Path:

@@ -1,25 +1,28 @@
 """Breadth-first exploration of the abstract model, SCC-based liveness, coverage, counterexamples.
 
-Fairness assumption (LIVE-DONE on the abstract model). Arrivals stop: each request of the bound arrives at most
-once. The spec's environment events (`origin = "environment"`: cancel, abort, lose_host_copy) are choices with no
-fairness: they may never happen, so they are never a way out of a loop - a loop whose only exits are
-environment events is a livelock, exactly as one with no exit. Every other action - compute steps, fence
-completion (`complete`), consensus and the scheduler's decisions (admit, suspend, resume, recompute-pause,
-replay) - is *strongly fair*: a transition enabled infinitely often is taken infinitely often. Under this
-assumption the states a fair run visits infinitely often form a bottom SCC of the *fair graph* (the state graph
-without environment edges: every fair edge leaving such a set is taken, so the set is closed); LIVE-DONE
-therefore holds iff every reachable bottom SCC of the fair graph consists of final states (every request done).
-Reachability itself uses every edge: a state the environment leads to must be live too. Weak fairness alone is
-not enough in the pure spec: the spec lets a scheduler suspend and resume a request forever (a suspend/resume
-ping-pong cycle) while compute is enabled only intermittently. Such progress-free cycles are reported as
-information (`progress_free_sccs`): ruling them out is the scheduling policy's job, and the scheduler refinement
-checks that the real policy has none (no cycle of scheduler steps with an unfinished request once arrivals stop).
+Liveness on the abstract model (SPEC.md section 6). Arrivals stop: each request of the bound arrives at most once.
+The spec's environment events (`origin = "environment"`: cancel, abort, lose_host_copy) have no fairness: they may
+never happen, so they are never a way out of a loop. The model is explored with every request in its own slot
+(`AbstractModel(symmetry=False)`), so each action (`Action`: its kind, its request and its event) keeps its
+identity from state to state, and three properties are computed on the *fair graph* (the state graph without
+environment edges):
 
-Deadlock freedom (DEADLOCK): every reachable state that is not final has an enabled action other than an
-environment event leading to another state (a state only a cancellation could leave is stuck).
+* DEADLOCK: every reachable state that is not final has an action other than an environment event leading to
+  another state (a self-loop is not a way on: a state whose only action returns to it is stuck);
+* no trap (LIVE-DONE violated under every fairness): from every reachable state all-done is reachable; a
+  reachable bottom SCC of the fair graph with an unfinished request is a set no run leaves once in it, so no
+  fairness assumption could make its requests finish (a counterexample of LIVE-DONE, with its lasso);
+* weak fairness (F1-F3 as SPEC.md states them, every non-environment action weakly fair): a *fair lasso* is a
+  cycle through an SCC with an unfinished request in which every action enabled in all of its states is taken.
+  The policy-free model has such lassos wherever a victim may be chosen again and again (a request replays, is
+  recompute-paused, replays again): the scheduling policy (A1-A4, P1) is what excludes them, and the scheduler
+  refinement checks that the real scheduler has no livelock under every executor timing of its bound. So a fair
+  lasso here is information (`ModelResult.fair_lasso`: the shortest found, a run that really is weakly fair), not a
+  violation.
 
-A search stopped by `max_states` or `time_limit` is `incomplete`, never `holds`: liveness and coverage need the
-whole graph and are not judged then.
+Reachability itself uses every edge: a state the environment leads to must be live too. A search stopped by
+`max_states` or `time_limit` is `incomplete`, never `holds`: liveness and coverage need the whole graph and are
+not judged then.
 """
 
 from __future__ import annotations
@@ -59,8 +62,10 @@ class ModelResult:
     never_enabled: list[Transition] = field(default_factory=list)
     violation: Violation | None = None
     progress_free_sccs: int = 0
+    fair_lasso: Violation | None = None  # a weakly fair run that never finishes (information: no policy here)
+    symmetric_states: int = 0  # distinct states up to permutations of interchangeable requests
     stop_reason: str = ""
-    reachable: set | None = None  # canonical states, kept for the refinement check
+    reachable: set | None = None  # sorted (symmetry-reduced) states, kept for the refinement check
 
     @property
     def rate(self) -> float:
@@ -131,7 +136,9 @@ def explore(
     result.verdict = search.run(SearchBudget(max_states, time_limit, check_every=256), progress)
     if result.verdict == HOLDS:
         result.never_enabled = [t for t in model.spec.transitions if t not in search.taken]
-        result.reachable = set(search.states) if keep_states else None
+    reduced = {s._replace(requests=tuple(sorted(s.requests))) for s in search.states}
+    result.reachable = reduced if keep_states and result.verdict == HOLDS else None
+    result.symmetric_states = len(reduced)
     result.states, result.seconds, result.taken = len(search.states), time.perf_counter() - search.start, search.taken
     result.depth = search.depth()
     return result
@@ -142,8 +149,8 @@ class _Search:
 
     Invariants: `states[j]` was first reached from `states[parent[j]]` by `via[j]` (the initial state: parent -1),
     so parent pointers give shortest paths; `index` maps every state found to its position; `succ[i]` lists the
-    other states the fair (non-environment) edges of every expanded state `i` lead to; `taken` counts the spec
-    transitions the edges seen so far took.
+    other states the fair (non-environment) edges of every expanded state `i` lead to, and `fair[i]` every such
+    edge as (state, action), self-loops included; `taken` counts the spec transitions the edges seen so far took.
     """
 
     def __init__(
@@ -158,6 +165,7 @@ class _Search:
         self.parent: list[int] = [-1]
         self.via: list[Action] = [Action("initial", None, None)]  # never read: no path leads to the initial state
         self.succ: list[list[int]] = []
+        self.fair: list[list[tuple[int, Action]]] = []
         self.taken: dict[Transition, int] = {}
         self.environment = model.spec.environment_events
 
@@ -192,12 +200,15 @@ class _Search:
         if progress is not None:
             progress(len(states), result.edges)
         result.violation, result.progress_free_sccs = _liveness(self.model, states, self.succ, self.path_to)
+        if result.violation is None:
+            result.fair_lasso = weakly_fair_lasso(self.model, states, self.fair, self.path_to)
         return HOLDS if result.violation is None else VIOLATED
 
     def expand(self, i: int) -> Violation | None:
         """Follow every edge out of state `i`, adding the states not seen yet; the first violation found."""
         model, states, index, taken = self.model, self.states, self.index, self.taken
         outs: list[int] = []  # fair successors: environment edges are no way out (module docstring)
+        fair: list[tuple[int, Action]] = []
         for edge in model.successors(states[i]):
             self.result.edges += 1
             for t in edge.taken:
@@ -213,11 +224,15 @@ class _Search:
                 self.via.append(edge.action)
                 if (bad := _first_violation(self.state_checks, model, nxt)) is not None:
                     return Violation(*bad, self.path_to(j))
-            if j != i and j not in outs and not is_environment(edge.action, self.environment):
+            if is_environment(edge.action, self.environment):
+                continue
+            fair.append((j, Action(*edge.action)))
+            if j != i and j not in outs:
                 outs.append(j)
         if (message := deadlock(model, states[i], outs)) is not None:
             return Violation("DEADLOCK", message, self.path_to(i))
         self.succ.append(outs)
+        self.fair.append(fair)
         return None
 
 
@@ -264,9 +279,100 @@ def _liveness(
     return violation, sccs.progress_free
 
 
+def weakly_fair_lasso(
+    model: AbstractModel,
+    states: list[AbstractState],
+    fair: list[list[tuple[int, Action]]],
+    path_to: Callable[[int], list[tuple[Action, AbstractState]]],
+) -> Violation | None:
+    """A run that is weakly fair (every non-environment action, enabled in every state it visits infinitely often,
+    is taken infinitely often) and never finishes, as a lasso: the path to its loop, then a loop that visits enough
+    of its SCC for that to hold of the loop itself; None when there is none.
+
+    An SCC of the fair graph carries such a run iff it has a cycle, an unfinished request, and every action enabled
+    in all of its states is taken on one of its edges (weak fairness needs no smaller sets: a subset only keeps
+    more actions enabled throughout and takes fewer). The SCC nearest the initial state is chosen."""
+    n = len(states)
+    comp = tarjan(n, [[j for j, _ in edges] for edges in fair])
+    ncomp = max(comp, default=-1) + 1
+    always: list[set[Action] | None] = [None] * ncomp
+    taken: list[set[Action]] = [set() for _ in range(ncomp)]
+    unfinished, first = [False] * ncomp, [-1] * ncomp
+    for v in range(n):  # BFS order: first[c] is the member of c nearest the initial state
+        c = comp[v]
+        if first[c] < 0:
+            first[c] = v
+        enabled = {a for _, a in fair[v]}
+        prev = always[c]
+        always[c] = enabled if prev is None else prev & enabled
+        taken[c].update(a for j, a in fair[v] if comp[j] == c)
+        unfinished[c] = unfinished[c] or not model.is_final(states[v])
+    chosen = [c for c in range(ncomp) if taken[c] and unfinished[c] and (always[c] or set()) <= taken[c]]
+    if not chosen:
+        return None
+    c = min(chosen, key=first.__getitem__)
+    v = first[c]
+    loop = _fair_loop(v, comp, fair)
+    prefix = path_to(v)
+    kinds = sorted({a.name or a.kind for a, _ in loop})
+    return Violation(
+        "LIVE-DONE",
+        f"under weak fairness alone a run of the policy-free model never finishes: it loops through {len(loop)} "
+        f"steps ({', '.join(kinds)}), taking every action that stays enabled; LIVE-DONE needs the scheduling "
+        "policy (A1-A4, P1), which the scheduler refinement checks",
+        prefix + [(a, states[w]) for a, w in loop],
+        loop_start=len(prefix),
+    )
+
+
+def _fair_loop(v: int, comp: list[int], fair: list[list[tuple[int, Action]]]) -> list[tuple[Action, int]]:
+    """A closed walk from `v` inside its SCC along which every action enabled at all of its states is taken: a
+    shortest cycle, extended by detours (to an edge taking a missing action, or to a state where it is disabled)."""
+    c = comp[v]
+
+    def route(start: int, *, to: int | None = None, taking: Action | None = None) -> list[tuple[Action, int]]:
+        """A shortest path inside the SCC from `start` along an edge into `to`, or along an edge taking `taking`."""
+        prev: dict[int, tuple[int, Action]] = {}
+        queue, seen = deque([start]), {start}
+        while queue:
+            u = queue.popleft()
+            for w, a in fair[u]:
+                if comp[w] != c:
+                    continue
+                if w == to or a == taking:
+                    return [*_unwind(prev, start, u), (a, w)]
+                if w not in seen:
+                    seen.add(w)
+                    prev[w] = (u, a)
+                    queue.append(w)
+        raise AssertionError("the SCC of a fair lasso is strongly connected")
+
+    walk = route(v, to=v)
+    while True:
+        nodes = {v, *(w for _, w in walk)}
+        enabled = set.intersection(*({a for _, a in fair[u]} for u in nodes))
+        missing = sorted(enabled - {a for a, _ in walk})
+        if not missing:
+            return walk
+        action = missing[0]
+        disabled = next((u for u in range(len(fair)) if comp[u] == c and all(a != action for _, a in fair[u])), None)
+        there = route(v, taking=action) if disabled is None else route(v, to=disabled)
+        walk += there + route(there[-1][1], to=v)
+
+
+def _unwind(prev: dict[int, tuple[int, Action]], start: int, node: int) -> list[tuple[Action, int]]:
+    """The BFS path from `start` to `node` recorded in `prev` (node -> (predecessor, action)), as (action, node)."""
+    path = []
+    while node != start:
+        before, action = prev[node]
+        path.append((action, node))
+        node = before
+    return path[::-1]
+
+
 def is_environment(action: Action, environment: frozenset[str]) -> bool:
     """True when `action` is a spec event the environment decides (no fairness: never a way out of a loop)."""
-    kind, _, name = action
+    kind, _, name = action[:3]
     return kind == "event" and name in environment
 
 

@@ -60,12 +60,18 @@ def _on_records(predicate: Callable[[AbstractModel, AbstractState], str | None])
 @_on_records
 def cons_gpu(model: AbstractModel, state: AbstractState) -> str | None:
     held, _ = _tier_sums(state)
+    copies = sum(r.fenced_gpu for r in state.requests)
+    if copies != state.gpu_fenced:
+        return f"GPU tier: {state.gpu_fenced} blocks fenced, but the requests' copies fence {copies}"
     return _conservation("GPU", state.gpu_free, held, state.gpu_fenced, model.bound.gpu_blocks)
 
 
 @_on_records
 def cons_host(model: AbstractModel, state: AbstractState) -> str | None:
     _, held = _tier_sums(state)
+    copies = sum(r.fenced_host for r in state.requests)
+    if copies != state.host_fenced:
+        return f"host tier: {state.host_fenced} blocks fenced, but the requests' copies fence {copies}"
     return _conservation("host", state.host_free, held, state.host_fenced, model.bound.host_blocks)
 
 
@@ -143,14 +149,16 @@ STATE_PREDICATES: dict[str, Callable[[AbstractModel, AbstractState], str | None]
 
 # ------------------------------------------------------------------------------------------------ edge scope
 def _acting(edge: Edge) -> tuple[AbstractRequest, AbstractRequest] | None:
-    """The acting request before and after `edge`, or None for an edge of no request (a fence completion)."""
-    if edge.slot is None:
+    """The acting request before and after `edge`, or None for an edge of no request."""
+    slot = edge.action[1]
+    if slot is None:
         return None
-    return edge.before.requests[edge.slot], edge.after_requests[edge.slot]
+    return edge.before.requests[slot], edge.after_requests[slot]
 
 
 def _resets(edge: Edge) -> bool:
-    return any(t.effect == "release_kv_and_reset" for t in edge.taken)
+    """The edge takes a reset for replay (most edges take no transition at all: checked first, it is cheap)."""
+    return bool(edge.taken) and any(t.effect == "release_kv_and_reset" for t in edge.taken)
 
 
 def gen_append(model: AbstractModel, edge: Edge) -> str | None:
@@ -161,28 +169,36 @@ def gen_append(model: AbstractModel, edge: Edge) -> str | None:
     grew = after.generated - before.generated
     if grew < 0 or grew > 1:
         return f"generated count went {before.generated} -> {after.generated} on {edge.action}"
-    kind, _, name = edge.action
+    kind, _, name = edge.action[:3]
     if grew and kind != "compute":
         return f"event {name} produced a token"
     return None
 
 
 def fence(model: AbstractModel, edge: Edge) -> str | None:
-    if edge.action[0] == "complete":
-        return None
-    before, after = edge.before, edge.after_pool
-    if after.gpu_fenced < before.gpu_fenced or after.host_fenced < before.host_fenced:
+    """Only a copy's completion ends its fences, and only its own: no other edge lowers a request's fenced counts."""
+    if not (edge.before.gpu_fenced or edge.before.host_fenced):
+        return None  # nothing was fenced: nothing can leave a fence
+    completed = edge.action[1] if edge.action[0] == "complete" else None
+    for k, (before, after) in enumerate(zip(edge.before.requests, edge.after_requests, strict=True)):
+        if k != completed and (after.fenced_gpu < before.fenced_gpu or after.fenced_host < before.fenced_host):
+            return (
+                f"the copy of request {_who(model, before)} lost fenced blocks without completing "
+                f"({before.fenced_gpu}/{before.fenced_host} -> {after.fenced_gpu}/{after.fenced_host} GPU/host)"
+            )
+    if completed is None and (
+        edge.after_pool.gpu_fenced < edge.before.gpu_fenced or edge.after_pool.host_fenced < edge.before.host_fenced
+    ):
         return (
-            f"fenced blocks freed without a completed copy ({before.gpu_fenced}/{before.host_fenced} -> "
-            f"{after.gpu_fenced}/{after.host_fenced})"
+            f"fenced blocks freed without a completed copy ({edge.before.gpu_fenced}/{edge.before.host_fenced} -> "
+            f"{edge.after_pool.gpu_fenced}/{edge.after_pool.host_fenced})"
         )
     return None
 
 
 def _reset_check(check: Callable[[AbstractRequest, AbstractRequest, int], str | None]):
     def predicate(model: AbstractModel, edge: Edge) -> str | None:
-        pair = _acting(edge)
-        if pair is None or not _resets(edge):
+        if not _resets(edge) or (pair := _acting(edge)) is None:
             return None
         before, after = pair
         prompt, _ = model.bound.groups[before.group]
@@ -222,8 +238,7 @@ def reset_no_truncate(before: AbstractRequest, after: AbstractRequest, prompt: i
 
 
 def reset_terminated(model: AbstractModel, edge: Edge) -> str | None:
-    pair = _acting(edge)
-    if pair is not None and _resets(edge) and pair[0].deferred:
+    if _resets(edge) and (pair := _acting(edge)) is not None and pair[0].deferred:
         return f"a request whose {pair[0].deferred} arrived before its reset was replayed, not terminated"
     return None
 
@@ -236,6 +251,8 @@ def promote_gate(model: AbstractModel, edge: Edge) -> str | None:
 
 
 def pp_terminate(model: AbstractModel, edge: Edge) -> str | None:
+    if not edge.taken:
+        return None
     pair = _acting(edge)
     for t in edge.taken:
         if t.event == "consensus" and pair is not None:
@@ -265,13 +282,20 @@ REFINEMENT_CHECKS: dict[str, str] = {
     "VICTIM-ONCE": "no request is passed to Scheduler._preempt twice in one pass",
     "OUT-DISJOINT": "Scheduler.check_invariants(output) after every pass",
     "OUT-STATE": "Scheduler.check_invariants(output) after every pass",
-    "LIVE-DONE": "no cycle of scheduler steps with an unfinished request (arrivals stopped)",
+    "LIVE-DONE": (
+        "no cycle with an unfinished request, nor a stall (A4), under every executor timing of the bound: copies "
+        "completing up to copy_delay passes late or failing, micro-batches landing early, cancels and lost copies"
+    ),
     "LIVE-REFUSE": "a request that cannot fit alone is refused at submission",
     "SPEC-EDGE": "the checker's own table, with the real guards reading the same pass, resolves every edge fired",
-    "REFINES": "every scheduler state abstracts to a state the abstract model reaches",
+    "REFINES": (
+        "every scheduler action maps to a sequence of abstract actions (or a stutter), and every scheduler state "
+        "abstracts to a state the abstract model reaches"
+    ),
     # the step simulation: kvstate.policy.check_pass on every real pass, against the spec's [policy]
     "VICTIM-TAIL": "step simulation: each victim is the latest-admitted eligible request at its choice",
     "VICTIM-NOT-FINAL": "step simulation: no victim was about to produce its final token",
+    "VICTIM-SELF": "step simulation: no self-preemption while a request only chunk_in_flight excludes could give way",
     "PROMOTE-GATE": "step simulation: promotions only of this pass's suspensions, most recent first, worth less",
     "ADMIT-ORDER": "step simulation: admissions are a prefix of the candidates in the policy's class order",
     "ADMIT-HOLD": "step simulation: no new request in a pass with a victim or a waiting requester",
@@ -279,8 +303,9 @@ REFINEMENT_CHECKS: dict[str, str] = {
 }
 LIVENESS_CHECKS: dict[str, str] = {
     "LIVE-DONE": (
-        "abstract model: every reachable bottom SCC of the fair graph (environment events are no way out) "
-        "is all-done (strong fairness); scheduler: no livelock"
+        "abstract model: no trap (all-done reachable from every reachable state without environment events; a trap "
+        "breaks LIVE-DONE under every fairness); under weak fairness alone (F1-F3) the policy-free model has fair "
+        "lassos, reported as information: LIVE-DONE itself is the scheduler refinement's (the policy's) to prove"
     ),
     "DEADLOCK": "abstract model: every reachable non-final state has an action other than an environment event",
 }
@@ -301,7 +326,9 @@ class InvariantPlan:
             f"abstract model, every state: {', '.join(self.state) or '-'}",
             f"abstract model, every edge: {', '.join(self.step) or '-'}",
             f"scheduler refinement: {', '.join(self.refinement) or '-'}",
-            f"liveness (SCC): {', '.join(self.liveness) or '-'}",
+            f"scheduler refinement, every transition the scheduler takes: {', '.join(self.step) or '-'}",
+            f"liveness, abstract model: {', '.join(self.liveness) or '-'} ({LIVENESS_CHECKS['LIVE-DONE']})",
+            f"liveness, scheduler refinement: LIVE-DONE ({REFINEMENT_CHECKS['LIVE-DONE']})",
         ]
         if self.left:
             out.append("left to other layers: " + ", ".join(f"{i} ({why})" for i, why in self.left.items()))

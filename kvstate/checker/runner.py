@@ -10,7 +10,7 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict, Unpack
 
@@ -43,6 +43,7 @@ class BoundReport:
     counterexample_file: Path | None = None
     violated_invariant: str | None = None
     counterexample_trace: CounterexampleTrace | None = None  # the counterexample as a trace (kvstate report draws it)
+    fair_lasso_lines: list[str] = field(default_factory=list)  # the abstract model's weakly fair lasso, numbered
 
 
 def combine(*verdicts: str) -> str:
@@ -76,7 +77,7 @@ def check_bound(
     spec = spec if spec is not None else load_spec()
     plan_invariants(spec)
     start = time.perf_counter()
-    model = AbstractModel(bound, spec, inject.get("guards"), inject.get("effects", AbstractEffects))
+    model = AbstractModel(bound, spec, inject.get("guards"), inject.get("effects", AbstractEffects), symmetry=False)
     if bound.abstract_model:
         abstract = explore(
             model,
@@ -104,6 +105,8 @@ def check_bound(
     abstract.reachable = None  # free memory
     verdicts = [v for v in (abstract.verdict, refinement.verdict if refinement else None) if v not in (SKIPPED, None)]
     report = BoundReport(bound, abstract, refinement, combine(*verdicts) if verdicts else INCOMPLETE, lines)
+    if abstract.fair_lasso is not None:
+        report.fair_lasso_lines = format_abstract_path(model, abstract.fair_lasso)
     if abstract.violation is not None:
         report.violated_invariant = abstract.violation.invariant
         lines += [
@@ -219,11 +222,19 @@ def describe_bound(bound: Bound) -> str:
         f"requests [{reqs}] (prompt+max_new), gpu {bound.gpu_blocks}, host {bound.host_blocks}, "
         f"block {bound.block_size}, chunk {bound.chunk_size}, stages {bound.pipeline_stages}{budgets}"
         + (f", {bound.micro_batches} micro-batches in flight" if bound.micro_batches > 1 else "")
+        + (f", copies up to {bound.copy_delay} pass(es) late" if bound.copy_delay else "")
+        + (f", {bound.env_copy_failures} failed cop(ies)" if bound.env_copy_failures else "")
+        + (f", {bound.env_aborts} abort(s)" if bound.env_aborts and bound.cancel else "")
+        + (f", stop tokens at {list(bound.stop_at)}" if bound.stop_tokens else "")
+        + (f", preemption cap {bound.max_preemptions}" if bound.max_preemptions is not None else "")
+        + (f", no-progress limit {bound.no_progress_limit}" if bound.no_progress_limit is not None else "")
         + ("" if bound.cancel else ", no cancel")
     )
 
 
-def report_lines(report: BoundReport, spec: Spec) -> list[str]:
+def report_lines(report: BoundReport, spec: Spec, *, verbose: bool = False) -> list[str]:
+    """The lines of one bound's report; `verbose` adds what is information only: the transitions this bound never
+    enables (other bounds take them: the overall coverage says whether any bound does) and the progress-free SCCs."""
     a = report.abstract
     total = len(spec.transitions)
     lines = [f"bound {report.bound.name}: {describe_bound(report.bound)}"]
@@ -234,18 +245,33 @@ def report_lines(report: BoundReport, spec: Spec) -> list[str]:
         lines.append("  abstract model: not run (abstract_model = false: too large to enumerate)")
     else:
         lines.append(
-            f"  abstract model: {a.states} states, {a.edges} edges, {a.seconds:.2f} s ({a.rate:.0f} states/s), "
-            f"{coverage}: {a.verdict}" + (f" ({a.stop_reason})" if a.stop_reason else "")
+            f"  abstract model: {a.states} states ({a.symmetric_states} up to symmetry), {a.edges} edges, "
+            f"{a.seconds:.2f} s ({a.rate:.0f} states/s), {coverage}: {a.verdict}"
+            + (f" ({a.stop_reason})" if a.stop_reason else "")
         )
     if a.verdict == HOLDS:
-        if a.never_enabled:
-            lines.append(
-                "    never enabled: " + ", ".join(f"{t.source} -{t.event}-> {t.dest}" for t in a.never_enabled)
-            )
         lines.append(
-            f"    progress-free cycles (information, left by a fair non-environment action): "
-            f"{a.progress_free_sccs} non-trivial SCCs with an unfinished request"
+            "    liveness: DEADLOCK and no trap hold (every request can still finish from every reachable state); "
+            + (
+                f"weak fairness alone admits a fair lasso of {len(a.fair_lasso.path) - (a.fair_lasso.loop_start or 0)} "
+                "steps (expected: this model has no policy; the refinement checks LIVE-DONE)"
+                if a.fair_lasso is not None
+                else "weak fairness alone already makes every request finish"
+            )
         )
+        if a.never_enabled and verbose:
+            lines.append(
+                "    never enabled in this bound (information: other bounds may take them): "
+                + ", ".join(f"{t.source} -{t.event}-> {t.dest}" for t in a.never_enabled)
+            )
+        if verbose:
+            lines.append(
+                f"    progress-free cycles (information: cycles a policy may take without progress, left by a fair "
+                f"non-environment action): {a.progress_free_sccs} non-trivial SCCs with an unfinished request"
+            )
+            if a.fair_lasso is not None:
+                lines.append(f"    the fair lasso: {a.fair_lasso.message}")
+                lines.extend(f"      {line}" for line in report.fair_lasso_lines)
     r = report.refinement
     if r is not None:
         checked = (
@@ -283,7 +309,7 @@ def _progress_callback(bar: Progress, name: str) -> Callable[[str, int, int], No
     return callback
 
 
-def run_check(
+def run_check(  # noqa: PLR0913 - keyword-only, one per `kvstate check` option
     bounds: list[Bound],
     *,
     spec: Spec | None = None,
@@ -293,6 +319,7 @@ def run_check(
     console: Console | None = None,
     show_progress: bool = False,
     refine: bool = True,
+    verbose: bool = False,
     **inject: Unpack[Injected],
 ) -> tuple[int, list[BoundReport]]:
     """Check every bound, print the report; returns (exit code, reports)."""
@@ -324,7 +351,7 @@ def run_check(
                 **inject,
             )
         reports.append(report)
-        for line in report_lines(report, spec) + report.counterexample:
+        for line in report_lines(report, spec, verbose=verbose) + report.counterexample:
             say(line)
         if report.counterexample_file is not None:
             say(f"  wrote regression test {report.counterexample_file}")

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import sys
 
 from kvstate.commands import check_tlc
 from kvstate.commands.args import (
     MAX_STATES,
+    UsageError,
     add_mkdir_option,
     add_spec_option,
     input_file,
@@ -31,6 +33,7 @@ from kvstate.terminal import inert
 
 DEFAULT_MAX_STATES = 1_000_000  # states of one search: what bounds its memory
 DEFAULT_TIME_LIMIT_S = 3600.0  # seconds per bound
+MAX_WORKERS = 256  # processes of one sweep
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -71,6 +74,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=".",
         help="where a counterexample regression test is written (default: .)",
     )
+    parser.add_argument(
+        "--sweep",
+        metavar="NAME",
+        default=None,
+        help="check every configuration of the sweep NAME of the bounds file ([sweeps.NAME]) instead of bounds, "
+        "with a progress bar and a summary table of configurations x verdicts",
+    )
+    parser.add_argument(
+        "--workers",
+        metavar="N",
+        type=positive_int(maximum=MAX_WORKERS),
+        default=None,
+        help=f"processes a sweep runs on, at most {MAX_WORKERS} (default: the CPUs this process may use)",
+    )
     parser.add_argument("--no-refinement", action="store_true", help="check the abstract model only")
     check_tlc.register_options(parser)
     parser.add_argument(
@@ -80,26 +97,40 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="also check OLD_SPEC on the same bounds and say which invariants' verdicts changed",
     )
     add_mkdir_option(parser)
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also list, per bound, the transitions it never enables, its progress-free cycles and the abstract "
+        "model's weakly fair lasso (information, not warnings)",
+    )
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "tlc" and args.sweep is not None:
+        raise UsageError("--sweep does not apply to --engine tlc: TLC cross-checks the abstract model of bounds")
     if args.engine == "tlc":  # the cross-check with TLC: kvstate.commands.check_tlc
         return check_tlc.run(args, max_states_given=args.max_states != DEFAULT_MAX_STATES)
     check_tlc.refuse_tlc_options(args)
     spec_path = input_file(args.spec, "--spec") if args.spec is not None else None
     bounds_path = input_file(args.bounds_file, "--bounds-file") if args.bounds_file is not None else None
     counterexample_dir = output_dir(args.counterexample_dir, "--counterexample-dir", mkdir=args.mkdir)
+    if args.sweep is not None and (args.bound or args.diff is not None):
+        raise UsageError(
+            "--sweep excludes --bound and --diff: a sweep names its own bounds and checks one spec; give one of them"
+        )
 
     from kvstate.checker.bounds import select_bounds
     from kvstate.checker.runner import run_check
     from kvstate.spec import load_spec
     from kvstate.terminal import console as make_console
 
+    console = make_console()
+    if args.sweep is not None:
+        return _sweep(args, spec_path, bounds_path, counterexample_dir, console)
     old_path = input_file(args.diff, "--diff") if args.diff is not None else None
     bounds = select_bounds(args.bound, bounds_path)
     spec = load_spec(spec_path)
-    console = make_console()
     code, reports = run_check(
         bounds,
         spec=spec,
@@ -109,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         console=console,
         show_progress=sys.stderr.isatty(),
         refine=not args.no_refinement,
+        verbose=args.verbose,
     )
     draw_counterexamples(reports, spec, console)
     if old_path is not None:
@@ -146,3 +178,39 @@ def draw_counterexamples(reports, spec, console) -> None:
             console.print(inert(f"  counterexample not drawn ({err}); draw it with: {trace.report_command(out)}"))
             continue
         console.print(inert(f"  counterexample drawn: {drawn.html.resolve().as_uri()}"))
+
+
+def _sweep(args: argparse.Namespace, spec_path, bounds_path, counterexample_dir, console) -> int:
+    """`kvstate check --sweep NAME`: every configuration of the sweep, then its summary table."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from kvstate.checker.runner import EXIT_CODES
+    from kvstate.checker.sweep import run_sweep, select_sweep
+
+    sweep = select_sweep(args.sweep, bounds_path)
+    workers = args.workers or min(MAX_WORKERS, max(1, len(os.sched_getaffinity(0))))
+    total = len(sweep.bounds())
+    say = lambda text: console.print(inert(text))  # noqa: E731 - inert: names from the bounds file are plain text
+    say(f"kvstate check: sweep {sweep.name} of {bounds_path or 'the packaged bounds'}: {total} configurations")
+    with Progress(
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not sys.stderr.isatty(),
+    ) as bar:
+        task = bar.add_task("configurations", total=total)
+        report = run_sweep(
+            sweep,
+            spec_path=None if spec_path is None else str(spec_path),
+            workers=workers,
+            max_states=args.max_states,
+            counterexample_dir=counterexample_dir,
+            progress=lambda done, _: bar.update(task, completed=done),
+        )
+    for line in report.lines():
+        say(line)
+    code = EXIT_CODES[report.verdict]
+    say(f"verdict: {report.verdict} ({len(report.outcomes)} configurations, exit {code})")
+    return code

@@ -7,10 +7,15 @@ When `kvstate.checker.model` changes how it counts, the definition here that nam
 it; `kvstate check --engine tlc` shows any difference left as different state counts.
 
 Variables and records: `requests[r]` is request r's record with the fields of `AbstractRequest` (state, computed,
-generated, gpu, host, deferred, prefill, in_flight) and its constants prompt_len and max_new_tokens; `counts` is the
-record of `PoolCounts` (gpu_free, host_free, gpu_fenced, host_fenced). A step's result is a record [ok, request,
-pool, taken]: whether the step is enabled, the request and pool after it, and the indices in `Transitions` of the
-spec edges it took (as `Edge.taken`).
+generated, gpu, host, deferred, prefill, in_flight, and its copy in flight: fenced_gpu, fenced_host, incoming), its
+constants prompt_len and max_new_tokens, and `stopped` (`RequestState.stopped`: TRUE only inside a compute step whose
+token is a stop token; FALSE in every state, which `Settle` ensures); `counts` is the record of `PoolCounts`
+(gpu_free, host_free, gpu_fenced, host_fenced). A step's result is a record [ok, request, pool, taken]: whether the
+step is enabled, the request and pool after it, and the indices in `Transitions` of the spec edges it took (as
+`Edge.taken`).
+
+Not expressed: the chunk cuts of a bound with a token budget per pass (`max_num_tokens`, `Action.tokens`); the
+export refuses such a bound (`kvstate.tla.models.unsupported`).
 """
 
 from __future__ import annotations
@@ -47,16 +52,36 @@ PRELUDE = (
         "a promotion worth no pass bounds (inf in Python): more KV tokens than the GPU tier holds",
     ),
     Definition(
+        "CopyInFlight",
+        "q",
+        "q.fenced_gpu > 0 \\/ q.fenced_host > 0 \\/ q.incoming > 0",
+        "request record q has a copy in flight (kvstate.checker.model.RequestState.copy_in_flight)",
+    ),
+    Definition(
+        "ReleaseBlocks",
+        "q, c",
+        r"""LET incoming_gpu == IF q.gpu > 0 THEN q.incoming ELSE 0
+        incoming_host == q.incoming - incoming_gpu
+    IN  [request |-> [q EXCEPT !.gpu = 0, !.host = 0, !.incoming = 0,
+                               !.fenced_gpu = @ + incoming_gpu, !.fenced_host = @ + incoming_host],
+         pool |-> [c EXCEPT !.gpu_free = @ + q.gpu - incoming_gpu, !.host_free = @ + q.host - incoming_host,
+                            !.gpu_fenced = @ + incoming_gpu, !.host_fenced = @ + incoming_host]]""",
+        "request record q releases every block it holds (SPEC.md section 4.0): the destinations its copy in flight "
+        "still writes stay fenced by that copy, the others become free "
+        "(kvstate.checker.model.AbstractEffects._release)",
+    ),
+    Definition(
         "RequestView",
         "request",
         """[prefill_tokens_left |-> request.prefill - request.computed,
      num_gpu_blocks |-> request.gpu,
      num_host_blocks |-> request.host,
-     final_token_produced |-> request.generated >= request.max_new_tokens,
+     final_token_produced |-> request.stopped \\/ request.generated >= request.max_new_tokens,
      replay_complete |-> request.computed >= request.prefill,
      termination_reason |-> request.deferred,
      suspended_in_pass |-> 0,
-     kv_tokens |-> request.computed]""",
+     kv_tokens |-> request.computed,
+     copy_in_flight |-> CopyInFlight(request)]""",
         "kvstate.semantics.RequestView of an abstract request (kvstate.checker.model.RequestState); the abstract "
         "model has no passes: every suspension counts as one of the pass under way (pass 0)",
     ),
@@ -80,9 +105,11 @@ RESULTS = (
         "Settle",
         "q",
         r"""IF q.state \in Terminal
-    THEN [q EXCEPT !.computed = 0, !.generated = 0, !.deferred = NoReason, !.prefill = 0, !.in_flight = 0]
-    ELSE q""",
-        "a finished request's history no longer matters, its blocks do (kvstate.checker.model RequestState.record)",
+    THEN [q EXCEPT !.computed = 0, !.generated = 0, !.deferred = NoReason, !.prefill = 0, !.in_flight = 0,
+                   !.incoming = 0, !.stopped = FALSE]
+    ELSE [q EXCEPT !.stopped = FALSE]""",
+        "a finished request's history no longer matters, its blocks and its copy's fences do (kvstate.checker.model "
+        "RequestState.record); no state keeps a stop token's mark",
     ),
     Definition(
         "Commit",
@@ -94,8 +121,9 @@ RESULTS = (
     ),
 )
 
-# The abstract model's own actions; {catch_up} and {finish} are the TLA+ names of those events' actions (the bodies
-# are format strings: a TLA+ brace is written twice).
+# The abstract model's own actions (arrivals, compute steps, a compute step with a stop token, a request's copy
+# completing); {catch_up} and {finish} are the TLA+ names of those events' actions (the bodies are format strings: a
+# TLA+ brace is written twice).
 OWN_ACTIONS = (
     Definition(
         "ArriveResult",
@@ -111,47 +139,76 @@ OWN_ACTIONS = (
     ),
     Definition(
         "ComputeResult",
-        "q, c",
-        r"""LET landing == q.state = PendingReset /\ q.in_flight = 1
+        "q, c, stop",
+        r"""LET landing == q.in_flight = 1 /\ q.state \in {{PendingReset, Offloaded}}
+        runs == q.state \in Computing /\ q.incoming = 0 /\ (q.computed < q.prefill \/ q.state = Active)
         tokens == IF landing THEN 1
                   ELSE IF q.computed < q.prefill THEN Min(ChunkSize, q.prefill - q.computed)
                   ELSE 1
-        need == ceil_div(q.computed + tokens, BlockSize) - q.gpu
+        produces == q.computed + tokens >= q.prefill
+        in_host == q.state = Offloaded
+        copying == in_host /\ q.incoming > 0
+        need == ceil_div(q.computed + tokens, BlockSize) - (IF in_host THEN q.host ELSE q.gpu)
         grow == IF need > 0 THEN need ELSE 0
-        q1 == [q EXCEPT !.in_flight = IF landing THEN 0 ELSE @, !.gpu = @ + grow, !.computed = @ + tokens]
-        c1 == [c EXCEPT !.gpu_free = @ - grow]
-        produced == q1.computed >= q1.prefill
-        q2 == IF produced THEN [q1 EXCEPT !.generated = @ + 1] ELSE q1
-        k1 == IF produced /\ q2.state = Recomputing THEN {catch_up}Edge(q2, c1) ELSE 0
-        s1 == IF k1 = 0 THEN [request |-> q2, pool |-> c1] ELSE Take(k1, q2, c1)
-        k2 == IF produced THEN {finish}Edge(s1.request, s1.pool) ELSE 0
+        fits == /\ grow <= (IF in_host THEN c.host_free ELSE c.gpu_free)
+                /\ copying => grow <= c.gpu_free
+        qb == IF in_host
+              THEN [q EXCEPT !.host = @ + grow, !.fenced_gpu = IF copying THEN @ + grow ELSE @,
+                             !.incoming = IF copying THEN @ + grow ELSE @]
+              ELSE [q EXCEPT !.gpu = @ + grow]
+        cb == IF in_host
+              THEN [c EXCEPT !.host_free = @ - grow, !.gpu_free = IF copying THEN @ - grow ELSE @,
+                             !.gpu_fenced = IF copying THEN @ + grow ELSE @]
+              ELSE [c EXCEPT !.gpu_free = @ - grow]
+        dropped == q.in_flight = 1 /\ in_host /\ (stop \/ q.generated + 1 >= q.max_new_tokens)
+        q1 == [qb EXCEPT !.in_flight = 0, !.computed = IF dropped THEN @ ELSE @ + tokens]
+        made == produces /\ ~dropped
+        q2 == IF made THEN [q1 EXCEPT !.generated = @ + 1, !.stopped = stop] ELSE q1
+        k1 == IF made /\ q2.state = Recomputing THEN {catch_up}Edge(q2, cb) ELSE 0
+        s1 == IF k1 = 0 THEN [request |-> q2, pool |-> cb] ELSE Take(k1, q2, cb)
+        k2 == IF made THEN {finish}Edge(s1.request, s1.pool) ELSE 0
         s2 == IF k2 = 0 THEN s1 ELSE Take(k2, s1.request, s1.pool)
-    IN  IF /\ q.state \in Computing \/ landing
-           /\ landing \/ q.computed < q.prefill \/ q.state = Active
-           /\ need <= c.gpu_free
+    IN  IF /\ landing \/ runs
+           /\ stop => StopTokens /\ produces
+           /\ fits
         THEN [ok |-> TRUE, request |-> s2.request, pool |-> s2.pool, taken |-> {{k1, k2}} \ {{0}}]
         ELSE [ok |-> FALSE, request |-> q, pool |-> c, taken |-> {{}}]""",
-        "one forward pass of request record q (AbstractModel._compute): a prefill chunk, a decode step or a landing "
-        "in-flight decode step, allocating the GPU blocks it needs; a produced token fires catch_up and finish where "
-        "their guards hold",
+        "one forward pass of request record q (AbstractModel._compute), its token a stop token when stop (bounds with "
+        "stop tokens only): a prefill chunk, a decode step or a landing in-flight decode step (on a request awaiting "
+        "consensus, or suspended: then its block is in the host tier, and while its copy is in flight the GPU source "
+        "is fenced too; a suspended request's final token is dropped), allocating the blocks it needs; not while its "
+        "resume copy is in flight; a produced token fires catch_up and finish where their guards hold",
     ),
     Definition(
         "Compute",
         "r",
         r"""/\ requests[r].state \in Computing \/ requests[r].in_flight = 1
-    /\ Commit(r, ComputeResult(requests[r], counts))""",
+    /\ Commit(r, ComputeResult(requests[r], counts, FALSE))""",
     ),
-    *(
-        Definition(
-            f"Complete{tier.capitalize()}",
-            "",
-            rf"""/\ counts.{tier}_fenced > 0
-    /\ counts' = [counts EXCEPT !.{tier}_free = @ + counts.{tier}_fenced, !.{tier}_fenced = 0]
-    /\ UNCHANGED requests""",
-            f"the executor reports every copy out of the {tier} tier complete: its fenced blocks become free "
-            "(AbstractModel._complete)",
-        )
-        for tier in ("gpu", "host")
+    Definition(
+        "ComputeStop",
+        "r",
+        r"""/\ StopTokens
+    /\ requests[r].state \in Computing \/ requests[r].in_flight = 1
+    /\ Commit(r, ComputeResult(requests[r], counts, TRUE))""",
+        "a compute step whose token is a stop token (AbstractModel action (compute, r, STOP))",
+    ),
+    Definition(
+        "CompleteResult",
+        "q, c",
+        r"""[ok |-> CopyInFlight(q),
+     request |-> [q EXCEPT !.fenced_gpu = 0, !.fenced_host = 0, !.incoming = 0],
+     pool |-> [c EXCEPT !.gpu_free = @ + q.fenced_gpu, !.host_free = @ + q.fenced_host,
+                        !.gpu_fenced = @ - q.fenced_gpu, !.host_fenced = @ - q.fenced_host],
+     taken |-> {{}}]""",
+        "the executor reports request record q's copy in flight complete, or failed: its fences end "
+        "(AbstractModel._complete, AbstractEffects.complete_copy)",
+    ),
+    Definition(
+        "Complete",
+        "r",
+        r"""/\ CopyInFlight(requests[r])
+    /\ Commit(r, CompleteResult(requests[r], counts))""",
     ),
 )
 
@@ -161,6 +218,7 @@ INIT = Definition(
     r"""/\ requests = [r \in Requests |->
            [state |-> NotArrived, computed |-> 0, generated |-> 0, gpu |-> 0, host |-> 0,
             deferred |-> NoReason, prefill |-> PromptLen[r], in_flight |-> 0,
+            fenced_gpu |-> 0, fenced_host |-> 0, incoming |-> 0, stopped |-> FALSE,
             prompt_len |-> PromptLen[r], max_new_tokens |-> MaxNewTokens[r]]]
     /\ counts = [gpu_free |-> GpuBlocks, host_free |-> HostBlocks, gpu_fenced |-> 0, host_fenced |-> 0]""",
     "every request not arrived yet, every block free (AbstractModel.initial)",

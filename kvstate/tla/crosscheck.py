@@ -11,6 +11,9 @@ at a time, while ours works through the bounds here, so two cores are both used.
 * when it is violated: the invariant and the length of the shortest counterexample. TLC's counterexample is replayed
   on our model (`kvstate.tla.translate`) and written as a lifecycle trace that `kvstate report` draws.
 
+A bound whose abstract model uses a feature the exported module does not express (`kvstate.tla.models.unsupported`:
+chunk cuts by a token budget per pass) is not run by either engine, and the line saying so names the feature.
+
 Liveness is not compared, because the engines compute different properties. Ours judges LIVE-DONE as "every
 reachable bottom SCC of the graph without environment events is all-done" (from every reachable state some run
 of scheduler and executor steps ends every request); TLC checks `LIVE_DONE`, the LTL property "every request
@@ -35,7 +38,7 @@ from kvstate.errors import KVStateError
 from kvstate.semantics import TLA, TlaMeaning
 from kvstate.spec import Spec
 from kvstate.tla import invariants
-from kvstate.tla.models import ModelFiles, export, symmetry_groups
+from kvstate.tla.models import ModelFiles, export, symmetry_groups, unsupported
 from kvstate.tla.module import tla_id
 from kvstate.tla.tlc import ERROR, TlcRun, TlcState, TlcTools, find_tools, run_tlc
 from kvstate.tla.translate import TraceMismatch, tlc_steps, trace_lines
@@ -147,10 +150,12 @@ def cross_check(
     tools = tools if tools is not None else find_tools()
     state_ids, step_ids = invariants.checked_ids(spec)
     names = {tla_id(i): i for i in [*state_ids, *step_ids, invariants.DEADLOCK_ID, LIVE_DONE]}
-    runnable = [b for b in bounds if b.abstract_model]
+    runnable = [b for b in bounds if b.abstract_model and unsupported(b) is None]
     for b in bounds:
         if not b.abstract_model:
             say(f"bound {b.name}: not run (abstract_model = false: too large to enumerate; neither engine runs it)")
+        elif (why := unsupported(b)) is not None:
+            say(f"{why} (not run by either engine)")
     say(
         f"kvstate check --engine tlc: spec {spec.source}; TLC {tools.jar}; "
         f"{'with' if options.symmetry else 'without'} symmetry; {len(runnable)} bound(s)"

@@ -6,7 +6,7 @@ TLA+ action of each id of `STEP_PREDICATES` (TLC checks it as the property `[][a
 lifecycle module (`kvstate.tla.module`): `requests[r]` (the abstract request record), `counts` (the pool counts),
 `Held(S, field)`, `Residency(state)`, `StepTaken(r, event)` (the transitions a step of request r by `event`
 took, as `kvstate.checker.model.Edge.taken`), `Resets(r)`, `FairStepEnabled` and the actions `Compute(r)`,
-`CompleteGpu`, `CompleteHost`.
+`ComputeStop(r)` and `Complete(r)`.
 
 `checked_ids` is the list both engines check, in our checker's order; the export refuses an id our checker
 evaluates without a TLA+ meaning here, so the two engines always check the same invariants.
@@ -20,8 +20,10 @@ from kvstate.spec import Spec
 from kvstate.tla.names import TlaExportError
 
 STATE: Mapping[str, str] = {
-    "CONS-GPU": 'counts.gpu_free + Held(Requests, "gpu") + counts.gpu_fenced = GpuBlocks',
-    "CONS-HOST": 'counts.host_free + Held(Requests, "host") + counts.host_fenced = HostBlocks',
+    "CONS-GPU": r"""/\ Held(Requests, "fenced_gpu") = counts.gpu_fenced
+    /\ counts.gpu_free + Held(Requests, "gpu") + counts.gpu_fenced = GpuBlocks""",
+    "CONS-HOST": r"""/\ Held(Requests, "fenced_host") = counts.host_fenced
+    /\ counts.host_free + Held(Requests, "host") + counts.host_fenced = HostBlocks""",
     "OWN-EXCL": r"""/\ counts.gpu_free >= 0 /\ counts.host_free >= 0
     /\ counts.gpu_fenced >= 0 /\ counts.host_fenced >= 0
     /\ \A r \in Requests : requests[r].gpu >= 0 /\ requests[r].host >= 0
@@ -45,9 +47,13 @@ STEP: Mapping[str, str] = {
     "GEN-APPEND": r"""\A r \in Requests :
         requests'[r].state \notin Terminal
             => LET grew == requests'[r].generated - requests[r].generated
-               IN  grew \in {0, 1} /\ (grew = 1 => Compute(r))""",
-    "FENCE": r"""counts'.gpu_fenced < counts.gpu_fenced \/ counts'.host_fenced < counts.host_fenced
-        => CompleteGpu \/ CompleteHost""",
+               IN  grew \in {0, 1} /\ (grew = 1 => Compute(r) \/ ComputeStop(r))""",
+    "FENCE": r"""counts.gpu_fenced # 0 \/ counts.host_fenced # 0
+        => /\ \A r \in Requests :
+                  requests'[r].fenced_gpu < requests[r].fenced_gpu \/ requests'[r].fenced_host < requests[r].fenced_host
+                      => Complete(r)
+           /\ counts'.gpu_fenced < counts.gpu_fenced \/ counts'.host_fenced < counts.host_fenced
+                  => \E r \in Requests : Complete(r)""",
     "RESET-PROMPT": r"""\A r \in Requests :
         Resets(r) => requests'[r].prefill = requests[r].prompt_len + requests[r].generated""",
     "RESET-BUDGET": r"\A r \in Requests : Resets(r) => requests'[r].generated = requests[r].generated",

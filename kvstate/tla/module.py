@@ -11,8 +11,8 @@ only assembles; every meaning comes from beside its Python counterpart. In order
 * `Transitions`, the spec's edges in spec order, and one action per spec event: `<Event>Edge(q, c)` picks the edge
   the event takes (the first of its transitions whose source is the request's state and whose guard holds, as
   `kvstate.lifecycle.TransitionTable.resolve` does) and `<Event>(r)` takes it on request `r`;
-* the abstract model's own actions: `Arrive(r)`, `Compute(r)`, `CompleteGpu` and `CompleteHost`
-  (`kvstate.tla.abstract`);
+* the abstract model's own actions: `Arrive(r)`, `Compute(r)`, `ComputeStop(r)` (a step whose token is a stop
+  token, in bounds with stop tokens) and `Complete(r)` (request r's copy in flight completes) (`kvstate.tla.abstract`);
 * `Init`, `Next`, the fairness SPEC.md section 6 states (per-action weak fairness of every action but the
   environment's events), `Spec`, the invariants both engines check (`kvstate.tla.invariants`, named by their spec
   ids with `-` written `_`) and the liveness property `LIVE_DONE`.
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvstate import semantics
-from kvstate.roles import ACTIVE, PENDING_RESET, RECOMPUTING
+from kvstate.roles import ACTIVE, OFFLOADED, PENDING_RESET, RECOMPUTING
 from kvstate.semantics import EFFECTS, GUARDS, TLA, EffectHooks, TlaMeaning
 from kvstate.spec import Spec, Transition
 from kvstate.tla import abstract, invariants
@@ -108,7 +108,8 @@ class _Writer:
             "    BlockSize,       \\* tokens per block",
             "    ChunkSize,       \\* prefill chunk size in tokens",
             "    PipelineStages,  \\* pipeline depth",
-            "    EnvironmentEnds  \\* TRUE: the environment may end requests (cancel, abort; the bound's `cancel`)",
+            "    EnvironmentEnds, \\* TRUE: the environment may end requests (cancel, abort; the bound's `cancel`)",
+            "    StopTokens       \\* TRUE: any produced token may be a stop token (the bound has stop tokens)",
             "",
             "VARIABLES",
             "    requests,  \\* requests[r]: the abstract request record of r (kvstate.checker.model.AbstractRequest)",
@@ -125,6 +126,7 @@ class _Writer:
             "ChunkSize",
             "PipelineStages",
             "EnvironmentEnds",
+            "StopTokens",
             "requests",
             "counts",
         }
@@ -157,6 +159,7 @@ class _Writer:
         self.define("Active", name[spec.role(ACTIVE)], note="role active")
         self.define("Recomputing", name[spec.role(RECOMPUTING)], note="role recomputing")
         self.define("PendingReset", name[spec.role(PENDING_RESET)], note="role pending_reset")
+        self.define("Offloaded", name[spec.role(OFFLOADED)], note="role offloaded")
         by_tier = {tier: [s.name for s in spec.states if s.residency == tier] for tier in ("gpu", "host")}
         self.define(
             "Residency",
@@ -273,27 +276,32 @@ class _Writer:
         self.emit([abstract.INIT])
         environment = spec.environment_events
         ending = {e.name for e in spec.events if e.name in environment and e.done_reason}
-        fair = ["Arrive(r)", "Compute(r)"] + [
+        fair = ["Arrive(r)", "Compute(r)", "Complete(r)"] + [
             f"{self.event_names[e.name]}(r)" for e in spec.events if e.name not in environment
         ]
         env = [f"{self.event_names[e.name]}(r)" for e in spec.events if e.name in environment and e.name not in ending]
         ends = [f"{self.event_names[e.name]}(r)" for e in spec.events if e.name in ending]
         if ends:
             env.append("(EnvironmentEnds /\\ (" + " \\/ ".join(ends) + "))")
-        self.define("FairAction", " \\/ ".join(fair), params="r", note="steps the scheduler and the executor take")
+        self.define(
+            "FairAction",
+            " \\/ ".join([*fair, "ComputeStop(r)"]),
+            params="r",
+            note="steps the scheduler and the executor take (a stop token is data: no fairness of its own)",
+        )
         self.define(
             "EnvironmentAction",
             " \\/ ".join(env) or "FALSE",
             params="r",
             note="environment events (origin environment): no fairness, never a way out of a loop",
         )
-        self.define("FairNext", "(\\E r \\in Requests : FairAction(r)) \\/ CompleteGpu \\/ CompleteHost")
+        self.define("FairNext", "\\E r \\in Requests : FairAction(r)")
         self.define("EnvironmentStep", "\\E r \\in Requests : EnvironmentAction(r)")
         self.define("Next", "FairNext \\/ EnvironmentStep")
         wf = " /\\ ".join(f"WF_vars({a})" for a in fair)
         self.define(
             "Fairness",
-            f"/\\ \\A r \\in Requests : {wf}\n    /\\ WF_vars(CompleteGpu) /\\ WF_vars(CompleteHost)",
+            f"\\A r \\in Requests : {wf}",
             note="F1-F3 per action and request: a step enabled forever is taken (scheduler steps, compute, copy "
             "completion, consensus); F4: arrivals happen once, environment events have no fairness",
         )
@@ -306,7 +314,8 @@ class _Writer:
         self.define("AllDone", "\\A r \\in Requests : requests[r].state \\in Terminal")
         fair = [e for e in spec.events if e.name not in spec.environment_events]
         moves = "\n           \\/ ".join(
-            f"Moves(r, {self.result_of(name)})" for name in ["arrive", "compute", *(e.name for e in fair)]
+            f"Moves(r, {self.result_of(name)})"
+            for name in ["arrive", "compute", "compute_stop", "complete", *(e.name for e in fair)]
         )
         self.define(
             "Moves",
@@ -316,8 +325,7 @@ class _Writer:
         )
         self.define(
             "FairStepEnabled",
-            "\\/ counts.gpu_fenced > 0 \\/ counts.host_fenced > 0\n"
-            f"    \\/ \\E r \\in Requests :\n           \\/ {moves}",
+            f"\\E r \\in Requests :\n           \\/ {moves}",
             note="ENABLED (FairNext /\\ vars' # vars), evaluated on the steps' results (TLC's ENABLED is slower)",
         )
         self.define(
@@ -326,16 +334,17 @@ class _Writer:
             params="r, res",
             note="the edges step result res of request r took, if the step taken is that one",
         )
+        compute = f"TakenBy(r, {self.result_of('compute')}) \\cup TakenBy(r, {self.result_of('compute_stop')})"
         arms = "\n      [] ".join(
-            f"e = {string(name, 'event')} -> TakenBy(r, {self.result_of(name)})"
-            for name in ["compute", *(e.name for e in spec.events)]
+            [f"e = {string('compute', 'event')} -> {compute}"]
+            + [f"e = {string(e.name, 'event')} -> TakenBy(r, {self.result_of(e.name)})" for e in spec.events]
         )
         self.define(
             "StepTaken",
             f"CASE {arms}\n      [] OTHER -> {{}}",
             params="r, e",
             note='the edges the step taken took, if it is a step of request r by event e ("compute": a compute '
-            "step); as kvstate.checker.model.Edge.taken",
+            "step, its token a stop token or not); as kvstate.checker.model.Edge.taken",
         )
         resetting = sorted({t.event for t in self.transitions if t.effect == RESET_EFFECT})
         if {CATCH_UP, FINISH} & set(resetting):
@@ -363,9 +372,16 @@ class _Writer:
         )
 
     def result_of(self, event: str) -> str:
-        """The TLA+ expression of the result of `event` ("arrive", "compute": the model's own steps) on request r."""
-        if event in ("arrive", "compute"):
-            return f"{event.capitalize()}Result(requests[r], counts)"
+        """The TLA+ expression of the result of `event` on request r ("arrive", "compute", "compute_stop" and
+        "complete": the model's own steps)."""
+        own = {
+            "arrive": "ArriveResult(requests[r], counts)",
+            "compute": "ComputeResult(requests[r], counts, FALSE)",
+            "compute_stop": "ComputeResult(requests[r], counts, TRUE)",
+            "complete": "CompleteResult(requests[r], counts)",
+        }
+        if event in own:
+            return own[event]
         return f"Result({self.event_names[event]}Edge(requests[r], counts), requests[r], counts)"
 
     def statement(self, inv_id: str) -> str:

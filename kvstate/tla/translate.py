@@ -13,14 +13,25 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TypeGuard
 
-from kvstate.checker.model import AbstractModel, AbstractRequest, AbstractState, Action, Edge, PoolCounts
+from kvstate.checker.model import STOP, AbstractModel, AbstractRequest, AbstractState, Action, Edge, PoolCounts
 from kvstate.errors import KVStateError
 from kvstate.tla.models import request_name
 from kvstate.tla.tlc import TlcState
 from kvstate.tla.values import ModelValue
 from kvstate.trace import TRACE_FIELDS
 
-REQUEST_NUMBERS = ("computed", "generated", "gpu", "host", "prefill", "in_flight")  # besides state and deferred
+# besides state and deferred, in AbstractRequest's order
+REQUEST_NUMBERS = (
+    "computed",
+    "generated",
+    "gpu",
+    "host",
+    "prefill",
+    "in_flight",
+    "fenced_gpu",
+    "fenced_host",
+    "incoming",
+)
 
 
 class TraceMismatch(KVStateError):
@@ -58,9 +69,22 @@ def abstract_of(model: AbstractModel, state: TlcState) -> AbstractState:
         numbers = [record.get(f) for f in REQUEST_NUMBERS]
         if not isinstance(state_name, str) or not isinstance(deferred, str) or not _integers(numbers):
             raise refuse(f"request {request_name(i)} has fields of other types")
-        computed, generated, gpu, host, prefill, in_flight = numbers
+        computed, generated, gpu, host, prefill, in_flight, fenced_gpu, fenced_host, incoming = numbers
         requests.append(
-            AbstractRequest(bound.group_of(i), state_name, computed, generated, gpu, host, deferred, prefill, in_flight)
+            AbstractRequest(
+                bound.group_of(i),
+                state_name,
+                computed,
+                generated,
+                gpu,
+                host,
+                deferred,
+                prefill,
+                in_flight,
+                fenced_gpu,
+                fenced_host,
+                incoming,
+            )
         )
     pool = [counts.get(f) for f in PoolCounts._fields]
     if not _integers(pool):
@@ -81,11 +105,12 @@ def _candidates(model: AbstractModel, state: AbstractState) -> Iterator[Action]:
             if fair:
                 yield Action("arrive", k, None)
                 yield Action("compute", k, None)
+                if model.stop_tokens:
+                    yield Action("compute", k, STOP)
+                yield Action("complete", k, None)
             for event in model.events_from.get(request.state, ()):
                 if (event not in environment) == fair:
                     yield Action("event", k, event)
-    yield Action("complete", None, "gpu")
-    yield Action("complete", None, "host")
 
 
 def _relabel(after: tuple[AbstractRequest, ...], target: tuple[AbstractRequest, ...]) -> list[int] | None:

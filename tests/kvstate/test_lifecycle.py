@@ -61,8 +61,10 @@ class FakeRequest:
         termination_reason: str | None = None,
         suspended_in_pass: int | None = None,
         kv_tokens: int = 0,
+        copy_in_flight: bool = False,
     ) -> None:
         self.request_id = request_id
+        self.copy_in_flight = copy_in_flight
         self.suspended_in_pass = suspended_in_pass
         self.kv_tokens = kv_tokens
         self.prefill_tokens_left = prefill_tokens_left
@@ -89,6 +91,7 @@ class EqualFieldsRequest:
     termination_reason: str | None = None
     suspended_in_pass: int | None = None
     kv_tokens: int = 0
+    copy_in_flight: bool = False
 
 
 @dataclass(frozen=True)
@@ -347,6 +350,20 @@ REAL_GUARD_CASES = {
         "suspend",
         {"num_gpu_blocks": 5},
         FakePool(host_free_blocks=100, has_host_tier=False),
+        None,
+    ),
+    "suspend-while-its-copy-is-in-flight": (
+        "running",
+        "suspend",
+        {"num_gpu_blocks": 5, "copy_in_flight": True},
+        FakePool(host_free_blocks=5, has_host_tier=True),
+        None,
+    ),
+    "resume-while-its-copy-is-in-flight": (
+        "suspended",
+        "resume",
+        {"num_host_blocks": 6, "copy_in_flight": True},
+        FakePool(gpu_free_blocks=6, has_host_tier=True),
         None,
     ),
     "resume-gpu-room": (

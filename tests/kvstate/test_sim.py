@@ -100,7 +100,7 @@ def test_a_migration_whose_copies_are_skipped_is_detected(seed: int, monkeypatch
     ex = SimExecutor(sched)
     saved: dict = {}
     migrated = []
-    plan_and_schedule, complete = sched.schedule, sched.complete_migrations
+    plan_and_schedule, complete = sched.schedule, sched.complete_migration
 
     def schedule():
         out = plan_and_schedule()
@@ -111,13 +111,13 @@ def test_a_migration_whose_copies_are_skipped_is_detected(seed: int, monkeypatch
         migrated.extend(out.migrations)
         return out
 
-    def complete_without_copying(out):
+    def complete_without_copying(plan):  # the sim reports each copy complete as it completes
         for (_, dst), (dest, contents) in saved.items():  # undo the copies: as if they never ran
             dest[dst] = contents
-        complete(out)
+        complete(plan)
 
     monkeypatch.setattr(sched, "schedule", schedule)
-    monkeypatch.setattr(sched, "complete_migrations", complete_without_copying)
+    monkeypatch.setattr(sched, "complete_migration", complete_without_copying)
     assert run_detects_corruption(sched, ex)
     assert migrated, "the workload never migrated anything"
 

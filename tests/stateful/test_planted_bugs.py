@@ -2,63 +2,25 @@
 
 Each test plants one bug, runs the machine under the active Hypothesis profile, and asserts that Hypothesis
 finds a failing case whose error names the expected spec invariant, and that the printed step list is
-plain Python that replays the failure. The scheduler's own deep checks are off (`deep_checks=False`) so that
-what catches the bug is the machine, through the adapter protocol only.
+plain Python that replays the failure (`find_failure`, tests/stateful/conftest.py). The scheduler's own deep checks
+are off (`deep_checks=False`) so that what catches the bug is the machine, through the adapter protocol only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
-
-import pytest
-from hypothesis import Phase, settings
-from hypothesis.stateful import run_state_machine_as_test
 
 from kvstate import load_spec
 from kvstate.config import RequestRejected, SchedulerConfig
-from kvstate.errors import InvariantViolation
 from kvstate.scheduler import Scheduler, _Effects
 from kvstate.sim import SimExecutor
-from kvstate.testing import KVStateAdapter, LifecycleViolation, Submission, conformance_machine
+from kvstate.testing import KVStateAdapter, LifecycleViolation, conformance_machine
 
 SPEC = load_spec()
 
 # Small pools: preemption, replay and suspension happen within a few rules.
 WITH_HOST = SchedulerConfig(gpu_blocks=8, host_blocks=8, block_size=2, prefill_chunk_size=3, max_num_tokens=16)
 NO_HOST = dataclasses.replace(WITH_HOST, host_blocks=0)
-
-
-def find_failure(machine: type, error: type[BaseException] = InvariantViolation) -> BaseException:
-    """Run `machine` with the active profile's example count; return the error after checking that its printed
-    step list replays the same failure as plain Python.
-
-    Derandomized, so that a planted bug is found the same way every run (no flaky test). Shrinking is off: the
-    raw failing case is enough to name the invariant, and shrinking stateful cases costs minutes.
-    """
-    run_settings = settings(
-        stateful_step_count=50,
-        database=None,
-        report_multiple_bugs=False,
-        derandomize=True,
-        phases=[Phase.explicit, Phase.reuse, Phase.generate],
-    )
-    with pytest.raises(error) as caught:
-        run_state_machine_as_test(machine, settings=run_settings)
-    replay_printed_steps(machine, caught.value, error)
-    return caught.value
-
-
-def replay_printed_steps(machine: type, err: BaseException, error: type[BaseException]) -> None:
-    """Hypothesis attaches the failing step list to the error; it must run as written and fail the same way."""
-    report = "\n".join(getattr(err, "__notes__", []))
-    start = report.index(f"state = {machine.__name__}()")
-    end = report.index("state.teardown()") + len("state.teardown()")
-    program = report[start:end]
-    assert re.search(r"^state\.\w+\(", program, flags=re.M), report
-    with pytest.raises(error) as replayed:
-        exec(program, {machine.__name__: machine, "Submission": Submission})
-    assert getattr(replayed.value, "invariant_id", None) == getattr(err, "invariant_id", None)
 
 
 def adapter_with(config: SchedulerConfig, **kwargs):
@@ -82,7 +44,7 @@ class ReplayForgetsGenerated(_Effects):
         request.prefill_tokens = request.prompt
 
 
-def test_a_replay_prompt_without_the_generated_tokens_breaks_output_equivalence() -> None:
+def test_a_replay_prompt_without_the_generated_tokens_breaks_output_equivalence(find_failure) -> None:
     machine = conformance_machine(
         adapter_with(NO_HOST, scheduler_factory=scheduler_with_effects(ReplayForgetsGenerated)), name="ForgetfulReplay"
     )
@@ -98,7 +60,7 @@ class ResetClearsGenerated(_Effects):
         request.prefill_tokens = request.prompt
 
 
-def test_a_reset_that_drops_generated_tokens_breaks_append_only_output() -> None:
+def test_a_reset_that_drops_generated_tokens_breaks_append_only_output(find_failure) -> None:
     machine = conformance_machine(
         adapter_with(NO_HOST, scheduler_factory=scheduler_with_effects(ResetClearsGenerated)), name="ClearingReset"
     )
@@ -115,7 +77,7 @@ class FinishLeaksBlocks(_Effects):
         request.done_reason = transition.done_reason
 
 
-def test_blocks_kept_after_finish_are_caught_as_a_leak() -> None:
+def test_blocks_kept_after_finish_are_caught_as_a_leak(find_failure) -> None:
     machine = conformance_machine(
         adapter_with(WITH_HOST, scheduler_factory=scheduler_with_effects(FinishLeaksBlocks)), name="LeakyFinish"
     )
@@ -129,7 +91,7 @@ class NeverReplays(Scheduler):
         return True if event == "replay" else super()._admit_class(event, queue, step)
 
 
-def test_starving_recompute_paused_requests_breaks_liveness() -> None:
+def test_starving_recompute_paused_requests_breaks_liveness(find_failure) -> None:
     config = dataclasses.replace(NO_HOST, no_progress_limit=1_000_000)  # let the machine, not the watchdog, see it
     # the policy check sees the skipped replay at once (ADMIT-ORDER, below); without it, liveness catches it
     machine = conformance_machine(
@@ -159,7 +121,7 @@ class SuspendWithoutCopy(SimExecutor):
         self.host = _StaleHostSlots([[0] * size for _ in range(self.scheduler.pool.host.capacity)])
 
 
-def test_a_suspend_that_copies_nothing_breaks_output_equivalence() -> None:
+def test_a_suspend_that_copies_nothing_breaks_output_equivalence(find_failure) -> None:
     machine = conformance_machine(adapter_with(WITH_HOST, executor_factory=SuspendWithoutCopy), name="NoCopySuspend")
     assert find_failure(machine).invariant_id == "OUT-EQUIV"
 
@@ -170,7 +132,7 @@ class IgnoresCancel(KVStateAdapter):
         self.scheduler.get(request_id)  # looks the id up, then forgets to cancel
 
 
-def test_a_cancel_that_does_nothing_breaks_the_cancel_edges() -> None:
+def test_a_cancel_that_does_nothing_breaks_the_cancel_edges(find_failure) -> None:
     machine = conformance_machine(lambda: IgnoresCancel(WITH_HOST, deep_checks=False), name="DeafToCancel")
     err = find_failure(machine, LifecycleViolation)
     assert "'cancel' event goes from" in str(err)
@@ -185,14 +147,14 @@ class LaxConfig(SchedulerConfig):
             raise RequestRejected("prompt is empty")
 
 
-def test_accepting_a_request_that_can_never_fit_breaks_refusal() -> None:
+def test_accepting_a_request_that_can_never_fit_breaks_refusal(find_failure) -> None:
     lax = LaxConfig(**{f.name: getattr(WITH_HOST, f.name) for f in dataclasses.fields(SchedulerConfig)})
     machine = conformance_machine(adapter_with(lax), name="LaxAdmission")
     assert find_failure(machine).invariant_id == "LIVE-REFUSE"
 
 
 # ---------------------------------------------------------------------------------------- broken spec
-def test_the_edge_graph_comes_from_the_spec_passed_in() -> None:
+def test_the_edge_graph_comes_from_the_spec_passed_in(find_failure) -> None:
     """Without the catch-up edge, our scheduler's replaying -> running is a path the spec does not have."""
     events = tuple(e for e in SPEC.events if e.name != "catch_up")
     spec = dataclasses.replace(SPEC, events=events)

@@ -61,7 +61,8 @@ def test_environment_events_have_no_fairness_and_every_other_action_has():
     for event in SPEC.events:
         fair = f"WF_vars({camel(event.name)}(r))" in fairness
         assert fair == (event.name not in SPEC.environment_events), event.name
-    assert "WF_vars(Compute(r))" in fairness and "WF_vars(CompleteGpu)" in fairness
+    assert "WF_vars(Compute(r))" in fairness and "WF_vars(Complete(r))" in fairness  # a request's copy completes
+    assert "ComputeStop" not in fairness  # a stop token is data, no obligation
 
 
 def test_symmetry_exactly_where_requests_are_interchangeable():

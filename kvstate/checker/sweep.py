@@ -1,0 +1,277 @@
+"""Swept bounds: every small configuration up to a size, each checked by the scheduler refinement (`kvstate check
+--sweep NAME`), with a summary table of configurations x verdicts.
+
+A sweep (`[sweeps.NAME]` in `spec/bounds.toml`) names, per dimension, the values to take: request counts, prompt
+lengths and max-new-token counts (every sequence of that many requests of those shapes, in arrival order), the GPU
+tier from the smallest that fits each request alone to `gpu_extra` blocks more, host tiers, block sizes, prefill
+chunks, pipeline depths (each with 1..stages micro-batches in flight) and copy delays (with a host tier: without one
+nothing is copied), plus the environment every configuration gets. Each configuration is a `Bound` checked by
+`check_bound` (the abstract model too, unless `abstract_model = false`: the refinement's step refinement then checks
+REFINES action by action); a violation writes its counterexample as a regression test.
+
+Invariants: `Sweep.bounds()` lists each configuration once, in a fixed order, and every one is a valid `Bound`
+(every request fits the GPU tier alone); `SweepReport` has one `Outcome` per configuration, in that order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstate.checker.bounds import Bound, BoundsError, packaged_bounds_path
+from kvstate.checker.explore import HOLDS, INCOMPLETE, VIOLATED
+from kvstate.checker.runner import check_bound
+from kvstate.pool import ceil_div
+from kvstate.spec import Spec, load_spec
+from kvstate.untrusted import Limits, UntrustedFileError, read_toml
+
+DIMENSIONS = (
+    "request_counts",
+    "prompt_lens",
+    "max_new_tokens",
+    "gpu_extra",
+    "host_blocks",
+    "block_sizes",
+    "chunk_sizes",
+    "pipeline_stages",
+    "copy_delays",
+)
+ENVIRONMENT = ("env_cancels", "env_aborts", "env_host_losses", "env_copy_failures", "cancel", "abstract_model")
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """One `[sweeps.NAME]` table: the values of each dimension, and the environment every configuration gets."""
+
+    name: str
+    request_counts: tuple[int, ...]
+    prompt_lens: tuple[int, ...]
+    max_new_tokens: tuple[int, ...]
+    gpu_extra: tuple[int, ...] = (0,)
+    host_blocks: tuple[int, ...] = (0,)
+    block_sizes: tuple[int, ...] = (1,)
+    chunk_sizes: tuple[int, ...] = (2,)
+    pipeline_stages: tuple[int, ...] = (1,)
+    copy_delays: tuple[int, ...] = (0,)
+    env_cancels: int = 0
+    env_aborts: int = 0
+    env_host_losses: int = 0
+    env_copy_failures: int = 0
+    cancel: bool = False
+    abstract_model: bool = False
+    description: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict, name: str) -> Sweep:
+        where = f"sweep {name!r}"
+        known = set(DIMENSIONS) | set(ENVIRONMENT) | {"description"}
+        unknown = set(data) - known
+        if unknown:
+            raise BoundsError(f"{where}: unknown keys {sorted(unknown)}; known keys: {sorted(known)}")
+        values: dict = {"name": name}
+        for key in DIMENSIONS:
+            if key not in data:
+                if key in ("request_counts", "prompt_lens", "max_new_tokens"):
+                    raise BoundsError(f"{where}: '{key}' is required (a list of positive integers)")
+                continue
+            listed = data[key]
+            positive = key not in ("gpu_extra", "host_blocks", "copy_delays")
+            if (
+                not isinstance(listed, list)
+                or not listed
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= int(positive) for v in listed)
+            ):
+                floor = "positive" if positive else "non-negative"
+                raise BoundsError(f"{where}: '{key}' must be a non-empty list of {floor} integers, got {listed!r}")
+            values[key] = tuple(listed)
+        for key in ENVIRONMENT:
+            if key in data:
+                values[key] = data[key]
+        if "description" in data:
+            values["description"] = str(data["description"])
+        return cls(**values)
+
+    def bounds(self) -> list[Bound]:
+        """Every configuration of the sweep, as a bound named after its index."""
+        return [Bound(name=f"{self.name}-{n}", **config) for n, config in enumerate(self._configurations())]
+
+    def _configurations(self) -> Iterator[dict]:
+        shapes = [(p, m) for p in self.prompt_lens for m in self.max_new_tokens]
+        pipelines = [(s, mb) for s in self.pipeline_stages for mb in range(1, s + 1)]
+        for count in self.request_counts:
+            for requests in itertools.product(shapes, repeat=count):
+                for block in self.block_sizes:
+                    fits = max(ceil_div(p + m, block) for p, m in requests)  # the smallest GPU tier for each alone
+                    for extra, host, chunk, (stages, micro), delay in itertools.product(
+                        self.gpu_extra, self.host_blocks, self.chunk_sizes, pipelines, self.copy_delays
+                    ):
+                        if delay and not host:
+                            continue  # nothing is copied without a host tier: every delay is delay 0
+                        yield {
+                            "requests": requests,
+                            "gpu_blocks": fits + extra,
+                            "host_blocks": host,
+                            "block_size": block,
+                            "chunk_size": chunk,
+                            "pipeline_stages": stages,
+                            "micro_batches": micro,
+                            "copy_delay": delay,
+                            **{key: getattr(self, key) for key in ENVIRONMENT},
+                        }
+
+
+def load_sweeps(path: str | Path | None = None) -> dict[str, Sweep]:
+    """The `[sweeps.NAME]` tables of a bounds file (default: the packaged `spec/bounds.toml`)."""
+    source = Path(path) if path is not None else packaged_bounds_path()
+    try:  # read as bounds files are: bounded, failures name the file
+        data = read_toml(source, Limits(max_bytes=1 << 20, max_depth=8), "bounds file")
+    except UntrustedFileError as err:
+        raise BoundsError(str(err)) from (err.__cause__ or err)
+    tables = data.get("sweeps", {})
+    if not isinstance(tables, dict):
+        raise BoundsError(f"{source}: expected tables [sweeps.NAME]")
+    return {name: Sweep.from_dict(entry, name) for name, entry in tables.items()}
+
+
+def select_sweep(name: str, path: str | Path | None = None) -> Sweep:
+    """The sweep called `name`, refusing an unknown name."""
+    sweeps = load_sweeps(path)
+    if name not in sweeps:
+        raise BoundsError(f"unknown sweep {name!r}; known sweeps: {', '.join(sweeps) or 'none'}")
+    return sweeps[name]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What checking one configuration gave."""
+
+    bound: Bound
+    verdict: str
+    invariant: str | None
+    states: int
+    seconds: float
+    counterexample_file: str | None
+
+
+@dataclass
+class SweepReport:
+    sweep: Sweep
+    outcomes: list[Outcome] = field(default_factory=list)
+    seconds: float = 0.0
+    workers: int = 1
+
+    @property
+    def verdict(self) -> str:
+        verdicts = {o.verdict for o in self.outcomes}
+        return VIOLATED if VIOLATED in verdicts else INCOMPLETE if INCOMPLETE in verdicts else HOLDS
+
+    def table(self) -> list[str]:
+        """Configurations x verdicts, per value of each dimension, as a Markdown table."""
+        rows = [
+            ("requests", lambda b: len(b.requests)),
+            (
+                "GPU blocks over the smallest fit",
+                lambda b: b.gpu_blocks - max(ceil_div(p + m, b.block_size) for p, m in b.requests),
+            ),
+            ("host blocks", lambda b: b.host_blocks),
+            ("block size", lambda b: b.block_size),
+            ("chunk", lambda b: b.chunk_size),
+            ("stages x micro-batches", lambda b: f"{b.pipeline_stages}x{b.micro_batches}"),
+            ("copy delay", lambda b: b.copy_delay),
+        ]
+        out = [
+            "| dimension | value | configurations | holds | violated | incomplete | states |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for label, key in rows:
+            groups: dict = {}
+            for o in self.outcomes:
+                groups.setdefault(key(o.bound), []).append(o)
+            for value in sorted(groups, key=str):
+                out.append(_row(label, value, groups[value]))
+        out.append(_row("all", "", self.outcomes))
+        return out
+
+    def lines(self) -> list[str]:
+        counts = Counter(o.verdict for o in self.outcomes)
+        out = [
+            f"sweep {self.sweep.name}: {len(self.outcomes)} configurations, {sum(o.states for o in self.outcomes)} "
+            f"scheduler states, {self.seconds:.1f} s on {self.workers} worker(s): "
+            + ", ".join(f"{counts[v]} {v}" for v in (HOLDS, VIOLATED, INCOMPLETE)),
+            *self.table(),
+        ]
+        for o in self.outcomes:
+            if o.verdict != HOLDS:
+                out.append(
+                    f"  {o.bound.name} ({o.verdict}{', ' + o.invariant if o.invariant else ''}): "
+                    f"{o.bound.to_dict()}"
+                    + (f"; regression test {o.counterexample_file}" if o.counterexample_file else "")
+                )
+        return out
+
+
+def _row(label: str, value: object, outcomes: list[Outcome]) -> str:
+    counts = Counter(o.verdict for o in outcomes)
+    states = sum(o.states for o in outcomes)
+    return (
+        f"| {label} | {value} | {len(outcomes)} | {counts[HOLDS]} | {counts[VIOLATED]} | {counts[INCOMPLETE]} "
+        f"| {states} |"
+    )
+
+
+def run_sweep(
+    sweep: Sweep,
+    *,
+    spec_path: str | None = None,
+    workers: int = 1,
+    max_states: int | None = None,
+    counterexample_dir: Path | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> SweepReport:
+    """Check every configuration of `sweep` (on `workers` processes); `progress(done, total)` after each."""
+    bounds = sweep.bounds()
+    start = time.perf_counter()
+    report = SweepReport(sweep, workers=workers)
+    jobs = [(b, spec_path, max_states, counterexample_dir) for b in bounds]
+    if workers > 1:
+        with ProcessPoolExecutor(max_workers=workers, initializer=_load, initargs=(spec_path,)) as pool:
+            results: Iterator[Outcome] = pool.map(_check, jobs, chunksize=8)
+            for n, outcome in enumerate(results, 1):
+                report.outcomes.append(outcome)
+                if progress is not None:
+                    progress(n, len(jobs))
+    else:
+        _load(spec_path)
+        for n, job in enumerate(jobs, 1):
+            report.outcomes.append(_check(job))
+            if progress is not None:
+                progress(n, len(jobs))
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+_SPEC: Spec | None = None  # each worker loads the spec once
+
+
+def _load(spec_path: str | None) -> None:
+    global _SPEC  # noqa: PLW0603 - one spec per worker process, loaded by its initializer
+    _SPEC = load_spec(spec_path)
+
+
+def _check(job: tuple[Bound, str | None, int | None, Path | None]) -> Outcome:
+    bound, _, max_states, counterexample_dir = job
+    report = check_bound(bound, spec=_SPEC, max_states=max_states, counterexample_dir=counterexample_dir)
+    refinement = report.refinement
+    return Outcome(
+        bound,
+        report.verdict,
+        report.violated_invariant,
+        (refinement.states if refinement else 0) + report.abstract.states,
+        (refinement.seconds if refinement else 0.0) + report.abstract.seconds,
+        str(report.counterexample_file) if report.counterexample_file else None,
+    )

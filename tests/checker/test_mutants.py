@@ -1,0 +1,158 @@
+"""One test per mutant of the checker (and of the scheduler) that the suite used to let through (issue 25).
+
+Each mutant is a one-line change; each test fails with it applied (monkeypatched, or shown against the rule it
+would break) and passes without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from importlib import import_module
+from types import SimpleNamespace
+
+import pytest
+
+import kvstate.scheduler as scheduler_module
+from kvstate import policy
+from kvstate.checker import VIOLATED, check_bound, select_bounds
+from kvstate.checker.refinement import ObservedScheduler, prompt_of
+from kvstate.config import SchedulerConfig
+from kvstate.errors import InvariantViolation
+from kvstate.lifecycle import TransitionTable
+from kvstate.output import SchedulerOutput
+from kvstate.policy import PassRecord, PassSnapshot, Promotion, RequestSnapshot, Victim, Wait
+from kvstate.scheduler import Scheduler, _Effects
+from kvstate.semantics import GUARDS
+from kvstate.sim import SimExecutor
+from kvstate.spec import Transition, load_spec
+from kvstate.validate import validate_spec
+
+SPEC = load_spec()
+EXPLORE = import_module("kvstate.checker.explore")
+RUNNING, WAITING, SUSPENDED = SPEC.role("active"), SPEC.role("queued"), SPEC.role("offloaded")
+
+
+def snap(rid, state=RUNNING, *, arrival, kv=2, prefilling=False) -> RequestSnapshot:
+    return RequestSnapshot(rid, state, arrival, arrival, prefilling, False, False, kv, kv)
+
+
+def listed(rid, state) -> SimpleNamespace:
+    """What an output list holds of a request, as far as check_pass reads it."""
+    return SimpleNamespace(request_id=rid, state=state)
+
+
+# --------------------------------------------------------------------- check_pass: the promotion worth rule
+def test_a_promotion_that_throws_away_as_much_kv_as_it_saves_is_refused():
+    """Mutant: `worth >= victim's` -> `worth > victim's` in check_pass. The promoted request holds exactly the KV
+    of the victim it made room for: the promotion saves nothing and must be refused (PROMOTE-GATE)."""
+    before = PassSnapshot((snap("r", arrival=0, kv=3), snap("v", arrival=1), snap("p", arrival=2)), 0, True, 8, 64)
+    record = PassRecord([Victim("r", "p", "suspend"), Promotion("v", "p"), Victim("r", "v", "suspend"), Wait("r", 0)])
+    out = SchedulerOutput(suspended=[listed("v", SUSPENDED)], recompute_paused=[listed("p", SPEC.role("dropped"))])
+    with pytest.raises(InvariantViolation) as info:
+        policy.check_pass(SPEC, before, record, out)
+    assert info.value.invariant_id == "PROMOTE-GATE" and "worth 2" in str(info.value)
+
+
+# ---------------------------------------------------------------------- check_pass: A1 counts waits too
+def test_a_pass_that_left_a_requester_waiting_admits_no_new_request():
+    """Mutant: the A1 hold of check_pass ignoring waits (`held = victims` only). A pass whose requester waited for
+    room on its way and chose no victim admitted a new request: ADMIT-HOLD."""
+    before = PassSnapshot((snap("r", arrival=0), snap("n", WAITING, arrival=1, kv=0)), 1, True, 8, 64)
+    record = PassRecord([Wait("r", 1)])
+    out = SchedulerOutput(context=[listed("n", RUNNING)], chunk_tokens={"n": 1})
+    with pytest.raises(InvariantViolation) as info:
+        policy.check_pass(SPEC, before, record, out)
+    assert info.value.invariant_id == "ADMIT-HOLD" and "'r'] waited" in str(info.value)
+
+
+# ------------------------------------------------------------------- explore: a self-loop is no way on
+def never(request, pool) -> bool:
+    return False
+
+
+def test_a_stuck_state_whose_only_action_is_a_self_loop_is_a_deadlock():
+    """Mutant: a self-loop counted as a successor in explore.py. Admission never fits and the waiting state's only
+    action (a planted self-loop of a non-environment event) returns to it: DEADLOCK, not LIVE-DONE."""
+    consensus = SPEC.event_by_name["consensus"]
+    loop = Transition("consensus", "waiting", "waiting", "replay_still_wanted", None, consensus.destructive)
+    events = tuple(
+        replace(e, transitions=(*e.transitions, loop)) if e.name == consensus.name else e for e in SPEC.events
+    )
+    spec = replace(SPEC, events=events)
+    validate_spec(spec)
+    (no_cancel,) = select_bounds(["no_cancel"])
+    report = check_bound(no_cancel, spec=spec, guards={**GUARDS, "gpu_room_for_first_chunk": never}, refine=False)
+    assert report.verdict == VIOLATED and report.violated_invariant == "DEADLOCK", report.counterexample
+    assert EXPLORE.deadlock  # the check the mutant weakens
+
+
+# ---------------------------------------------------- the scheduler: the most recent suspension first
+def oldest_first(self, victim, pass_):
+    """Scheduler._promote_for with one change: candidates taken oldest suspension first."""
+    pass_.suspended.reverse()
+    try:
+        return ORIGINAL_PROMOTE(self, victim, pass_)
+    finally:
+        pass_.suspended.reverse()
+
+
+ORIGINAL_PROMOTE = Scheduler._promote_for
+
+
+def run_promoting_workload() -> int:
+    """Five requests (prompts 1, 1, 3, 1, 1; 4 new tokens each) in 7 GPU blocks and 3 host blocks: in its second pass
+    two requests are suspended, then both are promoted for a third. Every pass is held against the policy
+    (`check_pass`, by ObservedScheduler); returns how many passes promoted after two suspensions."""
+    config = SchedulerConfig(gpu_blocks=7, host_blocks=3, block_size=1, prefill_chunk_size=8)
+    s = ObservedScheduler(config, SPEC, TransitionTable(SPEC, GUARDS))
+    ex = SimExecutor(s)
+    for rid, length in enumerate((1, 1, 3, 1, 1)):
+        s.submit(prompt_of(rid, length), 4, request_id=rid)
+    promoted_after_two = 0
+    while s.has_unfinished:
+        ex.step()
+        suspensions = 0
+        for decision in s.last_pass.record.decisions if s.last_pass else ():
+            suspensions += isinstance(decision, Victim) and decision.event == "suspend"
+            promoted_after_two += isinstance(decision, Promotion) and suspensions >= 2
+    return promoted_after_two
+
+
+def test_the_most_recent_suspension_of_the_pass_is_promoted_first(monkeypatch):
+    """Mutant: the oldest same-pass suspension promoted first instead of the most recent (PROMOTE-GATE)."""
+    assert run_promoting_workload() > 0  # the workload promotes after two suspensions, and follows the policy
+    monkeypatch.setattr(Scheduler, "_promote_for", oldest_first)
+    with pytest.raises(InvariantViolation) as info:
+        run_promoting_workload()
+    assert info.value.invariant_id == "PROMOTE-GATE" and "most recent" in str(info.value)
+
+
+# --------------------------------------------------------- the scheduler: the first deferred reason wins
+def overwrites_the_deferred_reason(self, request, transition) -> None:
+    request.termination_reason = transition.done_reason
+
+
+def test_a_deferred_finish_stays_finished_when_a_cancel_follows(monkeypatch):
+    """Mutant: `done_reason` overwritten when a request whose final token was deferred during consensus is then
+    cancelled (it must stay `finished`). The `stop_inflight` bound lands a stop token on a request awaiting
+    consensus, then cancels it (PP-TERMINATE)."""
+    (stops,) = select_bounds(["stop_inflight"])
+    assert check_bound(stops, counterexample_dir=None).verdict == "holds"
+    monkeypatch.setattr(_Effects, "defer_termination", overwrites_the_deferred_reason)
+    report = check_bound(stops, counterexample_dir=None)
+    assert report.violated_invariant == "PP-TERMINATE", report.counterexample
+    assert "the first recorded reason wins" in report.refinement.message
+
+
+# ------------------------------------------------- the spec: about_to_finish out of the victim exclusions
+def test_removing_about_to_finish_from_the_victim_exclusions_is_caught_by_a_default_bound(monkeypatch):
+    """Mutant: the scheduler's `about_to_finish` exclusion dropped while the spec's policy declares it; the default
+    set catches it (VICTIM-NOT-FINAL), as no default bound did before issue 25. (The mutant was first planted in a
+    spec copy; since the policy is a declared parameter (issue 27), a spec copy without the exclusion declares a
+    policy that allows such victims, so the mutant is planted in the scheduler that departs from its spec.)"""
+    assert "about_to_finish" in load_spec().policy.victim_exclusions
+    monkeypatch.setitem(scheduler_module.VICTIM_EXCLUSIONS, "about_to_finish", lambda s, candidate, pass_: False)
+    (bound,) = select_bounds(["pipeline2_no_cancel"])
+    assert "pipeline2_no_cancel" in [b.name for b in select_bounds(None)]
+    report = check_bound(bound, counterexample_dir=None)
+    assert report.violated_invariant == "VICTIM-NOT-FINAL", report.counterexample

@@ -1,0 +1,129 @@
+"""Swept bounds (`kvstate check --sweep NAME`, issue 25): every configuration of a sweep is enumerated once and
+checked, the summary table counts configurations x verdicts, and every counterexample is written as a regression
+test. The packaged `ci` sweep runs in CI (`.ci/run`); the `wide` ones run with the slow tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstate.checker.bounds import BoundsError
+from kvstate.checker.sweep import Sweep, load_sweeps, run_sweep, select_sweep
+from kvstate.cli import main
+from kvstate.spec import packaged_spec_path
+
+TINY = """
+[bounds.one]
+requests = [[1, 1]]
+gpu_blocks = 2
+
+[sweeps.tiny]
+request_counts = [1]
+prompt_lens = [1, 2]
+max_new_tokens = [1]
+host_blocks = [0, 1]
+pipeline_stages = [1, 2]
+copy_delays = [0, 1]
+
+[sweeps.pairs]
+description = "two requests that each fill the GPU tier alone, with micro-batches in flight"
+request_counts = [2]
+prompt_lens = [2]
+max_new_tokens = [2]
+block_sizes = [2]
+chunk_sizes = [1]
+pipeline_stages = [2]
+"""
+
+
+@pytest.fixture
+def bounds_file(tmp_path):
+    path = tmp_path / "bounds.toml"
+    path.write_text(TINY, encoding="utf-8")
+    return path
+
+
+def test_a_sweep_enumerates_each_configuration_once_with_delays_only_where_copies_exist(bounds_file):
+    sweep = select_sweep("tiny", bounds_file)
+    bounds = sweep.bounds()
+    # 2 shapes x (host 0 with delay 0, host 1 with delays 0 and 1) x (1 stage; 2 stages with 1 or 2 micro-batches)
+    assert len(bounds) == 2 * 3 * 3
+    keys = {(b.requests, b.host_blocks, b.copy_delay, b.pipeline_stages, b.micro_batches) for b in bounds}
+    assert len(keys) == len(bounds)
+    assert all(b.copy_delay == 0 for b in bounds if b.host_blocks == 0)
+    assert {b.gpu_blocks for b in bounds if b.requests == ((2, 1),)} == {3}  # the smallest tier that fits it
+
+
+def test_a_sweep_reports_a_table_of_configurations_by_verdict(bounds_file):
+    report = run_sweep(select_sweep("tiny", bounds_file), workers=2)
+    assert report.verdict == "holds" and len(report.outcomes) == 18
+    lines = report.lines()
+    assert lines[0].startswith("sweep tiny: 18 configurations") and "18 holds, 0 violated, 0 incomplete" in lines[0]
+    assert "| all |  | 18 | 18 | 0 | 0 |" in "\n".join(lines)
+    assert "| stages x micro-batches | 2x2 | 6 | 6 | 0 | 0 |" in "\n".join(lines)
+
+
+def test_every_counterexample_of_a_sweep_is_written_as_a_regression_test(bounds_file, tmp_path):
+    """The policy before P1 livelocks on some of these pairs: each violation gets its own regression file."""
+    text = packaged_spec_path().read_text(encoding="utf-8")
+    spec = tmp_path / "lifecycle.toml"
+    spec.write_text(text.replace('"wait_for_chunk_in_flight"', '"preempt_self"', 1), encoding="utf-8")
+    out = tmp_path / "counterexamples"
+    out.mkdir()
+    report = run_sweep(select_sweep("pairs", bounds_file), spec_path=str(spec), counterexample_dir=out)
+    violated = [o for o in report.outcomes if o.verdict == "violated"]
+    assert violated and all(o.invariant == "LIVE-DONE" for o in violated)
+    stems = sorted(f"kvstate-counterexample-{o.bound.name.replace('-', '_')}" for o in violated)
+    assert sorted(p.name for p in out.iterdir()) == sorted(  # each as a regression test and as a trace (issue 29)
+        [f"{stem}.py" for stem in stems] + [f"{stem}.ndjson" for stem in stems]
+    )
+    assert any(o.bound.name in line and "regression test" in line for o in violated for line in report.lines())
+    assert run_sweep(select_sweep("pairs", bounds_file)).verdict == "holds"  # with P1
+
+
+def test_the_command_runs_a_sweep_and_refuses_what_it_cannot(bounds_file, tmp_path, capsys):
+    args = ["check", "--bounds-file", str(bounds_file), "--counterexample-dir", str(tmp_path)]
+    assert main([*args, "--sweep", "tiny", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "sweep tiny: 18 configurations" in out and "verdict: holds (18 configurations, exit 0)" in out
+    assert main([*args, "--sweep", "nope"]) == 2
+    assert "unknown sweep 'nope'; known sweeps: tiny, pairs" in capsys.readouterr().err
+    assert main([*args, "--sweep", "tiny", "--bound", "one"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"request_counts": [1], "prompt_lens": [1]}, "'max_new_tokens' is required"),
+        ({"request_counts": [0], "prompt_lens": [1], "max_new_tokens": [1]}, "positive integers"),
+        ({"request_counts": [1], "prompt_lens": [1], "max_new_tokens": [1], "gpu_extra": [-1]}, "non-negative"),
+        ({"request_counts": [1], "prompt_lens": [1], "max_new_tokens": [1], "colour": "red"}, "unknown keys"),
+    ],
+)
+def test_a_bad_sweep_is_refused_with_the_key_named(entry, message):
+    with pytest.raises(BoundsError, match=message):
+        Sweep.from_dict(entry, "bad")
+
+
+def test_the_packaged_sweeps_span_the_dimensions_the_issue_names():
+    sweeps = load_sweeps()
+    ci = sweeps["ci"]
+    assert len(ci.bounds()) == 1440 and not ci.abstract_model
+    union = {key: set() for key in ("request_counts", "host_blocks", "block_sizes", "chunk_sizes", "copy_delays")}
+    for sweep in sweeps.values():
+        for key, values in union.items():
+            values.update(getattr(sweep, key))
+    assert union == {
+        "request_counts": {1, 2, 3},
+        "host_blocks": {0, 1, 2},
+        "block_sizes": {1, 2, 3},
+        "chunk_sizes": {1, 2, 3},
+        "copy_delays": {0, 1},
+    }
+    assert all(set(s.pipeline_stages) == {1, 2} for s in sweeps.values())  # micro-batches 1..stages each
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["wide", "wide_env"])
+def test_the_wide_sweeps_hold(name):
+    report = run_sweep(select_sweep(name), workers=2)
+    assert report.verdict == "holds", "\n".join(report.lines())
