@@ -18,6 +18,20 @@ from kvstate.trace import TRACE_FIELDS
 load_profile(os.environ.get(PROFILE_ENV) or ("ci" if os.environ.get("CI") else "dev"))
 
 
+def _draw_without_local_constants() -> None:
+    """Hypothesis mixes literals of the local modules loaded so far into what it draws (its "local constants"), so a
+    derandomized search (a test that must find a planted bug) would depend on which modules earlier tests imported
+    and on whether kvstate is installed (CI) or editable: this suite draws without them, and each search is the same
+    in any order and any install. (Hypothesis has no setting for it: its provider's private lookup is replaced.)"""
+    from hypothesis.internal.conjecture import providers
+
+    if hasattr(providers, "_get_local_constants") and hasattr(providers, "Constants"):
+        providers._get_local_constants = providers.Constants
+
+
+_draw_without_local_constants()
+
+
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection, so deselected cuda tests never import torch
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip `cuda`-marked tests when no CUDA device is usable; torch is imported only if such a test exists."""

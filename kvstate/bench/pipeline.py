@@ -39,7 +39,7 @@ def run(*, quick: bool, seed: int = 0, lifecycle: str = "machine", progress: Cal
         hidden_size=shape["hidden_size"],
         seed=seed,
         device="cpu",
-        dtype=shape["dtype"],
+        dtype="float64",  # the demo's dtype on the CPU (--dtype auto)
         trace=None,
         lifecycle=lifecycle,
     )

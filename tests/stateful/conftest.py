@@ -13,6 +13,9 @@ from kvstate.errors import InvariantViolation
 from kvstate.testing import Submission
 
 
+FIND_EXAMPLES = 300  # a failing search stops at its first failure; one that holds runs them all
+
+
 @pytest.fixture
 def find_failure():
     """`find_failure(machine, error=InvariantViolation)`: the error Hypothesis finds, its step list replayed."""
@@ -20,13 +23,14 @@ def find_failure():
 
 
 def _find_failure(machine: type, error: type[BaseException] = InvariantViolation) -> BaseException:
-    """Run `machine` with the active profile's example count; return the error after checking that its printed
+    """Run `machine` with up to `FIND_EXAMPLES` examples; return the error after checking that its printed
     step list replays the same failure as plain Python.
 
     Derandomized, so that a planted bug is found the same way every run (no flaky test). Shrinking is off: the
     raw failing case is enough to name the invariant, and shrinking stateful cases costs minutes.
     """
     run_settings = settings(
+        max_examples=FIND_EXAMPLES,
         stateful_step_count=50,
         database=None,
         report_multiple_bugs=False,

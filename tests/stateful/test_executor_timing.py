@@ -123,7 +123,7 @@ class TimingMachine(ConformanceMachine):
 
 class ReleaseBurstMachine(TimingMachine):
     """The timing machine plus bursts of release-causing events on one request whose copy is in flight (a machine of
-    its own, so that the timing machine's derandomized search, which the tests below rely on, stays as it is)."""
+    its own: the one that finds the double release below)."""
 
     @precondition(lambda self: any(rid in self.adapter.scheduler.requests for rid in self.copying()))
     @rule(
@@ -210,6 +210,6 @@ def test_the_machine_finds_the_double_release_of_a_request_whose_copy_is_in_flig
     released twice: before the fix the cancel raised KeyError half-way through (the machine reports it as a
     cancel that broke the spec's cancel edge)."""
     monkeypatch.setattr(pool_module.TieredBlockPool, "release", old_release)
-    machine = timing_machine(TIGHT, "OldReleaseTiming", micro_batches=2, copy_delay=1)
+    machine = timing_machine(TIGHT, "OldReleaseTiming", machine=ReleaseBurstMachine, micro_batches=2, copy_delay=1)
     err = find_failure(machine, LifecycleViolation)
     assert "raised KeyError" in str(err)
