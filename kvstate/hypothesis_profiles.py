@@ -37,10 +37,15 @@ PROFILES = {
 }
 
 
-def register_profiles() -> None:
-    """Register every profile of `PROFILES` with Hypothesis (loads none)."""
+def register_profiles(*, keep_current: bool = True) -> None:
+    """Register the profiles of `PROFILES` with Hypothesis (loads none). Hypothesis reloads a profile registered
+    under the name currently loaded, so with `keep_current` that one is left as it is: where the environment
+    variable ``CI`` is set, Hypothesis has loaded its own ``ci`` profile, and importing the kit must not change it
+    (ours replaces it only when loaded by name: `load_profile`, `PROFILE_ENV`)."""
+    current = settings.get_current_profile_name()
     for name, profile in PROFILES.items():
-        settings.register_profile(name, profile)
+        if not (keep_current and name == current):
+            settings.register_profile(name, profile)
 
 
 def load_profile(name: str | None = None) -> str | None:
@@ -52,6 +57,6 @@ def load_profile(name: str | None = None) -> str | None:
     if chosen not in PROFILES:
         where = f"{PROFILE_ENV}={chosen!r}" if name is None else repr(chosen)
         raise ValueError(f"{where} names no kvstate Hypothesis profile; use one of {', '.join(PROFILES)}")
-    register_profiles()
+    register_profiles(keep_current=False)
     settings.load_profile(chosen)
     return chosen

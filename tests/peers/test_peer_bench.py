@@ -17,9 +17,11 @@ from kvstate.cli import main  # noqa: E402
 def test_bench_peers_measures_vllm_and_generate_beside_ours(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("COLUMNS", "100")
     path = tmp_path / "peers.json"
-    assert main(["bench", "--peers", "--quick", "--sizes", "24,48", "--batches", "1,2", "--json", str(path)]) == 0
+    command = ["bench", "--peers", "--only", "vllm", "--only", "transformers", "--quick", "--sizes", "24,48"]
+    assert main([*command, "--batches", "1,2", "--json", str(path)]) == 0  # the two groups named, nothing else
     doc = json.loads(path.read_text())
-    vllm, decode = doc["sections"]
+    vllm, decode, decode_step, serving = doc["sections"]
+    assert (decode_step["name"], serving["name"]) == ("decode_step", "serving")  # the transformers group's others
     assert vllm["name"] == "vllm" and vllm["data"]["peer"] == "vLLM 0.33.0" and vllm["data"]["missing"] is None
     figures = vllm["data"]["figures"]
     assert set(figures) == {
