@@ -12,7 +12,6 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvstate.errors import InvariantViolation
 from kvstate.testing import Submission
 
-
 FIND_EXAMPLES = 300  # a failing search stops at its first failure; one that holds runs them all
 
 

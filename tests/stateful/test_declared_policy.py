@@ -26,8 +26,8 @@ from kvstate.testing import AdapterContractError, KVStateAdapter, conformance_ma
 SPEC = load_spec()
 QUEUED, ACTIVE, DROPPED, ENDED = (SPEC.role(r) for r in (roles.QUEUED, roles.ACTIVE, roles.DROPPED, roles.ENDED))
 RUNS = settings(max_examples=20, stateful_step_count=20, database=None, derandomize=True, deadline=None)
-# What it failed on, unshrunk: fast. 100 examples, not 20: how soon a derandomized search meets the toy's bug differs
-# between an editable and an installed kvstate (CI installs it), and a failing run stops at its first failure anyway.
+# What it failed on, unshrunk: fast. Up to 100 examples (a failing run stops at its first failure); tests/conftest.py
+# keeps the derandomized search the same in any test order and install.
 FAILS = settings(RUNS, max_examples=100, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 
 
