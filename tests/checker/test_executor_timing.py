@@ -19,6 +19,7 @@ from kvstate.output import FailedMigration
 from kvstate.scheduler import Scheduler, Step
 from kvstate.sim import SimExecutor
 from kvstate.spec import load_spec, packaged_spec_path
+from tests.planted import old_release
 
 # two requests of 2 + 2 tokens in a GPU tier of 4 blocks with a host tier of 2: suspend, resume and replay in a few
 # steps, a few dozen worlds
@@ -58,18 +59,6 @@ def test_the_mb2_livelock_bound_holds_and_the_policy_before_p1_livelocks_on_it(t
     text = "\n".join(report.counterexample)
     assert "-- the following steps repeat forever --" in text and "recompute_pause" in text
     assert report.counterexample_file is not None and report.counterexample_file.exists()
-
-
-def old_release(self, owner):
-    """TieredBlockPool.release of 94c14e1: fences every destination of the owner's copies, held or not."""
-    for plan in [p for p in self.in_flight.values() if p.request_id == owner]:
-        dest = self.host if plan.direction == pool_module.TO_HOST else self.gpu
-        blocks = [dst for _, dst in plan.pairs]
-        dest.blocks_of[owner] = tuple(b for b in dest.held(owner) if b not in set(blocks))
-        for block in blocks:
-            del dest.owner_of[block]  # KeyError for a destination released before
-            dest.fenced[block] = plan.plan_id
-    return len(self.gpu.release(owner)) + len(self.host.release(owner))
 
 
 # -------------------------------------------------------------------------------------- planted bugs

@@ -23,6 +23,7 @@ from kvstate.config import SchedulerConfig
 from kvstate.sim import SimExecutor
 from kvstate.spec import Spec
 from kvstate.testing import ConformanceMachine, KVStateAdapter, LifecycleViolation
+from tests.planted import old_release
 
 STEPS = settings(stateful_step_count=50)
 
@@ -191,18 +192,6 @@ def test_the_machine_finds_the_micro_batch_livelock_of_the_policy_before_p1(find
     config = dataclasses.replace(MB2, no_progress_limit=1_000_000)
     machine = timing_machine(config, "OldPolicyTiming", spec=policy_before_p1(), micro_batches=2)
     assert find_failure(machine).invariant_id == "LIVE-DONE"
-
-
-def old_release(self, owner):
-    """TieredBlockPool.release before the fix: fences every destination of the owner's copies, held or not."""
-    for plan in [p for p in self.in_flight.values() if p.request_id == owner]:
-        dest = self.host if plan.direction == pool_module.TO_HOST else self.gpu
-        blocks = [dst for _, dst in plan.pairs]
-        dest.blocks_of[owner] = tuple(b for b in dest.held(owner) if b not in set(blocks))
-        for block in blocks:
-            del dest.owner_of[block]  # KeyError for a destination released before
-            dest.fenced[block] = plan.plan_id
-    return len(self.gpu.release(owner)) + len(self.host.release(owner))
 
 
 def test_the_machine_finds_the_double_release_of_a_request_whose_copy_is_in_flight(find_failure, monkeypatch) -> None:
