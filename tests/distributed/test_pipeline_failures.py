@@ -163,6 +163,7 @@ def test_sigterm_to_the_launcher_stops_the_ranks_and_removes_its_temporary_direc
     launcher = subprocess.Popen(
         [sys.executable, "-m", "executor.pipeline", "--pp", "2", "--requests", "48", "--trace", str(trace)],
         env={**os.environ, "TMPDIR": str(temp)},
+        cwd=tmp_path,  # not the checkout: its ranks import the kvstate installed (CI), whose package holds the spec
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
