@@ -24,19 +24,10 @@ from kvstate.sim import SimExecutor
 from kvstate.spec import Spec
 from kvstate.testing import ConformanceMachine, KVStateAdapter, LifecycleViolation
 from tests.planted import old_release
+from tests.stateful.test_conformance import TIGHT  # two stages, small everything: the tight machine's tiers
 
 STEPS = settings(stateful_step_count=50)
 
-# two stages, two micro-batches in flight, copies a pass late; small everything (the tight machine's tiers)
-TIGHT = SchedulerConfig(
-    gpu_blocks=6,
-    host_blocks=3,
-    block_size=2,
-    prefill_chunk_size=3,
-    max_num_tokens=4,
-    max_batch_size=3,
-    pipeline_stages=2,
-)
 # one stage, a host tier as large as the GPU tier, copies up to two passes late
 ROOMY = SchedulerConfig(gpu_blocks=16, host_blocks=16, block_size=4, prefill_chunk_size=6, max_num_tokens=32)
 # the tiers of the mb2_livelock bound: two stages, 3 blocks of 2 tokens, chunks of 2, no host tier
