@@ -4,10 +4,10 @@ Invariants kept:
 * `state` changes only through the lifecycle machine (`kvstate.lifecycle`), which writes it under the name
   `STATE_ATTRIBUTE`; here that name is a property over the plain attribute `state`, so the scheduler's hot loops
   read a request's state as one attribute load (no call) on every request of every step;
-* `generated` is append-only (GEN-APPEND): `append_token` is its only writer, and keeps `final_token_produced`
-  (whether its last token ends the request) and `last_token` (it, as the one-token input of the next decode step:
-  planning a step allocates nothing per decoding request, which keeps large batches clear of the garbage
-  collector) with it;
+* `generated` is append-only (GEN-APPEND): `append_tokens` (for one request: `append_token`) is its only writer,
+  and keeps `final_token_produced` (whether its last token ends the request) and `last_token` (it, as the
+  one-token input of the next decode step: planning a step allocates nothing per decoding request, which keeps
+  large batches clear of the garbage collector) with it;
 * after `reset_for_replay`, `prefill_tokens` = original prompt + every generated token, the remaining budget
   is `max_new_tokens - len(generated)`, and every KV-derived counter is zero (RESET-*); its admission number is
   kept (a replay is not the newest admission, so it does not become the next tail victim);
@@ -21,7 +21,7 @@ Invariants kept:
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 # The attribute in which every request object the lifecycle drives keeps its state (the `transitions` machine's
@@ -43,7 +43,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     arrival: int = 0
     block_size: int = 16
-    generated: list[int] = field(default_factory=list, init=False)  # written by `append_token` only (GEN-APPEND)
+    generated: list[int] = field(default_factory=list, init=False)  # written by `append_tokens` only (GEN-APPEND)
     prefill_tokens: tuple[int, ...] = ()
     num_computed_tokens: int = 0
     admission: int = -1
@@ -132,12 +132,7 @@ class Request:
     def append_token(self, token: int) -> bool:
         """Append a sampled token; True when it is the final one: a stop token, or the last of its budget. The
         verdict stays readable as `final_token_produced` (a `RequestView` property, here a plain attribute)."""
-        token = int(token)
-        generated = self.generated
-        generated.append(token)
-        self.last_token = (token,)
-        self.final_token_produced = final = token in self.stop_token_ids or len(generated) >= self.max_new_tokens
-        return final
+        return bool(append_tokens((self,), {self.request_id: token}))
 
     # ---- RequestView
     @property
@@ -161,6 +156,28 @@ class Request:
 # The lifecycle's name for a request's state (`STATE_ATTRIBUTE`, the `transitions` machine's `model_attribute`) is,
 # on a Request, a property over the plain attribute `state`: the lifecycle's writes land in `state`.
 setattr(Request, STATE_ATTRIBUTE, property(Request._get_lifecycle_state, Request._set_lifecycle_state))
+
+
+def append_tokens(requests: Iterable[Request], sampled: Mapping[Hashable, int], *, computed: int = 0) -> list[Request]:
+    """Append each request's sampled token `sampled[request_id]` (an int, or anything `int()` takes), each first
+    counting `computed` more computed tokens (1: the decode step that sampled it); returns the requests whose token
+    is final (a stop token, or the last of its budget), in order. `generated`'s only writer (GEN-APPEND): one loop
+    without a call per request, through which the scheduler lands every decode step of every pass."""
+    finals = []
+    for request in requests:
+        token = sampled[request.request_id]
+        if token.__class__ is not int:
+            token = int(token)
+        request.num_computed_tokens += computed
+        generated = request.generated
+        generated.append(token)
+        request.last_token = (token,)
+        if token in request.stop_token_ids or len(generated) >= request.max_new_tokens:
+            request.final_token_produced = True
+            finals.append(request)
+        else:
+            request.final_token_produced = False
+    return finals
 
 
 def new_request(

@@ -61,7 +61,7 @@ from kvstate.lifecycle import STATE_ATTRIBUTE, make_lifecycle
 from kvstate.output import SCHEDULED_LISTS, FailedMigration, SchedulerOutput, check_output
 from kvstate.policy import PassRecord, Promotion, Victim, Wait
 from kvstate.pool import TO_HOST, MigrationPlan, TieredBlockPool, ceil_div
-from kvstate.request import Request, new_request
+from kvstate.request import Request, append_tokens, new_request
 from kvstate.roles import ACTIVE, DROPPED, ENDED, OFFLOADED, PENDING_RESET, RECOMPUTING
 from kvstate.semantics import PassView, first_chunk_blocks, first_chunk_tokens, promotion_saves_kv
 from kvstate.spec import Spec, Transition
@@ -289,6 +289,9 @@ class Scheduler:
         self._auto_ids = itertools.count()
         self._idle = SchedulingPass(config, None)  # the pass that events between passes fire in
         self.last_pass: SchedulingPass | None = None
+        # The output of the last pass while no transition has fired since it was planned (`_move` clears it): its
+        # decode list is then still active as planned, and `complete_step` lands it without a check per request.
+        self._planned: SchedulerOutput | None = None
         self._idle_iterations = 0
         self._last_stats: IterationStats | None = None  # of the last completed iteration
 
@@ -465,6 +468,7 @@ class Scheduler:
         """Keep the per-state containers and the tally in step with a transition (`figures`: the request's tallied
         figures before it, `StateTally.before`)."""
         self.tally.moved(request, old, figures)
+        self._planned = None
         if old == new:
             return
         source, target = self._containers[old], self._containers[new]
@@ -502,6 +506,7 @@ class Scheduler:
             self.last_pass = pass_
         out = pass_.output
         out.num_fitting_requests = out.num_scheduled
+        self._planned = out
         if self.micro_batches > 1:
             self.in_flight.update(dict.fromkeys(out.chunk_tokens, 0))
             self.in_flight.update(pass_.chunk_blocks)
@@ -851,10 +856,11 @@ class Scheduler:
         Everything else goes through `_complete_chunk`."""
         produced: list[Request] = []
         recomputed, progress = 0, False
+        undisturbed, self._planned = output is self._planned, None
         for name in SCHEDULED_LISTS:  # batch order
             requests = getattr(output, name)
             if name == self._decode_list:
-                progress |= self._complete_decodes(requests, output, sampled, produced)
+                progress |= self._complete_decodes(requests, output, sampled, produced, undisturbed)
                 continue
             for request in requests:
                 tokens, advanced = self._complete_chunk(request, output, sampled, produced)
@@ -869,10 +875,21 @@ class Scheduler:
         return produced
 
     def _complete_decodes(
-        self, requests: list[Request], output: SchedulerOutput, sampled: Mapping[Hashable, int], produced: list[Request]
+        self,
+        requests: list[Request],
+        output: SchedulerOutput,
+        sampled: Mapping[Hashable, int],
+        produced: list[Request],
+        undisturbed: bool,
     ) -> bool:
         """Apply the decode list (`complete_step`'s docstring): one token per request still active, finish when it is
-        final; the rest through `_complete_chunk`. True when a request decoded (progress, A4)."""
+        final; the rest through `_complete_chunk`. `undisturbed`: no transition was fired since `output` was planned,
+        so every request of the list is still active. True when a request decoded (progress, A4)."""
+        if undisturbed:  # every request of the list is still active (`_planned`): each lands, then finishes fire
+            produced += requests
+            for request in append_tokens(requests, sampled, computed=1):  # a decode step is progress (A4)
+                self._fire(request, "finish", self._idle)
+            return bool(requests)
         active, decoded = self._active, False
         for request in requests:
             if request.state != active:
