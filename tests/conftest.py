@@ -1,4 +1,5 @@
-"""Shared test configuration: Hypothesis profiles, the `cuda` marker and a two-line trace of any spec.
+"""Shared test configuration: Hypothesis profiles, the `cuda` marker, no inherited terminal width and a two-line
+trace of any spec.
 
 The Hypothesis profiles are registered by `kvstate.hypothesis_profiles` (the package's pytest plugin registers them,
 so `pytest --hypothesis-profile=NAME` works), which loads none by itself; this suite loads the one
@@ -30,6 +31,14 @@ def _draw_without_local_constants() -> None:
 
 
 _draw_without_local_constants()
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_terminal_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Output is printed as it would be to a pipe (unwrapped) unless a test declares a width: a ``COLUMNS`` that
+    the runner exported (pytest-xdist exports its terminal's width to its workers) would wrap printed paths and
+    break the tests that look for them. A test that wants a width sets ``COLUMNS`` itself."""
+    monkeypatch.delenv("COLUMNS", raising=False)
 
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection, so deselected cuda tests never import torch

@@ -20,7 +20,7 @@ def test_quick_start_has_the_demo_and_the_test_command_and_ci_runs_the_latter() 
     demo, tests = commands
     assert demo.endswith("kvstate demo")
     test_command = tests.split("&& ", 2)[-1]
-    assert test_command.endswith("pytest")
+    assert test_command.endswith("pytest -n auto --dist loadfile")  # the whole suite, on every core
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert test_command.replace("pip install", "pip install -q") in ci
 
