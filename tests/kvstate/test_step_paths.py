@@ -103,3 +103,33 @@ def test_decode_fast_path_matches_the_general_path_counters(lifecycle: str) -> N
     finished = sched.finished.values()
     assert all(len(r.generated) == r.max_new_tokens for r in finished)
     assert sorted(rid for rid, event in fired if event == "finish") == sorted(r.request_id for r in finished)
+
+
+@pytest.mark.parametrize("lifecycle", ["machine", "compiled"])
+def test_a_transition_between_planning_and_landing_takes_the_checked_path(lifecycle: str) -> None:
+    """A decode list lands without a per-request check only while no transition fired since it was planned: a
+    request of it cancelled in between lands no token, and every other request lands exactly as in the same run
+    left undisturbed."""
+    calm, disturbed = mixed_scheduler(lifecycle), mixed_scheduler(lifecycle)
+    for _ in range(40):
+        outs = calm.schedule(), disturbed.schedule()
+        decoding = [r.request_id for r in outs[1].generation]
+        if len(decoding) >= 2:
+            break
+        for sched, out in zip((calm, disturbed), outs, strict=True):
+            sched.complete_step(out, {r.request_id: 5 for r in out.scheduled})
+            sched.complete_migrations(out)
+    else:
+        pytest.fail("the workload never decodes two requests in one pass")
+    victim = disturbed.cancel(decoding[0])
+    tokens_before = list(victim.generated)
+    produced = [
+        {r.request_id for r in sched.complete_step(out, {r.request_id: 5 for r in out.scheduled})}
+        for sched, out in zip((calm, disturbed), outs, strict=True)
+    ]
+    assert victim.generated == tokens_before and decoding[0] not in produced[1]
+    assert produced[1] == produced[0] - {decoding[0]}
+    for rid in decoding[1:]:
+        a, b = calm.get(rid), disturbed.get(rid)
+        assert (a.num_computed_tokens, a.generated, a.state) == (b.num_computed_tokens, b.generated, b.state)
+    disturbed.check_invariants()
