@@ -131,18 +131,19 @@ class _Columns(NamedTuple):
     produces_token: Sequence[bool]
 
 
-def _columns(chunks: Sequence[BatchChunk]) -> _Columns:
+def _columns(chunks: Sequence[BatchChunk] | BatchColumns) -> _Columns:
     """`chunks` as columns: a `BatchColumns` batch gives its own, any other sequence is read chunk by chunk.
     (A batch is taken for a `BatchColumns` when it has `block_tables`: isinstance on a runtime-checkable protocol
     costs more than planning a small batch.)"""
     if getattr(chunks, "block_tables", None) is not None:
         batch = cast("BatchColumns", chunks)
         return _Columns(batch.starts, batch.tokens, batch.block_tables, batch.produces_token)
+    records = cast("Sequence[BatchChunk]", chunks)
     return _Columns(
-        [c.start for c in chunks],
-        [c.tokens for c in chunks],
-        [c.block_table for c in chunks],
-        [c.produces_token for c in chunks],
+        [c.start for c in records],
+        [c.tokens for c in records],
+        [c.block_table for c in records],
+        [c.produces_token for c in records],
     )
 
 
@@ -309,6 +310,9 @@ class DecodeKV:
     keeps them; each later step writes only its new key and value into them (row i, at request i's position)
     after writing them into the cache, instead of gathering every block again.
 
+    Requests that joined the plan since the last step are its last rows (`_DecodePlan`): a kept layer gathers
+    their blocks alone and appends them, so the rows that were kept are not gathered again.
+
     Invariants: it belongs to one plan (the planner makes a new one for every plan it builds), whose requests
     only append to their own blocks while it is reused, so at every position a request attends (its context) the
     kept tensors hold exactly what a fresh gather of the cache would; positions past a request's context may
@@ -333,6 +337,8 @@ class DecodeKV:
         updated with `new` ([B, kv_heads, head_dim] each) at `positions`, or gathered from `cache` (the layer's
         keys and values) and kept when they fit the budget."""
         kept = self.kept.get(layer)
+        if kept is not None and kept[0].shape[0] < group.num_seqs:  # requests joined: gather theirs alone
+            kept = self._joined(layer, kept, cache, group)
         if kept is not None:
             rows = _key_positions(group.num_seqs, positions.device)
             for tensor, values in zip(kept, new, strict=True):
@@ -343,6 +349,21 @@ class DecodeKV:
         if size <= self.budget:
             self.kept[layer] = gathered
         return gathered
+
+    def _joined(
+        self, layer: int, kept: tuple[torch.Tensor, torch.Tensor], cache: tuple[torch.Tensor, torch.Tensor], group
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`kept` with the rows of the requests that joined `group` since (its last rows) gathered and appended;
+        None (the layer is no longer kept) when that exceeds the budget."""
+        have = kept[0].shape[0]
+        joined = replace(group, num_seqs=group.num_seqs - have, blocks=group.blocks[have * group.num_blocks :])
+        grown = tuple(torch.cat((old, new)) for old, new in zip(kept, _gather(cache, joined), strict=True))
+        del self.kept[layer]
+        size = sum(t.numel() * t.element_size() for pair in (*self.kept.values(), grown) for t in pair)
+        if size > self.budget:
+            return None
+        self.kept[layer] = grown[0], grown[1]
+        return self.kept[layer]
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Only the requests of these rows stay in the plan (in this order): keep theirs alone."""
@@ -368,8 +389,9 @@ class PagedBatch:
     """A flattened token batch: per-token ids, positions and cache slots; per-request views; sampling rows;
     and the batched-attention plan (`groups`, `out_order`) that every layer shares.
 
-    Every index tensor is a view of one tensor uploaded once (`host_indices` keeps its host side alive). A
-    decode-only batch planned by a `BatchPlanner` carries its plan's `decode_kv`."""
+    Every index tensor is a view of one tensor uploaded once (`host_indices` keeps its host side alive; a batch
+    joined from two, several). A batch whose decode rows a `BatchPlanner` planned with a kept plan carries its
+    plan's `decode_kv`, which serves its first group (the decode requests)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -380,11 +402,13 @@ class PagedBatch:
     # decode requests (one token) form one group, multi-token chunks another; None: attend request by request
     groups: tuple[_AttnGroup, ...] | None = None
     out_order: torch.Tensor | None = None  # row t of the output is row out_order[t] of the groups' outputs
-    host_indices: torch.Tensor | None = None
-    decode_kv: DecodeKV | None = None
+    host_indices: torch.Tensor | tuple[torch.Tensor, ...] | None = None
+    decode_kv: DecodeKV | None = None  # serves groups[0], the decode requests (`Attention._gathered`)
 
     @classmethod
-    def build(cls, chunks: Sequence[BatchChunk], block_size: int, device: torch.device | str = "cpu") -> PagedBatch:
+    def build(
+        cls, chunks: Sequence[BatchChunk] | BatchColumns, block_size: int, device: torch.device | str = "cpu"
+    ) -> PagedBatch:
         ids: list[int] = []
         positions: list[int] = []
         blocks: list[int] = []
@@ -474,11 +498,16 @@ class BatchPlanner:
     the padded block list, the group's shape and the `DecodeKV` of what it gathered) is updated in place, only
     where something changed: positions move on by one and offsets follow (two tensor operations), the requests
     that crossed into a new block get that block written into their slot and their row of the block list (one
-    small upload), and the new tokens are uploaded. Anything else (a new or departed request, a prefill chunk, a
-    request whose context outgrew the plan's blocks, a changed table, a step that did not advance) is built from
-    scratch with `PagedBatch.build`. The chunks are read as columns (`BatchColumns`) and compared with the plan's
-    by whole-list operations, so a steady step runs no Python loop body per request. Each decode plan gets its
-    own `DecodeKV`, so its steps after the first gather no blocks.
+    small upload), and the new tokens are uploaded. Requests that left are dropped from it in place, and requests
+    that joined (after the plan's own, in batch order: the scheduler appends what it admits or resumes) are
+    appended, their blocks alone gathered into its `DecodeKV`. A batch whose prefill chunks (several tokens each)
+    come before its decode steps (the scheduler's order) keeps the plan for those decode steps and builds only the
+    prefill chunks (`_with_prefill`): arrivals during decode and resumes cost one small build, not a rebuild of
+    every decode row and a gather of all their blocks. Anything else (a reordered batch, a request whose context
+    outgrew the plan's blocks, a changed table, a step that did not advance, a batch without decode steps) is
+    built from scratch with `PagedBatch.build`. The chunks are read as columns (`BatchColumns`) and compared with
+    the plan's by whole-list operations, so a steady step runs no Python loop body per request. Each decode plan
+    gets its own `DecodeKV`, so its steps after the first gather only the blocks of the requests that joined.
 
     Invariants kept: `plan(chunks)` holds the same values as `PagedBatch.build(chunks, ...)`, and the same
     logits (`DecodeKV` keeps exactly what a gather would read); block tables are owned exclusively, so "the same
@@ -508,20 +537,26 @@ class BatchPlanner:
 
     def plan(self, chunks: Sequence[BatchChunk]) -> PagedBatch:
         columns = _columns(chunks)
-        if self._decode is not None:
-            batch = self._decode.advance(columns, self.device)
-            if batch is not None:
-                self.reuses += 1
-                return batch
-        batch = PagedBatch.build(chunks, self.block_size, self.device)
-        self.builds += 1
-        self._decode = None
-        if not columns.starts or not _all_decode(columns):
+        split = _prefill_rows(columns)  # prefill chunks first, then decode steps; None: any other batch
+        if split is None or split == len(columns.starts):
+            self._decode = None
+            self.builds += 1
+            return PagedBatch.build(chunks, self.block_size, self.device)
+        decode = columns if not split else _rows(columns, slice(split, None))
+        batch = self._decode.advance(decode, self.device) if self._decode is not None else None
+        if batch is None:
+            batch = PagedBatch.build(decode, self.block_size, self.device)
+            if batch.groups is None or len(batch.groups) != 1:
+                raise AssertionError("a decode-only batch is planned as one attention group")
+            self._decode = _DecodePlan(decode, batch, self.block_size, DecodeKV(self.decode_kv_budget))
+            batch = replace(batch, decode_kv=self._decode.decode_kv)
+            self.builds += 1
+        else:
+            self.reuses += 1
+        if not split:
             return batch
-        if batch.groups is None or len(batch.groups) != 1:
-            raise AssertionError("a decode-only batch is planned as one attention group")
-        self._decode = _DecodePlan(columns, batch, self.block_size, DecodeKV(self.decode_kv_budget))
-        return replace(batch, decode_kv=self._decode.decode_kv)
+        prefill = PagedBatch.build(_rows(columns, slice(split)), self.block_size, self.device)
+        return _with_prefill(prefill, batch)
 
 
 class _DecodePlan:
@@ -529,7 +564,8 @@ class _DecodePlan:
     that the next step updates it in place (`BatchPlanner`). Its tensors are the last batch's own.
 
     Requests that left the batch since (finished, preempted, cancelled) are dropped from it first (`_drop_left`:
-    their rows taken out of every tensor and of the `DecodeKV`); a request that joins it makes a new plan.
+    their rows taken out of every tensor and of the `DecodeKV`); requests that join it after its own are appended
+    (`_moved_on`; their keys and values are gathered by the `DecodeKV` when a layer reads them).
 
     Invariants: `tables[i]` are request i's blocks covering its context at the last step (a request is known by
     its first block: tables are exclusive) and `given[i]` the table object it was handed; `starts` its last
@@ -551,16 +587,17 @@ class _DecodePlan:
         the planner builds anew) when the batch is not the same requests one step further within the plan."""
         if not columns.starts or not _all_decode(columns):
             return None
-        if len(columns.starts) != len(self.tables) and not self._drop_left(columns):
+        given, size = columns.block_tables, self.block_size
+        mine = len(given)  # the batch's first `mine` requests are the plan's (in its order), the rest joined
+        if mine != len(self.tables) or not all(map(operator.is_, given, self.given)):
+            found = self._drop_left(columns)
+            if found is None:
+                return None
+            mine = found
+        starts, tables = list(columns.starts), self.tables
+        if not self._moved_by_one(starts[:mine], given):
             return None
-        starts, given, tables, size = list(columns.starts), columns.block_tables, self.tables, self.block_size
-        if starts != list(map(operator.add, self.starts, _ONE)):
-            return None
-        if not all(map(operator.is_, given, self.given)):  # a new table object: the same blocks, or one more
-            for i in itertools.compress(itertools.count(), map(operator.is_not, given, self.given)):
-                if given[i][: len(tables[i])] != tables[i]:
-                    return None  # some request's blocks are not the ones the plan holds: another request
-        at_boundary = map(operator.not_, map(operator.mod, starts, itertools.repeat(size)))
+        at_boundary = map(operator.not_, map(operator.mod, starts[:mine], itertools.repeat(size)))
         rows, blocks = [], []  # the requests whose step enters a new block, and that block
         for i in itertools.compress(itertools.count(), at_boundary):
             k = starts[i] // size
@@ -569,19 +606,51 @@ class _DecodePlan:
             tables[i] = given[i][: k + 1]  # k == its blocks so far: its context filled them at the last step
             rows.append(i)
             blocks.append(given[i][k])
+        joined = self._joining(starts[mine:], given[mine:])
+        if joined is None:
+            return None
         self.given, self.starts = list(given), starts
-        return self._moved_on(columns, rows, blocks, device)
+        return self._moved_on(columns, rows, blocks, joined, device)
 
-    def _drop_left(self, columns: _Columns) -> bool:
-        """Take out of the plan the requests of the last step that are not in `columns`; False (the plan is not
-        changed) when `columns` holds a request the plan does not, or holds them in another order."""
+    def _moved_by_one(self, starts: list[int], given: Sequence[tuple[int, ...]]) -> bool:
+        """The plan's requests (the first of `given`, at `starts`) are each one position further, on the blocks
+        the plan holds (a new table object: the same blocks, or one more)."""
+        if starts != list(map(operator.add, self.starts, _ONE)):
+            return False
+        tables = self.tables
+        if not all(map(operator.is_, given, self.given)):
+            for i in itertools.compress(range(len(starts)), map(operator.is_not, given, self.given)):
+                if given[i][: len(tables[i])] != tables[i]:
+                    return False  # some request's blocks are not the ones the plan holds: another request
+        return True
+
+    def _joining(
+        self, starts: Sequence[int], tables: Sequence[tuple[int, ...]]
+    ) -> list[tuple[int, tuple[int, ...]]] | None:
+        """(position, the blocks covering its context) of each request that joins the plan, in batch order; None
+        when one needs more blocks than the plan's rows hold (the planner rebuilds)."""
+        joined = []
+        for start, table in zip(starts, tables, strict=True):
+            k = start // self.block_size
+            if k >= self.width or len(table) <= k:
+                return None
+            joined.append((start, tuple(table[: k + 1])))
+        return joined
+
+    def _drop_left(self, columns: _Columns) -> int | None:
+        """Take out of the plan the requests of the last step that are not in `columns`, and return how many of
+        `columns`' requests are the plan's: its first ones, in the plan's order (the others join it); None (the
+        plan is not changed) when some request of the plan comes after one that is not, or out of order."""
         row_of = dict(zip(map(_FIRST, self.tables), itertools.count()))
         rows = list(map(row_of.get, map(_FIRST, columns.block_tables)))
-        if None in rows:
-            return False
-        kept = cast("list[int]", rows)
+        mine = rows.index(None) if None in rows else len(rows)
+        if not mine or any(row is not None for row in rows[mine:]):
+            return None
+        kept = cast("list[int]", rows[:mine])
         if not all(map(operator.lt, kept, itertools.islice(kept, 1, None))):
-            return False
+            return None
+        if len(kept) == len(self.tables):
+            return mine  # nobody left: requests only joined
         batch, group, width = self.batch, self.group, self.width
         keep = host_longs(kept).to(batch.positions.device)
         self.tables = [self.tables[r] for r in kept]
@@ -597,40 +666,68 @@ class _DecodePlan:
             slot_offsets=batch.slot_offsets.index_select(0, keep),
             logits_indices=_key_positions(len(kept), keep.device),
         )
-        return True
+        return mine
 
-    def _moved_on(self, columns: _Columns, rows: list[int], blocks: list[int], device: torch.device) -> PagedBatch:
-        """Update the device tensors in place (one upload: the new tokens, and the new blocks with where they go)
-        and return the step's batch (built field by field: `dataclasses.replace` costs more than the update)."""
-        batch, group, starts, width = self.batch, self.group, self.starts, self.width
+    def _moved_on(
+        self,
+        columns: _Columns,
+        rows: list[int],
+        blocks: list[int],
+        joined: list[tuple[int, tuple[int, ...]]],
+        device: torch.device,
+    ) -> PagedBatch:
+        """Update the device tensors in place (one upload: the new tokens, the new blocks with where they go, and
+        the rows of the requests that `joined`, appended) and return the step's batch (built field by field:
+        `dataclasses.replace` costs more than the update)."""
+        batch, group, starts, width, size = self.batch, self.group, self.starts, self.width, self.block_size
         tokens = list(itertools.chain.from_iterable(columns.tokens))
-        positions = batch.positions
-        if rows:
+        positions, slot_blocks, slot_offsets, group_blocks = (
+            batch.positions,
+            batch.slot_blocks,
+            batch.slot_offsets,
+            group.blocks,
+        )
+        views: list[torch.Tensor] = []
+        if rows or joined:
             packer = _Indices()
-            for values in (tokens, rows, blocks, [i * width + starts[i] // self.block_size for i in rows]):
+            for values in (tokens, rows, blocks, [i * width + starts[i] // size for i in rows]):
                 packer.add(values)
-            host, (input_ids, at, new_blocks, slots) = packer.upload(device)
-            batch.slot_blocks.index_copy_(0, at, new_blocks)
-            group.blocks.index_copy_(0, slots, new_blocks)
+            if joined:
+                padded: list[int] = []
+                for _, table in joined:
+                    padded.extend(table)
+                    padded.extend(table[:1] * (width - len(table)))
+                for values in ([p for p, _ in joined], [t[p // size] for p, t in joined], padded):
+                    packer.add(values)
+            host, views = packer.upload(device)
+            input_ids, at, new_blocks, slots = views[:4]
+            slot_blocks.index_copy_(0, at, new_blocks)
+            group_blocks.index_copy_(0, slots, new_blocks)
         else:
             host = host_longs(tokens, pinned=device.type == "cuda")
             input_ids = host.to(device, non_blocking=True)
         positions.add_(1)
-        torch.remainder(positions, self.block_size, out=batch.slot_offsets)
+        if joined:  # their rows appended: new tensors (the plan's own from now on)
+            positions = torch.cat((positions, views[4]))
+            slot_blocks = torch.cat((slot_blocks, views[5]))
+            group_blocks = torch.cat((group_blocks, views[6]))
+            slot_offsets = torch.empty_like(positions)
+            self.tables.extend(table for _, table in joined)
+        torch.remainder(positions, size, out=slot_offsets)
         n, num_keys = len(starts), max(starts) + 1
         mask = (
             None
             if min(starts) + 1 == num_keys
             else _attention_mask(positions, {"num_seqs": n, "num_queries": 1, "num_keys": num_keys})
         )
-        self.group = group = _AttnGroup(n, 1, width, num_keys, None, 0, group.blocks, mask, None)
+        self.group = group = _AttnGroup(n, 1, width, num_keys, None, 0, group_blocks, mask, None)
         self.batch = batch = PagedBatch(
             input_ids,
             positions,
-            batch.slot_blocks,
-            batch.slot_offsets,
+            slot_blocks,
+            slot_offsets,
             _Seqs(starts, self.tables),
-            batch.logits_indices,
+            _key_positions(n, positions.device) if joined else batch.logits_indices,
             (group,),
             None,
             host,
@@ -682,6 +779,53 @@ def _all_decode(columns: _Columns) -> bool:
     return all(columns.produces_token) and all(map((1).__eq__, map(len, columns.tokens)))
 
 
+def _rows(columns: _Columns, rows: slice) -> _Columns:
+    """These rows of a batch's columns."""
+    return _Columns(
+        columns.starts[rows], columns.tokens[rows], columns.block_tables[rows], columns.produces_token[rows]
+    )
+
+
+def _prefill_rows(columns: _Columns) -> int | None:
+    """How many chunks of several tokens come first (prefill chunks) when the rest are decode steps (one token
+    that samples) and there is at least one chunk; None for any other batch (empty, a one-token prefill chunk, a
+    decode step before a prefill chunk). `PagedBatch.build` groups such a batch as the planner does: the decode
+    steps first (rows ``split ..``), then the prefill chunks."""
+    if not columns.starts:
+        return None
+    lengths = list(map(len, columns.tokens))
+    split = next((i for i, n in enumerate(lengths) if n == 1), len(lengths))
+    if not all(map((1).__eq__, lengths[split:])) or not all(itertools.islice(columns.produces_token, split, None)):
+        return None
+    return split
+
+
+def _with_prefill(prefill: PagedBatch, decode: PagedBatch) -> PagedBatch:
+    """One batch of `prefill` (prefill chunks only, rows first) and `decode` (a decode plan's batch, rows after),
+    holding what `PagedBatch.build` of their chunks would: the decode group first (its rows moved past the
+    prefill's tokens), then the prefill's groups, and `out_order` putting their outputs back in batch order."""
+    t = prefill.input_ids.shape[0]
+    (group,) = cast("tuple[_AttnGroup, ...]", decode.groups)
+    n, device = group.num_seqs, decode.positions.device
+    prefill_groups = cast("tuple[_AttnGroup, ...]", prefill.groups)
+    # the groups' outputs are [decode rows, prefill's groups' outputs]: batch row r < t is the prefill's
+    # out_order[r] (or r) after the n decode rows, row t + i is decode row i
+    inner = prefill.out_order if prefill.out_order is not None else _key_positions(t, device)
+    offsets = _key_positions(n, device)
+    return PagedBatch(
+        torch.cat((prefill.input_ids, decode.input_ids)),
+        torch.cat((prefill.positions, decode.positions)),
+        torch.cat((prefill.slot_blocks, decode.slot_blocks)),
+        torch.cat((prefill.slot_offsets, decode.slot_offsets)),
+        (*prefill.seqs, *(_SeqView(t + s.begin, t + s.end, s.start, s.table) for s in decode.seqs)),
+        torch.cat((prefill.logits_indices, offsets + t)),
+        (replace(group, row_start=t), *prefill_groups),
+        torch.cat((inner + n, offsets)),
+        (cast("torch.Tensor", prefill.host_indices), cast("torch.Tensor", decode.host_indices)),
+        decode.decode_kv,
+    )
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -694,7 +838,11 @@ class RMSNorm(nn.Module):
         if x.dtype in (torch.float16, torch.bfloat16):
             wide = x.float()
             return self.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one kernel, the same formula
+        # Hugging Face's formula, op for op (so bit for bit its result): on the CPU this costs less than
+        # F.rms_norm, whose composite runs the same steps with more dispatch around them
+        variance = torch.mean(x * x, -1, keepdim=True)
+        variance += self.eps
+        return self.weight * (x * variance.rsqrt_())
 
 
 @functools.lru_cache(maxsize=16)
@@ -772,7 +920,9 @@ class Attention(nn.Module):
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: PagedBatch | None, cache: LayerCache | None
     ) -> torch.Tensor:
         t, heads = h.shape[0], self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(h).view(t, heads + self.num_kv_heads, self.head_dim)  # q heads, k heads, v heads
+        qkv = F.linear(h, self.qkv_proj.weight).view(
+            t, heads + self.num_kv_heads, self.head_dim
+        )  # q heads, k heads, v heads
         q, k = apply_rotary(qkv[:, :heads], cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, heads:]
         if batch is None:  # dense: one sequence starting at position 0
@@ -794,7 +944,7 @@ class Attention(nn.Module):
                 out = torch.cat(parts) if len(parts) > 1 else parts[0]
                 if batch.out_order is not None:
                     out = out.index_select(0, batch.out_order)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return F.linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight)
 
     def _gathered(
         self,
@@ -804,10 +954,17 @@ class Attention(nn.Module):
         new: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks `group` attends over, from this layer's `cached` keys and values: kept by the plan's
-        `DecodeKV` (updated with this step's `new` keys and values) when the batch has one, else gathered."""
-        if batch.decode_kv is None:
+        `DecodeKV` (updated with this step's `new` keys and values of the group's rows) when the batch has one and
+        this is its decode group (the first: rows ``row_start ..``, after a batch's prefill chunks), else gathered."""
+        if batch.decode_kv is None or batch.groups is None or group is not batch.groups[0]:
             return _gather(cached, group)
-        return batch.decode_kv.read(self.layer, cached, group, new, batch.positions)
+        start = group.row_start
+        positions = batch.positions
+        if start:  # a batch with prefill chunks first: the decode rows' keys, values and positions
+            end = start + group.num_seqs
+            new = (new[0][start:end], new[1][start:end])
+            positions = positions[start:end]
+        return batch.decode_kv.read(self.layer, cached, group, new, positions)
 
     def _attend_group(
         self, q: torch.Tensor, gathered: tuple[torch.Tensor, torch.Tensor], group: _AttnGroup
@@ -859,11 +1016,16 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = F.linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
+    """One decoder layer. Its forward, and the model's, call their parts' `forward` directly (and the linear
+    layers' weights through `F.linear`): `nn.Module.__call__` costs about 9 µs a call on the CPU (hooks, tracing
+    state), some 20 calls a step, a fixed cost of every step whatever its batch (no hooks are registered on these
+    modules; the project registers none)."""
+
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer)
@@ -872,8 +1034,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h, cos, sin, batch, cache):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, batch, cache)
+        return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
 
 
 def _split_layer_name(name: str) -> tuple[str, str]:
@@ -975,12 +1137,12 @@ class LlamaModel(nn.Module):
     def _decode(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch | None, cache: LayerCache | None
     ) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+        h = F.embedding(input_ids, self.embed_tokens.weight)
         c = self.config
         cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta, h.dtype, c.max_position_embeddings)
         for layer in self.layers:
-            h = layer(h, cos, sin, batch, cache)
-        return self.norm(h)
+            h = layer.forward(h, cos, sin, batch, cache)  # DecoderLayer: parts called directly
+        return self.norm.forward(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)

@@ -14,6 +14,7 @@ Invariants kept:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from executor.kv_cache import PagedKVCache
@@ -87,19 +88,19 @@ class StageModel(nn.Module):
         """Hidden states ``[T, hidden]`` for the next stage, or, on the last stage, logits of the sampling rows.
         The first stage takes token ids from `batch`; the others take the previous stage's `hidden`."""
         if self.is_first:
-            h = self._embedding()(batch.input_ids)
+            h = F.embedding(batch.input_ids, self._embedding().weight)
         else:
             if hidden is None:
                 raise ValueError(f"stage {self.stage} needs the hidden states of stage {self.stage - 1}")
             h = hidden
         cos, sin = rotary_cos_sin(batch.positions, self.config.head_dim, self.config.rope_theta, h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin, batch, cache)
+            h = layer.forward(h, cos, sin, batch, cache)  # DecoderLayer: parts called directly
         if not self.is_last:
             return h
         if self.norm is None:
             raise ValueError(f"stage {self.stage} is the last stage but holds no final norm; build it with StageModel")
-        h = self.norm(h[batch.logits_indices])
+        h = self.norm.forward(h[batch.logits_indices])
         weight = self._embedding().weight if self.lm_head is None else self.lm_head.weight
         return h @ weight.T
 

@@ -49,8 +49,9 @@ def _values(batch: PagedBatch) -> dict:
 
 def test_planner_reuses_decode_plans_and_equals_a_fresh_build():
     """Decode steps of a stable batch reuse the plan, also across block boundaries inside the plan's width, and
-    when a request leaves (its row is dropped in place: the persistent decode batch); a prefill chunk or a context
-    outgrowing the plan rebuilds it; every batch holds exactly the values `PagedBatch.build` gives."""
+    when a request leaves (its row is dropped in place: the persistent decode batch), and for the decode steps of
+    a batch whose prefill chunk comes first; a context outgrowing the plan, or a request back before the plan's
+    own, rebuilds it; every batch holds exactly the values `PagedBatch.build` gives."""
     rng = random.Random(0)
     size = 4
     lengths = [3, 9, 6]  # the longest request sets the plan's width (3 blocks), the others cross inside it
@@ -70,11 +71,12 @@ def test_planner_reuses_decode_plans_and_equals_a_fresh_build():
         reused.append(planner.reuses > before)
         for c, i in zip(chunks, members, strict=True):
             lengths[i] += len(c.tokens)
-    # built: 0 the first step; 3, 7, 11 request 1 needs one block more than the plan's width; 5 a prefill chunk;
-    # 6 the step after it. Reused: every other step, requests 0 and 2 crossing into a new block inside the width at
-    # steps 1 and 2, and step 8, where request 2 left (dropped from the kept plan)
-    assert reused == [False, True, True, False, True, False, False, False, True, True, True, False]
-    assert planner.reuses == 6 and planner.builds == 6
+    # built: 0 the first step; 3, 7, 11 request 1 needs one block more than the plan's width; 6 request 0 decodes
+    # again, first in the batch (before the plan's requests). Reused: every other step, requests 0 and 2 crossing
+    # into a new block inside the width at steps 1 and 2, step 5 (request 0's prefill chunk is built, requests 1
+    # and 2 decode on the kept plan, request 0 dropped from it) and step 8, where request 2 left
+    assert reused == [False, True, True, False, True, True, False, False, True, True, True, False]
+    assert planner.reuses == 7 and planner.builds == 5
 
 
 def test_planner_refuses_a_changed_table():

@@ -26,7 +26,9 @@ def _columns(chunks: list[SeqChunk]) -> PlannedBatch:
 def test_requests_that_leave_are_dropped_from_the_kept_plan_in_place(tiny_model) -> None:
     """Five requests of unequal contexts decode; one leaves at step 2, two more at step 4 (out of the middle and
     the end): the planner keeps its plan and its kept keys and values, rows dropped, and every step's logits equal
-    a fresh build's on a second cache. A request that joins (or a reordered batch) makes a new plan."""
+    a fresh build's on a second cache. A request that joins after the plan's own is appended to the kept plan
+    (its blocks alone gathered into the kept keys and values), with a fresh build's logits; a reordered batch
+    makes a new plan."""
     rng = random.Random(5)
     tables = [tuple(range(6 * i, 6 * i + 6)) for i in range(5)]  # room to grow: 6 blocks each
     lengths = [3, 5, 8, 2, 6]
@@ -54,8 +56,12 @@ def test_requests_that_leave_are_dropped_from_the_kept_plan_in_place(tiny_model)
         lengths = [n + 1 if i in live else n for i, n in enumerate(lengths)]
     assert planner.builds == 1 and planner.reuses == 6 and all(kv is kept[0] for kv in kept)
     assert all(keys.shape[0] == len(live) for keys, _ in kept[-1].kept.values())
-    joined = [SeqChunk((1,), lengths[i], tables[i]) for i in (*live, 1)]  # request 1 is back: a new plan
-    planner.plan(_columns(joined))
+    joined = [SeqChunk((1,), lengths[i], tables[i]) for i in (*live, 1)]  # request 1 is back, after the others
+    batch = planner.plan(_columns(joined))
+    logits = tiny_model.forward_paged(batch, planned)
+    assert torch.equal(logits, tiny_model.forward_paged(PagedBatch.build(joined, BLOCK), fresh))
+    assert planner.builds == 1 and planner.reuses == 7 and batch.decode_kv is kept[0]
+    assert all(keys.shape[0] == len(live) + 1 for keys, _ in kept[0].kept.values())
     reordered = [SeqChunk((1,), lengths[i] + 1, tables[i]) for i in (1, *live)]
     planner.plan(_columns(reordered))
-    assert planner.builds == 3
+    assert planner.builds == 2
