@@ -40,7 +40,7 @@ import functools
 import itertools
 import math
 import operator
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol, cast, overload
 
@@ -123,12 +123,14 @@ class BatchColumns(Protocol):
 
 
 class _Columns(NamedTuple):
-    """The chunks of one batch as columns (see `BatchColumns`)."""
+    """The chunks of one batch as columns (see `BatchColumns`); `owners`: who each chunk belongs to, when the batch
+    says (a `PlannedBatch`'s requests, `SeqChunk.owner`), else None."""
 
     starts: Sequence[int]
     tokens: Sequence[tuple[int, ...]]
     block_tables: Sequence[tuple[int, ...]]
     produces_token: Sequence[bool]
+    owners: Sequence[Hashable] | None
 
 
 def _columns(chunks: Sequence[BatchChunk] | BatchColumns) -> _Columns:
@@ -137,13 +139,18 @@ def _columns(chunks: Sequence[BatchChunk] | BatchColumns) -> _Columns:
     costs more than planning a small batch.)"""
     if getattr(chunks, "block_tables", None) is not None:
         batch = cast("BatchColumns", chunks)
-        return _Columns(batch.starts, batch.tokens, batch.block_tables, batch.produces_token)
+        owners = getattr(batch, "requests", None)
+        if owners is not None and None in owners:
+            owners = None  # not named for every chunk: rows are known by their first blocks
+        return _Columns(batch.starts, batch.tokens, batch.block_tables, batch.produces_token, owners)
     records = cast("Sequence[BatchChunk]", chunks)
+    owners = [getattr(c, "owner", None) for c in records]
     return _Columns(
         [c.start for c in records],
         [c.tokens for c in records],
         [c.block_table for c in records],
         [c.produces_token for c in records],
+        None if None in owners else owners,
     )
 
 
@@ -167,6 +174,7 @@ class SeqChunk(NamedTuple):
     start: int
     block_table: tuple[int, ...]
     produces_token: bool = True  # produce logits for its last token
+    owner: Hashable | None = None  # whose chunk it is (a request id): a kept decode plan knows its rows by it
 
 
 class _SeqView(NamedTuple):  # a tuple: built once per request per forward pass, cheaper than a dataclass
@@ -415,7 +423,8 @@ class PagedBatch:
         offsets: list[int] = []
         seqs: list[_SeqView] = []
         sample_rows: list[int] = []
-        for start, tokens, table, produces in zip(*_columns(chunks), strict=True):
+        columns = _columns(chunks)
+        for start, tokens, table, produces in zip(*columns[:4], strict=True):
             n = len(tokens)
             end_pos = start + n
             needed = ceil_div(end_pos, block_size)
@@ -511,11 +520,13 @@ class BatchPlanner:
 
     Invariants kept: `plan(chunks)` holds the same values as `PagedBatch.build(chunks, ...)`, and the same
     logits (`DecodeKV` keeps exactly what a gather would read); block tables are owned exclusively, so "the same
-    table" identifies "the same request"; a table given as the very object of the previous step (the scheduler's
-    pool keeps one immutable tuple per request until it changes) is that table, any other is compared block by
-    block with the blocks the plan holds. A batch of a kept plan shares the plan's tensors: it is valid until
-    the planner's next `plan()`, which updates them in place (on CUDA in stream order, after the forward that
-    reads them).
+    table" identifies "the same request" within one step, and across steps a batch that names its owners (a
+    `PlannedBatch`, `SeqChunk.owner`) is matched by owner, so blocks passed to another request (freed by one,
+    taken by a resume) while the planner saw no batch are never read as the old request's; a table given as the
+    very object of the previous step (the scheduler's pool keeps one immutable tuple per request until it
+    changes) is that table, any other is compared block by block with the blocks the plan holds. A batch of a
+    kept plan shares the plan's tensors: it is valid until the planner's next `plan()`, which updates them in
+    place (on CUDA in stream order, after the forward that reads them).
     """
 
     __slots__ = ("_decode", "block_size", "builds", "decode_kv_budget", "device", "reuses")
@@ -567,17 +578,19 @@ class _DecodePlan:
     their rows taken out of every tensor and of the `DecodeKV`); requests that join it after its own are appended
     (`_moved_on`; their keys and values are gathered by the `DecodeKV` when a layer reads them).
 
-    Invariants: `tables[i]` are request i's blocks covering its context at the last step (a request is known by
-    its first block: tables are exclusive) and `given[i]` the table object it was handed; `starts` its last
+    Invariants: `tables[i]` are request i's blocks covering its context at the last step, `keys[i]` who request
+    i is (`_keys`: its owner where the batch names owners, else its first block) and `given[i]` the table object
+    it was handed; `starts` its last
     positions; `blocks` holds `width` blocks per request (its table, then its first block repeated), and the
     device tensors hold what `PagedBatch.build` of the last step would."""
 
-    __slots__ = ("batch", "block_size", "decode_kv", "given", "group", "starts", "tables", "width")
+    __slots__ = ("batch", "block_size", "decode_kv", "given", "group", "keys", "starts", "tables", "width")
 
     def __init__(self, columns: _Columns, batch: PagedBatch, block_size: int, decode_kv: DecodeKV) -> None:
         (group,) = cast("tuple[_AttnGroup, ...]", batch.groups)
         self.batch, self.group, self.block_size, self.decode_kv = batch, group, block_size, decode_kv
         self.tables = [seq.table for seq in batch.seqs]
+        self.keys = _keys(columns)
         self.given = list(columns.block_tables)
         self.starts = list(columns.starts)
         self.width = group.num_blocks
@@ -587,10 +600,10 @@ class _DecodePlan:
         the planner builds anew) when the batch is not the same requests one step further within the plan."""
         if not columns.starts or not _all_decode(columns):
             return None
-        given, size = columns.block_tables, self.block_size
+        given, size, keys = columns.block_tables, self.block_size, _keys(columns)
         mine = len(given)  # the batch's first `mine` requests are the plan's (in its order), the rest joined
-        if mine != len(self.tables) or not all(map(operator.is_, given, self.given)):
-            found = self._drop_left(columns)
+        if mine != len(self.tables) or keys != self.keys or not all(map(operator.is_, given, self.given)):
+            found = self._drop_left(keys)
             if found is None:
                 return None
             mine = found
@@ -609,7 +622,7 @@ class _DecodePlan:
         joined = self._joining(starts[mine:], given[mine:])
         if joined is None:
             return None
-        self.given, self.starts = list(given), starts
+        self.given, self.starts, self.keys = list(given), starts, keys
         return self._moved_on(columns, rows, blocks, joined, device)
 
     def _moved_by_one(self, starts: list[int], given: Sequence[tuple[int, ...]]) -> bool:
@@ -637,12 +650,13 @@ class _DecodePlan:
             joined.append((start, tuple(table[: k + 1])))
         return joined
 
-    def _drop_left(self, columns: _Columns) -> int | None:
-        """Take out of the plan the requests of the last step that are not in `columns`, and return how many of
-        `columns`' requests are the plan's: its first ones, in the plan's order (the others join it); None (the
-        plan is not changed) when some request of the plan comes after one that is not, or out of order."""
-        row_of = dict(zip(map(_FIRST, self.tables), itertools.count()))
-        rows = list(map(row_of.get, map(_FIRST, columns.block_tables)))
+    def _drop_left(self, keys: list[Hashable]) -> int | None:
+        """Take out of the plan the requests of the last step that are not among `keys` (this batch's rows,
+        `_keys`), and return how many of this batch's requests are the plan's: its first ones, in the plan's order
+        (the others join it); None (the plan is not changed) when some request of the plan comes after one that is
+        not, or out of order."""
+        row_of = dict(zip(self.keys, itertools.count()))
+        rows = list(map(row_of.get, keys))
         mine = rows.index(None) if None in rows else len(rows)
         if not mine or any(row is not None for row in rows[mine:]):
             return None
@@ -654,6 +668,7 @@ class _DecodePlan:
         batch, group, width = self.batch, self.group, self.width
         keep = host_longs(kept).to(batch.positions.device)
         self.tables = [self.tables[r] for r in kept]
+        self.keys = [self.keys[r] for r in kept]
         self.given = [self.given[r] for r in kept]
         self.starts = [self.starts[r] for r in kept]
         self.decode_kv.keep_rows(keep)
@@ -781,9 +796,16 @@ def _all_decode(columns: _Columns) -> bool:
 
 def _rows(columns: _Columns, rows: slice) -> _Columns:
     """These rows of a batch's columns."""
+    owners = None if columns.owners is None else columns.owners[rows]
     return _Columns(
-        columns.starts[rows], columns.tokens[rows], columns.block_tables[rows], columns.produces_token[rows]
+        columns.starts[rows], columns.tokens[rows], columns.block_tables[rows], columns.produces_token[rows], owners
     )
+
+
+def _keys(columns: _Columns) -> list[Hashable]:
+    """Who each row is: its owner where the batch says, else its table's first block (tables are exclusive at any
+    one step, but blocks change owners between steps: a batch that names its owners is never mistaken)."""
+    return list(columns.owners) if columns.owners is not None else list(map(_FIRST, columns.block_tables))
 
 
 def _prefill_rows(columns: _Columns) -> int | None:

@@ -337,7 +337,10 @@ class PipelineRank:
             return {} if stage.is_last else None
         e = self.config.engine
         batch = self.planners[iteration % self.micro_batches].plan(  # the slot's previous pass: module docstring
-            [SeqChunk(tuple(tokens), start, tuple(table), samples) for _, start, tokens, table, samples in chunks]
+            [
+                SeqChunk(tuple(tokens), start, tuple(table), samples, rid)
+                for rid, start, tokens, table, samples in chunks
+            ]
         )
         result = stage.forward_stage(batch, self.stage_cache, hidden)
         if not stage.is_last:

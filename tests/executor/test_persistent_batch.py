@@ -65,3 +65,30 @@ def test_requests_that_leave_are_dropped_from_the_kept_plan_in_place(tiny_model)
     reordered = [SeqChunk((1,), lengths[i] + 1, tables[i]) for i in (1, *live)]
     planner.plan(_columns(reordered))
     assert planner.builds == 2
+
+
+def test_blocks_that_change_owner_while_the_planner_sees_no_batch_are_never_read_as_the_old_owners(
+    tiny_model,
+) -> None:
+    """Request "a" decodes beside "c"; then, with no batch planned in between, "a" leaves and "b" takes its very
+    blocks with KV of its own, one position further than "a" was (a resume into freed blocks): a batch that names
+    its owners is matched by owner, so "b" is no row of the kept plan and its logits equal a fresh build's."""
+    rng = random.Random(7)
+    shared, other = (0, 1, 2), (3, 4, 5)
+    planned, fresh = (PagedKVCache.for_model(tiny_model, 8, block_size=BLOCK, device="cpu") for _ in range(2))
+
+    def prefill(tokens: int, table: tuple[int, ...], owner: str) -> None:
+        chunk = SeqChunk(tuple(rng.randrange(512) for _ in range(tokens)), 0, table, owner=owner)
+        for cache in (planned, fresh):
+            tiny_model.forward_paged(PagedBatch.build([chunk], BLOCK), cache)
+
+    prefill(5, shared, "a")
+    prefill(5, other, "c")
+    planner = BatchPlanner(BLOCK)
+    step = [SeqChunk((7,), 5, shared, owner="a"), SeqChunk((8,), 5, other, owner="c")]
+    tiny_model.forward_paged(planner.plan(step), planned)
+    tiny_model.forward_paged(PagedBatch.build(step, BLOCK), fresh)
+    prefill(6, tuple(shared), "b")  # "a" left; "b" resumed into its blocks (a new table object, the same blocks)
+    after = [SeqChunk((9,), 6, tuple(shared), owner="b"), SeqChunk((10,), 6, other, owner="c")]
+    logits = tiny_model.forward_paged(planner.plan(after), planned)
+    assert torch.equal(logits, tiny_model.forward_paged(PagedBatch.build(after, BLOCK), fresh))
