@@ -580,9 +580,8 @@ class _DecodePlan:
 
     Invariants: `tables[i]` are request i's blocks covering its context at the last step, `keys[i]` who request
     i is (`_keys`: its owner where the batch names owners, else its first block) and `given[i]` the table object
-    it was handed; `starts` its last
-    positions; `blocks` holds `width` blocks per request (its table, then its first block repeated), and the
-    device tensors hold what `PagedBatch.build` of the last step would."""
+    it was handed; `starts` its last positions; `blocks` holds `width` blocks per request (its table, then its
+    first block repeated), and the device tensors hold what `PagedBatch.build` of the last step would."""
 
     __slots__ = ("batch", "block_size", "decode_kv", "given", "group", "keys", "starts", "tables", "width")
 
