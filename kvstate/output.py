@@ -78,17 +78,23 @@ def planned_chunks(output: SchedulerOutput, pool: TieredBlockPool) -> PlannedBat
     (immutable) tuples. Built column by column (`PlannedBatch`), the decode steps (the bulk of a batch) without a
     per-request branch: it runs for every scheduled request on every step."""
     table_of = pool.gpu_block_table_of()
-    prefilling, prefill_tables = _holding_blocks(output.context + output.replay, table_of)
     decoding, decode_tables = _holding_blocks(output.generation, table_of)
+    starts = list(map(_computed, decoding))  # the decode steps: whole-list operations, no loop body per request
+    tokens: list[tuple[int, ...]] = list(map(_last_token, decoding))
+    produces = [True] * len(decoding)
+    if not output.context and not output.replay:  # a decode-only pass (the steady state)
+        return PlannedBatch(decoding, starts, tokens, decode_tables, produces)
+    prefilling, prefill_tables = _holding_blocks(output.context + output.replay, table_of)
     chunk_tokens = output.chunk_tokens
-    starts = list(map(_computed, prefilling))
-    ends = [start + chunk_tokens[request.request_id] for request, start in zip(prefilling, starts, strict=True)]
-    tokens = [request.prefill_tokens[start:end] for request, start, end in zip(prefilling, starts, ends, strict=True)]
-    produces = [end >= len(request.prefill_tokens) for request, end in zip(prefilling, ends, strict=True)]
-    starts += map(_computed, decoding)  # the decode steps: whole-list operations, no loop body per request
-    tokens += map(_last_token, decoding)
-    produces += [True] * len(decoding)
-    return PlannedBatch(prefilling + decoding, starts, tokens, prefill_tables + decode_tables, produces)
+    prefill_starts = list(map(_computed, prefilling))
+    ends = [start + chunk_tokens[r.request_id] for r, start in zip(prefilling, prefill_starts, strict=True)]
+    return PlannedBatch(
+        prefilling + decoding,
+        prefill_starts + starts,
+        [r.prefill_tokens[start:end] for r, start, end in zip(prefilling, prefill_starts, ends, strict=True)] + tokens,
+        prefill_tables + decode_tables,
+        [end >= len(r.prefill_tokens) for r, end in zip(prefilling, ends, strict=True)] + produces,
+    )
 
 
 _computed = attrgetter("num_computed_tokens")

@@ -101,6 +101,20 @@ class Tier:
         self.blocks_of[owner] = self.held(owner) + tuple(blocks)
         return blocks
 
+    def take_one_each(self, owners: list[Hashable]) -> None:
+        """One more block for each of `owners`, in order: the same blocks as `take(owner, 1)` for each in turn, in
+        one call. Raises `PoolError` (nothing changed) when fewer than `len(owners)` are free."""
+        if len(owners) > len(self._free):
+            raise PoolError(
+                f"{self.name} tier has {len(self._free)} free blocks, {len(owners)} owners asked for one each; "
+                "check can_allocate() first"
+            )
+        free, owner_of, blocks_of = self._free, self.owner_of, self.blocks_of
+        for owner in owners:
+            block = heapq.heappop(free)
+            owner_of[block] = owner
+            blocks_of[owner] = (*blocks_of.get(owner, ()), block)
+
     def give_back(self, blocks: Iterable[int]) -> None:
         for block in blocks:
             heapq.heappush(self._free, block)
@@ -233,6 +247,12 @@ class TieredBlockPool:
     def allocate(self, owner: Hashable, num_blocks: int) -> list[int]:
         """Append `num_blocks` fresh GPU blocks to `owner`'s block table."""
         return self.gpu.take(owner, num_blocks)
+
+    def allocate_one_each(self, owners: list[Hashable]) -> None:
+        """Append one fresh GPU block to each of `owners`' block tables, in order (`allocate(owner, 1)` for each in
+        turn, in one call: the decode steps of a pass that open a new block). Raises `PoolError` (nothing changed)
+        unless `can_allocate(len(owners))`."""
+        self.gpu.take_one_each(owners)
 
     def release(self, owner: Hashable) -> int:
         """Free every block `owner` holds in both tiers; returns how many. Blocks an in-flight copy of `owner`

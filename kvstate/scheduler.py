@@ -553,6 +553,7 @@ class Scheduler:
         chunk_tokens, victims = out.chunk_tokens, pass_.victims  # the pass's own containers, filled in place
         in_flight, continuing = self.not_ready(), []
         decodes = 0  # decode steps taken by the fast path below and not yet charged to the pass's budgets
+        opening: list[Request] = []  # decode steps listed that open a new block, not yet given it (`_open_blocks`)
         room = min(pass_.slots_left, pass_.tokens_left)  # decode steps the budgets allow (each takes 1 slot, 1 token)
         for request in tuple(self.resident):  # a copy: a victim taken on the way leaves `resident`
             if in_flight and request.request_id in in_flight:
@@ -566,18 +567,32 @@ class Scheduler:
             if request.state != active or (victims and id(request) in victims):
                 continue
             if request.num_computed_tokens == request.num_gpu_blocks * block_size:  # its step opens a new block
-                if not pool.can_allocate(1):  # none is free: room is made, or waited for, by the general path
-                    pass_.charge(decodes, decodes)  # the pass's budgets are exact before it may preempt
+                if not pool.can_allocate(len(opening) + 1):  # none is left: room is made, or waited for, by the
+                    self._open_blocks(opening, pass_)  # general path, once the pass's blocks and budgets are exact
+                    pass_.charge(decodes, decodes)
                     decodes = 0
                     self._schedule_resident(request, pass_)
                     room = min(pass_.slots_left, pass_.tokens_left)
                     continue
-                self._allocate_chunk_blocks(request, 1, pass_)
+                opening.append(request)
             decode_list.append(request)
             chunk_tokens[request.request_id] = 1
             decodes += 1
+        self._open_blocks(opening, pass_)
         pass_.charge(decodes, decodes)
         return continuing
+
+    def _open_blocks(self, opening: list[Request], pass_: SchedulingPass) -> None:
+        """Give each decode step of `opening` the new block it writes, in one pool call (the blocks, and their
+        order, `_allocate_chunk_blocks(request, 1, pass_)` for each in turn would give); empties `opening`."""
+        if not opening:
+            return
+        self.pool.allocate_one_each([request.request_id for request in opening])
+        chunk_blocks = pass_.chunk_blocks
+        for request in opening:
+            request.num_gpu_blocks += 1
+            chunk_blocks[request.request_id] = 1
+        opening.clear()
 
     def not_ready(self) -> Collection[Hashable]:
         """Ids of the resident requests this pass may not schedule: those whose step of an earlier pass is still in
@@ -755,6 +770,8 @@ class Scheduler:
         for event, queue in self._admission_queues:
             if event == "admit" and hold_new:
                 return
+            if not queue:
+                continue  # nothing to admit from it, and no misfit to stop at
             if not self._admit_class(event, queue, pass_) and "stop_at_first_misfit" in rules:
                 return
 
@@ -1072,7 +1089,7 @@ class Scheduler:
         tally = self.tally
         counts = {**tally.counts, self._ended: len(self.finished)}
         blocks = sum(p.num_blocks for p in out.migrations)
-        usage = self.pool.usage()
+        gpu, host = self.pool.gpu, self.pool.host
         return IterationStats(
             iteration=iteration,
             requests_per_state=counts,
@@ -1089,10 +1106,10 @@ class Scheduler:
             generated_tokens=generated,
             blocks_migrated=blocks,
             bytes_migrated=blocks * self.config.block_bytes,
-            gpu_blocks_used=usage["gpu_held"] + usage["gpu_fenced"],
-            gpu_capacity=usage["gpu_capacity"],
-            host_blocks_used=usage["host_held"] + usage["host_fenced"],
-            host_capacity=usage["host_capacity"],
+            gpu_blocks_used=gpu.capacity - gpu.num_free,  # held + fenced (CONS-GPU)
+            gpu_capacity=gpu.capacity,
+            host_blocks_used=host.capacity - host.num_free,
+            host_capacity=host.capacity,
             host_tier_fallback=self.host_tier_fallback,
         )
 

@@ -75,6 +75,33 @@ def test_allocate_more_than_free_is_refused_and_changes_nothing() -> None:
 # --------------------------------------------------------------------------------------------- suspend
 
 
+def test_one_block_each_is_what_allocating_one_block_to_each_in_turn_gives() -> None:
+    def fragmented() -> TieredBlockPool:  # free ids out of order, and owners that already hold blocks
+        pool = TieredBlockPool(gpu_blocks=10)
+        for owner, count in (("a", 2), ("x", 3), ("b", 1), ("y", 2)):
+            pool.allocate(owner, count)
+        pool.release("x")
+        return pool
+
+    one_by_one, at_once = fragmented(), fragmented()
+    owners = ["b", "c", "a", "y"]
+    for owner in owners:
+        one_by_one.allocate(owner, 1)
+    at_once.allocate_one_each(owners)
+    assert snapshot(at_once, "a", "b", "c", "y") == snapshot(one_by_one, "a", "b", "c", "y")
+    assert_conserved(at_once)
+
+
+def test_one_block_each_beyond_the_free_blocks_is_refused_and_changes_nothing() -> None:
+    pool = TieredBlockPool(gpu_blocks=3)
+    pool.allocate("a", 1)
+    before = snapshot(pool, "a", "b", "c")
+    with pytest.raises(PoolError, match="2 free blocks, 3 owners asked for one each"):
+        pool.allocate_one_each(["a", "b", "c"])
+    assert snapshot(pool, "a", "b", "c") == before
+    assert_conserved(pool)
+
+
 def test_suspend_is_atomic_when_the_host_tier_is_too_small() -> None:
     pool = TieredBlockPool(gpu_blocks=8, host_blocks=2)
     pool.allocate("a", 3)
