@@ -224,6 +224,43 @@ class StateTally:
         }
 
 
+class DecodeRun:
+    """A run of decode-only passes: the last pass's decode list held every resident request, and no transition has
+    fired since (`Scheduler._move` ends the run), so the next pass's walk would list the same requests, one token
+    each, in the same order; `Scheduler._repeat_decodes` repeats it without the walk.
+
+    Invariants kept: `requests` is the decode list of the pass the run began with, in arrival order, and every one
+    of them is active and done with its prefill; `phases[k]` lists, in that order, the requests whose step in the
+    k-th repeat (modulo the block size) opens a new block, which is so while no request holds a block beyond the
+    one its next token fills; `passes` counts the repeats so far, `output` is the last one's (None before)."""
+
+    __slots__ = ("chunk_tokens", "output", "passes", "phases", "requests")
+
+    def __init__(self, requests: list[Request], phases: list[list[Request]]) -> None:
+        self.requests = requests
+        self.chunk_tokens = dict.fromkeys((r.request_id for r in requests), 1)
+        self.phases = phases
+        self.passes = 0
+        self.output: SchedulerOutput | None = None
+
+    @classmethod
+    def after(cls, requests: list[Request], block_size: int) -> DecodeRun | None:
+        """The run that follows a pass whose decode list, `requests`, is about to land (each request's computed
+        tokens one short of what the next pass sees); None when a request holds a spare block, so its openings
+        do not follow the block size's period."""
+        phases: list[list[Request]] = [[] for _ in range(block_size)]
+        for request in requests:
+            room = request.num_gpu_blocks * block_size - request.num_computed_tokens - 1  # free slots once landed
+            if not 0 <= room < block_size:
+                return None
+            phases[room].append(request)
+        return cls(requests, phases)
+
+    def opening(self, block_size: int) -> list[Request]:
+        """The requests whose step in the next repeat opens a new block."""
+        return self.phases[self.passes % block_size]
+
+
 class Scheduler:
     """Continuous batching over a `TieredBlockPool` with suspend and recompute-pause preemption."""
 
@@ -292,6 +329,10 @@ class Scheduler:
         # The output of the last pass while no transition has fired since it was planned (`_move` clears it): its
         # decode list is then still active as planned, and `complete_step` lands it without a check per request.
         self._planned: SchedulerOutput | None = None
+        # The run of decode-only passes the next pass may repeat (`DecodeRun`; `_move` ends it), and the run the
+        # last pass repeated, which `complete_step` carries on when that pass lands undisturbed.
+        self._decode_run: DecodeRun | None = None
+        self._repeated: DecodeRun | None = None
         self._idle_iterations = 0
         self._last_stats: IterationStats | None = None  # of the last completed iteration
 
@@ -468,7 +509,7 @@ class Scheduler:
         """Keep the per-state containers and the tally in step with a transition (`figures`: the request's tallied
         figures before it, `StateTally.before`)."""
         self.tally.moved(request, old, figures)
-        self._planned = None
+        self._planned = self._decode_run = None
         if old == new:
             return
         source, target = self._containers[old], self._containers[new]
@@ -491,8 +532,9 @@ class Scheduler:
         pass_ = SchedulingPass(self.config, self.iteration)
         pass_.pending_free = self._room_on_its_way()
         pass_.slots_left = self.slots_per_pass()
+        run, self._decode_run, self._repeated = self._decode_run, None, None
         try:
-            continuing = self._schedule_decoding(pass_)
+            continuing = [] if run is not None and self._repeat_decodes(run, pass_) else self._schedule_decoding(pass_)
             for request in continuing:  # then prompt and replay chunks, in arrival order
                 if pass_.slots_left == 0 or pass_.tokens_left == 0:
                     break
@@ -593,6 +635,43 @@ class Scheduler:
             request.num_gpu_blocks += 1
             chunk_blocks[request.request_id] = 1
         opening.clear()
+
+    def _repeat_decodes(self, run: DecodeRun, pass_: SchedulingPass) -> bool:
+        """List `run`'s decode steps in `pass_`, as `_schedule_decoding`'s walk would (`DecodeRun`), giving the
+        steps that open a block their blocks; False (nothing changed) when the walk must decide: the budgets (a
+        share of the requests, once several micro-batches may be in flight) or the free blocks no longer take every
+        step."""
+        requests = run.requests
+        opening = run.opening(self.config.block_size)
+        if len(requests) > min(pass_.slots_left, pass_.tokens_left) or not self.pool.can_allocate(len(opening)):
+            return False
+        out = pass_.output
+        getattr(out, self._decode_list).extend(requests)
+        out.chunk_tokens.update(run.chunk_tokens)
+        self._open_blocks(list(opening), pass_)
+        pass_.charge(len(requests), len(requests))
+        run.passes += 1
+        run.output, self._repeated = out, run
+        return True
+
+    def _next_run(self, output: SchedulerOutput) -> DecodeRun | None:
+        """The run of decode-only passes that `output`, planned undisturbed and about to land, begins or carries
+        on: its decode list holds every resident request, nothing else is scheduled or moved, and no step is in
+        flight (with several micro-batches, `output`'s own steps are). A copy in flight changes no decode list: a
+        request whose resume copy is in flight is resident but not listed, and one that completes or fails late
+        frees blocks (the next repeat checks the free blocks) or fires a transition (which ends the run). None
+        otherwise."""
+        if self.in_flight:
+            return None
+        decodes = getattr(output, self._decode_list)
+        if not decodes or len(decodes) != len(self.resident) or len(output.chunk_tokens) != len(decodes):
+            return None  # a resident request was skipped, or a prompt or replay chunk was scheduled (admitted)
+        if output.resumed or output.suspended or output.recompute_paused or output.migrations or output.aborted:
+            return None
+        repeated = self._repeated
+        if repeated is not None and repeated.output is output:
+            return repeated
+        return DecodeRun.after(list(decodes), self.config.block_size)
 
     def not_ready(self) -> Collection[Hashable]:
         """Ids of the resident requests this pass may not schedule: those whose step of an earlier pass is still in
@@ -874,6 +953,7 @@ class Scheduler:
         produced: list[Request] = []
         recomputed, progress = 0, False
         undisturbed, self._planned = output is self._planned, None
+        self._decode_run = self._next_run(output) if undisturbed else None  # a finish below ends it (`_move`)
         for name in SCHEDULED_LISTS:  # batch order
             requests = getattr(output, name)
             if name == self._decode_list:
