@@ -21,7 +21,9 @@ Invariants kept (ids from the spec; the policy's rules are the spec's `[policy]`
 * the per-state counts and the token and block sums the statistics report (`StateTally`) are kept on each
   transition and equal a recount of the requests (STATS-COUNT), checked by `check_invariants`.
 Steady-state decode costs O(1) per running request: no lifecycle event fires unless a state changes, and a step
-walks only the requests it schedules (the statistics of those it leaves alone are kept, not recounted).
+walks only the requests it schedules (the statistics of those it leaves alone are kept, not recounted); a pass that
+follows a decode-only pass of every resident request, with no transition since, repeats its decode list without a
+walk (`DecodeRun`), exactly as the walk would list it.
 
 One scheduler step, written once: schedule -> issue copies -> compute -> complete. Every executor (the slot-level
 simulator `kvstate.sim.SimExecutor`, the engine `executor.Engine`, and the pipeline runtime's rank 0) carries out a
