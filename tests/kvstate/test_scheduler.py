@@ -631,3 +631,28 @@ def test_an_id_is_echoed_short_in_the_scheduler_errors() -> None:
         with pytest.raises(KVStateError) as info:
             call()
         assert len(str(info.value)) < 400  # a short prefix of the id, not 50,000 characters
+
+
+def test_containers_stay_in_arrival_and_admission_order_and_a_reordered_one_is_refused_by_name() -> None:
+    """Requests leave their containers by bisection on their arrival (admission) numbers, which needs the containers
+    in that order: they are after every step of a pressured run, and one reordered from outside is an error naming
+    the request, not a wrong removal."""
+    scheduler = Scheduler(SchedulerConfig(gpu_blocks=12, host_blocks=4, block_size=4, max_num_tokens=16))
+    sim = SimExecutor(scheduler)
+    rng = random.Random(7)
+    for _ in range(10):
+        scheduler.submit([rng.randrange(1, 30) for _ in range(rng.randint(1, 9))], rng.randint(4, 20))
+    preempted = 0
+    while scheduler.has_unfinished:
+        out = sim.step()
+        preempted += len(out.suspended) + len(out.recompute_paused)
+        for queue in (scheduler.waiting, scheduler.resident, scheduler.suspended, scheduler.paused):
+            assert [r.arrival for r in queue] == sorted({r.arrival for r in queue})
+        assert [r.admission for r in scheduler.admitted] == sorted({r.admission for r in scheduler.admitted})
+    assert preempted > 0  # requests moved between every kind of container
+
+    first, second = scheduler.submit([1, 2], 4), scheduler.submit([3], 4)
+    scheduler.waiting.reverse()
+    with pytest.raises(KVStateError, match=f"request {first.request_id!r} is not where its order puts it"):
+        scheduler.cancel(first.request_id)
+    assert second.request_id in scheduler.requests
