@@ -626,6 +626,7 @@ class Scheduler:
             if request.num_computed_tokens == request.num_gpu_blocks * block_size:  # its step opens a new block
                 if not pool.can_allocate(len(opening) + 1):  # none is left: room is made, or waited for, by the
                     self._open_blocks(opening, pass_)  # general path, once the pass's blocks and budgets are exact
+                    opening = []
                     pass_.charge(decodes, decodes)
                     decodes = 0
                     self._schedule_resident(request, pass_)
@@ -641,7 +642,7 @@ class Scheduler:
 
     def _open_blocks(self, opening: list[Request], pass_: SchedulingPass) -> None:
         """Give each decode step of `opening` the new block it writes, in one pool call (the blocks, and their
-        order, `_allocate_chunk_blocks(request, 1, pass_)` for each in turn would give); empties `opening`."""
+        order, `_allocate_chunk_blocks(request, 1, pass_)` for each in turn would give)."""
         if not opening:
             return
         self.pool.allocate_one_each([request.request_id for request in opening])
@@ -649,7 +650,6 @@ class Scheduler:
         for request in opening:
             request.num_gpu_blocks += 1
             chunk_blocks[request.request_id] = 1
-        opening.clear()
 
     def _repeat_decodes(self, run: DecodeRun, pass_: SchedulingPass) -> bool:
         """List `run`'s decode steps in `pass_`, as `_schedule_decoding`'s walk would (`DecodeRun`), giving the
@@ -663,7 +663,7 @@ class Scheduler:
         out = pass_.output
         getattr(out, self._decode_list).extend(requests)
         out.chunk_tokens.update(run.chunk_tokens)
-        self._open_blocks(list(opening), pass_)
+        self._open_blocks(opening, pass_)
         pass_.charge(len(requests), len(requests))
         run.passes += 1
         run.output, self._repeated = out, run
@@ -681,7 +681,7 @@ class Scheduler:
         decodes = getattr(output, self._decode_list)
         if not decodes or len(decodes) != len(self.resident) or len(output.chunk_tokens) != len(decodes):
             return None  # a resident request was skipped, or a prompt or replay chunk was scheduled (admitted)
-        if output.resumed or output.suspended or output.recompute_paused or output.migrations or output.aborted:
+        if output.resumed or output.suspended or output.recompute_paused or output.migrations:
             return None
         repeated = self._repeated
         if repeated is not None and repeated.output is output:
