@@ -30,7 +30,7 @@ from kvstate.config import LIFECYCLES
 from kvstate.errors import GuardRejected, IllegalTransition
 from kvstate.request import STATE_ATTRIBUTE
 from kvstate.semantics import GUARDS, EffectHooks, Guard, PoolView, RequestView
-from kvstate.spec import Spec, Transition, load_spec
+from kvstate.spec import Spec, Transition, default_spec
 
 R = TypeVar("R", bound=RequestView)  # the request a transition fires on, and so the one its effect hooks take
 
@@ -40,7 +40,7 @@ class _SpecRules(ABC):
     `fire` on top of each one's `try_fire`."""
 
     def __init__(self, spec: Spec | None = None, guards: Mapping[str, Guard] = GUARDS) -> None:
-        self.spec = spec if spec is not None else load_spec()
+        self.spec = spec if spec is not None else default_spec()
         self.guards = dict(guards)
         allowed: dict[str, list[str]] = {s.name: [] for s in self.spec.states}
         for t in self.spec.transitions:

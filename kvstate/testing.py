@@ -19,9 +19,9 @@ checks, with ids taken from the spec:
   state within `liveness_base + liveness_per_token * tokens` steps, and no block is held afterwards.
 
 State names, the edge graph, terminal states, residencies and invariant statements all come from the spec
-(`kvstate.load_spec()` or the one passed in). Failures print Hypothesis' replayable step list, with rule
-arguments as plain values (`Submission(...)`, state names, ints, booleans): the printed lines run as plain
-Python given the machine class and `Submission`.
+(the packaged one, `kvstate.spec.default_spec()`, or the one passed in). Failures print Hypothesis' replayable
+step list, with rule arguments as plain values (`Submission(...)`, state names, ints, booleans): the printed
+lines run as plain Python given the machine class and `Submission`.
 
 Policy (victims, promotions, admissions): checked on every scheduling pass of an adapter that reports its passes
 (`take_passes()`, see `PassReporting`), with `kvstate.policy.check_pass` (the model checker's step simulation),
@@ -80,7 +80,7 @@ from kvstate.policy import check_pass, snapshot
 from kvstate.pool import ceil_div
 from kvstate.scheduler import Scheduler
 from kvstate.sim import DEFAULT_VOCAB, SimExecutor, reference_output
-from kvstate.spec import Policy, Spec, load_spec
+from kvstate.spec import Policy, Spec, default_spec
 
 __all__ = [
     "PROFILES",
@@ -216,11 +216,6 @@ class PassReporting(Protocol):
         promotions in decision order, its output); forgets them."""
 
 
-@functools.cache
-def _packaged_spec() -> Spec:
-    return load_spec()
-
-
 class KVStateAdapter:
     """`SchedulerAdapter` over this package's `Scheduler` driven by the slot-level `SimExecutor`.
 
@@ -242,7 +237,7 @@ class KVStateAdapter:
         self.config = config
         self.vocab = vocab
         self.deep_checks = deep_checks
-        self.scheduler = scheduler_factory(config, spec if spec is not None else _packaged_spec())
+        self.scheduler = scheduler_factory(config, spec if spec is not None else default_spec())
         self.executor = executor_factory(self.scheduler, vocab, check_invariants=deep_checks)
         self.gpu_token_capacity = config.gpu_token_capacity
         self.block_size = config.block_size
@@ -561,7 +556,7 @@ class MachineBinding:
     @classmethod
     def probe(cls, adapter_factory: Callable[[], SchedulerAdapter], config: MachineConfig) -> MachineBinding:
         """Check the spec, call `adapter_factory()` once and derive the binding from what that adapter reports."""
-        model = _SpecModel(config.spec if config.spec is not None else _packaged_spec(), config.cancel_event)
+        model = _SpecModel(config.spec if config.spec is not None else default_spec(), config.cancel_event)
         probe = adapter_factory()
         gaps = _contract_gaps(probe)
         if gaps or not isinstance(probe, SchedulerAdapter):

@@ -67,7 +67,7 @@ from kvstate.pool import TO_GPU, MigrationPlan
 from kvstate.request import Request
 from kvstate.roles import PENDING_RESET
 from kvstate.scheduler import Scheduler, Step
-from kvstate.spec import Transition, load_spec
+from kvstate.spec import Transition, default_spec
 
 
 class PipelineFailed(KVStateError, RuntimeError):
@@ -151,7 +151,7 @@ class PipelineRank:
         self.host = agree_host_tier(
             self.cache, e.scheduler.host_blocks, comm, simulate_failure=rank in config.fail_host_tier_on_ranks
         )
-        self.spec = load_spec()
+        self.spec = default_spec()
         self._pending_reset = self.spec.role(PENDING_RESET)
         self.book = ConsensusBook(rank, config.delay_of(rank))
         self.trace = _TraceSink(config.trace_path_for(rank))

@@ -63,7 +63,7 @@ from kvstate.declared import Listed, ObservedPass, PassOutput
 from kvstate.errors import KVStateError
 from kvstate.policy import PassRecord, PassSnapshot, RequestSnapshot, Victim
 from kvstate.sim import DEFAULT_VOCAB, next_token, reference_output
-from kvstate.spec import Spec, load_spec
+from kvstate.spec import Spec, default_spec
 
 SGLANG_VERSION = "0.5.23"
 DECODE_BATCH = "<decode batch>"  # the requester of a retraction: SGLang checks the decode batch as a whole
@@ -142,7 +142,7 @@ class SGLangAdapter:
         if gpu_tokens < 2 or max_running_requests < 1:
             raise ValueError(f"gpu_tokens={gpu_tokens} must be >= 2 and max_running_requests >= 1")
         _publish_server_args()
-        self.spec = spec if spec is not None else load_spec()
+        self.spec = spec if spec is not None else default_spec()
         self._state_of_role = {role: self.spec.role(role) for role in (roles.QUEUED, roles.ACTIVE, roles.DROPPED)}
         self._ended = self.spec.role(roles.ENDED)
         self.gpu_tokens, self.vocab_size = gpu_tokens, vocab_size

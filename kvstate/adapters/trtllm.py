@@ -46,7 +46,7 @@ from kvstate.errors import KVStateError
 from kvstate.policy import PassRecord, PassSnapshot, RequestSnapshot, Victim
 from kvstate.pool import ceil_div
 from kvstate.sim import DEFAULT_VOCAB, next_token, reference_output
-from kvstate.spec import Spec, load_spec
+from kvstate.spec import Spec, default_spec
 
 __all__ = ["SCHEDULER_FILE", "SOURCE_ENV", "PagePool", "TrtRequest", "TrtllmAdapter", "load_scheduler"]
 
@@ -283,7 +283,7 @@ class TrtllmAdapter:
         spec: Spec | None = None,
     ) -> None:
         module = load_scheduler(source)
-        self.spec = spec if spec is not None else load_spec()
+        self.spec = spec if spec is not None else default_spec()
         self._state_of_role = {r: self.spec.role(r) for r in (roles.QUEUED, roles.ACTIVE, roles.OFFLOADED)}
         self._ended = self.spec.role(roles.ENDED)
         self.pool = PagePool(gpu_pages, host_pages, tokens_per_block)

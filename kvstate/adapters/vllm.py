@@ -74,7 +74,7 @@ from kvstate.declared import Listed, ObservedPass, PassOutput
 from kvstate.errors import InvariantViolation, KVStateError
 from kvstate.policy import PassRecord, PassSnapshot, RequestSnapshot, Victim
 from kvstate.sim import DEFAULT_VOCAB, next_token, reference_output
-from kvstate.spec import Spec, load_spec
+from kvstate.spec import Spec, default_spec
 
 VLLM_VERSION = "0.33.0"
 
@@ -226,7 +226,7 @@ class VLLMAdapter:
                 f"max_model_len={max_model_len} must be between 1 and gpu_blocks × block_size = "
                 f"{gpu_blocks * block_size}; leave it out to use the whole GPU tier"
             )
-        self.spec = spec if spec is not None else load_spec()
+        self.spec = spec if spec is not None else default_spec()
         self._invariants = _spec_invariants(self.spec)
         self._state_of_role = {role: self.spec.role(role) for role in {*_ROLE_OF_STATUS.values(), roles.RECOMPUTING}}
         self.block_size = block_size

@@ -62,7 +62,7 @@ from kvstate.request import Request
 from kvstate.scheduler import Scheduler, SchedulerStalled
 from kvstate.semantics import GUARDS
 from kvstate.sim import SimExecutor, reference_output
-from kvstate.spec import Spec, Transition, load_spec
+from kvstate.spec import Spec, Transition, default_spec, load_spec
 
 
 def bound_index(request_id: Hashable) -> int:
@@ -209,7 +209,7 @@ class Refinement:
         scheduler_class: type = ObservedScheduler,
     ) -> None:
         self.bound = bound
-        self.spec = spec if spec is not None else load_spec()
+        self.spec = spec if spec is not None else default_spec()
         self.table = TransitionTable(self.spec, GUARDS)
         self.edges = {(t.source, t.event, t.dest) for t in self.spec.transitions}
         self.model = AbstractModel(bound, self.spec)

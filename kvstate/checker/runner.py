@@ -23,7 +23,7 @@ from kvstate.checker.refinement import ObservedScheduler, Refinement, Refinement
 from kvstate.checker.replay import format_abstract_path
 from kvstate.errors import KVStateError
 from kvstate.semantics import Guard
-from kvstate.spec import Spec, Transition, load_spec, packaged_spec_path
+from kvstate.spec import Spec, Transition, default_spec, packaged_spec_path
 from kvstate.terminal import description_column, inert, say
 
 if TYPE_CHECKING:  # rich is imported only where a console is in use
@@ -74,7 +74,7 @@ def check_bound(
     **inject: Unpack[Injected],
 ) -> BoundReport:
     """Check one bound; `spec` and the semantics (`Injected`) may be injected (planted bugs)."""
-    spec = spec if spec is not None else load_spec()
+    spec = spec if spec is not None else default_spec()
     plan_invariants(spec)
     start = time.perf_counter()
     model = AbstractModel(bound, spec, inject.get("guards"), inject.get("effects", AbstractEffects), symmetry=False)
@@ -323,7 +323,7 @@ def run_check(  # noqa: PLR0913 - keyword-only, one per `kvstate check` option
     **inject: Unpack[Injected],
 ) -> tuple[int, list[BoundReport]]:
     """Check every bound, print the report; returns (exit code, reports)."""
-    spec = spec if spec is not None else load_spec()
+    spec = spec if spec is not None else default_spec()
     plan: InvariantPlan = plan_invariants(spec)
     say = _printer(console)
     say(f"kvstate check: spec {spec.source}; bounds {', '.join(b.name for b in bounds)}")

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from kvstate.spec import Spec, Transition, load_spec
+from kvstate.spec import Spec, Transition, default_spec
 from kvstate.trace import TRACE_FIELDS, TRACE_LIMITS, TraceError, open_trace, parse_line, trace_lines
 from kvstate.untrusted import Limits, shown
 
@@ -163,7 +163,7 @@ def validate_trace(
     `TraceError` when a path cannot be opened. `progress` is told the lines read so far every `PROGRESS_LINES`
     lines. Reading is linear in the lines: each costs O(1) whatever the number of requests.
     """
-    spec = spec if spec is not None else load_spec()
+    spec = spec if spec is not None else default_spec()
     if isinstance(source, (str, Path)):
         with open_trace(source) as handle:
             validator = _Validator(spec, str(source), limits, progress, file=True)

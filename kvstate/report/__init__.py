@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvstate.diagrams import DOT_MISSING
 from kvstate.report.model import TraceError, TraceSummary, load_lines, summarize
-from kvstate.spec import Spec, load_spec
+from kvstate.spec import Spec, default_spec
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +50,7 @@ def write_report(
     from kvstate.report.figures import write_figures
     from kvstate.report.html import render_html
 
-    spec = spec or load_spec()
+    spec = spec or default_spec()
     say = progress or (lambda _: None)
     summary = summarize(counted(load_lines(trace), say), loop=loop)
     unknown = sorted(set(summary.edge_counts) - {(t.event, t.source, t.dest) for t in spec.transitions})

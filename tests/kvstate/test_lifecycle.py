@@ -544,3 +544,15 @@ def test_machine_never_registers_models() -> None:
         assert set(vars(request)) == attributes, "the machine added attributes (add_model?) to a request"
         assert getattr(request, STATE_ATTRIBUTE) in SPEC.terminal_states
     assert len(lifecycle.machine.models) == 0
+
+
+@pytest.mark.parametrize("kind", ["machine", "compiled"])
+def test_without_a_spec_every_lifecycle_shares_the_packaged_one_parsed_once(kind: str) -> None:
+    from kvstate.lifecycle import make_lifecycle
+    from kvstate.spec import default_spec
+
+    first, second = make_lifecycle(kind), make_lifecycle(kind)
+    assert first.spec is second.spec is default_spec()
+    assert first.spec == SPEC  # the same content as a fresh parse of the packaged file
+    custom = make_lifecycle(kind, SPEC)
+    assert custom.spec is SPEC  # a spec passed in is used as given
