@@ -155,7 +155,14 @@ class TransitionTable(_SpecRules):
 
     def resolve(self, request: RequestView, event: str, pool: PoolView) -> Transition | None:
         """The edge `event` would take now, or None when the spec has none or no guard holds."""
-        for guard, transition in self._table.get((self.state_of(request), event), ()):
+        return self._resolve(self._table.get((self.state_of(request), event), ()), request, pool)
+
+    @staticmethod
+    def _resolve(
+        edges: tuple[tuple[Guard | None, Transition], ...], request: RequestView, pool: PoolView
+    ) -> Transition | None:
+        """The first of `edges` whose guard holds, or None."""
+        for guard, transition in edges:
             if guard is None or guard(request, pool):
                 return transition
         return None
@@ -164,13 +171,13 @@ class TransitionTable(_SpecRules):
         return self.resolve(request, event, pool) is not None
 
     def try_fire(self, request: R, event: str, pool: PoolView) -> Transition | None:
-        """`_SpecRules.try_fire` by a table lookup."""
-        transition = self.resolve(request, event, pool)
-        if transition is None:
-            if (self.state_of(request), event) not in self._table:
-                raise self._illegal(request, event)
-            return None
-        setattr(request, STATE_ATTRIBUTE, transition.dest)
+        """`_SpecRules.try_fire` by a table lookup (the request's state read once)."""
+        edges = self._table.get((self.state_of(request), event))
+        if edges is None:
+            raise self._illegal(request, event)
+        transition = self._resolve(edges, request, pool)
+        if transition is not None:
+            setattr(request, STATE_ATTRIBUTE, transition.dest)
         return transition
 
 

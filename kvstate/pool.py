@@ -218,6 +218,12 @@ class TieredBlockPool:
     def pipeline_stages(self) -> int:
         return self._pipeline_stages
 
+    def view_figures(self) -> tuple[int, int, bool, int]:
+        """`gpu_free_blocks`, `host_free_blocks`, `has_host_tier` and `pipeline_stages` read in one call (the first
+        four fields of a `kvstate.semantics.PassView`, which the scheduler builds for every decision)."""
+        host = self.host
+        return len(self.gpu._free), len(host._free), host.capacity > 0, self._pipeline_stages
+
     # ---- sizes
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return ceil_div(num_tokens, self.block_size)
@@ -259,11 +265,15 @@ class TieredBlockPool:
         still writes stay fenced by that copy until `complete` (FENCE), and are freed then. Releasing an owner
         again (it holds nothing now; its copies' destinations are fenced already) changes nothing: every sequence
         of releases during a copy is well defined."""
-        for plan in [p for p in self.in_flight.values() if p.request_id == owner]:
-            dest = self.host if plan.direction == TO_HOST else self.gpu
-            held = set(dest.held(owner))
-            dest.fence_blocks(owner, [dst for _, dst in plan.pairs if dst in held], plan.plan_id)
-        return len(self.gpu.release(owner)) + len(self.host.release(owner))
+        if self.in_flight:
+            for plan in [p for p in self.in_flight.values() if p.request_id == owner]:
+                dest = self.host if plan.direction == TO_HOST else self.gpu
+                held = set(dest.held(owner))
+                dest.fence_blocks(owner, [dst for _, dst in plan.pairs if dst in held], plan.plan_id)
+        released = len(self.gpu.release(owner))
+        if self.host.blocks_of:  # no host tier, or nobody in it: nothing to release there
+            released += len(self.host.release(owner))
+        return released
 
     # ---- migration
     def can_suspend(self, owner: Hashable) -> bool:

@@ -145,9 +145,10 @@ class Request:
 
     def reset_for_replay(self) -> None:
         """Make the replay prompt prompt + generated and clear every KV-derived counter (RESET-*)."""
-        if len(self.all_tokens) != len(self.prefill_tokens):
+        replay_prompt = self.all_tokens
+        if len(replay_prompt) != len(self.prefill_tokens):
             self.replay_high_water = 0  # tokens were generated since the last reset: a new replay prompt
-        self.prefill_tokens = self.all_tokens
+        self.prefill_tokens = replay_prompt
         self.num_computed_tokens = 0
         self.num_gpu_blocks = self.num_host_blocks = 0
         self.num_recompute_pauses += 1

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import operator
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from typing import Generic, Protocol, TypeVar
 
@@ -83,12 +84,8 @@ class UnknownRequestId(KVStateError, KeyError, ValueError):
         return str(self.args[0])
 
 
-def _by_arrival(request: Request) -> int:
-    return request.arrival
-
-
-def _by_admission(request: Request) -> int:
-    return request.admission
+_by_arrival: Callable[[Request], int] = operator.attrgetter("arrival")  # the order of the state containers
+_by_admission: Callable[[Request], int] = operator.attrgetter("admission")  # the order of `admitted` (VICTIM-TAIL)
 
 
 def _remove_ordered(items: list[Request], request: Request, key: Callable[[Request], int]) -> None:
@@ -160,6 +157,39 @@ class Holding(Protocol):
 
 
 Figures = tuple[int, int, int]  # (num_computed_tokens, len(prefill_tokens), num_gpu_blocks) of one request
+
+
+# What `Scheduler._figures_now` takes of one iteration, in the order `_stats_of` reads them
+_StatsFigures = tuple[int, SchedulerOutput, int, int, dict[str, int], int, int, int, int, int, int, int, int, int, bool]
+
+
+def _stats_of(figures: _StatsFigures, block_bytes: int) -> IterationStats:
+    """The `IterationStats` of the figures an iteration left (`Scheduler._figures_now`)."""
+    (iteration, out, recomputed, generated, counts, suspended, paused, suspended_kv, paused_kv, replay, gpu_used,
+     gpu_capacity, host_used, host_capacity, fallback) = figures  # fmt: skip
+    blocks = sum(p.num_blocks for p in out.migrations)
+    return IterationStats(
+        iteration=iteration,
+        requests_per_state=counts,
+        num_suspended=suspended,
+        num_recompute_paused=paused,
+        suspended_kv_tokens=suspended_kv,
+        recompute_paused_kv_tokens=paused_kv,
+        recompute_paused_tokens_to_replay=replay,
+        suspended_this_iteration=len(out.suspended),
+        recompute_paused_this_iteration=len(out.recompute_paused),
+        preemptions=len(out.suspended) + len(out.recompute_paused),
+        scheduled_tokens=out.num_tokens,
+        recomputed_tokens=recomputed,
+        generated_tokens=generated,
+        blocks_migrated=blocks,
+        bytes_migrated=blocks * block_bytes,
+        gpu_blocks_used=gpu_used,
+        gpu_capacity=gpu_capacity,
+        host_blocks_used=host_used,
+        host_capacity=host_capacity,
+        host_tier_fallback=fallback,
+    )
 
 
 def figures(request: Holding) -> Figures:
@@ -349,7 +379,8 @@ class Scheduler:
         self._decode_run: DecodeRun | None = None
         self._repeated: DecodeRun | None = None
         self._idle_iterations = 0
-        self._last_stats: IterationStats | None = None  # of the last completed iteration
+        self._last_figures: _StatsFigures | None = None  # of the last completed iteration (`_figures_now`)
+        self._last_stats: IterationStats | None = None  # built from them by the first `stats()` call since
 
     def _queue_of(self, event: str) -> list[Request]:
         """The queue of the one state the admission class `event` leaves."""
@@ -474,14 +505,11 @@ class Scheduler:
 
     def _view(self, pass_: SchedulingPass) -> PassView:
         """What the guards read for one decision: the pool's figures and those of `pass_`."""
-        pool = self.pool
+        config = self.config
         return PassView(
-            pool.gpu_free_blocks,
-            pool.host_free_blocks,
-            pool.has_host_tier,
-            pool.pipeline_stages,
-            self.config.block_size,
-            min(self.config.prefill_chunk_size, pass_.tokens_left),
+            *self.pool.view_figures(),
+            config.block_size,
+            min(config.prefill_chunk_size, pass_.tokens_left),
             pass_.number,
             pass_.promotion_worth,
         )
@@ -616,14 +644,15 @@ class Scheduler:
             if in_flight and request.request_id in in_flight:
                 continue  # its step is still in the pipeline (a request is in one micro-batch in flight at most), or
                 # its resume copy is: it computes once its KV is back
-            if request.num_computed_tokens < len(request.prefill_tokens):
+            computed = request.num_computed_tokens
+            if computed < len(request.prefill_tokens):
                 continuing.append(request)
                 continue
             if decodes == room:
                 break
             if request.state != active or (victims and id(request) in victims):
                 continue
-            if request.num_computed_tokens == request.num_gpu_blocks * block_size:  # its step opens a new block
+            if computed == request.num_gpu_blocks * block_size:  # its step opens a new block
                 if not pool.can_allocate(len(opening) + 1):  # none is left: room is made, or waited for, by the
                     self._open_blocks(opening, pass_)  # general path, once the pass's blocks and budgets are exact
                     opening = []
@@ -765,9 +794,12 @@ class Scheduler:
 
     def _victim_eligible(self, candidate: Request, pass_: SchedulingPass) -> bool:
         """`candidate` is in a victim state and no exclusion of the spec's policy (`victim_exclusions`) applies."""
-        return candidate.state in self._victim_states and not any(
-            excluded(self, candidate, pass_) for excluded in self._exclusions
-        )
+        if candidate.state not in self._victim_states:
+            return False
+        for excluded in self._exclusions:  # noqa: SIM110 (a loop, not `all` over a generator: it runs per candidate)
+            if excluded(self, candidate, pass_):
+                return False
+        return True
 
     def _victim_lands(self, pass_: SchedulingPass) -> bool:
         """The policy's `no_eligible_victim` rule waits (`wait_for_chunk_in_flight`) and some request that only
@@ -981,7 +1013,8 @@ class Scheduler:
         if self.in_flight:
             for request_id in output.chunk_tokens:
                 self.in_flight.pop(request_id, None)
-        self._last_stats = self._stats(output, recomputed, len(produced), iteration=self.iteration)  # a token each
+        self._last_figures = self._figures_now(output, recomputed, len(produced), iteration=self.iteration)
+        self._last_stats = None  # built from those figures by the next `stats()` call
         if progress:
             self._idle_iterations = 0
         return produced
@@ -1176,36 +1209,34 @@ class Scheduler:
     def stats(self) -> IterationStats:
         """Statistics of the last completed iteration; before the first one completes, the requests and the pool as
         they are (iteration 0, nothing done yet). Every state is in `requests_per_state` from the start."""
+        if self._last_figures is None:
+            return _stats_of(self._figures_now(SchedulerOutput(), 0, 0, iteration=0), self.config.block_bytes)
         if self._last_stats is None:
-            return self._stats(SchedulerOutput(), 0, 0, iteration=0)
+            self._last_stats = _stats_of(self._last_figures, self.config.block_bytes)
         return self._last_stats
 
-    def _stats(self, out: SchedulerOutput, recomputed: int, generated: int, *, iteration: int) -> IterationStats:
-        tally = self.tally
+    def _figures_now(self, out: SchedulerOutput, recomputed: int, generated: int, *, iteration: int) -> _StatsFigures:
+        """What the statistics of `out`'s iteration read of the scheduler now, O(states): `complete_step` takes them
+        on every step, `stats` builds them into an `IterationStats` only when asked (`out` is read then: no output
+        is mutated once planned, `SchedulerOutput.amended` makes a new one)."""
+        tally, gpu, host = self.tally, self.pool.gpu, self.pool.host
         counts = {**tally.counts, self._ended: len(self.finished)}
-        blocks = sum(p.num_blocks for p in out.migrations)
-        gpu, host = self.pool.gpu, self.pool.host
-        return IterationStats(
-            iteration=iteration,
-            requests_per_state=counts,
-            num_suspended=counts[self._offloaded],
-            num_recompute_paused=counts[self._dropped] + counts[self._pending_reset],
-            suspended_kv_tokens=tally.kv_tokens[self._offloaded],
-            recompute_paused_kv_tokens=tally.kv_tokens[self._pending_reset],
-            recompute_paused_tokens_to_replay=tally.replay_tokens[self._dropped],
-            suspended_this_iteration=len(out.suspended),
-            recompute_paused_this_iteration=len(out.recompute_paused),
-            preemptions=len(out.suspended) + len(out.recompute_paused),
-            scheduled_tokens=out.num_tokens,
-            recomputed_tokens=recomputed,
-            generated_tokens=generated,
-            blocks_migrated=blocks,
-            bytes_migrated=blocks * self.config.block_bytes,
-            gpu_blocks_used=gpu.capacity - gpu.num_free,  # held + fenced (CONS-GPU)
-            gpu_capacity=gpu.capacity,
-            host_blocks_used=host.capacity - host.num_free,
-            host_capacity=host.capacity,
-            host_tier_fallback=self.host_tier_fallback,
+        return (
+            iteration,
+            out,
+            recomputed,
+            generated,
+            counts,
+            counts[self._offloaded],
+            counts[self._dropped] + counts[self._pending_reset],
+            tally.kv_tokens[self._offloaded],
+            tally.kv_tokens[self._pending_reset],
+            tally.replay_tokens[self._dropped],
+            gpu.capacity - gpu.num_free,  # held + fenced (CONS-GPU)
+            gpu.capacity,
+            host.capacity - host.num_free,
+            host.capacity,
+            self.host_tier_fallback,
         )
 
     def check_invariants(self, output: SchedulerOutput | None = None) -> None:

@@ -196,3 +196,28 @@ def test_stats_before_the_first_step_count_every_state() -> None:
     assert stats.iteration == 0 and set(stats.requests_per_state) == {s.name for s in sched.spec.states}
     assert stats.requests_per_state["waiting"] == 3 and stats.requests_per_state["done"] == 0
     assert (stats.gpu_capacity, stats.host_capacity, stats.gpu_blocks_used) == (15, 6, 0)
+
+
+def test_stats_describe_the_iteration_as_it_ended_even_when_read_after_later_events() -> None:
+    """`stats()` is built when first read, from figures taken when the iteration completed: a cancel or a
+    submission after `complete_step` does not show in it, and reading it twice gives the same value; the next
+    completed iteration shows them."""
+    sched, ex = scenario(host_blocks=6)
+    ex.step()
+    out = ex.step()
+    running = len(in_state(sched, "running"))
+    used, finished = sched.pool.gpu.capacity - sched.pool.gpu.num_free, len(sched.finished)
+    victim = next(r for r in sched.requests.values() if r.state == "running")
+    sched.cancel(victim.request_id)
+    sched.submit([7, 8], 1, request_id="late")
+    stats = sched.stats()
+    assert stats.requests_per_state["running"] == running and "late" in sched.requests
+    assert stats.requests_per_state["waiting"] == len(in_state(sched, "waiting")) - 1
+    assert stats.requests_per_state["done"] == finished < len(sched.finished)
+    assert stats.gpu_blocks_used == used > sched.pool.gpu.capacity - sched.pool.gpu.num_free
+    assert stats.scheduled_tokens == sum(out.chunk_tokens.values())
+    assert sched.stats() is stats
+    ex.step()
+    after = sched.stats()
+    assert after.iteration == stats.iteration + 1
+    assert after.requests_per_state["done"] == len(sched.finished)
