@@ -121,6 +121,8 @@ class Tier:
 
     def release(self, owner: Hashable) -> tuple[int, ...]:
         blocks = self.blocks_of.pop(owner, ())
+        if not blocks:
+            return blocks  # it holds nothing here (the host tier of a GPU-only victim, a second release)
         for block in blocks:
             del self.owner_of[block]
         self.give_back(blocks)
@@ -218,12 +220,6 @@ class TieredBlockPool:
     def pipeline_stages(self) -> int:
         return self._pipeline_stages
 
-    def view_figures(self) -> tuple[int, int, bool, int]:
-        """`gpu_free_blocks`, `host_free_blocks`, `has_host_tier` and `pipeline_stages` read in one call (the first
-        four fields of a `kvstate.semantics.PassView`, which the scheduler builds for every decision)."""
-        host = self.host
-        return len(self.gpu._free), len(host._free), host.capacity > 0, self._pipeline_stages
-
     # ---- sizes
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return ceil_div(num_tokens, self.block_size)
@@ -270,10 +266,7 @@ class TieredBlockPool:
                 dest = self.host if plan.direction == TO_HOST else self.gpu
                 held = set(dest.held(owner))
                 dest.fence_blocks(owner, [dst for _, dst in plan.pairs if dst in held], plan.plan_id)
-        released = len(self.gpu.release(owner))
-        if self.host.blocks_of:  # no host tier, or nobody in it: nothing to release there
-            released += len(self.host.release(owner))
-        return released
+        return len(self.gpu.release(owner)) + len(self.host.release(owner))
 
     # ---- migration
     def can_suspend(self, owner: Hashable) -> bool:

@@ -56,7 +56,7 @@ import bisect
 import itertools
 import operator
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from kvstate.config import RequestRejected, SchedulerConfig, normalize_stop_token_ids
 from kvstate.errors import InvariantViolation, KVStateError, PoolError
@@ -159,36 +159,18 @@ class Holding(Protocol):
 Figures = tuple[int, int, int]  # (num_computed_tokens, len(prefill_tokens), num_gpu_blocks) of one request
 
 
-# What `Scheduler._figures_now` takes of one iteration, in the order `_stats_of` reads them
-_StatsFigures = tuple[int, SchedulerOutput, int, int, dict[str, int], int, int, int, int, int, int, int, int, int, bool]
-
-
-def _stats_of(figures: _StatsFigures, block_bytes: int) -> IterationStats:
-    """The `IterationStats` of the figures an iteration left (`Scheduler._figures_now`)."""
-    (iteration, out, recomputed, generated, counts, suspended, paused, suspended_kv, paused_kv, replay, gpu_used,
-     gpu_capacity, host_used, host_capacity, fallback) = figures  # fmt: skip
+def _stats_of(out: SchedulerOutput, figures: dict[str, Any], block_bytes: int) -> IterationStats:
+    """The `IterationStats` of `out`'s iteration: the `figures` the scheduler took when it completed
+    (`Scheduler._figures_now`), and what `out` itself says."""
     blocks = sum(p.num_blocks for p in out.migrations)
     return IterationStats(
-        iteration=iteration,
-        requests_per_state=counts,
-        num_suspended=suspended,
-        num_recompute_paused=paused,
-        suspended_kv_tokens=suspended_kv,
-        recompute_paused_kv_tokens=paused_kv,
-        recompute_paused_tokens_to_replay=replay,
+        **figures,
         suspended_this_iteration=len(out.suspended),
         recompute_paused_this_iteration=len(out.recompute_paused),
         preemptions=len(out.suspended) + len(out.recompute_paused),
         scheduled_tokens=out.num_tokens,
-        recomputed_tokens=recomputed,
-        generated_tokens=generated,
         blocks_migrated=blocks,
         bytes_migrated=blocks * block_bytes,
-        gpu_blocks_used=gpu_used,
-        gpu_capacity=gpu_capacity,
-        host_blocks_used=host_used,
-        host_capacity=host_capacity,
-        host_tier_fallback=fallback,
     )
 
 
@@ -379,7 +361,7 @@ class Scheduler:
         self._decode_run: DecodeRun | None = None
         self._repeated: DecodeRun | None = None
         self._idle_iterations = 0
-        self._last_figures: _StatsFigures | None = None  # of the last completed iteration (`_figures_now`)
+        self._last_figures: tuple[SchedulerOutput, dict[str, Any]] | None = None  # of the last iteration
         self._last_stats: IterationStats | None = None  # built from them by the first `stats()` call since
 
     def _queue_of(self, event: str) -> list[Request]:
@@ -505,9 +487,12 @@ class Scheduler:
 
     def _view(self, pass_: SchedulingPass) -> PassView:
         """What the guards read for one decision: the pool's figures and those of `pass_`."""
-        config = self.config
+        pool, config = self.pool, self.config
         return PassView(
-            *self.pool.view_figures(),
+            pool.gpu_free_blocks,
+            pool.host_free_blocks,
+            pool.has_host_tier,
+            pool.pipeline_stages,
             config.block_size,
             min(config.prefill_chunk_size, pass_.tokens_left),
             pass_.number,
@@ -1013,7 +998,7 @@ class Scheduler:
         if self.in_flight:
             for request_id in output.chunk_tokens:
                 self.in_flight.pop(request_id, None)
-        self._last_figures = self._figures_now(output, recomputed, len(produced), iteration=self.iteration)
+        self._last_figures = output, self._figures_now(recomputed, len(produced), iteration=self.iteration)
         self._last_stats = None  # built from those figures by the next `stats()` call
         if progress:
             self._idle_iterations = 0
@@ -1210,34 +1195,33 @@ class Scheduler:
         """Statistics of the last completed iteration; before the first one completes, the requests and the pool as
         they are (iteration 0, nothing done yet). Every state is in `requests_per_state` from the start."""
         if self._last_figures is None:
-            return _stats_of(self._figures_now(SchedulerOutput(), 0, 0, iteration=0), self.config.block_bytes)
+            return _stats_of(SchedulerOutput(), self._figures_now(0, 0, iteration=0), self.config.block_bytes)
         if self._last_stats is None:
-            self._last_stats = _stats_of(self._last_figures, self.config.block_bytes)
+            self._last_stats = _stats_of(*self._last_figures, self.config.block_bytes)
         return self._last_stats
 
-    def _figures_now(self, out: SchedulerOutput, recomputed: int, generated: int, *, iteration: int) -> _StatsFigures:
-        """What the statistics of `out`'s iteration read of the scheduler now, O(states): `complete_step` takes them
-        on every step, `stats` builds them into an `IterationStats` only when asked (`out` is read then: no output
-        is mutated once planned, `SchedulerOutput.amended` makes a new one)."""
+    def _figures_now(self, recomputed: int, generated: int, *, iteration: int) -> dict[str, Any]:
+        """The `IterationStats` fields of an iteration that the scheduler's state gives, read now in O(states):
+        `complete_step` takes them on every step, `stats` builds the record only when asked (with what its output
+        says: no output is mutated once planned, `SchedulerOutput.amended` makes a new one)."""
         tally, gpu, host = self.tally, self.pool.gpu, self.pool.host
         counts = {**tally.counts, self._ended: len(self.finished)}
-        return (
-            iteration,
-            out,
-            recomputed,
-            generated,
-            counts,
-            counts[self._offloaded],
-            counts[self._dropped] + counts[self._pending_reset],
-            tally.kv_tokens[self._offloaded],
-            tally.kv_tokens[self._pending_reset],
-            tally.replay_tokens[self._dropped],
-            gpu.capacity - gpu.num_free,  # held + fenced (CONS-GPU)
-            gpu.capacity,
-            host.capacity - host.num_free,
-            host.capacity,
-            self.host_tier_fallback,
-        )
+        return {
+            "iteration": iteration,
+            "requests_per_state": counts,
+            "num_suspended": counts[self._offloaded],
+            "num_recompute_paused": counts[self._dropped] + counts[self._pending_reset],
+            "suspended_kv_tokens": tally.kv_tokens[self._offloaded],
+            "recompute_paused_kv_tokens": tally.kv_tokens[self._pending_reset],
+            "recompute_paused_tokens_to_replay": tally.replay_tokens[self._dropped],
+            "recomputed_tokens": recomputed,
+            "generated_tokens": generated,
+            "gpu_blocks_used": gpu.capacity - gpu.num_free,  # held + fenced (CONS-GPU)
+            "gpu_capacity": gpu.capacity,
+            "host_blocks_used": host.capacity - host.num_free,
+            "host_capacity": host.capacity,
+            "host_tier_fallback": self.host_tier_fallback,
+        }
 
     def check_invariants(self, output: SchedulerOutput | None = None) -> None:
         """Raise `InvariantViolation` unless the pool, every request and `output` satisfy the spec's invariants."""

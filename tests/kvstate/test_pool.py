@@ -7,8 +7,6 @@ the pool's own tables (`usage()`, `gpu_blocks()`, `host_blocks()`), not from pri
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from kvstate.errors import InvariantViolation, PoolError
 from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan, TieredBlockPool, ceil_div
@@ -239,41 +237,6 @@ def test_set_host_capacity_attaches_and_detaches_an_empty_host_tier() -> None:
     assert pool.has_host_tier and pool.host_free_blocks == 3
     pool.set_host_capacity(0)
     assert not pool.has_host_tier
-    assert_conserved(pool)
-
-
-OPERATIONS = st.lists(
-    st.tuples(st.sampled_from(["allocate", "suspend", "resume", "complete", "release", "host"]), st.integers(0, 3)),
-    max_size=30,
-)
-
-
-@given(gpu=st.integers(1, 8), host=st.integers(0, 8), stages=st.integers(1, 3), operations=OPERATIONS)
-def test_view_figures_are_the_pool_view_properties_after_any_operations(
-    gpu: int, host: int, stages: int, operations: list[tuple[str, int]]
-) -> None:
-    """`view_figures` (what the scheduler copies into every guard's `PassView`) reads what the four `PoolView`
-    properties read, whatever allocations, copies, releases and host tier changes came before."""
-    pool = TieredBlockPool(gpu_blocks=gpu, host_blocks=host, pipeline_stages=stages)
-    for operation, n in operations:
-        if operation == "allocate" and pool.can_allocate(1):
-            pool.allocate(n, 1)
-        elif operation == "suspend" and pool.can_suspend(n):
-            pool.suspend(n)
-        elif operation == "resume" and pool.can_resume(n):
-            pool.resume(n)
-        elif operation == "complete" and pool.in_flight:
-            pool.complete(next(iter(pool.in_flight.values())))
-        elif operation == "release":
-            pool.release(n)
-        elif operation == "host" and not pool.host.owner_of and not pool.host.fenced:
-            pool.set_host_capacity(n * 2)
-        assert pool.view_figures() == (
-            pool.gpu_free_blocks,
-            pool.host_free_blocks,
-            pool.has_host_tier,
-            pool.pipeline_stages,
-        )
     assert_conserved(pool)
 
 
