@@ -36,17 +36,39 @@ R = TypeVar("R", bound=RequestView)  # the request a transition fires on, and so
 
 
 class _SpecRules(ABC):
-    """What both implementations share: the spec, its guards, the events allowed from each state, the errors, and
+    """What both implementations share: the spec, its guards, the events allowed from each state, the edges each
+    (state, event) may take with their guards (`resolve`, `can_fire`: asking without firing), the errors, and
     `fire` on top of each one's `try_fire`."""
 
     def __init__(self, spec: Spec | None = None, guards: Mapping[str, Guard] = GUARDS) -> None:
         self.spec = spec if spec is not None else default_spec()
         self.guards = dict(guards)
         allowed: dict[str, list[str]] = {s.name: [] for s in self.spec.states}
+        table: dict[tuple[str, str], list[tuple[Guard | None, Transition]]] = {}
         for t in self.spec.transitions:
             if t.event not in allowed[t.source]:
                 allowed[t.source].append(t.event)
+            table.setdefault((t.source, t.event), []).append((self.guards[t.guard] if t.guard else None, t))
         self._allowed = {state: tuple(events) for state, events in allowed.items()}
+        self._table = {key: tuple(edges) for key, edges in table.items()}
+
+    def resolve(self, request: RequestView, event: str, pool: PoolView) -> Transition | None:
+        """The edge `event` would take now, or None when the spec has none or no guard holds (nothing fires)."""
+        return self._resolve(self._table.get((self.state_of(request), event), ()), request, pool)
+
+    @staticmethod
+    def _resolve(
+        edges: tuple[tuple[Guard | None, Transition], ...], request: RequestView, pool: PoolView
+    ) -> Transition | None:
+        """The first of `edges` whose guard holds, or None."""
+        for guard, transition in edges:
+            if guard is None or guard(request, pool):
+                return transition
+        return None
+
+    def can_fire(self, request: RequestView, event: str, pool: PoolView) -> bool:
+        """Some guard of `event` from the request's state holds on `pool` (nothing fires)."""
+        return self.resolve(request, event, pool) is not None
 
     def start(self, request: object) -> None:
         """Put a new request in the spec's initial state."""
@@ -140,35 +162,12 @@ class Lifecycle(_SpecRules):
 
 
 class TransitionTable(_SpecRules):
-    """The hot-path form of the same spec: a dictionary from (state, event) to the candidate edges.
+    """The hot-path form of the same spec: fires by looking the edge up in the dictionary from (state, event) to the
+    candidate edges that both implementations keep (`_SpecRules.resolve`).
 
     Gives the same answers as `Lifecycle` (a Hypothesis test checks every state, event and guard outcome)
     at the cost of one dictionary lookup and the guard calls.
     """
-
-    def __init__(self, spec: Spec | None = None, guards: Mapping[str, Guard] = GUARDS) -> None:
-        super().__init__(spec, guards)
-        table: dict[tuple[str, str], list[tuple[Guard | None, Transition]]] = {}
-        for t in self.spec.transitions:
-            table.setdefault((t.source, t.event), []).append((self.guards[t.guard] if t.guard else None, t))
-        self._table = {key: tuple(edges) for key, edges in table.items()}
-
-    def resolve(self, request: RequestView, event: str, pool: PoolView) -> Transition | None:
-        """The edge `event` would take now, or None when the spec has none or no guard holds."""
-        return self._resolve(self._table.get((self.state_of(request), event), ()), request, pool)
-
-    @staticmethod
-    def _resolve(
-        edges: tuple[tuple[Guard | None, Transition], ...], request: RequestView, pool: PoolView
-    ) -> Transition | None:
-        """The first of `edges` whose guard holds, or None."""
-        for guard, transition in edges:
-            if guard is None or guard(request, pool):
-                return transition
-        return None
-
-    def can_fire(self, request: RequestView, event: str, pool: PoolView) -> bool:
-        return self.resolve(request, event, pool) is not None
 
     def try_fire(self, request: R, event: str, pool: PoolView) -> Transition | None:
         """`_SpecRules.try_fire` by a table lookup (the request's state read once)."""

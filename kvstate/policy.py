@@ -372,6 +372,14 @@ class _PassCheck:
                     f"room for {victim!r}, whose KV is worth only {self.by_id[victim].kv_tokens}: promotion must "
                     "throw away less KV than it saves",
                 )
+        suspended_victims = {d.victim for d in self.record.decisions if isinstance(d, Victim) and d.event == "suspend"}
+        for victim, promoted in groups.items():
+            if victim not in suspended_victims:
+                self.fail(
+                    "PROMOTE-GATE",
+                    f"requests {promoted!r} were promoted to make host room for {victim!r}, which was then not "
+                    "suspended: a promotion is only for a victim it lets suspend (SPEC.md 7.3), never wasted",
+                )
 
     # ---- admissions
     def admitted(self) -> list[Hashable]:

@@ -836,8 +836,10 @@ class Scheduler:
 
     def _promote_for(self, victim: Request, pass_: SchedulingPass) -> bool:
         """Promote requests suspended earlier in this pass to recompute-pause, most recent first, to make host room
-        for `victim`: the shortest such group that makes room, and only while its KV is worth less than the
-        victim's (the spec's promotion gate decides each one; the group is checked against the same rule first)."""
+        for `victim`: the shortest such group that makes room, only while its KV is worth less than the victim's
+        (the spec's promotion gate decides each one; the group is checked against the same rule first), and only
+        when `suspend` would then fire on the victim (its guard holds on the pool with the group's host blocks
+        free: not while a copy of the victim is in flight, SPEC.md 7.3): a promotion is never wasted."""
         if (
             not self.pool.has_host_tier
             or not self.config.enable_recompute_pause
@@ -852,6 +854,9 @@ class Scheduler:
             group.append(candidate)
             freed += candidate.num_host_blocks
         if freed < missing or not promotion_saves_kv(sum(c.kv_tokens for c in group), victim.kv_tokens):
+            return False
+        room_made = self._view(pass_)._replace(host_free_blocks=self.pool.host_free_blocks + freed)
+        if not self.lifecycle.can_fire(victim, "suspend", room_made):
             return False
         pass_.promotion_worth = victim.kv_tokens
         for candidate in group:

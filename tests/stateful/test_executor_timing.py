@@ -13,13 +13,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
+import kvstate.lifecycle as lifecycle_module
 import kvstate.pool as pool_module
 from kvstate import load_spec
 from kvstate.config import SchedulerConfig
+from kvstate.errors import InvariantViolation
 from kvstate.sim import SimExecutor
 from kvstate.spec import Spec
 from kvstate.testing import ConformanceMachine, KVStateAdapter, LifecycleViolation
@@ -193,3 +196,23 @@ def test_the_machine_finds_the_double_release_of_a_request_whose_copy_is_in_flig
     machine = timing_machine(TIGHT, "OldReleaseTiming", machine=ReleaseBurstMachine, micro_batches=2, copy_delay=1)
     err = find_failure(machine, LifecycleViolation)
     assert "raised KeyError" in str(err)
+
+
+# ------------------------------------------------------------------------ a wasted promotion, found by the machine
+def test_the_roomy_machines_wasted_promotion_replays_clean() -> None:
+    """The step list of `roomy_wasted_promotion` passes every check: a promotion is tried only when `suspend` would
+    then fire on its victim (`Scheduler._promote_for` asks the lifecycle's `can_fire`)."""
+    from tests.stateful.roomy_wasted_promotion import replay  # it imports this module's machine
+
+    replay()
+
+
+def test_a_promotion_for_a_victim_that_cannot_suspend_is_caught(monkeypatch) -> None:
+    """With that question planted away (suspend always looks possible), the same step list breaks PROMOTE-GATE: the
+    policy's pass check finds a promotion whose victim was then recompute-paused."""
+    from tests.stateful.roomy_wasted_promotion import replay  # it imports this module's machine
+
+    monkeypatch.setattr(lifecycle_module._SpecRules, "can_fire", lambda self, request, event, pool: True)
+    with pytest.raises(InvariantViolation) as info:
+        replay()
+    assert info.value.invariant_id == "PROMOTE-GATE" and "then not suspended" in str(info.value)
