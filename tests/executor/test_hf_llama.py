@@ -86,6 +86,26 @@ def test_transformers_agrees(tmp_path, tied):
         torch.testing.assert_close(out[0], expected[pos], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("width", [64, 100, 576, 960])
+def test_rms_norm_is_transformers_bit_for_bit_on_the_cpu(width):
+    """Our RMSNorm in float32 (a sum divided by the width on the CPU, where torch's mean is that) gives
+    transformers' `LlamaRMSNorm` float for float, at widths that are powers of two and that are not (in float64
+    transformers normalizes in float32, we in float64)."""
+    dtype = torch.float32
+    modeling = pytest.importorskip("transformers.models.llama.modeling_llama")
+    from executor.model import RMSNorm
+
+    generator = torch.Generator().manual_seed(width)
+    weight = 1 + 0.1 * torch.randn(width, generator=generator, dtype=torch.float64)
+    ours, theirs = RMSNorm(width, 1e-6).to(dtype), modeling.LlamaRMSNorm(width, eps=1e-6).to(dtype)
+    for norm in (ours, theirs):
+        norm.weight.data.copy_(weight)
+    for scale in (1e-3, 1.0, 300.0):
+        x = scale * torch.randn(37, width, generator=generator, dtype=torch.float64).to(dtype)
+        with torch.no_grad():
+            assert torch.equal(ours(x), theirs(x)), scale
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_load_a_checkpoint_written_by_transformers(tmp_path, tied):
     """A checkpoint saved by `transformers` itself (its file layout and config keys) loads and agrees."""

@@ -92,3 +92,34 @@ def test_blocks_that_change_owner_while_the_planner_sees_no_batch_are_never_read
     after = [SeqChunk((9,), 6, tuple(shared), owner="b"), SeqChunk((10,), 6, other, owner="c")]
     logits = tiny_model.forward_paged(planner.plan(after), planned)
     assert torch.equal(logits, tiny_model.forward_paged(PagedBatch.build(after, BLOCK), fresh))
+
+
+def test_leaving_from_the_front_or_the_back_and_joining_into_spare_rows_copy_no_kept_rows(tiny_model) -> None:
+    """Six requests decode; the oldest leave from the front, then the newest from the back, then two join, then
+    one leaves from the middle: every step's logits equal a fresh build's, and the kept keys and values stay in
+    the buffers they were gathered into (views moved, no rows copied) until the middle leaves."""
+    rng = random.Random(11)
+    tables = [tuple(range(5 * i, 5 * i + 5)) for i in range(8)]
+    lengths = [9, 3, 5, 4, 7, 6, 8, 2]  # within the 3 blocks the first batch gives each request
+    planned, fresh = (PagedKVCache.for_model(tiny_model, 40, block_size=BLOCK, device="cpu") for _ in range(2))
+    prefill = [
+        SeqChunk(tuple(rng.randrange(512) for _ in range(n)), 0, t) for n, t in zip(lengths, tables, strict=True)
+    ]
+    for cache in (planned, fresh):
+        tiny_model.forward_paged(PagedBatch.build(prefill, BLOCK), cache)
+    planner = BatchPlanner(BLOCK)
+    batches = [[0, 1, 2, 3, 4, 5], [2, 3, 4, 5], [2, 3, 4], [2, 3, 4, 6, 7], [2, 4, 6, 7]]
+    buffers = []
+    for live in batches:
+        chunks = [SeqChunk((rng.randrange(512),), lengths[i], tables[i]) for i in live]
+        batch = planner.plan(_columns(chunks))
+        logits = tiny_model.forward_paged(batch, planned)
+        assert torch.equal(logits, tiny_model.forward_paged(PagedBatch.build(chunks, BLOCK), fresh)), live
+        assert batch.positions.tolist() == [lengths[i] for i in live]
+        kept = batch.decode_kv.kept.values()
+        assert all(keys.shape[0] == len(live) for keys, _ in kept)
+        buffers.append([t.untyped_storage().data_ptr() for pair in kept for t in pair])  # the memory they view
+        for i in live:
+            lengths[i] += 1
+    assert planner.builds == 1 and planner.reuses == len(batches) - 1
+    assert [later == buffers[0] for later in buffers[1:]] == [True, True, True, False]

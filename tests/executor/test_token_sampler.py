@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from executor import SamplingParams, draw_seed, sample_token
-from executor.sampler import sample_batch
+from executor.sampler import greedy_tokens, sample_batch
 
 
 def _logits(seed=0, vocab=64) -> torch.Tensor:
@@ -33,6 +35,23 @@ def test_draw_seed_does_not_use_salted_hash():
 def test_greedy_is_argmax():
     logits = _logits()
     assert sample_token(logits, SamplingParams(), seed=0, request_id=0, position=0) == int(logits.argmax())
+
+
+# few distinct values, so rows hold ties, NaNs and infinities as often as not
+_LOGIT = st.sampled_from([0.0, -1.5, 2.0, 2.0 + 2**-20, float("inf"), float("-inf"), float("nan")])
+
+
+@given(
+    rows=st.integers(1, 5).flatmap(
+        lambda n: st.lists(st.lists(_LOGIT, min_size=n, max_size=n), min_size=1, max_size=4)
+    ),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+)
+def test_greedy_tokens_pick_as_torch_argmax_does(rows, dtype):
+    """The first of equal largest logits, a NaN counting as largest, in every dtype (numpy reads all but
+    bfloat16 on the CPU)."""
+    logits = torch.tensor(rows, dtype=torch.float64).to(dtype)
+    assert greedy_tokens(logits) == torch.argmax(logits, dim=-1).tolist()
 
 
 def test_seeded_draw_is_reproducible_and_position_dependent():
