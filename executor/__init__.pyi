@@ -3,7 +3,6 @@
 
 from .checkpoint import load_checkpoint
 from .checkpoint_files import CheckpointError
-from .decode_kv import DecodeKV
 from .engine import (
     Engine,
     EngineClosed,
@@ -28,7 +27,7 @@ from .kv_cache import (
     PagedKVCache,
     resolve_device,
 )
-from .model import BatchPlanner, LlamaModel, ModelConfig, PagedBatch, SeqChunk
+from .model import BatchPlanner, DecodeKV, LlamaModel, ModelConfig, PagedBatch, SeqChunk
 from .sampler import GREEDY, SamplingParams, draw_seed, sample_token
 from .trace import TRACE_FIELDS, TraceWriter, read_trace, trace_record
 

@@ -46,8 +46,7 @@ from typing import Protocol
 
 import torch
 
-from executor.index_tensors import host_longs
-from executor.model import ModelConfig
+from executor.model import ModelConfig, host_longs
 from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan
 
 GATHER_MIN_RUNS = 4  # a CPU plan with more runs than this is copied by one gather/scatter, not run by run

@@ -35,6 +35,7 @@ Invariants kept:
 
 from __future__ import annotations
 
+import array
 import functools
 import itertools
 import math
@@ -47,8 +48,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor.decode_kv import DECODE_KV_BUDGET_BYTES, DecodeKV, gather_blocks, picked, row_pick
-from executor.index_tensors import host_longs, key_positions
 from kvstate.pool import ceil_div
 
 
@@ -209,6 +208,22 @@ class _AttnGroup:
     valid: torch.Tensor | None  # [rows] indices of the real query rows in ``B * Q``; None: all are real
 
 
+def host_longs(values: Sequence[int], *, pinned: bool = False) -> torch.Tensor:
+    """`values` as an int64 CPU tensor (pinned on request), through an `array.array`: ~30x cheaper than
+    ``torch.tensor(list)``, which inspects every Python int on its own."""
+    if not values:
+        return torch.empty(0, dtype=torch.long, pin_memory=pinned)
+    tensor = torch.frombuffer(array.array("q", values), dtype=torch.long)  # shares the array's memory
+    return tensor.pin_memory() if pinned else tensor
+
+
+@functools.lru_cache(maxsize=64)
+def key_positions(num_keys: int, device: torch.device) -> torch.Tensor:
+    """``0 .. num_keys - 1`` on `device` (made once per length and device; never mutated)."""
+    with torch.inference_mode(False):  # a normal tensor, usable outside inference mode too
+        return torch.arange(num_keys, device=device)
+
+
 class _Indices:
     """The integer lists of one batch, gathered so that they become one tensor with one upload (pinned and
     non-blocking on CUDA: the host never waits for the copy, nor for work queued before it); each list comes
@@ -288,6 +303,167 @@ def _attention_mask(query_pos: torch.Tensor, plan: dict) -> torch.Tensor:
     """``[B, 1, Q, K]``: key position <= query position (causal, and nothing past a request's context)."""
     key_pos = key_positions(plan["num_keys"], query_pos.device)
     return (key_pos <= query_pos[:, None]).view(plan["num_seqs"], 1, plan["num_queries"], -1)
+
+
+DECODE_KV_BUDGET_BYTES = 256 << 20  # what `DecodeKV` may keep, all layers together; past it, layers gather anew
+SPARE_ROWS = 0.5  # rows a layer's buffers hold beyond the plan's requests, as a share of them (for joins)
+
+KeysValues = tuple[torch.Tensor, torch.Tensor]
+
+
+class _KeptLayer:
+    """One layer's kept keys and values. Invariant: rows ``first .. first + count`` of the two buffers
+    (``[capacity, kv_heads, span, head_dim]`` each) hold the plan's requests in batch order, every slot of them
+    written; the other rows are spare (room for requests that join, or rows of requests that left the front) and
+    are never read."""
+
+    __slots__ = ("count", "first", "keys", "values")
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, count: int) -> None:
+        self.keys, self.values, self.first, self.count = keys, values, 0, count
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[0]
+
+    def live(self) -> KeysValues:
+        """The rows of the plan's requests: views of the buffers."""
+        end = self.first + self.count
+        return self.keys[self.first : end], self.values[self.first : end]
+
+    def rows(self, begin: int, end: int) -> KeysValues:
+        """Rows ``begin .. end`` of the plan (0: its first request), which may be spare ones after the live."""
+        return self.keys[self.first + begin : self.first + end], self.values[self.first + begin : self.first + end]
+
+
+class DecodeKV:
+    """The keys and values a reused decode plan attends over, kept from one step to the next (`BatchPlanner`).
+
+    A decode step of an unchanged batch reads the same blocks as the step before, plus one new key and value per
+    request. So the first step of a plan gathers each layer's blocks from the cache as usual, head-major ``[B,
+    kv_heads, span, head_dim]`` (`gather_blocks`: each head's keys contiguous, the layout attention reads
+    fastest), and keeps them; each later step writes only its new key and value into them (row i, at request i's
+    position) after writing them into the cache, instead of gathering every block again.
+
+    The batch changes serving sees copy none of the rows that stay: each layer keeps its rows in buffers with
+    spare rows (`_KeptLayer`, `SPARE_ROWS`). Requests that joined the plan since the last step (its last rows,
+    `_DecodePlan`) have their blocks alone gathered into the spare rows after the kept ones; requests that left
+    from the front or the back of the batch (the oldest finish first) only move where the kept rows begin or end.
+    A join past the spare rows (new buffers, with spare rows again) and requests leaving from the middle (the
+    rows that stay, selected into new buffers) are the only copies of kept rows.
+
+    Invariants: it belongs to one plan (the planner makes a new one for every plan it builds), whose requests
+    only append to their own blocks while it is reused, so at every position a request attends (its context) the
+    kept rows (`kept[layer]`, views of the buffers, request i at row i) hold exactly what a fresh gather of the
+    cache would; positions past a request's context may hold other finite values, which its attention masks to
+    probability 0 either way. Layers are kept while their buffers fit `budget` (the rest gather every step), so a
+    large model on a small device keeps nothing extra."""
+
+    __slots__ = ("_layers", "budget", "kept")
+
+    def __init__(self, budget: int = DECODE_KV_BUDGET_BYTES) -> None:
+        self.budget = budget
+        self.kept: dict[int, KeysValues] = {}  # layer -> (keys, values) [B, Hkv, span, D]: `_layers[layer].live()`
+        self._layers: dict[int, _KeptLayer] = {}
+
+    def read(
+        self, layer: int, cache: KeysValues, group: _AttnGroup, new: KeysValues, positions: torch.Tensor
+    ) -> KeysValues:
+        """The keys and values of `group` (one decode step per request, in batch order) for `layer`: kept and
+        updated with `new` ([B, kv_heads, head_dim] each) at `positions`, or gathered from `cache` (the layer's
+        keys and values) and kept when they fit the budget."""
+        kept = self.kept.get(layer)
+        if kept is not None and kept[0].shape[0] < group.num_seqs:  # requests joined: gather theirs alone
+            kept = self._joined(layer, cache, group)
+        if kept is not None:
+            rows = key_positions(group.num_seqs, positions.device)
+            for tensor, values in zip(kept, new, strict=True):
+                tensor.transpose(1, 2).index_put_((rows, positions), values)  # token-major view: [B, span, Hkv, D]
+            return kept
+        fresh = self._allocated(layer, cache[0], group)
+        if fresh is None:
+            return gather_blocks(cache, group)
+        gather_blocks(cache, group, out=fresh.live())
+        return self._keep(layer, fresh)
+
+    def keep_rows(self, rows: slice | torch.Tensor) -> None:
+        """Only the requests of these rows stay in the plan (`row_pick`: consecutive rows, or increasing ones on
+        the device): keep theirs alone, in this order."""
+        for layer, kept_layer in list(self._layers.items()):
+            if isinstance(rows, slice):  # the others left from the front or the back: the rows that stay stay put
+                kept_layer.first += rows.start
+                kept_layer.count = rows.stop - rows.start
+                self.kept[layer] = kept_layer.live()
+            else:  # from the middle: the rows that stay, selected into new buffers without spare rows
+                keys, values = kept_layer.live()
+                self._keep(layer, _KeptLayer(picked(keys, rows), picked(values, rows), len(rows)))
+
+    def _joined(self, layer: int, cache: KeysValues, group: _AttnGroup) -> KeysValues | None:
+        """The kept rows with those of the requests that joined `group` since (its last rows) gathered after them;
+        None (the layer is no longer kept) when they need more rows than the spare ones and the budget allows."""
+        kept_layer, n = self._layers[layer], group.num_seqs
+        have = kept_layer.count
+        if kept_layer.first + n > kept_layer.capacity:  # past the spare rows: new buffers, the kept rows moved
+            del self._layers[layer], self.kept[layer]
+            grown = self._allocated(layer, cache[0], group)
+            if grown is None:
+                return None
+            for source, target in zip(kept_layer.live(), grown.rows(0, have), strict=True):
+                target.copy_(source)
+            kept_layer = grown
+        joined = replace(group, num_seqs=n - have, blocks=group.blocks[have * group.num_blocks :])
+        gather_blocks(cache, joined, out=kept_layer.rows(have, n))
+        kept_layer.count = n
+        return self._keep(layer, kept_layer)
+
+    def _allocated(self, layer: int, like: torch.Tensor, group: _AttnGroup) -> _KeptLayer | None:
+        """Empty buffers for `layer` with a row per request of `group` (live) and `SPARE_ROWS` more as far as the
+        budget allows beside the other layers' buffers; None when not even the live rows fit."""
+        span, kv_heads, head_dim = group.num_blocks * like.shape[1], *like.shape[2:]
+        row_bytes = 2 * span * kv_heads * head_dim * like.element_size()
+        room = self.budget - sum(other.nbytes for key, other in self._layers.items() if key != layer)
+        n = group.num_seqs
+        capacity = min(n + math.ceil(n * SPARE_ROWS), room // row_bytes)
+        if capacity < n:
+            return None
+        shape = (capacity, kv_heads, span, head_dim)
+        return _KeptLayer(like.new_empty(shape), like.new_empty(shape), n)
+
+    def _keep(self, layer: int, kept_layer: _KeptLayer) -> KeysValues:
+        self._layers[layer] = kept_layer
+        self.kept[layer] = kept = kept_layer.live()
+        return kept
+
+
+def row_pick(rows: Sequence[int], device: torch.device) -> slice | torch.Tensor:
+    """Increasing `rows` as a slice when they are consecutive (what stays when requests leave from the front or
+    the back of a batch: views, no copy), else as an index tensor on `device`."""
+    first, count = rows[0], len(rows)
+    return slice(first, first + count) if rows[-1] - first + 1 == count else host_longs(rows).to(device)
+
+
+def picked(tensor: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+    """The rows of `tensor` (along its first dimension) that `row_pick` chose."""
+    return tensor[rows] if isinstance(rows, slice) else tensor.index_select(0, rows)
+
+
+def gather_blocks(cache: KeysValues, group: _AttnGroup, out: KeysValues | None = None) -> KeysValues:
+    """The blocks of `group` from one layer's (keys, values), head-major: ``[B, kv_heads, num_blocks * block_size,
+    head_dim]`` each, contiguous, request by request (the cache is token-major; attention reads a head's keys
+    fastest when they are contiguous); written into `out` (tensors of that shape) when given."""
+    keys, values = cache
+    shape = (group.num_seqs, group.num_blocks * keys.shape[1], *keys.shape[2:])
+
+    def head_major(t: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+        token_major = t.index_select(0, group.blocks).view(shape).transpose(1, 2)
+        return token_major.contiguous() if target is None else target.copy_(token_major)
+
+    targets = (None, None) if out is None else out
+    return head_major(keys, targets[0]), head_major(values, targets[1])
 
 
 @dataclass(frozen=True, slots=True)

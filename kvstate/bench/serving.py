@@ -60,7 +60,7 @@ class ServingShape:
     repeats: int
 
 
-FULL_SERVING = ServingShape(batch=64, prompt_len=32, new_tokens=64, repeats=3)
+FULL_SERVING = ServingShape(batch=64, prompt_len=32, new_tokens=64, repeats=7)  # 3 left the ratios +-10% apart
 QUICK_SERVING = ServingShape(batch=4, prompt_len=8, new_tokens=8, repeats=1)
 
 

@@ -23,6 +23,17 @@ def _columns(chunks: list[SeqChunk]) -> PlannedBatch:
     )
 
 
+def _prefilled(model, blocks: int, lengths: list[int], tables: list[tuple[int, ...]], rng: random.Random):
+    """Two caches of `blocks` blocks, each holding the same random prompts of these lengths in these tables."""
+    caches = [PagedKVCache.for_model(model, blocks, block_size=BLOCK, device="cpu") for _ in range(2)]
+    prefill = [
+        SeqChunk(tuple(rng.randrange(512) for _ in range(n)), 0, t) for n, t in zip(lengths, tables, strict=True)
+    ]
+    for cache in caches:
+        model.forward_paged(PagedBatch.build(prefill, BLOCK), cache)
+    return caches
+
+
 def test_requests_that_leave_are_dropped_from_the_kept_plan_in_place(tiny_model) -> None:
     """Five requests of unequal contexts decode; one leaves at step 2, two more at step 4 (out of the middle and
     the end): the planner keeps its plan and its kept keys and values, rows dropped, and every step's logits equal
@@ -32,12 +43,7 @@ def test_requests_that_leave_are_dropped_from_the_kept_plan_in_place(tiny_model)
     rng = random.Random(5)
     tables = [tuple(range(6 * i, 6 * i + 6)) for i in range(5)]  # room to grow: 6 blocks each
     lengths = [3, 5, 8, 2, 6]
-    planned, fresh = (PagedKVCache.for_model(tiny_model, 30, block_size=BLOCK, device="cpu") for _ in range(2))
-    prefill = [
-        SeqChunk(tuple(rng.randrange(512) for _ in range(n)), 0, t) for n, t in zip(lengths, tables, strict=True)
-    ]
-    for cache in (planned, fresh):
-        tiny_model.forward_paged(PagedBatch.build(prefill, BLOCK), cache)
+    planned, fresh = _prefilled(tiny_model, 30, lengths, tables, rng)
     planner = BatchPlanner(BLOCK)
     live = list(range(5))
     kept = []
@@ -101,12 +107,7 @@ def test_leaving_from_the_front_or_the_back_and_joining_into_spare_rows_copy_no_
     rng = random.Random(11)
     tables = [tuple(range(5 * i, 5 * i + 5)) for i in range(8)]
     lengths = [9, 3, 5, 4, 7, 6, 8, 2]  # within the 3 blocks the first batch gives each request
-    planned, fresh = (PagedKVCache.for_model(tiny_model, 40, block_size=BLOCK, device="cpu") for _ in range(2))
-    prefill = [
-        SeqChunk(tuple(rng.randrange(512) for _ in range(n)), 0, t) for n, t in zip(lengths, tables, strict=True)
-    ]
-    for cache in (planned, fresh):
-        tiny_model.forward_paged(PagedBatch.build(prefill, BLOCK), cache)
+    planned, fresh = _prefilled(tiny_model, 40, lengths, tables, rng)
     planner = BatchPlanner(BLOCK)
     batches = [[0, 1, 2, 3, 4, 5], [2, 3, 4, 5], [2, 3, 4], [2, 3, 4, 6, 7], [2, 4, 6, 7]]
     buffers = []
