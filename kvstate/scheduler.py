@@ -122,7 +122,9 @@ class SchedulingPass:
     The lifecycle's guards get a `PassView` of it for each decision (`Scheduler._view`): the pool figures plus
     `number` (None for the pass used between passes) and the worth a promotion may still throw away.
     Invariants: `tokens_left` and `slots_left` never go negative; `pending_free` is the room on its way that no
-    requester of this pass has reserved yet; `record` lists victims, promotions and waits in decision order.
+    requester of this pass has reserved yet; `record` lists victims, promotions and waits in decision order;
+    every victim but `unmoved_victims` of them left its state when it was taken (suspended or paused), so a walk
+    over the resident requests that skips those not active needs the victims only while some are unmoved.
     """
 
     def __init__(self, config: SchedulerConfig, number: int | None) -> None:
@@ -131,6 +133,7 @@ class SchedulingPass:
         self.tokens_left = config.max_num_tokens
         self.slots_left = config.max_batch_size
         self.victims: set[int] = set()
+        self.unmoved_victims = 0  # victims no event moved (suspend refused, recompute-pause disabled)
         self.waiting: set[int] = set()
         self.suspended: list[Request] = []  # suspended in this pass and not promoted, in suspension order
         self.pending_free = 0
@@ -625,6 +628,7 @@ class Scheduler:
         decodes = 0  # decode steps taken by the fast path below and not yet charged to the pass's budgets
         opening: list[Request] = []  # decode steps listed that open a new block, not yet given it (`_open_blocks`)
         room = min(pass_.slots_left, pass_.tokens_left)  # decode steps the budgets allow (each takes 1 slot, 1 token)
+        unmoved_victims = pass_.unmoved_victims  # victims that may still be active (the others left that state)
         for request in tuple(self.resident):  # a copy: a victim taken on the way leaves `resident`
             if in_flight and request.request_id in in_flight:
                 continue  # its step is still in the pipeline (a request is in one micro-batch in flight at most), or
@@ -635,7 +639,7 @@ class Scheduler:
                 continue
             if decodes == room:
                 break
-            if request.state != active or (victims and id(request) in victims):
+            if request.state != active or (unmoved_victims and id(request) in victims):
                 continue
             if computed == request.num_gpu_blocks * block_size:  # its step opens a new block
                 if not pool.can_allocate(len(opening) + 1):  # none is left: room is made, or waited for, by the
@@ -645,6 +649,7 @@ class Scheduler:
                     decodes = 0
                     self._schedule_resident(request, pass_)
                     room = min(pass_.slots_left, pass_.tokens_left)
+                    unmoved_victims = pass_.unmoved_victims
                     continue
                 opening.append(request)
             decode_list.append(request)
@@ -830,6 +835,7 @@ class Scheduler:
             pass_.output.recompute_paused.append(victim)
             event = "recompute_pause"
         else:
+            pass_.unmoved_victims += 1
             return
         pass_.preempted = True
         pass_.record.decisions.append(Victim(requester.request_id, victim.request_id, event))

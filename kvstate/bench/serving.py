@@ -10,7 +10,9 @@ step). Here, at batch 64 (`--quick`: 4, with 8-token prompts and budgets), seede
   the first half decodes;
 * `memory pressure`: the best case's requests with a GPU tier of half the blocks they need, and a host tier of
   none, a quarter or all of them, beside the same requests with room for all (the target applies to a full host
-  tier).
+  tier). Each pressure row also says how many engine steps the run took, beside the unpressured run's and the
+  fewest any schedule could take in that GPU tier (`fewest_steps`): a step has a fixed cost that does not shrink
+  with its batch, so the ratio falls with the step count as well as with what each step costs.
 
 The peer is `transformers`' `LlamaForCausalLM.generate` on the same weights, driven one static batch at a time,
 as a server without continuous batching would: the requests present when a batch starts form it (prompts
@@ -24,13 +26,14 @@ inside the run function.
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from kvstate.bench.results import Row, Section
-from kvstate.bench.timing import interleaved, median
+from kvstate.bench.timing import interleaved, median, round_ratios
 from kvstate.config import SchedulerConfig
 from kvstate.pool import ceil_div
 
@@ -86,6 +89,26 @@ def needed_blocks(requests: list[Request]) -> int:
     return sum(ceil_div(len(r.prompt) + r.budget, BLOCK_SIZE) for r in requests)
 
 
+def fewest_steps(requests: list[Request], gpu_blocks: int, block_size: int = BLOCK_SIZE) -> int:
+    """A lower bound on the engine steps that serve `requests` (all present at the start) with a GPU tier of
+    `gpu_blocks`, whatever the schedule (chunking, preemption, host tier):
+
+    * a request takes at least `budget` steps: its prefill samples its first token, each later token is one
+      decode step after the one before;
+    * a step holds, for each request it computes, the GPU blocks of that request's whole context (the forward
+      reads them), so a request holds at least ``ceil(P / block_size)`` block-steps for its prompt of P tokens
+      (chunked, its last chunk alone holds that many) and ``ceil((P + g - 1) / block_size)`` for the step that
+      samples its token g >= 2; recomputing a paused request only adds to that. A step has `gpu_blocks`, so the
+      steps are at least the sum over requests divided by `gpu_blocks`, rounded up."""
+    if gpu_blocks < 1:
+        raise ValueError(f"gpu_blocks must be >= 1, got {gpu_blocks}")
+    held = 0
+    for r in requests:
+        prompt = len(r.prompt)
+        held += ceil_div(prompt, block_size) + sum(ceil_div(prompt + g - 1, block_size) for g in range(2, r.budget + 1))
+    return max(max((r.budget for r in requests), default=0), ceil_div(held, gpu_blocks))
+
+
 def workload_section(
     *,
     shape: ServingShape = FULL_SERVING,
@@ -115,14 +138,19 @@ def workload_section(
 
         runs[name] = call
 
+    steps: dict[str, int] = {}  # engine steps of each engine run (the same in every repeat: seeded, greedy)
+
+    def engine(name: str, requests: list[Request], *, need: int, host: int = 0) -> None:
+        record = functools.partial(steps.__setitem__, name)
+        timed(name, _engine_run(model, requests, need=need, host=host, lifecycle=lifecycle, record_steps=record))
+
     for name in ("ragged prompts", "staggered budgets", "arrivals during decode"):
-        timed(f"{name} engine", _engine_run(model, work[name], need=needed_blocks(work[name]), lifecycle=lifecycle))
+        engine(f"{name} engine", work[name], need=needed_blocks(work[name]))
         if hf is not None:
             timed(f"{name} generate", _generate_run(hf, work[name]))
-    timed("best case engine", _engine_run(model, best, need=need, lifecycle=lifecycle))
+    engine("best case engine", best, need=need)
     for tier, share in HOST_TIERS.items():
-        run = _engine_run(model, best, need=need // 2, host=int(need * share), lifecycle=lifecycle)
-        timed(f"pressure, host tier {tier} engine", run)
+        engine(f"pressure, host tier {tier} engine", best, need=need // 2, host=int(need * share))
     if hf is not None:
         timed("best case generate", _generate_run(hf, best))
     if progress is not None:
@@ -138,14 +166,36 @@ def workload_section(
             "missing": missing,
             "gpu_blocks_needed": need,
             "tokens_per_s": rate,
+            "engine_steps": steps,
+            "fewest_steps_under_pressure": fewest_steps(best, need // 2),
         },
     )
-    for name in ("ragged prompts", "staggered budgets", "arrivals during decode"):
-        section.rows.append(_peer_row(name, work[name], rate, outputs, peer))
-    section.rows.append(_peer_row("best case", best, rate, outputs, peer))
+    measured = _Measured(rate, outputs, seconds, steps, peer)
+    for name in ("ragged prompts", "staggered budgets", "arrivals during decode", "best case"):
+        section.rows.append(_peer_row(name, work[name], measured))
     for tier, share in HOST_TIERS.items():
-        section.rows.append(_pressure_row(tier, share, need=need, requests=best, rate=rate, outputs=outputs, peer=peer))
+        section.rows.append(_pressure_row(tier, share, need=need, requests=best, measured=measured))
     return section
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """What the interleaved runs gave, by run name: useful tokens/s (`rate`), the last outputs, the seconds of
+    every round (the warmup first) and the engine runs' step counts; `peer` names the peer."""
+
+    rate: dict[str, float]
+    outputs: dict[str, list[list[int]]]
+    seconds: dict[str, list[float]]
+    steps: dict[str, int]
+    peer: str
+
+    def spread(self, baseline: str, variant: str) -> str:
+        """A note on the ratio's noise: the lowest and highest of its per-round ratios (`round_ratios`, the warmup
+        round left out), or nothing when `baseline` did not run."""
+        if baseline not in self.seconds:
+            return ""
+        ratios = round_ratios(self.seconds[baseline][1:], self.seconds[variant][1:])
+        return f"; per-round ratios {min(ratios):.2f} to {max(ratios):.2f} over {len(ratios)} rounds"
 
 
 def _useful(work: dict[str, list[Request]], run: str) -> int:
@@ -154,8 +204,11 @@ def _useful(work: dict[str, list[Request]], run: str) -> int:
     return sum(r.budget for r in work[name])
 
 
-def _engine_run(model, requests: list[Request], *, need: int, host: int = 0, lifecycle: str):
-    """A run of the engine over `requests` (arrivals submitted before their step), GPU tier `need` blocks."""
+def _engine_run(
+    model, requests: list[Request], *, need: int, host: int = 0, lifecycle: str, record_steps: Callable[[int], None]
+):
+    """A run of the engine over `requests` (arrivals submitted before their step), GPU tier `need` blocks; each run
+    tells `record_steps` how many engine steps it took."""
 
     def run() -> list[list[int]]:
         from executor import Engine, EngineConfig
@@ -182,6 +235,7 @@ def _engine_run(model, requests: list[Request], *, need: int, host: int = 0, lif
                 engine.step()
                 step += 1
             out = engine.outputs()
+        record_steps(step)
         return [out[ids[i]] for i in range(len(requests))]
 
     return run
@@ -222,9 +276,10 @@ def _generate_run(hf, requests: list[Request]):
     return run
 
 
-def _peer_row(name: str, requests: list[Request], rate, outputs, peer: str) -> Row:
+def _peer_row(name: str, requests: list[Request], measured: _Measured) -> Row:
+    rate, peer = measured.rate, measured.peer
     theirs = rate.get(f"{name} generate")
-    agree = _agreeing(outputs, f"{name} engine", f"{name} generate")
+    agree = _agreeing(measured.outputs, f"{name} engine", f"{name} generate")
     return Row(
         group="transformers",
         name=f"serving tokens/s, {name}, batch {len(requests)}",
@@ -238,12 +293,15 @@ def _peer_row(name: str, requests: list[Request], rate, outputs, peer: str) -> R
         else rate[f"{name} engine"] / theirs >= SERVING_RATIO_TARGET and agree == len(requests),
         note="no peer to compare outputs with"
         if agree is None
-        else f"greedy outputs equal for {agree}/{len(requests)}",
+        else f"greedy outputs equal for {agree}/{len(requests)}"
+        + measured.spread(f"{name} generate", f"{name} engine"),
     )
 
 
-def _pressure_row(tier: str, share: float, *, need: int, requests: list[Request], rate, outputs, peer: str) -> Row:
+def _pressure_row(tier: str, share: float, *, need: int, requests: list[Request], measured: _Measured) -> Row:
     name = f"pressure, host tier {tier} engine"
+    rate, outputs, steps = measured.rate, measured.outputs, measured.steps
+    fewest = fewest_steps(requests, need // 2)
     full = share == 1.0
     agree = _agreeing(outputs, name, "best case generate")
     unpressured = _agreeing(outputs, name, "best case engine")
@@ -260,7 +318,13 @@ def _pressure_row(tier: str, share: float, *, need: int, requests: list[Request]
         met=rate[name] / rate["best case engine"] >= PRESSURE_RATIO_TARGET and equal if full else None,
         note=(
             f"outputs equal to unpressured for {unpressured}/{len(requests)}"
-            + ("" if agree is None else f", to generate for {agree}; {rate[name] / versus:.2f}x {peer}")
+            + (
+                ""
+                if agree is None or versus is None
+                else f", to generate for {agree}; {rate[name] / versus:.2f}x {measured.peer}"
+            )
+            + f"; {steps[name]} engine steps (unpressured {steps['best case engine']}; no schedule in"
+            f" {need // 2} GPU blocks takes fewer than {fewest})" + measured.spread("best case engine", name)
         ),
     )
 
@@ -272,4 +336,12 @@ def _agreeing(outputs, a: str, b: str) -> int | None:
     return sum(x == y for x, y in zip(outputs[a], outputs[b], strict=True))
 
 
-__all__ = ["FULL_SERVING", "QUICK_SERVING", "Request", "ServingShape", "workload_section", "workloads"]
+__all__ = [
+    "FULL_SERVING",
+    "QUICK_SERVING",
+    "Request",
+    "ServingShape",
+    "fewest_steps",
+    "workload_section",
+    "workloads",
+]

@@ -2,7 +2,8 @@
 
 The machines these benchmarks run on are shared and noisy, so a figure is never an absolute time compared with
 a number measured elsewhere: it is a ratio of medians of variants that took turns in one loop. The order of the
-variants is reshuffled every round (seeded), so a slow spell hits all of them alike.
+variants is reshuffled every round (seeded), so a slow spell longer than a round hits all of them alike; one
+shorter than a round does not, and `round_ratios` shows how far that reaches.
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ def interleaved(
 
 def median(samples: list[float]) -> float:
     return statistics.median(samples)
+
+
+def round_ratios(baseline: list[float], variant: list[float]) -> list[float]:
+    """``baseline[i] / variant[i]`` for each round i of `interleaved` (seconds of the same round): how many times
+    faster the variant ran in each round. Their spread shows how far the machine's noise reaches into a ratio of
+    medians; a slow spell shorter than a round hits only the variants that ran during it."""
+    if len(baseline) != len(variant):
+        raise ValueError(f"one sample per round on both sides, got {len(baseline)} and {len(variant)}")
+    return [b / v for b, v in zip(baseline, variant, strict=True)]
 
 
 def medians(samples: Mapping[str, list[float]]) -> dict[str, float]:

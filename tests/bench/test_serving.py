@@ -4,8 +4,21 @@ compared (structure only, never wall times)."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvstate.bench.serving import HOST_TIERS, ServingShape, needed_blocks, workload_section, workloads
+from kvstate.bench.serving import (
+    BLOCK_SIZE,
+    HOST_TIERS,
+    Request,
+    ServingShape,
+    _engine_run,
+    fewest_steps,
+    needed_blocks,
+    workload_section,
+    workloads,
+)
+from kvstate.pool import ceil_div
 
 TINY = ServingShape(batch=2, prompt_len=4, new_tokens=4, repeats=1)
 
@@ -38,8 +51,65 @@ def test_every_variant_runs_and_every_output_is_compared() -> None:
     assert section.data["gpu_blocks_needed"] == need
     for row in section.rows[:4]:
         assert row.baseline_name.endswith("one static batch at a time") and row.ratio > 0
-        assert row.note == "greedy outputs equal for 2/2" and row.met is not None
+        assert row.met is not None
+        # one round after the warmup: its per-round ratio is the row's ratio itself
+        assert (
+            row.note
+            == f"greedy outputs equal for 2/2; per-round ratios {row.ratio:.2f} to {row.ratio:.2f} over 1 rounds"
+        )
+    steps, fewest = section.data["engine_steps"], section.data["fewest_steps_under_pressure"]
+    best = workloads(TINY, 512, 0)["best case"]
+    assert steps["best case engine"] == fewest_steps(best, need) == TINY.new_tokens  # unpressured: one step a token
+    assert fewest == fewest_steps(best, need // 2)
     for row, tier in zip(section.rows[4:], HOST_TIERS, strict=True):
         assert f"GPU tier {need // 2} of {need} blocks, host tier {tier}" in row.name
         assert row.note.startswith("outputs equal to unpressured for 2/2, to generate for 2;")
         assert (row.met is not None) == (tier == "full")
+        taken = steps[f"pressure, host tier {tier} engine"]
+        assert taken >= fewest
+        assert (
+            f"; {taken} engine steps (unpressured {TINY.new_tokens}; no schedule in {need // 2} GPU blocks takes "
+            f"fewer than {fewest}); per-round ratios {row.ratio:.2f} to {row.ratio:.2f} over 1 rounds"
+        ) in row.note
+
+
+_REQUESTS = st.lists(
+    st.builds(Request, st.lists(st.integers(0, 511), min_size=1, max_size=40).map(tuple), st.integers(1, 24)),
+    min_size=1,
+    max_size=4,
+)
+
+
+@given(requests=_REQUESTS, block_size=st.integers(1, 16))
+def test_fewest_steps_is_the_longest_budget_when_every_block_fits(requests, block_size) -> None:
+    """With a GPU tier of every block the requests need, nothing bounds the steps but the longest budget; with
+    fewer blocks the bound never falls."""
+    need = sum(ceil_div(len(r.prompt) + r.budget, block_size) for r in requests)
+    longest = max(r.budget for r in requests)
+    assert fewest_steps(requests, need, block_size) == longest
+    bounds = [fewest_steps(requests, blocks, block_size) for blocks in range(need, 0, -1)]
+    assert bounds == sorted(bounds) and bounds[-1] >= longest
+
+
+@pytest.fixture(scope="module")
+def float32_model():
+    torch = pytest.importorskip("torch")
+    from executor import LlamaModel, ModelConfig
+
+    return LlamaModel.from_seed(ModelConfig(), 0, dtype=torch.float32, device="cpu")
+
+
+@settings(max_examples=12, deadline=None)
+@given(requests=_REQUESTS, room=st.floats(0.0, 1.0), host=st.sampled_from([0.0, 1.0]))
+def test_no_engine_run_takes_fewer_steps_than_the_bound(float32_model, requests, room, host) -> None:
+    """The engine, preempting by recompute or by suspension to fit a GPU tier between the largest request alone
+    and all of them, never finishes in fewer steps than `fewest_steps` says any schedule needs."""
+    largest = max(ceil_div(len(r.prompt) + r.budget, BLOCK_SIZE) for r in requests)
+    need = needed_blocks(requests)
+    gpu = largest + round(room * (need - largest))
+    taken: list[int] = []
+    run = _engine_run(
+        float32_model, requests, need=gpu, host=round(host * need), lifecycle="compiled", record_steps=taken.append
+    )
+    run()
+    assert taken[0] >= fewest_steps(requests, gpu)

@@ -183,6 +183,31 @@ def test_no_request_is_chosen_as_a_victim_twice_in_one_pass(monkeypatch: pytest.
     assert multi_victim_passes > 0  # the property was exercised
 
 
+def test_a_victim_that_could_not_be_moved_is_not_scheduled_in_its_pass() -> None:
+    """With recompute-pause off and the host tier full, a victim keeps its state (suspend refused, nothing else
+    to fire) and stays resident; the pass that chose it still schedules it in no list."""
+    unmoved = 0
+    for seed in range(8):
+        config = SchedulerConfig(
+            gpu_blocks=8, host_blocks=4, block_size=2, enable_recompute_pause=False, no_progress_limit=8
+        )
+        sched = Scheduler(config)
+        rng = random.Random(seed)
+        for _ in range(8):  # each fits the GPU tier alone (16 tokens)
+            sched.submit([rng.randrange(1000) for _ in range(rng.randint(2, 6))], rng.randint(4, 10))
+        ex = SimExecutor(sched)
+        try:
+            while sched.has_unfinished:
+                out = ex.step()
+                taken = sched.last_pass.victims
+                moved = {id(r) for r in out.suspended + out.recompute_paused}
+                unmoved += len(taken - moved)
+                assert not taken & {id(r) for r in out.scheduled}, f"seed {seed}: a victim was scheduled in its pass"
+        except SchedulerStalled:
+            pass  # the known limit once the host tier stays full (tests/faults/test_liveness.py)
+    assert unmoved > 0  # the case was exercised
+
+
 def test_request_about_to_produce_its_final_token_is_skipped_as_a_victim() -> None:
     # block_size 2: a (4 prompt tokens) needs a 3rd block for its next decode; c's next decode fits its block
     sched = make(4, block_size=2)
