@@ -85,8 +85,9 @@ def workloads(shape: ServingShape, vocab: int, seed: int) -> dict[str, list[Requ
     }
 
 
-def needed_blocks(requests: list[Request]) -> int:
-    return sum(ceil_div(len(r.prompt) + r.budget, BLOCK_SIZE) for r in requests)
+def needed_blocks(requests: list[Request], block_size: int = BLOCK_SIZE) -> int:
+    """The GPU blocks that hold every request at its end (prompt and whole budget)."""
+    return sum(ceil_div(len(r.prompt) + r.budget, block_size) for r in requests)
 
 
 def fewest_steps(requests: list[Request], gpu_blocks: int, block_size: int = BLOCK_SIZE) -> int:
@@ -157,6 +158,7 @@ def workload_section(
         progress(f"{len(runs)} runs x {shape.repeats + 1}, interleaved")
     interleaved(runs, repeats=shape.repeats, warmup=1, seed=seed)
     rate = {name: _useful(work, name) / median(values[1:]) for name, values in seconds.items()}
+    fewest = fewest_steps(best, need // 2)  # the pressure rows' GPU tier: half of what the requests need
     section = Section(
         "serving",
         data={
@@ -167,14 +169,14 @@ def workload_section(
             "gpu_blocks_needed": need,
             "tokens_per_s": rate,
             "engine_steps": steps,
-            "fewest_steps_under_pressure": fewest_steps(best, need // 2),
+            "fewest_steps_under_pressure": fewest,
         },
     )
     measured = _Measured(rate, outputs, seconds, steps, peer)
     for name in ("ragged prompts", "staggered budgets", "arrivals during decode", "best case"):
         section.rows.append(_peer_row(name, work[name], measured))
     for tier, share in HOST_TIERS.items():
-        section.rows.append(_pressure_row(tier, share, need=need, requests=best, measured=measured))
+        section.rows.append(_pressure_row(tier, share, need=need, fewest=fewest, requests=best, measured=measured))
     return section
 
 
@@ -298,10 +300,12 @@ def _peer_row(name: str, requests: list[Request], measured: _Measured) -> Row:
     )
 
 
-def _pressure_row(tier: str, share: float, *, need: int, requests: list[Request], measured: _Measured) -> Row:
+def _pressure_row(
+    tier: str, share: float, *, need: int, fewest: int, requests: list[Request], measured: _Measured
+) -> Row:
+    """The row of the run with a GPU tier of half of `need` and host tier `tier`; `fewest`: `fewest_steps` there."""
     name = f"pressure, host tier {tier} engine"
     rate, outputs, steps = measured.rate, measured.outputs, measured.steps
-    fewest = fewest_steps(requests, need // 2)
     full = share == 1.0
     agree = _agreeing(outputs, name, "best case generate")
     unpressured = _agreeing(outputs, name, "best case engine")

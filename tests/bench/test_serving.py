@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstate.bench.serving import (
-    BLOCK_SIZE,
     HOST_TIERS,
     Request,
     ServingShape,
@@ -18,7 +17,6 @@ from kvstate.bench.serving import (
     workload_section,
     workloads,
 )
-from kvstate.pool import ceil_div
 
 TINY = ServingShape(batch=2, prompt_len=4, new_tokens=4, repeats=1)
 
@@ -84,7 +82,7 @@ _REQUESTS = st.lists(
 def test_fewest_steps_is_the_longest_budget_when_every_block_fits(requests, block_size) -> None:
     """With a GPU tier of every block the requests need, nothing bounds the steps but the longest budget; with
     fewer blocks the bound never falls."""
-    need = sum(ceil_div(len(r.prompt) + r.budget, block_size) for r in requests)
+    need = needed_blocks(requests, block_size)
     longest = max(r.budget for r in requests)
     assert fewest_steps(requests, need, block_size) == longest
     bounds = [fewest_steps(requests, blocks, block_size) for blocks in range(need, 0, -1)]
@@ -104,7 +102,7 @@ def float32_model():
 def test_no_engine_run_takes_fewer_steps_than_the_bound(float32_model, requests, room, host) -> None:
     """The engine, preempting by recompute or by suspension to fit a GPU tier between the largest request alone
     and all of them, never finishes in fewer steps than `fewest_steps` says any schedule needs."""
-    largest = max(ceil_div(len(r.prompt) + r.budget, BLOCK_SIZE) for r in requests)
+    largest = max(needed_blocks([r]) for r in requests)
     need = needed_blocks(requests)
     gpu = largest + round(room * (need - largest))
     taken: list[int] = []
