@@ -2,7 +2,7 @@
 
 Invariants kept:
 * `state` changes only through the lifecycle machine (`kvstate.lifecycle`), which writes it under the name
-  `STATE_ATTRIBUTE`; here that name is a property over the plain attribute `state`, so the scheduler's hot loops
+  `STATE_ATTRIBUTE`; here that name is a second name of the slot of the plain attribute `state`, so the hot loops
   read a request's state as one attribute load (no call) on every request of every step;
 * `generated` is append-only (GEN-APPEND): `append_tokens` (for one request: `append_token`) is its only writer,
   and keeps `final_token_produced` (whether its last token ends the request) and `last_token` (it, as the
@@ -66,12 +66,6 @@ class Request:
         if not self.prefill_tokens:
             self.prefill_tokens = self.prompt
         self.stop_token_ids = frozenset(self.stop_token_ids)
-
-    def _get_lifecycle_state(self) -> str:
-        return self.state
-
-    def _set_lifecycle_state(self, state: str) -> None:
-        self.state = state
 
     @property
     def end_reason(self) -> str:
@@ -155,8 +149,9 @@ class Request:
 
 
 # The lifecycle's name for a request's state (`STATE_ATTRIBUTE`, the `transitions` machine's `model_attribute`) is,
-# on a Request, a property over the plain attribute `state`: the lifecycle's writes land in `state`.
-setattr(Request, STATE_ATTRIBUTE, property(Request._get_lifecycle_state, Request._set_lifecycle_state))
+# on a Request, a second name for the slot of the plain attribute `state` (the same descriptor): the lifecycle's reads
+# and writes are those of `state`, with no call in between.
+setattr(Request, STATE_ATTRIBUTE, vars(Request)["state"])
 
 
 def append_tokens(requests: Iterable[Request], sampled: Mapping[Hashable, int], *, computed: int = 0) -> list[Request]:

@@ -819,7 +819,9 @@ class Scheduler:
             raise KVStateError("a victim is chosen only for a requester: set pass_.requester before preempting")
         pass_.victims.add(id(victim))
         held = victim.num_gpu_blocks
-        suspendable = "suspend" in self.lifecycle.allowed_events(victim.state)
+        # without a host tier nothing is ever suspended (NO-HOST-NO-SUSPEND), so suspend is not asked for, as
+        # `_promote_for` makes no room there; with one, its guard decides
+        suspendable = self.pool.has_host_tier and "suspend" in self.lifecycle.allowed_events(victim.state)
         if suspendable and (
             self._try_fire(victim, "suspend", pass_)
             or (self._promote_for(victim, pass_) and self._try_fire(victim, "suspend", pass_))

@@ -375,6 +375,27 @@ def test_gpu_only_never_suspends_and_recompute_pauses_under_pressure(seed: int) 
     run_and_check(ex)
 
 
+@pytest.mark.parametrize("lifecycle", ["machine", "compiled"])
+def test_without_host_tier_no_victim_is_offered_to_suspend(lifecycle: str) -> None:
+    """A victim goes straight to recompute-pause: the lifecycle is never asked to suspend it (its guard could only
+    refuse, NO-HOST-NO-SUSPEND), while with a host tier every victim is offered to suspend first."""
+    for host_blocks in (0, 4):
+        sched = make(12, host_blocks=host_blocks, block_size=2, lifecycle=lifecycle)
+        asked: list[str] = []
+        try_fire = sched.lifecycle.try_fire
+
+        def recording(request, event, pool, try_fire=try_fire, asked=asked):
+            asked.append(event)
+            return try_fire(request, event, pool)
+
+        sched.lifecycle.try_fire = recording  # type: ignore[method-assign]
+        pressured_workload(sched, 0)
+        run_and_check(SimExecutor(sched))
+        pauses = sum(r.num_recompute_pauses for r in sched.finished.values())
+        assert pauses > 0 and asked.count("recompute_pause") == pauses
+        assert (asked.count("suspend") > 0) == (host_blocks > 0)
+
+
 # ------------------------------------------------------------------------------------------- admission
 
 
