@@ -819,8 +819,8 @@ class Scheduler:
             raise KVStateError("a victim is chosen only for a requester: set pass_.requester before preempting")
         pass_.victims.add(id(victim))
         held = victim.num_gpu_blocks
-        # without a host tier nothing is ever suspended (NO-HOST-NO-SUSPEND), so suspend is not asked for, as
-        # `_promote_for` makes no room there; with one, its guard decides
+        # without a host tier nothing is ever suspended (NO-HOST-NO-SUSPEND): neither suspend nor a promotion that
+        # would make host room for it is asked for; with one, suspend's guard decides
         suspendable = self.pool.has_host_tier and "suspend" in self.lifecycle.allowed_events(victim.state)
         if suspendable and (
             self._try_fire(victim, "suspend", pass_)
@@ -847,12 +847,9 @@ class Scheduler:
         for `victim`: the shortest such group that makes room, only while its KV is worth less than the victim's
         (the spec's promotion gate decides each one; the group is checked against the same rule first), and only
         when `suspend` would then fire on the victim (its guard holds on the pool with the group's host blocks
-        free: not while a copy of the victim is in flight, SPEC.md 7.3): a promotion is never wasted."""
-        if (
-            not self.pool.has_host_tier
-            or not self.config.enable_recompute_pause
-            or victim.num_gpu_blocks > self.pool.host.capacity
-        ):
+        free: not while a copy of the victim is in flight, SPEC.md 7.3): a promotion is never wasted. Only asked
+        where a host tier exists (`_preempt`)."""
+        if not self.config.enable_recompute_pause or victim.num_gpu_blocks > self.pool.host.capacity:
             return False
         missing = victim.num_gpu_blocks - self.pool.host_free_blocks
         group, freed = [], 0
