@@ -86,6 +86,10 @@ class Tier:
     def num_free(self) -> int:
         return len(self._free)
 
+    def free_blocks(self) -> tuple[int, ...]:
+        """The free block ids, in increasing order (the order allocation takes them in)."""
+        return tuple(sorted(self._free))
+
     def held(self, owner: Hashable) -> tuple[int, ...]:
         return self.blocks_of.get(owner, ())
 

@@ -8,6 +8,8 @@ Invariants kept:
   and keeps `final_token_produced` (whether its last token ends the request) and `last_token` (it, as the
   one-token input of the next decode step: planning a step allocates nothing per decoding request, which keeps
   large batches clear of the garbage collector) with it;
+* `num_prefill_tokens` = `len(prefill_tokens)`: `prefill_tokens` is a property whose setter keeps both (an
+  immutable tuple, so the count cannot go stale);
 * after `reset_for_replay`, `prefill_tokens` = original prompt + every generated token, the remaining budget
   is `max_new_tokens - len(generated)`, and every KV-derived counter is zero (RESET-*); its admission number is
   kept (a replay is not the newest admission, so it does not become the next tail victim);
@@ -44,7 +46,8 @@ class Request:
     arrival: int = 0
     block_size: int = 16
     generated: list[int] = field(default_factory=list, init=False)  # written by `append_tokens` only (GEN-APPEND)
-    prefill_tokens: tuple[int, ...] = ()
+    _prefill_tokens: tuple[int, ...] = field(default=(), init=False)  # read and written as `prefill_tokens`
+    num_prefill_tokens: int = field(default=0, init=False)  # `len(prefill_tokens)`, kept by its setter
     num_computed_tokens: int = 0
     admission: int = -1
     num_gpu_blocks: int = 0
@@ -63,9 +66,19 @@ class Request:
 
     def __post_init__(self) -> None:
         self.prompt = tuple(self.prompt)
-        if not self.prefill_tokens:
-            self.prefill_tokens = self.prompt
+        self.prefill_tokens = self.prompt
         self.stop_token_ids = frozenset(self.stop_token_ids)
+
+    @property
+    def prefill_tokens(self) -> tuple[int, ...]:
+        """The tokens its (re)prefill computes: the prompt, or after a reset the replay prompt."""
+        return self._prefill_tokens
+
+    @prefill_tokens.setter
+    def prefill_tokens(self, tokens: tuple[int, ...]) -> None:
+        self._prefill_tokens = tokens = tuple(tokens)
+        self.num_prefill_tokens = len(tokens)  # the walk over every resident request on every step reads the count
+        # alone: the request's own slot, not the tuple (one memory access fewer per request, where caches are cold)
 
     @property
     def end_reason(self) -> str:
@@ -94,12 +107,12 @@ class Request:
     @property
     def is_prefilling(self) -> bool:
         """Its prefill tokens (prompt, or replay prompt) are not all computed yet."""
-        return self.num_computed_tokens < len(self.prefill_tokens)
+        return self.num_computed_tokens < self.num_prefill_tokens
 
     @property
     def next_step_tokens(self) -> int:
         """Tokens its next step computes at most: the rest of its prefill, or one decode token."""
-        return len(self.prefill_tokens) - self.num_computed_tokens if self.is_prefilling else 1
+        return self.num_prefill_tokens - self.num_computed_tokens if self.is_prefilling else 1
 
     @property
     def about_to_finish(self) -> bool:
@@ -131,7 +144,7 @@ class Request:
     # ---- RequestView
     @property
     def prefill_tokens_left(self) -> int:
-        return len(self.prefill_tokens) - self.num_computed_tokens
+        return self.num_prefill_tokens - self.num_computed_tokens
 
     @property
     def replay_complete(self) -> bool:
@@ -140,7 +153,7 @@ class Request:
     def reset_for_replay(self) -> None:
         """Make the replay prompt prompt + generated and clear every KV-derived counter (RESET-*)."""
         replay_prompt = self.all_tokens
-        if len(replay_prompt) != len(self.prefill_tokens):
+        if len(replay_prompt) != self.num_prefill_tokens:
             self.replay_high_water = 0  # tokens were generated since the last reset: a new replay prompt
         self.prefill_tokens = replay_prompt
         self.num_computed_tokens = 0

@@ -155,11 +155,11 @@ class Holding(Protocol):
 
     state: str
     num_computed_tokens: int
-    prefill_tokens: tuple[int, ...]
+    num_prefill_tokens: int
     num_gpu_blocks: int
 
 
-Figures = tuple[int, int, int]  # (num_computed_tokens, len(prefill_tokens), num_gpu_blocks) of one request
+Figures = tuple[int, int, int]  # (num_computed_tokens, num_prefill_tokens, num_gpu_blocks) of one request
 
 
 def _stats_of(out: SchedulerOutput, figures: dict[str, Any], block_bytes: int) -> IterationStats:
@@ -179,7 +179,7 @@ def _stats_of(out: SchedulerOutput, figures: dict[str, Any], block_bytes: int) -
 
 def figures(request: Holding) -> Figures:
     """What `StateTally` sums of `request`."""
-    return request.num_computed_tokens, len(request.prefill_tokens), request.num_gpu_blocks
+    return request.num_computed_tokens, request.num_prefill_tokens, request.num_gpu_blocks
 
 
 class StateTally:
@@ -190,8 +190,8 @@ class StateTally:
     * `counts[s]` is the number of active (unfinished) requests in state s, for every non-terminal state s;
     * for every `held` state s (a non-terminal state whose requests do not compute: the spec's `computing` flag
       says which, never a name), `kv_tokens[s]`, `replay_tokens[s]` and `gpu_blocks[s]` are the sums of
-      `num_computed_tokens`, `len(prefill_tokens)` and `num_gpu_blocks` over the requests in s. A computing
-      request's figures change on every step, so computing states keep a count only.
+      `num_computed_tokens`, `num_prefill_tokens` (`len(prefill_tokens)`) and `num_gpu_blocks` over the requests in
+      s. A computing request's figures change on every step, so computing states keep a count only.
 
     The owner calls `added` for a new request, `moved` after every transition (with the request's figures from
     before it: the edge's effect changes them) and `changed` when a held request's figures change without one (a
@@ -378,6 +378,12 @@ class Scheduler:
             raise KVStateError(
                 f"{self.spec.source}: admission class {event!r} leaves state {source!r}, which is kept in no queue; "
                 "give that state a container (waiting, resident, suspended or paused)"
+            )
+        stays = sorted(t.dest for t in self.spec.event_by_name[event].transitions if self._containers[t.dest] is queue)
+        if stays:
+            raise KVStateError(
+                f"{self.spec.source}: admission class {event!r} takes {source!r} to {', '.join(map(repr, stays))}, "
+                f"kept in the same queue; an admitted request must leave its queue: give {stays[0]!r} another container"
             )
         return queue
 
@@ -634,7 +640,7 @@ class Scheduler:
                 continue  # its step is still in the pipeline (a request is in one micro-batch in flight at most), or
                 # its resume copy is: it computes once its KV is back
             computed = request.num_computed_tokens
-            if computed < len(request.prefill_tokens):
+            if computed < request.num_prefill_tokens:
                 continuing.append(request)
                 continue
             if decodes == room:
@@ -897,10 +903,15 @@ class Scheduler:
                 return
 
     def _admit_class(self, event: str, queue: list[Request], pass_: SchedulingPass) -> bool:
-        """Admit from `queue` in arrival order; False when a candidate did not fit (admission stops there)."""
+        """Admit from `queue` in arrival order; False when a candidate did not fit (admission stops there). The
+        queue is read in place, up to where admission stops (no copy of it: under pressure it holds most requests,
+        and a pass usually stops at its head): an admitted request leaves it (`_queue_of`), a skipped one stays."""
         no_victims = "no_readmission_of_victims" in self.policy.admission_rules
-        for request in list(queue):
+        position = 0  # of the next candidate: those before it were skipped
+        while position < len(queue):
+            request = queue[position]
             if no_victims and id(request) in pass_.victims:
+                position += 1
                 continue  # never readmit a victim of this very pass
             if self.config.capacity_policy == "guaranteed_no_evict" and not self._reservable(request):
                 return False
@@ -1059,7 +1070,7 @@ class Scheduler:
         progress = request.advance(tokens, replaying)
         if replaying:
             request.num_recomputed_tokens += tokens
-        if request.num_computed_tokens >= len(request.prefill_tokens):  # the chunk ends its (re)prefill: a token
+        if request.num_computed_tokens >= request.num_prefill_tokens:  # the chunk ends its (re)prefill: a token
             final = request.append_token(sampled[request.request_id])
             produced.append(request)
             if replaying:

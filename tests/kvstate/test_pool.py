@@ -7,6 +7,8 @@ the pool's own tables (`usage()`, `gpu_blocks()`, `host_blocks()`), not from pri
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstate.errors import InvariantViolation, PoolError
 from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan, TieredBlockPool, ceil_div
@@ -43,6 +45,43 @@ def test_allocation_prefers_consecutive_low_ids() -> None:
     assert pool.allocate("c", 2) == [0, 1]
     assert pool.allocate("d", 2) == [2, 5]
     assert pool.gpu_blocks("c") == (0, 1)
+
+
+_POOL_OPS = st.lists(
+    st.tuples(st.sampled_from(["allocate", "one_each", "release", "suspend", "resume", "complete"]), st.integers(0, 3)),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=_POOL_OPS)
+def test_every_allocation_takes_the_lowest_free_blocks(ops: list[tuple[str, int]]) -> None:
+    """Whatever allocations, releases, suspends, resumes and completed copies came before, every block a tier hands
+    out is its lowest free one at that moment (read from `free_blocks()` just before), and the tier's count, its
+    flags and the conservation check stay in agreement."""
+    pool = TieredBlockPool(gpu_blocks=12, host_blocks=6)
+    owners = ["a", "b", "c", "d"]
+    for op, which in ops:
+        owner = owners[which]
+        gpu_free, host_free = pool.gpu.free_blocks(), pool.host.free_blocks()
+        if op == "allocate" and pool.can_allocate(which + 1):
+            assert pool.allocate(owner, which + 1) == list(gpu_free[: which + 1])
+        elif op == "one_each" and pool.can_allocate(which + 1):
+            pool.allocate_one_each(owners[: which + 1])
+            assert [pool.gpu_blocks(o)[-1] for o in owners[: which + 1]] == list(gpu_free[: which + 1])
+        elif op == "release":
+            pool.release(owner)
+        elif op == "suspend" and pool.can_suspend(owner):
+            plan = pool.suspend(owner)
+            assert [dst for _, dst in plan.pairs] == list(host_free[: plan.num_blocks])
+        elif op == "resume" and pool.can_resume(owner):
+            plan = pool.resume(owner)
+            assert [dst for _, dst in plan.pairs] == list(gpu_free[: plan.num_blocks])
+        elif op == "complete" and pool.in_flight:
+            pool.complete(next(iter(pool.in_flight.values())))
+        assert len(pool.gpu.free_blocks()) == pool.gpu_free_blocks
+        assert len(pool.host.free_blocks()) == pool.host_free_blocks
+        assert_conserved(pool)
 
 
 def test_alloc_and_release_conserve_blocks_and_keep_ownership_exclusive() -> None:
@@ -261,6 +300,15 @@ def test_check_invariants_detects_a_held_block_on_the_free_list() -> None:
     with pytest.raises(InvariantViolation) as info:
         pool.check_invariants()
     assert info.value.invariant_id == "CONS-GPU"  # free + held + fenced exceeds capacity
+
+
+def test_check_invariants_detects_a_block_freed_twice() -> None:
+    pool = TieredBlockPool(gpu_blocks=4)
+    pool.allocate("a", 1)
+    pool.gpu.give_back([3])  # corrupt: a free block is given back again (counted free twice)
+    with pytest.raises(InvariantViolation, match="on the free list twice") as info:
+        pool.check_invariants()
+    assert info.value.invariant_id == "CONS-GPU"
 
 
 def test_check_invariants_detects_a_lost_host_block() -> None:

@@ -10,6 +10,7 @@ making the test vacuous.
 from __future__ import annotations
 
 import random
+import tomllib
 
 import pytest
 
@@ -19,6 +20,7 @@ from kvstate.output import SchedulerOutput
 from kvstate.request import Request
 from kvstate.scheduler import Scheduler, SchedulerStalled, UnknownRequestId
 from kvstate.sim import SimExecutor, reference_output
+from kvstate.spec import packaged_spec_path, parse_spec
 
 # ---------------------------------------------------------------------------------------------- helpers
 
@@ -677,6 +679,19 @@ def test_an_id_is_echoed_short_in_the_scheduler_errors() -> None:
         with pytest.raises(KVStateError) as info:
             call()
         assert len(str(info.value)) < 400  # a short prefix of the id, not 50,000 characters
+
+
+def test_a_spec_whose_admission_stays_in_its_queue_is_refused_by_name() -> None:
+    """Admission reads its queue in place and counts on an admitted request leaving it: a spec whose admission class
+    reaches a state kept in the class's own queue is refused when the scheduler is built, naming the file, the class
+    and the state to give another container."""
+    data = tomllib.loads(packaged_spec_path().read_text(encoding="utf-8"))
+    for state in data["states"]:
+        if state["name"] == "replaying":
+            state["container"] = "paused"  # the queue of recompute_paused, which `replay` leaves
+    spec = parse_spec(data, source="same_queue.toml")
+    with pytest.raises(KVStateError, match=r"same_queue.toml: admission class 'replay' .*give 'replaying' another"):
+        Scheduler(SchedulerConfig(gpu_blocks=8), spec)
 
 
 def test_containers_stay_in_arrival_and_admission_order_and_a_reordered_one_is_refused_by_name() -> None:

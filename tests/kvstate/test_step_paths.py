@@ -80,6 +80,20 @@ def test_lifecycle_writes_land_in_the_plain_state_attribute(kind: str) -> None:
     assert request.state == edge.dest == getattr(request, STATE_ATTRIBUTE) != lifecycle.spec.initial
 
 
+def test_the_prefill_count_follows_every_write_of_the_prefill_tokens() -> None:
+    """The walk reads `num_prefill_tokens` instead of `len(prefill_tokens)`: the prompt, a replay prompt after a
+    reset, and a write from outside (a list, stored as a tuple) all leave the two in agreement."""
+    request = new_request("r", [1, 2, 3], 8)
+    assert request.prefill_tokens == (1, 2, 3) and request.num_prefill_tokens == 3
+    request.generated.extend([4, 5])
+    request.reset_for_replay()
+    assert request.prefill_tokens == (1, 2, 3, 4, 5) and request.num_prefill_tokens == 5
+    request.num_computed_tokens = 4
+    assert request.is_prefilling and request.prefill_tokens_left == 1 and request.next_step_tokens == 1
+    request.prefill_tokens = [7]  # type: ignore[assignment]  (a caller's list)
+    assert request.prefill_tokens == (7,) and request.num_prefill_tokens == 1 and not request.is_prefilling
+
+
 @pytest.mark.parametrize("lifecycle", ["machine", "compiled"])
 def test_decode_fast_path_matches_the_general_path_counters(lifecycle: str) -> None:
     """Decode steps (fast path) count one computed token and one generated token each, and a final one finishes
