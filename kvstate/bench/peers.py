@@ -6,8 +6,11 @@ decode, and memory pressure with recompute-only preemption (what both peers do; 
 it too can only recompute-pause), ours once per lifecycle implementation under pressure. Per size and regime, two
 rows: `schedule()` alone, and a full step (ours: schedule() + planned_chunks() + complete_migrations() +
 complete_step(); the peer's: what its engine calls around the model, see its driver), each as ours over the peer's
-µs with the per-request cost in the note. A steady workload that preempted, on either side, is an error: it would
-not measure steady decode. Without the peer ours is still measured and the rows say why there is no baseline.
+µs with the per-request cost in the note. Beside an installed peer, the pressure workloads are then measured again
+on new drivers of both sides, once with caches warm and once with them evicted before each step (`stepping.measure`):
+each pressure step row's note gives those two ratios beside its own (the interleaved loop's, which the target is held
+against). A steady workload that preempted, on either side, is an error: it would not measure steady decode.
+Without the peer ours is still measured and the rows say why there is no baseline.
 
 * `vllm`: vLLM 0.33's v1 `Scheduler` (`vllm_peer`, installed by `scripts/install-peers`);
 * `nano-vllm`: nano-vllm's `engine/` scheduler from a checkout the user points the bench at (`nanovllm_peer`).
@@ -26,6 +29,7 @@ from kvstate.bench.results import Row, Section
 from kvstate.bench.stepping import REGIMES, Driver, Figures, OursDriver, Workload, measure
 from kvstate.config import LIFECYCLES
 
+BRACKETS = ("warm", "cold")  # the cache states the pressure drivers are measured in again (`stepping.measure`)
 NOT_INSTALLED = "vLLM v1 Scheduler: not installed (run scripts/install-peers)"
 
 
@@ -95,7 +99,8 @@ def peer_section(
     progress: Callable[[str], None] | None = None,
 ) -> Section:
     """Ours beside `peer` per size: steady (ours with `lifecycle`) and under recompute-only pressure (ours with
-    both lifecycles), every driver taking turns in one loop."""
+    both lifecycles), every driver taking turns in one loop; then, beside a peer that is installed, new pressure
+    drivers of both sides warm and new ones cold (`BRACKETS`; `data["brackets"]`)."""
     say = progress or (lambda message: None)
     steps = WARMUP + repeats
     builders: dict[str, Callable[[], Driver]] = {}
@@ -106,12 +111,15 @@ def peer_section(
                 builders[f"{size} {regime} ours {kind}"] = functools.partial(OursDriver, workload, lifecycle=kind)
             if peer.driver is not None:
                 builders[f"{size} {regime} {peer.group}"] = functools.partial(peer.driver, workload)
-    drivers: dict[str, Driver] = {}
-    for n, (name, build) in enumerate(builders.items(), 1):
-        say(f"settling {name} ({n}/{len(builders)})")
-        drivers[name] = build()
-    figures = measure(drivers, repeats=repeats, warmup=WARMUP, seed=seed, progress=say)
+    figures = measure(_settled(builders, say), repeats=repeats, warmup=WARMUP, seed=seed, progress=say)
     _check_steady(figures)
+    pressured = {name: build for name, build in builders.items() if " pressure " in name}
+    brackets = {}
+    # New drivers for each: a pressure workload's resident set shrinks as its requests grow, so the drivers already
+    # stepped would measure a lighter regime than the interleaved figures did.
+    for cache in BRACKETS if peer.driver is not None else ():
+        say(f"pressure again, caches {cache}")
+        brackets[cache] = measure(_settled(pressured, say), repeats=repeats, warmup=WARMUP, seed=seed, cache=cache)
     section = Section(
         peer.group,
         data={
@@ -121,6 +129,7 @@ def peer_section(
             "repeats": repeats,
             "lifecycle": lifecycle,
             "figures": {k: f.to_dict() for k, f in figures.items()},
+            "brackets": {cache: {k: f.to_dict() for k, f in found.items()} for cache, found in brackets.items()},
         },
     )
     for regime in REGIMES:
@@ -128,11 +137,13 @@ def peer_section(
             theirs = figures.get(f"{size} {regime} {peer.group}")
             for kind in _lifecycles(regime, lifecycle):
                 ours = figures[f"{size} {regime} ours {kind}"]
-                share = ""
+                extra = ""
                 if regime == "pressure" and kind == "machine":
                     compiled = figures[f"{size} {regime} ours compiled"]
-                    share = f"; transitions machine share {machine_share(ours, compiled):.0%}"
-                section.rows += _rows(peer, size, regime, kind, ours=ours, theirs=theirs, share=share)
+                    extra = f"; transitions machine share {machine_share(ours, compiled):.0%}"
+                if regime == "pressure" and theirs is not None:
+                    extra += _bracket_note(brackets, f"{size} {regime}", kind, peer.group)
+                section.rows += _rows(peer, size, regime, kind, ours=ours, theirs=theirs, extra=extra)
     return section
 
 
@@ -144,6 +155,15 @@ def vllm_section(*, progress: Callable[[str], None] | None = None, **options) ->
 def nano_vllm_section(checkout: str | None, **options) -> Section:
     """`peer_section` beside nano-vllm's scheduler from `checkout` (`options`: those of `peer_section`)."""
     return peer_section(nano_vllm_peer(checkout), **options)
+
+
+def _settled(builders: dict[str, Callable[[], Driver]], say: Callable[[str], None]) -> dict[str, Driver]:
+    """A new driver from each builder, settled into its regime."""
+    drivers: dict[str, Driver] = {}
+    for n, (name, build) in enumerate(builders.items(), 1):
+        say(f"settling {name} ({n}/{len(builders)})")
+        drivers[name] = build()
+    return drivers
 
 
 def _check_steady(figures: dict[str, Figures]) -> None:
@@ -162,10 +182,20 @@ def _lifecycles(regime: str, lifecycle: str) -> tuple[str, ...]:
     return (lifecycle,) if regime == "steady" else LIFECYCLES
 
 
+def _bracket_note(brackets: dict[str, dict[str, Figures]], workload: str, kind: str, group: str) -> str:
+    """The step ratio of ours (lifecycle `kind`) over the peer on `workload` in each bracketing cache state."""
+    ratios = [
+        f"{cache} {found[f'{workload} ours {kind}'].step_us / found[f'{workload} {group}'].step_us:.2f}"
+        for cache, found in brackets.items()
+    ]
+    return f"; step ratio with caches {', '.join(ratios)}"
+
+
 def _rows(
-    peer: Peer, size: int, regime: str, kind: str, *, ours: Figures, theirs: Figures | None, share: str
+    peer: Peer, size: int, regime: str, kind: str, *, ours: Figures, theirs: Figures | None, extra: str
 ) -> list[Row]:
-    """The schedule() row and the step row of one workload (and lifecycle), ours over the peer's µs."""
+    """The schedule() row and the step row of one workload (and lifecycle), ours over the peer's µs; `extra` ends
+    the step row's note."""
     where = "steady decode" if regime == "steady" else f"under pressure (recompute only), lifecycle {kind}"
     work = (
         ""
@@ -191,7 +221,7 @@ def _rows(
                 better="lower",
                 target=f"ratio <= {goal}" if targeted else "",
                 met=mine / base <= goal if targeted and base else None,
-                note=note + (share if label == "step" else ""),
+                note=note + (extra if label == "step" else ""),
             )
         )
     return rows

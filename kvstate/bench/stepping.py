@@ -16,14 +16,25 @@ and `preempted`; the model's reply (one sampled token per request that finished 
 timed calls. Times are the calling thread's CPU time (`CLOCK`, `time.thread_time`): these machines are shared,
 and wall time under contention would measure the neighbours. `kvstate.bench.vllm_peer.VLLMDriver` keeps the same
 contract for vLLM's scheduler. `measure` runs drivers in one interleaved loop and returns a `Figures` per driver.
+
+A step's time depends on what its caches still hold: a step that follows a step of the same driver finds its
+requests, its code and the interpreter's own data cached; one that follows other drivers' steps (the interleaved
+loop) finds part of them evicted, how much depending on which other drivers share the loop; in a serving engine
+the forward pass between two steps evicts them too. `measure(cache=...)` measures the same drivers in one of three
+states (`CACHE_STATES`): `interleaved` (the loop above, what the targets are held against), `warm` (each driver's
+steps back to back) and `cold` (every cache level evicted before each step, untimed: `evict_caches`). Warm and
+cold bracket every loop: they show how much of a ratio is work and how much is memory traffic.
 """
 
 from __future__ import annotations
 
+import functools
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvstate.bench.timing import interleaved
 from kvstate.config import SchedulerConfig
@@ -37,6 +48,10 @@ SETTLE_STEPS = {"steady": 3, "pressure": 2 * BLOCK_SIZE + 3}  # steps taken befo
 MAX_NEW_TOKENS = 1000  # nobody finishes while measured (capped to what fits one request alone)
 TOKEN = 1  # the token every sampled position produces (no stop tokens: it never ends a request)
 CLOCK = time.thread_time  # CPU seconds of this thread
+CACHE_STATES = ("interleaved", "warm", "cold")  # what a measured step finds in the caches (module docstring)
+EVICT_MIN_BYTES = 64 << 20  # written before each cold step: at least this, and 4x the largest cache found
+EVICT_MAX_BYTES = 1 << 30
+CACHE_INFO = Path("/sys/devices/system/cpu/cpu0/cache")  # Linux: one indexN/size per cache level of CPU 0
 
 
 @dataclass(frozen=True)
@@ -167,6 +182,37 @@ class OursDriver(Driver):
         self.record(scheduled - start, end - start, len(out.scheduled), len(out.recompute_paused) + len(out.suspended))
 
 
+def largest_cache_bytes(info: Path = CACHE_INFO) -> int | None:
+    """The size of this machine's largest CPU cache (Linux sysfs: ``indexN/size`` such as ``16384K``), or None
+    where it cannot be read."""
+    sizes = []
+    for entry in info.glob("index*/size"):
+        try:
+            text = entry.read_text(encoding="ascii", errors="replace").strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text[:-1] if scale > 1 else text
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=None)
+
+
+@functools.cache
+def _eviction_buffer() -> tuple[bytearray, bytes]:
+    """A buffer four times the largest cache (`EVICT_MIN_BYTES` to `EVICT_MAX_BYTES`), and one byte per 64-byte
+    cache line of it, to write over it."""
+    size = min(EVICT_MAX_BYTES, max(EVICT_MIN_BYTES, 4 * (largest_cache_bytes() or 0)))
+    return bytearray(size), b"\1" * (size // 64)
+
+
+def evict_caches() -> None:
+    """Write one byte of every cache line of a buffer larger than every CPU cache: whatever a step touched before
+    is evicted (the cold state of `measure`)."""
+    buffer, ones = _eviction_buffer()
+    buffer[::64] = ones
+
+
 def measure(
     drivers: Mapping[str, Driver],
     *,
@@ -174,11 +220,26 @@ def measure(
     warmup: int = 2,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    cache: str = "interleaved",
 ) -> dict[str, Figures]:
-    """Step every driver `warmup + repeats` times, in one loop, in a seeded shuffled order each round
-    (`timing.interleaved`); medians of the measured steps. Drivers time their own phases."""
+    """Step every driver `warmup + repeats` times and take medians of the measured steps (drivers time their own
+    phases). `cache` says what a measured step finds in the caches (`CACHE_STATES`, module docstring):
+    `interleaved`, every driver once per round in a seeded shuffled order (`timing.interleaved`); `warm`, each
+    driver's steps back to back, drivers in a seeded shuffled order; `cold`, as `interleaved` with `evict_caches`
+    before every step."""
+    if cache not in CACHE_STATES:
+        raise ValueError(f"cache must be one of {CACHE_STATES}, got {cache!r}")
     for driver in drivers.values():
         driver.clear()
+    if cache == "warm":
+        order = list(drivers)
+        random.Random(seed).shuffle(order)
+        for n, name in enumerate(order, 1):
+            for _ in range(warmup + repeats):
+                drivers[name].step()
+            if progress is not None:
+                progress(f"warm: {n}/{len(order)} drivers")
+        return _figures(drivers, warmup)
     rounds = {"n": 0}
 
     def counted(step: Callable[[], None]) -> Callable[[], None]:
@@ -190,7 +251,14 @@ def measure(
 
         return call
 
-    interleaved({name: counted(d.step) for name, d in drivers.items()}, repeats=repeats, warmup=warmup, seed=seed)
+    steps = {name: counted(d.step) for name, d in drivers.items()}
+    evict = dict.fromkeys(drivers, evict_caches) if cache == "cold" else None
+    interleaved(steps, repeats=repeats, warmup=warmup, seed=seed, setup=evict)
+    return _figures(drivers, warmup)
+
+
+def _figures(drivers: Mapping[str, Driver], warmup: int) -> dict[str, Figures]:
+    """Each driver's `Figures`: medians of its steps after the first `warmup`."""
     return {
         name: Figures(
             size=d.workload.size,
@@ -203,4 +271,15 @@ def measure(
     }
 
 
-__all__ = ["BLOCK_SIZE", "REGIMES", "Driver", "Figures", "OursDriver", "Workload", "measure"]
+__all__ = [
+    "BLOCK_SIZE",
+    "CACHE_STATES",
+    "REGIMES",
+    "Driver",
+    "Figures",
+    "OursDriver",
+    "Workload",
+    "evict_caches",
+    "largest_cache_bytes",
+    "measure",
+]

@@ -57,8 +57,8 @@ _POOL_OPS = st.lists(
 @given(ops=_POOL_OPS)
 def test_every_allocation_takes_the_lowest_free_blocks(ops: list[tuple[str, int]]) -> None:
     """Whatever allocations, releases, suspends, resumes and completed copies came before, every block a tier hands
-    out is its lowest free one at that moment (read from `free_blocks()` just before), and the tier's count, its
-    flags and the conservation check stay in agreement."""
+    out is its lowest free one at that moment (read from `free_blocks()` just before), and the free blocks, their
+    count and the conservation check stay in agreement."""
     pool = TieredBlockPool(gpu_blocks=12, host_blocks=6)
     owners = ["a", "b", "c", "d"]
     for op, which in ops:
