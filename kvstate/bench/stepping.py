@@ -6,8 +6,13 @@ whole-prompt prefill chunks (vLLM's default: no per-request prefill cap):
 
 * `steady`: the GPU tier holds every request for the whole run: every step decodes every request, nobody is
   preempted, no lifecycle event fires.
-* `pressure`: the GPU tier holds about 4/3 blocks per request, so once prompts grow past one block every step
-  preempts by recompute (the victim's KV is dropped) and readmits and re-prefills earlier victims.
+* `pressure`: the GPU tier holds about 4/3 blocks per request, so once prompts grow past one block nearly every
+  step preempts by recompute (the victim's KV is dropped; at 256 requests 39 of the 42 measured steps) and every
+  pass offers the head of the paused queue readmission. As the resident requests grow the GPU tier holds fewer of
+  them: the regime is not stationary (at 256 requests, 107 decode steps in the first measured step and 59 in the
+  42nd) and readmissions rarely find room (0 to 3 replay chunks in 42 steps at 256 to 4,096 requests). Figures of
+  different drivers are comparable only over the same steps of their workloads; a driver stepped on measures a
+  lighter regime.
 
 `OursDriver` steps `kvstate.Scheduler` as the executor does: `schedule()`, `planned_chunks()` (what the forward
 reads), `complete_migrations()` and `complete_step()`. A driver's `step()` appends the seconds of `schedule()`
@@ -22,8 +27,9 @@ requests, its code and the interpreter's own data cached; one that follows other
 loop) finds part of them evicted, how much depending on which other drivers share the loop; in a serving engine
 the forward pass between two steps evicts them too. `measure(cache=...)` measures the same drivers in one of three
 states (`CACHE_STATES`): `interleaved` (the loop above, what the targets are held against), `warm` (each driver's
-steps back to back) and `cold` (every cache level evicted before each step, untimed: `evict_caches`). Warm and
-cold bracket every loop: they show how much of a ratio is work and how much is memory traffic.
+steps back to back) and `cold` (every cache level evicted before each step, untimed: `evict_caches`). Measured on
+new drivers of the same workloads (`peers` does), warm and cold show how much of a ratio is work and how much is
+memory traffic.
 """
 
 from __future__ import annotations
