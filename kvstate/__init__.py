@@ -4,12 +4,21 @@ The specification in `spec/` is the single source of truth; everything here is d
 """
 
 from kvstate.config import ConfigError, RequestRejected, SchedulerConfig
-from kvstate.errors import GuardRejected, IllegalTransition, InvariantViolation, KVStateError, PoolError, SpecError
+from kvstate.errors import (
+    GuardRejected,
+    IllegalTransition,
+    InvariantViolation,
+    KVStateError,
+    PoolError,
+    SchedulerStalled,
+    SpecError,
+    UnknownRequestId,
+)
 from kvstate.lifecycle import Lifecycle, TransitionTable
-from kvstate.output import FailedMigration, SchedulerOutput, UnknownRequest
+from kvstate.output import FailedMigration, SchedulerOutput
 from kvstate.pool import MigrationPlan, TieredBlockPool
 from kvstate.request import Request
-from kvstate.scheduler import Scheduler, SchedulerStalled, Step, UnknownRequestId
+from kvstate.scheduler import Scheduler, Step
 from kvstate.semantics import EFFECTS, GUARDS, EffectHooks, PassView, PoolView, RequestView
 from kvstate.sim import SimExecutor, reference_output
 from kvstate.spec import Event, ExclusiveGuards, Invariant, Spec, State, Transition, load_spec, packaged_spec_path
@@ -52,7 +61,6 @@ __all__ = [
     "TieredBlockPool",
     "Transition",
     "TransitionTable",
-    "UnknownRequest",
     "UnknownRequestId",
     "load_spec",
     "packaged_spec_path",

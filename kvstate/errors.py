@@ -1,4 +1,8 @@
-"""Every exception `kvstate` raises on purpose. Messages say what was wrong and what to do."""
+"""The base of every exception `kvstate` raises on purpose, and the errors several layers raise or catch.
+
+An error that belongs to one concept lives in that concept's module (a bounds file's `BoundsError` in
+`kvstate.checker.bounds`, a trace's `TraceError` in `kvstate.trace`), derived from `KVStateError`. Messages say
+what was wrong and what to do."""
 
 from __future__ import annotations
 
@@ -41,3 +45,14 @@ class InvariantViolation(KVStateError, AssertionError):
 
 class PoolError(KVStateError, ValueError):
     """A block-pool operation was asked for that the pool cannot carry out; nothing was changed."""
+
+
+class UnknownRequestId(KVStateError, KeyError, ValueError):
+    """A call or a serialized output named a request id that is not active (or not known) where it arrived."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class SchedulerStalled(KVStateError, RuntimeError):
+    """No request made progress for `no_progress_limit` iterations; the message names requests and pool state."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from itertools import chain
 from typing import NamedTuple, cast, overload
 
-from kvstate.errors import InvariantViolation, KVStateError
+from kvstate.errors import InvariantViolation, KVStateError, UnknownRequestId
 from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan, TieredBlockPool
 from kvstate.request import Request
 from kvstate.roles import LIST_NAMES
@@ -120,13 +120,6 @@ class FailedMigration:
     event: str
 
 
-class UnknownRequest(KVStateError, KeyError):
-    """A serialized output names a request id that is not active on the receiving side."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
 # eq=True (with its own `__eq__`) makes the dataclass set `__hash__` to None: mutable, compared by content, not
 # hashable. Ruff does not see that generated None (PLW1641); mypy rejects writing it by hand.
 @dataclass(eq=True)
@@ -189,7 +182,7 @@ class SchedulerOutput:  # noqa: PLW1641
         """Rebuild an output from `to_dict()`; every id must be in `requests_by_id` (the active requests).
 
         The dict comes from another rank, so it is checked as untrusted data before anything is built: an unknown
-        request id raises `UnknownRequest`; any other departure from the shape `to_dict()` writes (a non-mapping,
+        request id raises `UnknownRequestId`; any other departure from the shape `to_dict()` writes (a non-mapping,
         a string or number where a list belongs, an id in two lists (OUT-DISJOINT), a chunk count below 1, for a
         request not scheduled or longer than the request can ever be (prompt + max_new_tokens), a
         `num_fitting_requests` above the requests scheduled, a migration without `pairs`, in an unknown direction,
@@ -275,7 +268,7 @@ def _lookup(requests_by_id: Mapping[Hashable, Request], rid: object, where: str)
     try:
         return requests_by_id[rid]
     except KeyError:
-        raise UnknownRequest(
+        raise UnknownRequestId(
             f"scheduler output list {where!r} names request {shown(rid)}, which is not active here; "
             "send outputs only to ranks that know the same requests"
         ) from None

@@ -21,12 +21,25 @@ from kvstate.errors import InvariantViolation
 from kvstate.roles import DROPPED, OFFLOADED, PENDING_RESET, QUEUED
 
 if TYPE_CHECKING:  # annotations only: kvstate.spec validates what it loads with `policy_problems`
+    from kvstate.request import Request
+    from kvstate.scheduler.core import SchedulerCore
+    from kvstate.scheduler.scheduling_pass import SchedulingPass
     from kvstate.spec import Spec
+
+# the rule names the scheduler and the pass check read by name (each is a key of VOCABULARY below)
+CHUNK_IN_FLIGHT = "chunk_in_flight"
+WAIT_FOR_CHUNK_IN_FLIGHT = "wait_for_chunk_in_flight"
+STOP_AT_FIRST_MISFIT = "stop_at_first_misfit"
+NO_READMISSION_OF_VICTIMS = "no_readmission_of_victims"
+HOLD_NEW_AFTER_PREEMPTION_OR_WAIT = "hold_new_after_preemption_or_wait"
+HOLD_READMISSIONS_AFTER_PREEMPTION = "hold_readmissions_after_preemption"
+READMIT_LATEST_VICTIM_FIRST = "readmit_latest_victim_first"
+LATEST_ADMISSION_FIRST = "latest_admission_first"
 
 # rule vocabulary: every name the spec's [policy] may use, with its meaning
 VOCABULARY: Mapping[str, Mapping[str, str]] = {
     "victim_order": {
-        "latest_admission_first": "the eligible request with the greatest admission number",
+        LATEST_ADMISSION_FIRST: "the eligible request with the greatest admission number",
         "fewest_outputs_first": (
             "the eligible request with the fewest generated tokens; ties: the longest prompt, then the latest "
             "admission (SGLang's retraction order)"
@@ -42,7 +55,7 @@ VOCABULARY: Mapping[str, Mapping[str, str]] = {
         "victim_this_pass": "a request already chosen in the pass (VICTIM-ONCE)",
         "about_to_finish": "a request whose next decode step produces its final token (VICTIM-NOT-FINAL)",
         "preemption_cap_reached": "a request preempted max_preemptions_per_request times (A3)",
-        "chunk_in_flight": (
+        CHUNK_IN_FLIGHT: (
             "a request whose prefill or replay chunk is still in the pipeline (several micro-batches "
             "in flight); one whose decode step is in flight may be a victim: its token lands while it "
             "is suspended or awaits consensus (PP-TERMINATE)"
@@ -54,7 +67,7 @@ VOCABULARY: Mapping[str, Mapping[str, str]] = {
     },
     "no_eligible_victim": {
         "preempt_self": "a requester that finds no eligible victim preempts itself (by its victim path rule)",
-        "wait_for_chunk_in_flight": (
+        WAIT_FOR_CHUNK_IN_FLIGHT: (
             "a requester that finds no eligible victim waits, keeping its blocks and reserving nothing, while a "
             "request that chunk_in_flight alone excludes holds GPU blocks (that chunk lands within the micro-batches "
             "in flight, and then it is a victim again); otherwise it preempts itself (the progress rule, P1)"
@@ -64,11 +77,11 @@ VOCABULARY: Mapping[str, Mapping[str, str]] = {
     "promotion_order": {"latest_suspension_first": "the most recently suspended candidate first"},
     "promotion_worth": {"fewer_kv_tokens_than_victim": "the promoted requests hold fewer KV tokens than the victim"},
     "admission_rules": {
-        "stop_at_first_misfit": "admissions stop at the first candidate that does not fit (A2)",
-        "no_readmission_of_victims": "a victim of the pass is not readmitted in it",
-        "hold_new_after_preemption_or_wait": "no new request in a pass with a victim or a waiting requester (A1)",
-        "hold_readmissions_after_preemption": "no readmission in a pass with a victim (vLLM admits nothing then)",
-        "readmit_latest_victim_first": (
+        STOP_AT_FIRST_MISFIT: "admissions stop at the first candidate that does not fit (A2)",
+        NO_READMISSION_OF_VICTIMS: "a victim of the pass is not readmitted in it",
+        HOLD_NEW_AFTER_PREEMPTION_OR_WAIT: "no new request in a pass with a victim or a waiting requester (A1)",
+        HOLD_READMISSIONS_AFTER_PREEMPTION: "no readmission in a pass with a victim (vLLM admits nothing then)",
+        READMIT_LATEST_VICTIM_FIRST: (
             "readmission candidates of a class in order of their latest preemption, most recent first (the "
             "engine puts each victim back at the head of its queue); new requests in arrival order"
         ),
@@ -83,6 +96,29 @@ VOCABULARY: Mapping[str, Mapping[str, str]] = {
     },
 }
 _LISTED = ("victim_exclusions", "admission_rules")
+
+
+def preemption_capped(request: Request, cap: int | None) -> bool:
+    """`request` was preempted `cap` times already (A3); never with no cap."""
+    return cap is not None and request.num_suspensions + request.num_recompute_pauses >= cap
+
+
+# The scheduler's reading of each victim exclusion the spec's policy may name (their meaning: VOCABULARY above).
+VICTIM_EXCLUSIONS: Mapping[str, Callable[[SchedulerCore, Request, SchedulingPass], bool]] = {
+    "the_requester": lambda s, candidate, pass_: candidate is pass_.requester,
+    "scheduled_this_pass": lambda s, candidate, pass_: candidate.request_id in pass_.output.chunk_tokens,
+    "waiting_this_pass": lambda s, candidate, pass_: id(candidate) in pass_.waiting,
+    "victim_this_pass": lambda s, candidate, pass_: id(candidate) in pass_.victims,
+    "about_to_finish": lambda s, candidate, pass_: candidate.about_to_finish,
+    "preemption_cap_reached": lambda s, candidate, pass_: preemption_capped(
+        candidate, s.config.max_preemptions_per_request
+    ),
+    CHUNK_IN_FLIGHT: lambda s, candidate, pass_: candidate.request_id in s.in_flight and candidate.is_prefilling,
+    "ahead_of_requester": lambda s, candidate, pass_: (
+        pass_.requester is not None
+        and (candidate.is_prefilling, candidate.arrival) < (pass_.requester.is_prefilling, pass_.requester.arrival)
+    ),  # ahead in the spec's serve order (SPEC.md 7.2); declared by third-party policies (kvstate.declared)
+}
 
 
 def policy_problems(spec: Spec) -> list[str]:
@@ -210,7 +246,7 @@ def check_pass(spec: Spec, before: PassSnapshot, record: PassRecord, output) -> 
 
 # how each victim order ranks the eligible requests: the victim is the greatest
 _VICTIM_RANK: Mapping[str, Callable[[RequestSnapshot], tuple[int, ...]]] = {
-    "latest_admission_first": lambda r: (r.admission,),
+    LATEST_ADMISSION_FIRST: lambda r: (r.admission,),
     "fewest_outputs_first": lambda r: (-r.num_output_tokens, r.prompt_tokens, r.admission),
 }
 
@@ -272,7 +308,7 @@ class _PassCheck:
             and not ("victim_this_pass" in excluded and r.request_id in chosen)
             and not ("about_to_finish" in excluded and r.about_to_finish)
             and not ("preemption_cap_reached" in excluded and r.capped)
-            and not ("chunk_in_flight" in excluded and r.in_flight and r.prefilling)
+            and not (CHUNK_IN_FLIGHT in excluded and r.in_flight and r.prefilling)
         ]
 
     def check_victims(self) -> None:
@@ -313,7 +349,7 @@ class _PassCheck:
             tail = max(eligible, key=_VICTIM_RANK[order])
             if tail.request_id == d.victim:
                 continue
-            if order == "latest_admission_first":
+            if order == LATEST_ADMISSION_FIRST:
                 self.fail(
                     "VICTIM-TAIL",
                     f"request {d.victim!r} (admission {victim.admission}) was chosen as "
@@ -330,9 +366,9 @@ class _PassCheck:
     def check_self_preemption(self, requester: Hashable, chosen: set[Hashable], waiting: set[Hashable]) -> None:
         """VICTIM-SELF: under `wait_for_chunk_in_flight`, a requester preempts itself only when no request that
         `chunk_in_flight` alone excludes could give up its blocks once its chunk lands."""
-        if self.policy.no_eligible_victim != "wait_for_chunk_in_flight":
+        if self.policy.no_eligible_victim != WAIT_FOR_CHUNK_IN_FLIGHT:
             return
-        eligible = self.eligible(requester, chosen, waiting, ignoring=frozenset({"chunk_in_flight"}))
+        eligible = self.eligible(requester, chosen, waiting, ignoring=frozenset({CHUNK_IN_FLIGHT}))
         landing = [r for r in eligible if r.request_id != requester]
         if landing:
             self.fail(
@@ -398,7 +434,7 @@ class _PassCheck:
     def candidates(self) -> list[Hashable]:
         """Admission candidates in the policy's order: classes in order, each in arrival order."""
         sources = {t.event: t.source for t in self.spec.transitions}
-        latest_victim_first = "readmit_latest_victim_first" in self.policy.admission_rules
+        latest_victim_first = READMIT_LATEST_VICTIM_FIRST in self.policy.admission_rules
         queued = self.spec.role(QUEUED)
         out = []
         for event in self.policy.admission_classes:
@@ -414,12 +450,12 @@ class _PassCheck:
         rules = set(self.policy.admission_rules)
         admitted = self.admitted()
         victims = set(self.victims)
-        if "no_readmission_of_victims" in rules:
+        if NO_READMISSION_OF_VICTIMS in rules:
             for rid in admitted:
                 if rid in victims:
                     self.fail("ADMIT-ORDER", f"request {rid!r} was readmitted in the pass that chose it as a victim")
         candidates = [rid for rid in self.candidates() if rid not in victims]
-        if "stop_at_first_misfit" in rules and admitted != candidates[: len(admitted)]:
+        if STOP_AT_FIRST_MISFIT in rules and admitted != candidates[: len(admitted)]:
             skipped = next(rid for rid in candidates if rid not in admitted)
             later = next(rid for rid in admitted if candidates.index(rid) > candidates.index(skipped))
             self.fail(
@@ -428,7 +464,7 @@ class _PassCheck:
                 f"policy's order ({' > '.join(self.policy.admission_classes)}, each by arrival), was not: "
                 "admission stops at the first request that does not fit",
             )
-        if "hold_readmissions_after_preemption" in rules and self.victims:
+        if HOLD_READMISSIONS_AFTER_PREEMPTION in rules and self.victims:
             readmitted = [rid for rid in admitted if self.by_id[rid].state != self.spec.role(QUEUED)]
             if readmitted:
                 self.fail(
@@ -436,7 +472,7 @@ class _PassCheck:
                     f"request(s) {readmitted!r} were readmitted in a pass that chose victims {self.victims!r}: "
                     "the policy readmits nothing in a pass that preempted (hold_readmissions_after_preemption)",
                 )
-        if "hold_new_after_preemption_or_wait" in rules:
+        if HOLD_NEW_AFTER_PREEMPTION_OR_WAIT in rules:
             new = [rid for rid in admitted if self.by_id[rid].state == self.spec.role(QUEUED)]
             held = self.victims or self.left_waiting()
             if new and held:

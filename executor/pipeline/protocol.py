@@ -15,7 +15,7 @@ A message is a plain picklable dict (broadcast with `broadcast_object_list`):
 Invariants kept:
 * a mirror changes state only along a spec edge (`(event, from, to)` of `load_spec().transitions`) whose
   `from` is its current state; anything else raises `MirrorDiverged` naming the record;
-* every id an output names is a known mirror (`from_dict` raises `UnknownRequest` otherwise).
+* every id an output names is a known mirror (`from_dict` raises `UnknownRequestId` otherwise).
 """
 
 from __future__ import annotations

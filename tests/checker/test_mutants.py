@@ -12,7 +12,6 @@ from types import SimpleNamespace
 
 import pytest
 
-import kvstate.scheduler as scheduler_module
 from kvstate import policy
 from kvstate.checker import VIOLATED, check_bound, select_bounds
 from kvstate.checker.refinement import ObservedScheduler, prompt_of
@@ -21,7 +20,7 @@ from kvstate.errors import InvariantViolation
 from kvstate.lifecycle import TransitionTable
 from kvstate.output import SchedulerOutput
 from kvstate.policy import PassRecord, PassSnapshot, Promotion, RequestSnapshot, Victim, Wait
-from kvstate.scheduler import Scheduler, _Effects
+from kvstate.scheduler import Scheduler, SchedulerEffects
 from kvstate.semantics import GUARDS
 from kvstate.sim import SimExecutor
 from kvstate.spec import Transition, load_spec
@@ -138,7 +137,7 @@ def test_a_deferred_finish_stays_finished_when_a_cancel_follows(monkeypatch):
     consensus, then cancels it (PP-TERMINATE)."""
     (stops,) = select_bounds(["stop_inflight"])
     assert check_bound(stops, counterexample_dir=None).verdict == "holds"
-    monkeypatch.setattr(_Effects, "defer_termination", overwrites_the_deferred_reason)
+    monkeypatch.setattr(SchedulerEffects, "defer_termination", overwrites_the_deferred_reason)
     report = check_bound(stops, counterexample_dir=None)
     assert report.violated_invariant == "PP-TERMINATE", report.counterexample
     assert "the first recorded reason wins" in report.refinement.message
@@ -151,7 +150,7 @@ def test_removing_about_to_finish_from_the_victim_exclusions_is_caught_by_a_defa
     spec copy; since the policy is a declared parameter (issue 27), a spec copy without the exclusion declares a
     policy that allows such victims, so the mutant is planted in the scheduler that departs from its spec.)"""
     assert "about_to_finish" in load_spec().policy.victim_exclusions
-    monkeypatch.setitem(scheduler_module.VICTIM_EXCLUSIONS, "about_to_finish", lambda s, candidate, pass_: False)
+    monkeypatch.setitem(policy.VICTIM_EXCLUSIONS, "about_to_finish", lambda s, candidate, pass_: False)
     (bound,) = select_bounds(["pipeline2_no_cancel"])
     assert "pipeline2_no_cancel" in [b.name for b in select_bounds(None)]
     report = check_bound(bound, counterexample_dir=None)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-import kvstate.scheduler as scheduler_module
+import kvstate.policy as policy_module
+import kvstate.scheduler.preemption as preemption_module
 import kvstate.semantics
 from kvstate.checker import HOLDS, VIOLATED, Bound, check_bound
 from kvstate.scheduler import Scheduler
@@ -65,7 +66,7 @@ def test_head_first_victims_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_victim_about_to_finish_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(scheduler_module.VICTIM_EXCLUSIONS, "about_to_finish", lambda s, candidate, step: False)
+    monkeypatch.setitem(policy_module.VICTIM_EXCLUSIONS, "about_to_finish", lambda s, candidate, step: False)
     assert "final token" in caught("policy", "VICTIM-NOT-FINAL")
 
 
@@ -85,7 +86,7 @@ def test_promoting_a_request_suspended_in_an_earlier_pass_is_caught(monkeypatch:
 
 
 def test_promotion_without_the_worth_rule_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scheduler_module, "promotion_saves_kv", lambda promoted, victim: True)
+    monkeypatch.setattr(preemption_module, "promotion_saves_kv", lambda promoted, victim: True)
     monkeypatch.setattr(kvstate.semantics, "promotion_saves_kv", lambda promoted, victim: True)
     assert "worth" in caught("worth", "PROMOTE-GATE")
 
@@ -118,7 +119,7 @@ def test_room_on_its_way_counted_by_every_requester_is_caught(monkeypatch: pytes
     def unreserved_wait(self, request, reserved, step):
         step.waited = True
         step.waiting.add(id(request))
-        step.record.decisions.append(scheduler_module.Wait(request.request_id, reserved))
+        step.record.decisions.append(policy_module.Wait(request.request_id, reserved))
 
     monkeypatch.setattr(Scheduler, "_wait", unreserved_wait)
     assert "reserved" in caught("policy", "WORK-CONSERVE")

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvstate.scheduler
+import kvstate.scheduler.core
 from kvstate.config import SchedulerConfig
 from kvstate.lifecycle import Lifecycle, TransitionTable, make_lifecycle
 from kvstate.scheduler import Scheduler, SchedulerStalled
@@ -150,7 +150,7 @@ def test_a_planted_difference_in_either_implementation_is_caught(kind: str, monk
         return pool.has_host_tier and pool.host_free_blocks > request.num_gpu_blocks
 
     monkeypatch.setattr(
-        kvstate.scheduler, "make_lifecycle", _planted(kind, "host_room_for_all_blocks", host_room_off_by_one)
+        kvstate.scheduler.core, "make_lifecycle", _planted(kind, "host_room_for_all_blocks", host_room_off_by_one)
     )
     with pytest.raises(AssertionError, match="differ"):
         assert_same(PRESSURED)

@@ -10,8 +10,8 @@ import pickle
 import pytest
 
 from kvstate.config import SchedulerConfig
-from kvstate.errors import InvariantViolation
-from kvstate.output import SchedulerOutput, UnknownRequest, check_output
+from kvstate.errors import InvariantViolation, UnknownRequestId
+from kvstate.output import SchedulerOutput, check_output
 from kvstate.roles import LIST_NAMES
 from kvstate.scheduler import Scheduler
 from kvstate.sim import SimExecutor
@@ -101,7 +101,7 @@ def test_from_dict_naming_an_unknown_id_raises_unknown_request() -> None:
     d = out.to_dict()
     missing = d["recompute_paused"][0]
     active = {rid: r for rid, r in sched.requests.items() if rid != missing}
-    with pytest.raises(UnknownRequest) as info:
+    with pytest.raises(UnknownRequestId) as info:
         SchedulerOutput.from_dict(d, active)
     assert repr(missing) in str(info.value) and "recompute_paused" in str(info.value)
     assert isinstance(info.value, KeyError)
@@ -211,7 +211,7 @@ def test_from_dict_refuses_malformed_migrations(change, needles) -> None:
 def test_from_dict_refuses_a_migration_of_an_unknown_request_and_repeated_plan_ids() -> None:
     sched, d = wire(6)
     d["migrations"][0]["request_id"] = "nobody"
-    with pytest.raises(UnknownRequest, match="nobody"):
+    with pytest.raises(UnknownRequestId, match="nobody"):
         SchedulerOutput.from_dict(d, sched.requests)
     sched, d = wire(6)
     d["migrations"].append(dict(d["migrations"][0]))

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-import kvstate.scheduler as scheduler_module
+import kvstate.policy as policy_module
 from kvstate.config import SchedulerConfig
 from kvstate.scheduler import Scheduler, SchedulerStalled
 from kvstate.sim import SimExecutor, reference_output
@@ -46,7 +46,7 @@ def test_long_replays_in_one_token_chunks_are_progress() -> None:
 
 def test_a_replay_livelock_is_reported_by_the_detector(monkeypatch: pytest.MonkeyPatch) -> None:
     """Planted: a waiting requester is a victim again (the two-stage livelock of issue 11 comes back)."""
-    monkeypatch.setitem(scheduler_module.VICTIM_EXCLUSIONS, "waiting_this_pass", lambda s, candidate, step: False)
+    monkeypatch.setitem(policy_module.VICTIM_EXCLUSIONS, "waiting_this_pass", lambda s, candidate, step: False)
     sched = Scheduler(
         SchedulerConfig(
             gpu_blocks=9, block_size=2, max_batch_size=3, max_num_tokens=10, prefill_chunk_size=4, pipeline_stages=2

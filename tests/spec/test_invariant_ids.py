@@ -8,8 +8,8 @@ from pathlib import Path
 
 import kvstate
 from kvstate import policy
+from kvstate.policy import VICTIM_EXCLUSIONS
 from kvstate.roles import ROLES
-from kvstate.scheduler import VICTIM_EXCLUSIONS
 from kvstate.spec import load_spec
 
 SPEC = load_spec()

@@ -12,7 +12,7 @@ import dataclasses
 
 from kvstate import load_spec
 from kvstate.config import RequestRejected, SchedulerConfig
-from kvstate.scheduler import Scheduler, _Effects
+from kvstate.scheduler import Scheduler, SchedulerEffects
 from kvstate.sim import SimExecutor
 from kvstate.testing import KVStateAdapter, LifecycleViolation, conformance_machine
 
@@ -27,7 +27,7 @@ def adapter_with(config: SchedulerConfig, **kwargs):
     return lambda: KVStateAdapter(config, deep_checks=False, **kwargs)
 
 
-def scheduler_with_effects(effects: type[_Effects]) -> type[Scheduler]:
+def scheduler_with_effects(effects: type[SchedulerEffects]) -> type[Scheduler]:
     class BrokenScheduler(Scheduler):
         def _effects_in(self, pass_):
             return effects(self, pass_)
@@ -36,7 +36,7 @@ def scheduler_with_effects(effects: type[_Effects]) -> type[Scheduler]:
 
 
 # ------------------------------------------------------------------------------------- broken schedulers
-class ReplayForgetsGenerated(_Effects):
+class ReplayForgetsGenerated(SchedulerEffects):
     """Reset for replay re-prefills the original prompt only, forgetting the generated tokens' KV."""
 
     def release_kv_and_reset(self, request, transition) -> None:
@@ -51,7 +51,7 @@ def test_a_replay_prompt_without_the_generated_tokens_breaks_output_equivalence(
     assert find_failure(machine).invariant_id == "OUT-EQUIV"
 
 
-class ResetClearsGenerated(_Effects):
+class ResetClearsGenerated(SchedulerEffects):
     """Reset for replay throws the generated tokens away."""
 
     def release_kv_and_reset(self, request, transition) -> None:
@@ -67,7 +67,7 @@ def test_a_reset_that_drops_generated_tokens_breaks_append_only_output(find_fail
     assert find_failure(machine).invariant_id == "GEN-APPEND"
 
 
-class FinishLeaksBlocks(_Effects):
+class FinishLeaksBlocks(SchedulerEffects):
     """A finished request keeps its blocks in the pool (the request record says it holds none)."""
 
     def release_kv_and_terminate(self, request, transition) -> None:

@@ -1,0 +1,73 @@
+"""Admission: new requests and readmissions (resume, replay) in the policy's order.
+
+Invariants kept: admissions follow the policy's classes in order, each by arrival, stopping at the first misfit
+(ADMIT-ORDER); no new request in a pass that chose a victim or left a requester waiting (ADMIT-HOLD); a victim of
+the pass is not readmitted in it; an admitted request leaves its queue, a skipped one stays where it was.
+"""
+
+from __future__ import annotations
+
+from kvstate.policy import HOLD_NEW_AFTER_PREEMPTION_OR_WAIT, NO_READMISSION_OF_VICTIMS, STOP_AT_FIRST_MISFIT
+from kvstate.request import Request
+from kvstate.scheduler.core import SchedulerCore
+from kvstate.scheduler.scheduling_pass import SchedulingPass
+from kvstate.semantics import first_chunk_tokens
+
+__all__ = ["Admission"]
+
+
+class Admission(SchedulerCore):
+    """The scheduler's admissions and readmissions (this module's docstring)."""
+
+    def _admit(self, pass_: SchedulingPass) -> None:
+        """Readmissions and admissions in the policy's class order, each class in arrival order (ADMIT-ORDER);
+        new requests are held back in a pass that chose a victim or left a requester waiting (ADMIT-HOLD)."""
+        rules = self.policy.admission_rules
+        hold_new = HOLD_NEW_AFTER_PREEMPTION_OR_WAIT in rules and (pass_.preempted or pass_.waited)
+        for event, queue in self._admission_queues:
+            if event == "admit" and hold_new:
+                return
+            if not queue:
+                continue  # nothing to admit from it, and no misfit to stop at
+            if not self._admit_class(event, queue, pass_) and STOP_AT_FIRST_MISFIT in rules:
+                return
+
+    def _admit_class(self, event: str, queue: list[Request], pass_: SchedulingPass) -> bool:
+        """Admit from `queue` in arrival order; False when a candidate did not fit (admission stops there). The
+        queue is read in place, up to where admission stops (no copy of it: under pressure it holds most requests,
+        and a pass usually stops at its head): an admitted request leaves it (`_queue_of`), a skipped one stays."""
+        no_victims = NO_READMISSION_OF_VICTIMS in self.policy.admission_rules
+        position = 0  # of the next candidate: those before it were skipped
+        while position < len(queue):
+            request = queue[position]
+            if no_victims and id(request) in pass_.victims:
+                position += 1
+                continue  # never readmit a victim of this very pass
+            if self.config.capacity_policy == "guaranteed_no_evict" and not self._reservable(request):
+                return False
+            if not self._admit_one(request, event, pass_):
+                return False
+        return True
+
+    def _admit_one(self, request: Request, event: str, pass_: SchedulingPass) -> bool:
+        if pass_.slots_left == 0 or request.request_id in self.in_flight:
+            return False  # no slot, or its step of an earlier pass has not landed yet (it lost its host copy since)
+        out = pass_.output
+        if request.state == self._offloaded:  # a resume moves KV back and computes once it is back (the guard
+            if not self._try_fire(request, event, pass_):  # refuses while its suspend copy is still in flight)
+                return False
+            out.resumed.append(request)
+            pass_.slots_left -= 1
+            return True
+        if pass_.tokens_left == 0:
+            return False
+        if not self._try_fire(request, event, pass_):
+            return False
+        self._add_scheduled(request, first_chunk_tokens(request, self._view(pass_)), pass_)
+        return True
+
+    def _reservable(self, request: Request) -> bool:
+        """guaranteed_no_evict: the request's worst case fits beside every resident request's worst case."""
+        blocks = self.pool.blocks_for_tokens
+        reserved = sum(blocks(len(r.prompt) + r.max_new_tokens) - r.num_gpu_blocks for r in self.resident)
+        return blocks(len(request.prompt) + request.max_new_tokens) <= self.pool.gpu_free_blocks - reserved

@@ -1,0 +1,163 @@
+"""Preemption: freeing GPU blocks for a requester by taking them from a victim.
+
+Invariants kept (ids from the spec; the policy's rules are the spec's `[policy]`, given meaning in `kvstate.policy`):
+* victims are taken tail-first by admission order among requests not yet scheduled in the pass, never twice in a
+  pass, never one about to produce its final token, never one awaiting consensus, never one past the preemption cap
+  (VICTIM-TAIL, VICTIM-ONCE, VICTIM-NOT-FINAL, PP-HOLD): the exclusions the spec's policy names;
+* a victim is suspended when the host tier has room, else, promoting requests suspended earlier in the same pass
+  (most recent first, while their KV is worth less than the victim's: PROMOTE-GATE), suspended after promotion,
+  else recompute-paused;
+* a requester that counts on room on its way (fenced blocks, blocks awaiting consensus) reserves it, so the next
+  requester takes a victim instead of counting the same blocks (WORK-CONSERVE).
+"""
+
+from __future__ import annotations
+
+from kvstate.errors import KVStateError
+from kvstate.policy import CHUNK_IN_FLIGHT, VICTIM_EXCLUSIONS, Promotion, Victim, Wait, preemption_capped
+from kvstate.pool import MigrationPlan
+from kvstate.request import Request
+from kvstate.scheduler.core import SchedulerCore
+from kvstate.scheduler.scheduling_pass import SchedulingPass
+from kvstate.semantics import promotion_saves_kv
+
+__all__ = ["Preemption"]
+
+
+class Preemption(SchedulerCore):
+    """The scheduler's victim choice and preemption (this module's docstring)."""
+
+    def _make_room(self, request: Request, need: int, pass_: SchedulingPass) -> bool:
+        """Free `need` GPU blocks for `request`: True when they are free now; False when it preempted itself or
+        waits for room on its way (which it then reserves: WORK-CONSERVE)."""
+        while self.pool.gpu_free_blocks < need:
+            short = need - self.pool.gpu_free_blocks
+            if pass_.pending_free >= short:
+                self._wait(request, short, pass_)
+                return False
+            pass_.requester = request
+            victim = self._pick_victim(pass_)
+            if victim is None:
+                protected = request.about_to_finish or self._capped(request)
+                if protected and (pass_.output.chunk_tokens or pass_.pending_free):
+                    self._wait(request, min(short, pass_.pending_free), pass_)
+                    return False  # requests scheduled in this pass, or pending copies, will free room
+                if self._victim_lands(pass_):
+                    self._wait(request, 0, pass_)
+                    return False  # a victim once its chunk in flight lands (P1: no mutual self-preemption)
+                self._preempt(request, pass_)
+                if request.state in self._computing:  # it could not even evict itself: it waits for nothing
+                    self._wait(request, 0, pass_)
+                return False
+            self._preempt(victim, pass_)
+        return True
+
+    def _wait(self, request: Request, reserved: int, pass_: SchedulingPass) -> None:
+        """`request` waits for `reserved` blocks on their way; it is no victim for the rest of the pass."""
+        pass_.pending_free -= reserved
+        pass_.waited = True
+        pass_.waiting.add(id(request))
+        pass_.record.decisions.append(Wait(request.request_id, reserved))
+
+    def _capped(self, request: Request) -> bool:
+        return preemption_capped(request, self.config.max_preemptions_per_request)
+
+    def _victim_eligible(self, candidate: Request, pass_: SchedulingPass) -> bool:
+        """`candidate` is in a victim state and no exclusion of the spec's policy (`victim_exclusions`) applies."""
+        if candidate.state not in self._victim_states:
+            return False
+        for excluded in self._exclusions:  # noqa: SIM110 (a loop, not `all` over a generator: it runs per candidate)
+            if excluded(self, candidate, pass_):
+                return False
+        return True
+
+    def _victim_lands(self, pass_: SchedulingPass) -> bool:
+        """The policy's `no_eligible_victim` rule waits (`wait_for_chunk_in_flight`) and some request that only
+        `chunk_in_flight` excludes could give up its blocks once that chunk lands."""
+        if self._landing_exclusions is None:
+            return False
+        return any(
+            candidate.state in self._victim_states
+            and VICTIM_EXCLUSIONS[CHUNK_IN_FLIGHT](self, candidate, pass_)
+            and not any(excluded(self, candidate, pass_) for excluded in self._landing_exclusions)
+            for candidate in self.admitted
+        )
+
+    def _pick_victim(self, pass_: SchedulingPass) -> Request | None:
+        """The most recently admitted eligible request (VICTIM-TAIL), or None."""
+        for candidate in reversed(self.admitted):
+            if self._victim_eligible(candidate, pass_):
+                return candidate
+        return None
+
+    def _preempt(self, victim: Request, pass_: SchedulingPass) -> None:
+        """Suspend the victim if the host tier takes it (promoting if worth it), else recompute-pause it, to make
+        room for `pass_.requester` (set before: the victim itself when it evicts itself).
+        Blocks that free only after a copy or a consensus count as `pending_free` for this pass."""
+        requester = pass_.requester
+        if requester is None:
+            raise KVStateError("a victim is chosen only for a requester: set pass_.requester before preempting")
+        pass_.victims.add(id(victim))
+        held = victim.num_gpu_blocks
+        # without a host tier nothing is ever suspended (NO-HOST-NO-SUSPEND): neither suspend nor a promotion that
+        # would make host room for it is asked for; with one, suspend's guard decides
+        suspendable = self.pool.has_host_tier and "suspend" in self.lifecycle.allowed_events(victim.state)
+        if suspendable and (
+            self._try_fire(victim, "suspend", pass_)
+            or (self._promote_for(victim, pass_) and self._try_fire(victim, "suspend", pass_))
+        ):
+            pass_.pending_free += held
+            pass_.suspended.append(victim)
+            pass_.output.suspended.append(victim)
+            event = "suspend"
+        elif self.config.enable_recompute_pause:
+            self._fire(victim, "recompute_pause", pass_)
+            if victim.state == self._pending_reset:
+                pass_.pending_free += held
+            pass_.output.recompute_paused.append(victim)
+            event = "recompute_pause"
+        else:
+            pass_.unmoved_victims += 1
+            return
+        pass_.preempted = True
+        pass_.record.decisions.append(Victim(requester.request_id, victim.request_id, event))
+
+    def _promote_for(self, victim: Request, pass_: SchedulingPass) -> bool:
+        """Promote requests suspended earlier in this pass to recompute-pause, most recent first, to make host room
+        for `victim`: the shortest such group that makes room, only while its KV is worth less than the victim's
+        (the spec's promotion gate decides each one; the group is checked against the same rule first), and only
+        when `suspend` would then fire on the victim (its guard holds on the pool with the group's host blocks
+        free: not while a copy of the victim is in flight, SPEC.md 7.3): a promotion is never wasted. Only asked
+        where a host tier exists (`_preempt`)."""
+        if not self.config.enable_recompute_pause or victim.num_gpu_blocks > self.pool.host.capacity:
+            return False
+        missing = victim.num_gpu_blocks - self.pool.host_free_blocks
+        group, freed = [], 0
+        for candidate in reversed(pass_.suspended):
+            if freed >= missing:
+                break
+            group.append(candidate)
+            freed += candidate.num_host_blocks
+        if freed < missing or not promotion_saves_kv(sum(c.kv_tokens for c in group), victim.kv_tokens):
+            return False
+        room_made = self._view(pass_)._replace(host_free_blocks=self.pool.host_free_blocks + freed)
+        if not self.lifecycle.can_fire(victim, "suspend", room_made):
+            return False
+        pass_.promotion_worth = victim.kv_tokens
+        for candidate in group:
+            plans = [p for p in pass_.output.migrations if p.request_id == candidate.request_id]
+            self._fire(candidate, "recompute_pause", pass_)
+            pass_.promotion_worth -= candidate.kv_tokens
+            self._abandon_migrations(plans, pass_)
+            pass_.suspended.remove(candidate)
+            pass_.output.suspended.remove(candidate)
+            pass_.output.recompute_paused.append(candidate)
+            pass_.record.decisions.append(Promotion(victim.request_id, candidate.request_id))
+        return True
+
+    def _abandon_migrations(self, plans: list[MigrationPlan], pass_: SchedulingPass) -> None:
+        """Drop not-yet-issued copy plans of a request promoted in this pass; their GPU sources free at once."""
+        for plan in plans:
+            pass_.output.migrations.remove(plan)
+            self._end_copy(plan)
+            pass_.pending_free -= plan.num_blocks

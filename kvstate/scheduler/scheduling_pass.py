@@ -1,0 +1,46 @@
+"""One scheduling pass in progress: what `Scheduler.schedule` has decided so far, and what it may still spend."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from kvstate.config import SchedulerConfig
+from kvstate.output import SchedulerOutput
+from kvstate.policy import PassRecord
+from kvstate.request import Request
+
+__all__ = ["SchedulingPass"]
+
+
+class SchedulingPass:
+    """One scheduling pass: its output, budgets, victims and reservations, and what its guards read of it.
+
+    The lifecycle's guards get a `PassView` of it for each decision (`Scheduler._view`): the pool figures plus
+    `number` (None for the pass used between passes) and the worth a promotion may still throw away.
+    Invariants: `tokens_left` and `slots_left` never go negative; `pending_free` is the room on its way that no
+    requester of this pass has reserved yet; `record` lists victims, promotions and waits in decision order;
+    every victim but `unmoved_victims` of them left its state when it was taken (suspended or paused), so a walk
+    over the resident requests that skips those not active needs the victims only while some are unmoved.
+    """
+
+    def __init__(self, config: SchedulerConfig, number: int | None) -> None:
+        self.number = number
+        self.output: SchedulerOutput = SchedulerOutput()
+        self.tokens_left = config.max_num_tokens
+        self.slots_left = config.max_batch_size
+        self.victims: set[int] = set()
+        self.unmoved_victims = 0  # victims no event moved (suspend refused, recompute-pause disabled)
+        self.waiting: set[int] = set()
+        self.suspended: list[Request] = []  # suspended in this pass and not promoted, in suspension order
+        self.pending_free = 0
+        self.preempted = False
+        self.waited = False
+        self.promotion_worth = 0
+        self.requester: Request | None = None  # the request the pass is making room for
+        self.chunk_blocks: dict[Hashable, int] = {}  # blocks allocated for a resident request's chunk of this pass
+        self.record = PassRecord()
+
+    def charge(self, tokens: int, slots: int) -> None:
+        """Spend `tokens` of the token budget and `slots` batch slots on requests scheduled in this pass."""
+        self.tokens_left -= tokens
+        self.slots_left -= slots
