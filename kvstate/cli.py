@@ -1,5 +1,7 @@
-"""The `kvstate` command line. Each subcommand lives in its own module: under `kvstate.commands`, or under
-`executor.commands` for the ones that run the torch executor (importing them imports no torch).
+"""The `kvstate` command line. Each subcommand lives in its own module with a `register(subparsers)`: the core's
+torch-free ones under `kvstate.commands`, and those of layers above the core (the executor's `demo`, `generate`,
+`soak` and `bench`, in `executor.commands`) named in the `kvstate.commands` entry-point group of an installed
+distribution, so that the core never imports the executor. Importing a command module imports no torch.
 
 A bad command line never prints a traceback: argparse refuses malformed options with the subcommand's own usage,
 each command checks its values and paths before it starts work (and before torch is imported), and an expected
@@ -17,12 +19,21 @@ import warnings
 from collections.abc import Sequence
 from importlib import metadata
 
-from executor.commands import demo, generate, soak
-from kvstate.commands import bench, check, diagram, export, report, spec_summary, validate
+from types import ModuleType
+
+from kvstate.commands import check, diagram, export, report, spec_summary, validate
 from kvstate.errors import KVStateError
 from kvstate.terminal import inert
 
-COMMANDS = (bench, check, demo, diagram, export, generate, report, soak, spec_summary, validate)  # in `--help` order
+CORE_COMMANDS = {
+    "check": check,
+    "diagram": diagram,
+    "export": export,
+    "report": report,
+    "spec": spec_summary,
+    "validate": validate,
+}
+COMMAND_GROUP = "kvstate.commands"  # the entry-point group of the commands other layers contribute
 
 USAGE_ERROR = 2
 INTERRUPTED = 130
@@ -35,11 +46,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvstate {version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in COMMANDS:
+    for _, module in sorted(command_modules().items()):  # `--help` lists them by name
         module.register(subparsers)
     for subparser in subparsers.choices.values():
         subparser.set_defaults(subparser=subparser)  # unknown options are then reported with its usage
     return parser
+
+
+def command_modules() -> dict[str, ModuleType]:
+    """Every subcommand's module by command name: the core's, then each one an installed distribution names in the
+    `kvstate.commands` entry-point group. Raises `KVStateError` when a contributed command takes a core command's
+    name, or when its module cannot be imported (the message names the entry point and its module)."""
+    modules: dict[str, ModuleType] = dict(CORE_COMMANDS)
+    for entry in metadata.entry_points(group=COMMAND_GROUP):
+        if entry.name in CORE_COMMANDS:
+            raise KVStateError(
+                f"entry point {entry.name} = {entry.value} ({COMMAND_GROUP}) takes the name of a core command; "
+                "rename it in the distribution that declares it"
+            )
+        try:
+            modules[entry.name] = entry.load()
+        except ImportError as err:
+            raise KVStateError(
+                f"the {entry.name!r} command's module {entry.value} cannot be imported ({err}); reinstall kvstate "
+                "(pip install .) from a complete source tree"
+            ) from err
+    return modules
 
 
 def version() -> str:
@@ -66,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse(argv)
     except SystemExit as exit_:  # --help (0) or a usage error (2), already printed by argparse
         return exit_.code if isinstance(exit_.code, int) else USAGE_ERROR
+    except KVStateError as err:  # a contributed command that cannot be registered
+        print(inert(f"kvstate: error: {err}"), file=sys.stderr)
+        return USAGE_ERROR
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _warning_printer(args.command)

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-import kvstate.bench
-from kvstate.bench import GROUPS, PEER_GROUPS
-from kvstate.bench.results import Row, Section
+import executor.bench
+from executor.bench import GROUPS, PEER_GROUPS
+from executor.bench.results import Row, Section
 from kvstate.cli import main
 
 
@@ -26,7 +26,7 @@ def ran(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...]]:
             for g in groups
         ]
 
-    monkeypatch.setattr(kvstate.bench, "run_all", run_all)
+    monkeypatch.setattr(executor.bench, "run_all", run_all)
     return asked
 
 

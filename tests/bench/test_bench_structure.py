@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from kvstate.bench.migration import layout_plans
-from kvstate.bench.overhead import scheduler_section, transition_section
-from kvstate.bench.results import Row, Section
-from kvstate.bench.stepping import OursDriver, Workload
-from kvstate.bench.table import document, render_table, write_json
-from kvstate.bench.timing import interleaved, medians
+from executor.bench.migration import layout_plans
+from executor.bench.overhead import scheduler_section, transition_section
+from executor.bench.results import Row, Section
+from executor.bench.stepping import OursDriver, Workload
+from executor.bench.table import document, render_table, write_json
+from executor.bench.timing import interleaved, medians
 from kvstate.cli import main
 
 
@@ -105,8 +105,8 @@ def test_table_and_json(tmp_path):
 
 def test_import_kvstate_bench_and_report_import_no_torch_or_matplotlib():
     code = (
-        "import sys, kvstate, kvstate.bench, kvstate.bench.migration, kvstate.bench.end_to_end, "
-        "kvstate.bench.plots, kvstate.report, kvstate.cli; kvstate.cli.build_parser(); "
+        "import sys, kvstate, executor.bench, executor.bench.migration, executor.bench.end_to_end, "
+        "executor.bench.plots, kvstate.report, kvstate.cli; kvstate.cli.build_parser(); "
         "bad = [m for m in ('torch', 'matplotlib', 'transformers') if m in sys.modules]; "
         "assert not bad, bad"
     )
@@ -154,7 +154,7 @@ def test_bench_command_writes_json_and_plots(tmp_path, capsys):
 def test_end_to_end_quick_structure():
     pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
-    from kvstate.bench import end_to_end
+    from executor.bench import end_to_end
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -175,7 +175,7 @@ def test_end_to_end_quick_structure():
 
 
 def test_lifecycle_and_pressure_sections_compare_side_by_side():
-    from kvstate.bench.overhead import lifecycle_section, pressure_section
+    from executor.bench.overhead import lifecycle_section, pressure_section
 
     lifecycle = lifecycle_section(size=32, repeats=1)
     assert set(lifecycle.data["us_per_call"]) == {

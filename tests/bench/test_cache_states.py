@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from kvstate.bench import stepping
-from kvstate.bench.peers import BRACKETS, Peer, peer_section
-from kvstate.bench.stepping import Driver, OursDriver, Workload, largest_cache_bytes, measure
+from executor.bench import stepping
+from executor.bench.peers import BRACKETS, Peer, peer_section
+from executor.bench.stepping import Driver, OursDriver, Workload, largest_cache_bytes, measure
 
 
 class _Recording(Driver):

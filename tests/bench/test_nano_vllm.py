@@ -1,4 +1,4 @@
-"""nano-vllm's real scheduler as a peer (`kvstate.bench.nanovllm_peer`). nano-vllm is not on PyPI: the tests that
+"""nano-vllm's real scheduler as a peer (`executor.bench.nanovllm_peer`). nano-vllm is not on PyPI: the tests that
 drive it need a checkout named by KVSTATE_NANO_VLLM (git clone https://github.com/GeeeekExplorer/nano-vllm) and
 its block manager's `xxhash`; without them only the loader's refusals are tested."""
 
@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from kvstate.bench.nanovllm_peer import NanoVLLMDriver, NanoVLLMUnavailable, load
-from kvstate.bench.peers import nano_vllm_section
-from kvstate.bench.stepping import Workload
+from executor.bench.nanovllm_peer import NanoVLLMDriver, NanoVLLMUnavailable, load
+from executor.bench.peers import nano_vllm_section
+from executor.bench.stepping import Workload
 
 CHECKOUT = os.environ.get("KVSTATE_NANO_VLLM")
 needs_checkout = pytest.mark.skipif(

@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from kvstate.bench.peers import NOT_INSTALLED, nano_vllm_section, vllm_section
+from executor.bench.peers import NOT_INSTALLED, nano_vllm_section, vllm_section
 from kvstate.cli import main
 
 
 @pytest.fixture
 def no_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)  # what `import vllm` sees when it is not installed
-    for module in ("kvstate.adapters.vllm", "kvstate.bench.vllm_peer"):
+    for module in ("kvstate.adapters.vllm", "executor.bench.vllm_peer"):
         monkeypatch.delitem(sys.modules, module, raising=False)
 
 

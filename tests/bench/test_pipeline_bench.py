@@ -9,7 +9,7 @@ pytestmark = pytest.mark.distributed
 
 def test_the_pipeline_group_alternates_runs_and_checks_outputs() -> None:
     pytest.importorskip("torch")
-    from kvstate.bench import pipeline
+    from executor.bench import pipeline
 
     messages: list[str] = []
     section = pipeline.run(quick=True, progress=messages.append)

@@ -1,4 +1,4 @@
-"""The `smollm2` group of `kvstate bench --peers` (`kvstate.bench.real_model`): SmolLM2-135M's decode beside
+"""The `smollm2` group of `kvstate bench --peers` (`executor.bench.real_model`): SmolLM2-135M's decode beside
 transformers' `generate`, steady and under memory pressure; without the model its row says what to install."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from kvstate.bench import PEER_GROUPS, TORCH_GROUPS, run_all
-from kvstate.bench.real_model import REGIMES, RealShape, smollm2_section
+from executor.bench import PEER_GROUPS, TORCH_GROUPS, run_all
+from executor.bench.real_model import REGIMES, RealShape, smollm2_section
 
 
 def test_without_the_model_the_group_says_what_to_install(monkeypatch):

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstate.bench.serving import (
+from executor.bench.serving import (
     HOST_TIERS,
     Request,
     ServingShape,

@@ -1,10 +1,10 @@
-"""`kvstate.bench.timing`: per-round ratios of interleaved samples."""
+"""`executor.bench.timing`: per-round ratios of interleaved samples."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvstate.bench.timing import round_ratios
+from executor.bench.timing import round_ratios
 
 
 def test_round_ratios_pair_the_samples_of_each_round() -> None:

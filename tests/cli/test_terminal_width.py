@@ -7,8 +7,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kvstate.bench.results import Row, Section
-from kvstate.bench.table import render_table
+from executor.bench.results import Row, Section
+from executor.bench.table import render_table
 from kvstate.cli import main
 from kvstate.commands.spec_summary import tables
 from kvstate.spec import load_spec
@@ -117,7 +117,7 @@ def test_bench_table_rows_are_one_line_each_when_piped(monkeypatch, capsys):
         )
         for n in (256, 1024, 4096)
     ]
-    monkeypatch.setattr("kvstate.bench.run_all", lambda **_: [Section("lifecycle", rows, {})])
+    monkeypatch.setattr("executor.bench.run_all", lambda **_: [Section("lifecycle", rows, {})])
     assert main(["bench", "--only", "lifecycle"]) == 0
     lines = capsys.readouterr().out.splitlines()
     for row in rows:

@@ -149,7 +149,7 @@ def test_cuda_copy_waits_for_prior_compute_and_compute_waits_for_the_fence():
 def test_cuda_fragmented_plans_are_staged_with_one_transfer_per_direction(layout):
     """A fragmented plan is one gather (or scatter) on the device and one DMA per direction; the data round-trips
     exactly, also with the copy stream held back."""
-    from kvstate.bench.migration import layout_plans
+    from executor.bench.migration import layout_plans
 
     suspend, resume, gpu_blocks = layout_plans(layout, 16, seed=3)
     cache = _cache(gpu=gpu_blocks, host=16, device="cuda", dtype=torch.float32)

@@ -99,7 +99,7 @@ def _equal_to_transformers(model, tokenizer, count: int, new_tokens: int) -> Non
     """Greedy outputs of the engine equal `generate` at batch 1 and batched (ragged prompts, left-padded), and the
     model's logits at every position of prompt and output agree with transformers' forward within
     `LOGIT_TOLERANCE` (the engine's paged path equals the dense one: tests/executor/test_hf_llama.py)."""
-    from kvstate.bench.real_model import generate_greedy, hf_peer
+    from executor.bench.real_model import generate_greedy, hf_peer
 
     hf, peer = hf_peer(model, model.dtype)
     if hf is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
-from kvstate.bench.results import Row, Section
+from executor.bench.results import Row, Section
 
 # `kvstate bench --peers`: the groups measured beside a real peer (and the pipeline beside its own lockstep run)
 PEER_GROUPS = ("vllm", "nano-vllm", "transformers", "smollm2", "pipeline")
@@ -23,25 +23,25 @@ TORCH_GROUPS = ("migration", "end-to-end", "lifecycle", "transformers", "smollm2
 
 
 def _migration(*, quick, device, seed, **_) -> list[Section]:
-    from kvstate.bench import migration
+    from executor.bench import migration
 
     return [migration.run(quick=quick, device=device, seed=seed)]
 
 
 def _overhead(*, quick, seed, lifecycle, progress, sizes, **_) -> list[Section]:
-    from kvstate.bench import overhead
+    from executor.bench import overhead
 
     return overhead.run(quick=quick, seed=seed, lifecycle=lifecycle, progress=progress, sizes=sizes)
 
 
 def _end_to_end(*, quick, device, seed, lifecycle, **_) -> list[Section]:
-    from kvstate.bench import end_to_end
+    from executor.bench import end_to_end
 
     return end_to_end.run(quick=quick, device=device, seed=seed, lifecycle=lifecycle)
 
 
 def _lifecycle(*, quick, device, seed, **_) -> list[Section]:
-    from kvstate.bench import end_to_end, overhead
+    from executor.bench import end_to_end, overhead
 
     return [
         overhead.lifecycle_section(repeats=10 if quick else 40, seed=seed),
@@ -50,7 +50,7 @@ def _lifecycle(*, quick, device, seed, **_) -> list[Section]:
 
 
 def _pressure(*, quick, sizes, **_) -> list[Section]:
-    from kvstate.bench import overhead
+    from executor.bench import overhead
 
     return [
         overhead.pressure_section(
@@ -60,20 +60,20 @@ def _pressure(*, quick, sizes, **_) -> list[Section]:
 
 
 def _vllm(*, quick, seed, lifecycle, progress, sizes, **_) -> list[Section]:
-    from kvstate.bench import peers
+    from executor.bench import peers
 
     return [peers.vllm_section(progress=progress, **_scheduler_sizes(quick, sizes, seed, lifecycle))]
 
 
 def _nano_vllm(*, quick, seed, lifecycle, progress, sizes, nano_vllm, **_) -> list[Section]:
-    from kvstate.bench import peers
+    from executor.bench import peers
 
     return [peers.nano_vllm_section(nano_vllm, progress=progress, **_scheduler_sizes(quick, sizes, seed, lifecycle))]
 
 
 def _scheduler_sizes(quick: bool, sizes, seed: int, lifecycle: str) -> dict:
     """The options both scheduler peer groups run with."""
-    from kvstate.bench import overhead
+    from executor.bench import overhead
 
     sizes = sizes or (overhead.QUICK_SIZES if quick else overhead.SIZES)
     return {"sizes": sizes, "repeats": 10 if quick else 40, "seed": seed, "lifecycle": lifecycle}
@@ -82,7 +82,7 @@ def _scheduler_sizes(quick: bool, sizes, seed: int, lifecycle: str) -> dict:
 def _transformers(*, quick, device, seed, lifecycle, progress, batches, **_) -> list[Section]:
     import dataclasses
 
-    from kvstate.bench import end_to_end, serving
+    from executor.bench import end_to_end, serving
 
     shape = end_to_end.QUICK_DECODE if quick else end_to_end.FULL_DECODE
     if batches:
@@ -102,7 +102,7 @@ def _transformers(*, quick, device, seed, lifecycle, progress, batches, **_) -> 
 
 
 def _pipeline(*, quick, seed, lifecycle, progress, **_) -> list[Section]:
-    from kvstate.bench import pipeline
+    from executor.bench import pipeline
 
     return [pipeline.run(quick=quick, seed=seed, lifecycle=lifecycle, progress=progress)]
 
@@ -110,7 +110,7 @@ def _pipeline(*, quick, seed, lifecycle, progress, **_) -> list[Section]:
 def _smollm2(*, quick, device, seed, progress, batches, **_) -> list[Section]:
     import dataclasses
 
-    from kvstate.bench import real_model
+    from executor.bench import real_model
 
     shape = real_model.QUICK_SHAPE if quick else real_model.FULL_SHAPE
     if batches:

@@ -32,8 +32,8 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-from kvstate.bench.results import Row, Section
-from kvstate.bench.timing import interleaved, median, round_ratios
+from executor.bench.results import Row, Section
+from executor.bench.timing import interleaved, median, round_ratios
 from kvstate.config import SchedulerConfig
 from kvstate.pool import ceil_div
 
@@ -120,7 +120,7 @@ def workload_section(
 ) -> Section:
     """Useful tokens/s of the engine beside `generate` per serving workload, and under memory pressure beside the
     unpressured engine; every output compared with generate's."""
-    from kvstate.bench.end_to_end import models
+    from executor.bench.end_to_end import models
 
     model, hf, peer, missing = models(device, seed)
     work = workloads(shape, model.config.vocab_size, seed)

@@ -19,7 +19,7 @@ reads), `complete_migrations()` and `complete_step()`. A driver's `step()` appen
 alone and of the whole step to `schedule_s` and `step_s`, and the requests scheduled and preempted to `scheduled`
 and `preempted`; the model's reply (one sampled token per request that finished its chunk) is built outside the
 timed calls. Times are the calling thread's CPU time (`CLOCK`, `time.thread_time`): these machines are shared,
-and wall time under contention would measure the neighbours. `kvstate.bench.vllm_peer.VLLMDriver` keeps the same
+and wall time under contention would measure the neighbours. `executor.bench.vllm_peer.VLLMDriver` keeps the same
 contract for vLLM's scheduler. `measure` runs drivers in one interleaved loop and returns a `Figures` per driver.
 
 A step's time depends on what its caches still hold: a step that follows a step of the same driver finds its
@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstate.bench.timing import interleaved
+from executor.bench.timing import interleaved
 from kvstate.config import SchedulerConfig
 from kvstate.output import planned_chunks
 from kvstate.pool import ceil_div

@@ -6,7 +6,7 @@
   256 / 1,024 / 4,096 running requests, in steady decode and under pressure with recompute-only preemption,
   with both lifecycle implementations under pressure, every variant taking turns in one loop: per-request
   cost against its targets, its growth with size, pressure against steady, and the share of the `transitions`
-  machine. The same steps beside vLLM's scheduler are the `vllm` group (`kvstate.bench.peers`).
+  machine. The same steps beside vLLM's scheduler are the `vllm` group (`executor.bench.peers`).
 * `schedule()` with the lifecycle fired through the `transitions` machine (the default) beside the compiled
   table, steady and under pressure with a host tier.
 * Requests scheduled per step under host-tier pressure beside a recompute-only configuration of the same
@@ -16,9 +16,9 @@
 
 from __future__ import annotations
 
-from kvstate.bench.results import Row, Section
-from kvstate.bench.stepping import BLOCK_SIZE, REGIMES, Figures, OursDriver, Workload, measure
-from kvstate.bench.timing import interleaved, medians
+from executor.bench.results import Row, Section
+from executor.bench.stepping import BLOCK_SIZE, REGIMES, Figures, OursDriver, Workload, measure
+from executor.bench.timing import interleaved, medians
 from kvstate.config import LIFECYCLES
 from kvstate.lifecycle import Lifecycle, TransitionTable
 from kvstate.pool import TieredBlockPool

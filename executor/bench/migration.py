@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import random
 
-from kvstate.bench.results import Row, Section
-from kvstate.bench.timing import interleaved, medians
+from executor.bench.results import Row, Section
+from executor.bench.timing import interleaved, medians
 from kvstate.pool import TieredBlockPool
 
 LAYOUTS = ("contiguous", "alternating", "random")

@@ -23,8 +23,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from kvstate.bench.results import Row, Section
-from kvstate.bench.timing import interleaved, median
+from executor.bench.results import Row, Section
+from executor.bench.timing import interleaved, median
 from kvstate.config import SchedulerConfig
 from kvstate.pool import ceil_div
 

@@ -24,9 +24,9 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstate.bench.overhead import SIZES, WARMUP, machine_share
-from kvstate.bench.results import Row, Section
-from kvstate.bench.stepping import REGIMES, Driver, Figures, OursDriver, Workload, measure
+from executor.bench.overhead import SIZES, WARMUP, machine_share
+from executor.bench.results import Row, Section
+from executor.bench.stepping import REGIMES, Driver, Figures, OursDriver, Workload, measure
 from kvstate.config import LIFECYCLES
 
 BRACKETS = ("warm", "cold")  # the cache states the pressure drivers are measured in again (`stepping.measure`)
@@ -58,7 +58,7 @@ def vllm_peer(progress: Callable[[str], None]) -> Peer:
     missing: str | None
     try:
         progress("importing vLLM")
-        from kvstate.bench.vllm_peer import VLLM_VERSION, VLLMDriver
+        from executor.bench.vllm_peer import VLLM_VERSION, VLLMDriver
     except ImportError as err:
         driver, name, missing = None, NOT_INSTALLED, str(err)
     else:
@@ -70,7 +70,7 @@ def vllm_peer(progress: Callable[[str], None]) -> Peer:
 
 def nano_vllm_peer(checkout: str | None) -> Peer:
     """nano-vllm's scheduler from `checkout` (None: not given, the rows say where to get it)."""
-    from kvstate.bench import nanovllm_peer
+    from executor.bench import nanovllm_peer
 
     driver: Callable[[Workload], Driver] | None = None
     if checkout is None:
@@ -173,7 +173,7 @@ def _check_steady(figures: dict[str, Figures]) -> None:
             raise RuntimeError(
                 f"{name}: the steady workload preempted ({f.preempted_per_step:.1f} per step) or left requests out "
                 f"({f.scheduled_per_step:.1f} of {f.size} scheduled per step); it does not measure steady decode "
-                "(kvstate.bench.stepping.Workload sizes its GPU tier)"
+                "(executor.bench.stepping.Workload sizes its GPU tier)"
             )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstate.bench.results import Section
+from executor.bench.results import Section
 
 OURS, PEER, TARGET = "#1565c0", "#9e9e9e", "#c62828"
 

@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from kvstate.bench.results import Row, Section
+from executor.bench.results import Row, Section
 
 STAGES = 2
 PIPELINE_RATIO_TARGET = 1.4  # issue 30: in flight >= 1.4x lockstep at width 256, measured interleaved

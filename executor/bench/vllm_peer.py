@@ -6,7 +6,7 @@ selected before its config is built, a tiny Llama `config.json` written locally 
 vLLM's own input processing), and then driven directly, without the adapter's KV simulation: `schedule()`, then
 `update_from_output()` with the `ModelRunnerOutput` a model runner returns (one sampled token for each request
 whose every known token now has KV, none for a prefill chunk that is not the last). vLLM preempts by recompute
-only. Importing this module needs vLLM 0.33.0 (`scripts/install-peers`); `kvstate.bench.peers` reports its
+only. Importing this module needs vLLM 0.33.0 (`scripts/install-peers`); `executor.bench.peers` reports its
 absence as "not installed".
 """
 
@@ -20,7 +20,7 @@ logging.getLogger("vllm").setLevel(logging.ERROR)  # also where vLLM leaves its 
 
 # The adapter first (it selects vLLM's CPU platform before any other vLLM module is imported).
 from kvstate.adapters.vllm import VLLM_VERSION, VLLMAdapter  # noqa: E402, I001
-from kvstate.bench.stepping import BLOCK_SIZE, CLOCK, TOKEN, Driver, Workload  # noqa: E402
+from executor.bench.stepping import BLOCK_SIZE, CLOCK, TOKEN, Driver, Workload  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 
 

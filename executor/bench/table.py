@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvstate.bench.results import Row, Section
+from executor.bench.results import Row, Section
 
 if TYPE_CHECKING:  # rich is imported where a table is drawn
     from rich.console import JustifyMethod

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstate.bench.stepping import BLOCK_SIZE, CLOCK, Driver, Workload
+from executor.bench.stepping import BLOCK_SIZE, CLOCK, Driver, Workload
 
 WHERE = "https://github.com/GeeeekExplorer/nano-vllm"
 _PACKAGE = "nanovllm"

@@ -5,7 +5,7 @@ scheduler, nano-vllm's scheduler from a checkout, transformers' `generate`) and 
 `--only` runs exactly the groups it names; `--strict` exits 1 when a target is not met.
 
 Options and output paths are checked first; torch, vLLM, transformers and matplotlib are imported only then (via
-`kvstate.bench`), so `import kvstate` never imports them and a usage error takes well under a second. The
+`executor.bench`), so `import kvstate` never imports them and a usage error takes well under a second. The
 groups run one after another under a progress display that says what a long group is doing; the table fits
 the terminal's width.
 """
@@ -18,7 +18,7 @@ import platform
 import time
 from collections.abc import Callable
 
-from kvstate.bench import GROUPS, PEER_GROUPS, TORCH_GROUPS
+from executor.bench import GROUPS, PEER_GROUPS, TORCH_GROUPS
 from kvstate.commands.args import (
     MAX_REQUESTS,
     MAX_SEED,
@@ -133,8 +133,8 @@ def _run(args: argparse.Namespace) -> int:
     json_path = output_file(args.json, "--json", mkdir=args.mkdir) if args.json else None
     plots_dir = output_dir(args.plots, "--plots", mkdir=args.mkdir) if args.plots else None
 
-    from kvstate.bench import run_all
-    from kvstate.bench.table import document, render_table, summary, summary_line, write_json
+    from executor.bench import run_all
+    from executor.bench.table import document, render_table, summary, summary_line, write_json
     from kvstate.terminal import console as make_console
 
     device = _resolve(args.device or "auto") if set(groups) & set(TORCH_GROUPS) else "none (pure Python)"
@@ -185,7 +185,7 @@ def _run(args: argparse.Namespace) -> int:
     if json_path is not None:
         console.print(f"json: {write_json(document(sections, meta), json_path)}", soft_wrap=True)
     if plots_dir is not None:
-        from kvstate.bench.plots import write_plots
+        from executor.bench.plots import write_plots
 
         for path in write_plots(sections, plots_dir):
             console.print(f"plot: {path}", soft_wrap=True)
@@ -227,7 +227,7 @@ def _resolve(device: str) -> str:
 
 
 def _run_groups(console, groups: tuple[str, ...], *, run_all, **options) -> list:
-    """Run each group in turn (`kvstate.bench.run_all`) under a spinner that names it, says what a long group is
+    """Run each group in turn (`executor.bench.run_all`) under a spinner that names it, says what a long group is
     doing (its `progress` lines) and shows elapsed time."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
