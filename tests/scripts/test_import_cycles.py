@@ -64,3 +64,20 @@ def test_the_tree_has_no_cycle_counting_function_local_imports(import_cycles):
     assert "kvstate.lifecycle" not in graph["kvstate.request"]
     assert "kvstate.checker.runner" in graph["kvstate.commands.check"]  # a function-local import is an edge
     assert import_cycles.cycles(graph) == []
+
+
+def test_an_import_from_the_core_into_the_executor_is_reported(import_cycles, tmp_path):
+    """A function-local import counts: the core may not reach the layer above it at any time."""
+    _write(
+        tmp_path,
+        {
+            "kvstate/cli.py": "def run():\n    from executor.engine import Engine\n\n    return Engine\n",
+            "executor/engine.py": "from kvstate.cli import run\n\nEngine = run\n",
+        },
+    )
+    graph = import_cycles.import_graph(tmp_path)
+    assert import_cycles.upward_imports(graph) == [("kvstate.cli", "executor.engine")]
+
+
+def test_the_core_never_imports_the_executor(import_cycles):
+    assert import_cycles.upward_imports(import_cycles.import_graph()) == []
