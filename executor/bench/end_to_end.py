@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from executor.bench.results import Row, Section
@@ -168,8 +169,6 @@ def _decode_runs(
 ) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
     """Decode seconds of every run of the engine and of `generate` (`hf`, None: not installed), interleaved,
     and the outputs of their last runs."""
-    import torch
-
     from executor import Engine, EngineConfig
 
     batch, prompt_len = len(prompts), len(prompts[0])
@@ -213,40 +212,50 @@ def _decode_runs(
 
     variants = {"engine": engine_run}
     if hf is not None:
-        import transformers
-
-        class _Clock(transformers.LogitsProcessor):
-            def __init__(self) -> None:
-                self.first: float | None = None
-
-            def __call__(self, input_ids, scores):
-                if self.first is None:
-                    self.first = clock()
-                return scores
-
-        def hf_run() -> None:
-            first_logits = _Clock()
-            ids = torch.tensor(prompts, device=dev)
-            with torch.inference_mode():
-                out = hf.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens,
-                    do_sample=False,
-                    pad_token_id=0,
-                    logits_processor=transformers.LogitsProcessorList([first_logits]),
-                )
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            if first_logits.first is None:
-                raise RuntimeError("generate() never called its logits processor: no decode time to measure")
-            seconds["transformers"].append(clock() - first_logits.first)
-            outputs["transformers"] = out[:, prompt_len:].tolist()
-
-        variants["transformers"] = hf_run
+        variants["transformers"] = _generate_run(hf, prompts, new_tokens, dev, clock, (seconds, outputs))
     interleaved(variants, repeats=repeats, warmup=1, seed=seed)
     return seconds, outputs
+
+
+def _generate_run(hf, prompts, new_tokens, dev, clock, kept) -> Callable[[], None]:
+    """One timed run of `generate` on `hf` (decode time from its first logits on), appending to `seconds` and
+    keeping its tokens in `outputs` (`kept`: the two), as `_decode_runs` times the engine."""
+    import torch
+    import transformers
+
+    seconds, outputs = kept
+    prompt_len = len(prompts[0])
+
+    class _Clock(transformers.LogitsProcessor):
+        def __init__(self) -> None:
+            self.first: float | None = None
+
+        def __call__(self, input_ids, scores):
+            if self.first is None:
+                self.first = clock()
+            return scores
+
+    def hf_run() -> None:
+        first_logits = _Clock()
+        ids = torch.tensor(prompts, device=dev)
+        with torch.inference_mode():
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                logits_processor=transformers.LogitsProcessorList([first_logits]),
+            )
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if first_logits.first is None:
+            raise RuntimeError("generate() never called its logits processor: no decode time to measure")
+        seconds["transformers"].append(clock() - first_logits.first)
+        outputs["transformers"] = out[:, prompt_len:].tolist()
+
+    return hf_run
 
 
 def host_tier_section(*, quick: bool, device: str = "cpu", seed: int = 0, lifecycle: str = "machine") -> Section:

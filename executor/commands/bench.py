@@ -79,6 +79,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="exit 1 when any target is not met (default: report it in the summary line and exit 0)",
     )
+    _add_workload_options(p)
+    add_mkdir_option(p)
+    p.set_defaults(run=_run)
+
+
+def _add_workload_options(p: argparse.ArgumentParser) -> None:
+    """The options that size the groups' workloads and choose where and how they run."""
     p.add_argument(
         "--sizes",
         type=_positive_ints("--sizes"),
@@ -114,8 +121,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=0,
         help="seed of every workload and shuffle (default %(default)s)",
     )
-    add_mkdir_option(p)
-    p.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -186,18 +186,11 @@ def _run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _demo_engine(args: argparse.Namespace):
+    """The engine `args` describe; a configuration it refuses is a usage error."""
     from executor import Engine, FaultPlan
-    from executor.checks import (
-        DEMO_MAX_NEW_TOKENS,
-        DEMO_PROMPT_LEN,
-        compare,
-        demo_engine_config,
-        leaked_blocks,
-        random_workload,
-    )
+    from executor.checks import demo_engine_config
 
-    out, errors = console(), console(stderr=True)
     try:
         faults = FaultPlan.parse(args.inject, seed=args.seed) if args.inject else None
         config = demo_engine_config(
@@ -215,9 +208,16 @@ def _demo(args: argparse.Namespace) -> int:
             verify_host_checksums=not args.no_checksums,
             checkpoint=None if args.model is None else str(args.model_file),
         )
-        engine = Engine(config)
+        return Engine(config)
     except (ValueError, OSError) as err:
         raise UsageError(str(err)) from None
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from executor.checks import DEMO_MAX_NEW_TOKENS, DEMO_PROMPT_LEN, compare, leaked_blocks, random_workload
+
+    out, errors = console(), console(stderr=True)
+    engine = _demo_engine(args)
     with engine:
         capacity = args.gpu_blocks * args.block_size
         chat = None if args.model is None else model_demo.chat_demo(args.model_file, args.requests, capacity)
