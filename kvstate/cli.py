@@ -18,7 +18,6 @@ import sys
 import warnings
 from collections.abc import Sequence
 from importlib import metadata
-
 from types import ModuleType
 
 from kvstate.commands import check, diagram, export, report, spec_summary, validate
