@@ -40,10 +40,6 @@ class State:
     container: str = ""
     chunk_lists: tuple[tuple[str, str], ...] = ()
 
-    def chunk_list(self, kind: str) -> str:
-        """The output list of a `kind` ("prefill" or "decode") chunk of a request in this state."""
-        return dict(self.chunk_lists)[kind]
-
 
 @dataclass(frozen=True, slots=True)
 class Transition:
