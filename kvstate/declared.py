@@ -109,8 +109,8 @@ class Listed:
 
 @dataclass(frozen=True)
 class PassOutput:
-    """What `check_pass` reads of a third-party pass's output: the spec's output lists (`kvstate.output.LIST_NAMES`
-    less `aborted`) as `Listed` requests, and the tokens each scheduled request computes."""
+    """What `check_pass` reads of a third-party pass's output: the spec's output lists (`kvstate.roles.LIST_NAMES`)
+    as `Listed` requests, and the tokens each scheduled request computes."""
 
     context: tuple[Listed, ...] = ()
     generation: tuple[Listed, ...] = ()

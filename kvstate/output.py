@@ -131,7 +131,6 @@ class SchedulerOutput:  # noqa: PLW1641
     replay: list[Request] = field(default_factory=list)
     resumed: list[Request] = field(default_factory=list)
     suspended: list[Request] = field(default_factory=list)
-    aborted: list[Request] = field(default_factory=list)
     migrations: list[MigrationPlan] = field(default_factory=list)
     chunk_tokens: dict[Hashable, int] = field(default_factory=dict)
     num_fitting_requests: int = 0

@@ -31,4 +31,4 @@ ROLES: Mapping[str, str] = {
 }
 
 # The request lists of a scheduler output (`kvstate.output.SchedulerOutput`), in serialization order.
-LIST_NAMES: tuple[str, ...] = ("context", "generation", "replay", "resumed", "suspended", "recompute_paused", "aborted")
+LIST_NAMES: tuple[str, ...] = ("context", "generation", "replay", "resumed", "suspended", "recompute_paused")

@@ -78,7 +78,7 @@ def test_construction_without_recompute_paused_defaults_to_empty() -> None:
     by_keyword = SchedulerOutput(context=[p], chunk_tokens={"p": 1})
     assert by_keyword.recompute_paused == []
     # the positional signature that predates the field still works
-    positional = SchedulerOutput([p], [], [], [], [], [], [], {"p": 1}, 1)
+    positional = SchedulerOutput([p], [], [], [], [], [], {"p": 1}, 1)
     assert positional.recompute_paused == [] and positional.num_fitting_requests == 1
     assert positional.to_dict()["recompute_paused"] == []
     # the default is a fresh list per output, never shared
@@ -169,7 +169,6 @@ def test_from_dict_refuses_an_id_in_several_lists() -> None:
     rid = d["suspended"][0]
     d["context"].append(rid)
     d["chunk_tokens"].append([rid, 1])
-    d["aborted"].append(rid)
     refused(d, sched, "OUT-DISJOINT", repr(rid))
 
 
