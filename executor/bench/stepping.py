@@ -7,10 +7,9 @@ whole-prompt prefill chunks (vLLM's default: no per-request prefill cap):
 * `steady`: the GPU tier holds every request for the whole run: every step decodes every request, nobody is
   preempted, no lifecycle event fires.
 * `pressure`: the GPU tier holds about 4/3 blocks per request, so once prompts grow past one block nearly every
-  step preempts by recompute (the victim's KV is dropped; at 256 requests 39 of the 42 measured steps) and every
-  pass offers the head of the paused queue readmission. As the resident requests grow the GPU tier holds fewer of
-  them: the regime is not stationary (at 256 requests, 107 decode steps in the first measured step and 59 in the
-  42nd) and readmissions rarely find room (0 to 3 replay chunks in 42 steps at 256 to 4,096 requests). Figures of
+  step preempts by recompute (the victim's KV is dropped) and every pass offers the head of the paused queue
+  readmission. As the resident requests grow the GPU tier holds fewer of them: the regime is not stationary (each
+  measured step decodes no more requests than the one before) and readmissions rarely find room. Figures of
   different drivers are comparable only over the same steps of their workloads; a driver stepped on measures a
   lighter regime.
 

@@ -112,13 +112,14 @@ def _replay_chunks(driver: OursDriver, steps: int) -> int:
     return replays
 
 
-def test_the_pressure_regime_thins_out_as_its_module_docstring_says() -> None:
-    """`stepping`'s docstring: at 256 requests 39 of the 42 measured steps preempt, the first decodes 107 requests
-    and the 42nd 59; at 256 to 4,096 requests readmissions rarely find room (0 to 3 replay chunks in 42 steps). Why
-    `peers` measures the warm and cold states on new drivers."""
+def test_the_pressure_regime_preempts_nearly_every_step_and_thins_out() -> None:
+    """What `stepping`'s docstring says of the pressure workload, and why `peers` measures the warm and cold states
+    on new drivers: nearly every measured step preempts, each decodes no more requests than the one before (the
+    resident set thins out well below where it began), and readmissions rarely find room."""
     driver = OursDriver(Workload(256, "pressure", 42), lifecycle="compiled")
     assert _replay_chunks(driver, 42) <= 3
-    assert (driver.scheduled[0], driver.scheduled[-1]) == (107, 59) and driver.preempted.count(0) == 3
+    assert driver.preempted.count(0) <= 3
     assert all(later <= earlier for earlier, later in itertools.pairwise(driver.scheduled))
+    assert driver.scheduled[-1] <= 0.6 * driver.scheduled[0]
     for size in (1024, 4096):
         assert _replay_chunks(OursDriver(Workload(size, "pressure", 42), lifecycle="compiled"), 42) <= 3
