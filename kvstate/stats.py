@@ -1,4 +1,4 @@
-"""Per-iteration statistics (DESIGN §1.8), and the tally that keeps them up to date on every transition.
+"""Per-iteration statistics, and the tally that keeps them up to date on every transition.
 
 Invariant kept (STATS-COUNT, names as in SPEC.md section 11): suspended and recompute-paused requests are
 counted (`num_suspended`; `num_recompute_paused` includes victims awaiting consensus) with the KV tokens they hold

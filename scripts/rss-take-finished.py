@@ -1,4 +1,4 @@
-"""RSS of one engine over N short requests, with and without Engine.take_finished (issue 14).
+"""RSS of one engine over N short requests, with and without Engine.take_finished.
 
     python scripts/rss-take-finished.py [requests] [take|keep]
 

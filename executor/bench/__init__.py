@@ -146,12 +146,12 @@ def run_all(  # noqa: PLR0913 - keyword-only, one per `kvstate bench` option
     batches: tuple[int, ...] | None = None,
     nano_vllm: str | None = None,
 ) -> list[Section]:
-    """Every benchmark of `groups`, in the order of `GROUPS`, with torch single-threaded (2-core machines; see
-    DESIGN §6). `progress`, when given, receives a short line whenever a long group moves on. `sizes` replaces
-    the running-request counts of the scheduler groups (overhead, pressure, vllm, nano-vllm), `batches` the batch
-    sizes of the `transformers` group's best case and of the `smollm2` group (default: 256/1,024/4,096 and
-    1/8/32/64; fewer with `quick`); `nano_vllm` is the directory of a nano-vllm checkout (None: its rows say where
-    to get one)."""
+    """Every benchmark of `groups`, in the order of `GROUPS`, with torch single-threaded (the ratios compare one
+    thread's work on each side). `progress`, when given, receives a short line whenever a long group moves on.
+    `sizes` replaces the running-request counts of the scheduler groups (overhead, pressure, vllm, nano-vllm),
+    `batches` the batch sizes of the `transformers` group's best case and of the `smollm2` group (default:
+    256/1,024/4,096 and 1/8/32/64; fewer with `quick`); `nano_vllm` is the directory of a nano-vllm checkout (None:
+    its rows say where to get one)."""
     unknown = set(groups) - set(GROUPS)
     if unknown:
         raise ValueError(f"unknown benchmark groups {sorted(unknown)}; choose from {GROUPS}")

@@ -42,7 +42,7 @@ class DecodeShape:
 
 FULL_DECODE = DecodeShape(batches=(1, 8, 32, 64), prompt_len=32, new_tokens=64, repeats=5)
 QUICK_DECODE = DecodeShape(batches=(1, 8), prompt_len=16, new_tokens=16, repeats=2)
-DECODE_RATIO_TARGET = 1.15  # issue 13: the engine's decode tokens/s >= 1.15x generate, outputs equal
+DECODE_RATIO_TARGET = 1.15  # the engine's decode tokens/s >= 1.15x generate, outputs equal
 NOT_INSTALLED = "transformers generate: not installed (pip install '.[test]')"
 
 

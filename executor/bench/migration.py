@@ -17,7 +17,7 @@ from kvstate.pool import TieredBlockPool
 
 LAYOUTS = ("contiguous", "alternating", "random")
 BLOCK_TOKENS = (8, 32, 128)  # with the cache shape below: 16 KiB, 64 KiB and 256 KiB blocks
-DEFAULT_BLOCK_TOKENS = 32  # 64 KiB, the size of DESIGN §6's anchor
+DEFAULT_BLOCK_TOKENS = 32  # 64 KiB blocks
 CACHE_SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64}  # float32: 2 KiB of K and V per token
 
 

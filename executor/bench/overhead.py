@@ -28,7 +28,7 @@ from kvstate.roles import ACTIVE
 SIZES = (256, 1024, 4096)
 QUICK_SIZES = (256, 1024)
 TARGET_SIZE = 1024
-TARGET_SIZES = (1024, 4096)  # where the per-request step target applies (issue 13: <= 1.0 µs per request)
+TARGET_SIZES = (1024, 4096)  # where the per-request step target applies (<= 1.0 µs per request)
 WARMUP = 2  # measured steps thrown away per driver
 TRANSITIONS_PER_CALL = 1000
 

@@ -47,7 +47,7 @@ class Peer:
     targets: dict[str, float]  # regime -> the step ratio (ours / peer) to stay at or below, at every size
 
 
-# issue 30's goals: ours over vLLM's step <= 0.05 steady and <= 0.1 under pressure; over nano-vllm's <= 0.7
+# the goals: ours over vLLM's step <= 0.05 steady and <= 0.1 under pressure; over nano-vllm's <= 0.7
 VLLM_TARGETS = {"steady": 0.05, "pressure": 0.1}
 NANO_VLLM_TARGETS = {"steady": 0.7, "pressure": 0.7}
 

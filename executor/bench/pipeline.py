@@ -18,7 +18,7 @@ from typing import Any
 from executor.bench.results import Row, Section
 
 STAGES = 2
-PIPELINE_RATIO_TARGET = 1.4  # issue 30: in flight >= 1.4x lockstep at width 256, measured interleaved
+PIPELINE_RATIO_TARGET = 1.4  # in flight >= 1.4x lockstep at width 256, measured interleaved
 
 
 def run(*, quick: bool, seed: int = 0, lifecycle: str = "machine", progress: Callable | None = None) -> Section:

@@ -38,8 +38,8 @@ from kvstate.config import SchedulerConfig
 from kvstate.pool import ceil_div
 
 BLOCK_SIZE = 16
-SERVING_RATIO_TARGET = 1.15  # issue 13's decode goal, held on the serving workloads too
-PRESSURE_RATIO_TARGET = 0.85  # issue 30: pressured with a full host tier >= 0.85x unpressured
+SERVING_RATIO_TARGET = 1.15  # the decode goal, held on the serving workloads too
+PRESSURE_RATIO_TARGET = 0.85  # pressured with a full host tier >= 0.85x unpressured
 TOKEN_BUDGET = 2048  # tokens the engine computes per step at most (prompt chunks and decode steps together)
 HOST_TIERS = {"none": 0.0, "a quarter": 0.25, "full": 1.0}  # host tier, as a share of the blocks the requests need
 

@@ -41,8 +41,8 @@ DEFAULTS = WORKLOAD_DEFAULTS
 # `--pp N`: a workload with many requests at once, still under memory pressure, on a wider model. Pipeline stages
 # overlap only when a micro-batch carries work: with the single-process workload about three requests fit in the
 # GPU tier, so each micro-batch would hold one or two. And pipeline parallelism is for models whose stages compute
-# more than a pass costs to plan and hand on: at width 64 a stage's forward is mostly fixed per-pass cost (about
-# 0.4 ms of its 0.6-1.1 ms), so half-size micro-batches cost nearly as much as full ones; at 256 compute dominates.
+# more than a pass costs to plan and hand on: at width 64 a stage's forward is mostly fixed per-pass cost, so
+# half-size micro-batches cost nearly as much as full ones; at width 256 compute dominates.
 # `--compare-lockstep` runs the same workload both ways.
 PP_DEFAULTS = {"requests": 192, "gpu_blocks": 512, "hidden_size": 256}
 # `--model NAME`: its 8 real prompts (executor.chat_workload), 35 to 39 tokens each with the chat template, so that

@@ -1,4 +1,4 @@
-"""Per-rank bookkeeping of pipeline consensus (spec §9.1, DESIGN §1.6): acknowledgements, agreement, PP-HOLD.
+"""Per-rank bookkeeping of pipeline consensus (SPEC.md §9.1): acknowledgements, agreement, PP-HOLD.
 
 Protocol (one exchange per iteration, on every rank, also when no batch runs):
 1. a rank *announces* a pause when it applies the scheduler output of iteration i naming a request in

@@ -1,4 +1,4 @@
-"""Host-tier fallback agreed across ranks (spec §9.2, DESIGN §1.7, PP-FALLBACK).
+"""Host-tier fallback agreed across ranks (SPEC.md §9.2, PP-FALLBACK).
 
 Every rank tries to allocate its own host tier; an all-reduce(MIN) of the outcomes decides. If any rank failed,
 every rank drops its host tier and runs GPU-only (`host_blocks = 0`, every eviction a recompute-pause).
