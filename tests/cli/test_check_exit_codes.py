@@ -64,7 +64,7 @@ def test_a_bounds_file_that_is_not_utf8_is_exit_2(tmp_path, capsys):
 
 
 def test_check_has_default_state_and_time_limits(tmp_path, capsys, monkeypatch):
-    """Issue 32, item 22: a huge bounds file ends as incomplete (exit 3), not as a full memory or a run of days."""
+    """A huge bounds file ends as incomplete (exit 3), not as a full memory or a run of days."""
     from kvstate.cli import parse
     from kvstate.commands import check
 

@@ -1,6 +1,6 @@
-"""The first hour on the command line (issue 32): every count is bounded and says its bound (item 1), one rule for
-every output path (item 2), a warning is one line of its own (item 3), the options read the same in every command
-and nothing is written unasked (item 9)."""
+"""The first hour on the command line: every count is bounded and says its bound, one rule for
+every output path, a warning is one line of its own, the options read the same in every command
+and nothing is written unasked."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def test_a_host_tier_fallback_is_one_warning_line_of_its_own(tmp_path, capsys, m
         "kvstate demo: warning: injected fault host_loss at iteration 1; 0 suspended requests will be replayed and "
         + "the engine runs GPU-only from now on (every eviction is a recompute-pause)"
     ]
-    assert not list(tmp_path.iterdir())  # and the demo wrote nothing it was not asked to (item 9)
+    assert not list(tmp_path.iterdir())  # and the demo wrote nothing it was not asked to
 
 
 # ------------------------------------------------------------------------------------------- item 9

@@ -74,7 +74,7 @@ def test_bench_table_fits_80_columns():
 
 
 def test_spec_marks_exactly_the_transitions_whose_data_drop_the_kv():
-    """Issue 29: the mark follows residencies and flags, not event names; a pause that holds the KV until consensus
+    """The mark follows residencies and flags, not event names; a pause that holds the KV until consensus
     (destructive, into a state that keeps the KV) is not marked, and every KV-dropping edge is."""
     from kvstate.commands.spec_summary import DROPS_KV_MARK, _transition_row, drops_kv
 
@@ -88,7 +88,7 @@ def test_spec_marks_exactly_the_transitions_whose_data_drop_the_kv():
     assert holds and not any(drops_kv(spec, t) for t in holds), "the hold-for-consensus edge keeps its KV"
 
 
-# ------------------------------------------------------------------------ issue 32, item 5: wrap only on a terminal
+# ------------------------------------------------------------------------------------- wrap only on a terminal
 def test_piped_output_is_not_wrapped_and_a_long_path_stays_whole(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("COLUMNS", raising=False)
     directory = tmp_path / ("a-directory-name-long-enough-to-push-the-path-past-eighty-columns" * 2)

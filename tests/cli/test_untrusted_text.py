@@ -1,4 +1,4 @@
-"""Text from files and command lines is printed as inert text (issue 32, items 17 and 18): never read as Rich markup,
+"""Text from files and command lines is printed as inert text: never read as Rich markup,
 and no control character reaches the terminal, from a spec's names and meanings, a spec error, a path, a trace,
 `kvstate check`'s lines or the text `kvstate generate` streams (unless `--raw`)."""
 

@@ -1,4 +1,4 @@
-"""The README's small session runs under memory pressure through both preemption paths (issue 29): its demo's
+"""The README's small session runs under memory pressure through both preemption paths: its demo's
 trace has a suspension and a recompute-pause (events found by the roles of the states they leave and enter)."""
 
 from __future__ import annotations

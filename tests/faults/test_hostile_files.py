@@ -1,4 +1,4 @@
-"""Hostile and broken untrusted files (issue 14): specs, traces for `kvstate validate` and `kvstate report`, and the
+"""Hostile and broken untrusted files: specs, traces for `kvstate validate` and `kvstate report`, and the
 regression tests `kvstate check` writes. Each attack ends in the project's clear error (naming the file, the line
 and the field) or a refusal at exactly the offending line, within bounded memory, never a traceback.
 """

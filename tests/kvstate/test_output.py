@@ -148,7 +148,7 @@ def test_check_output_detects_a_request_in_the_wrong_state_for_its_list() -> Non
     assert info.value.invariant_id == "OUT-STATE"
 
 
-# ------------------------------------------------------------------ from_dict on untrusted data (issue 14)
+# ------------------------------------------------------------------ from_dict on untrusted data
 def wire(host_blocks: int = 6) -> tuple[Scheduler, dict]:
     sched, out = pressured_pass(host_blocks)
     return sched, json.loads(json.dumps(out.to_dict()))
@@ -230,7 +230,7 @@ def test_from_dict_refuses_strings_where_lists_belong_and_non_mappings() -> None
     refused(d, sched, "'num_fitting_requests'", ">= 0")
 
 
-# ------------------------------------------------------------------ from_dict bounds (issue 32, item 22)
+# ------------------------------------------------------------------ from_dict bounds
 CAPACITIES = {"gpu": 15, "host": 6}  # the pools of `pressured_pass`
 
 

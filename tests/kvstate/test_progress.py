@@ -45,7 +45,7 @@ def test_long_replays_in_one_token_chunks_are_progress() -> None:
 
 
 def test_a_replay_livelock_is_reported_by_the_detector(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Planted: a waiting requester is a victim again (the two-stage livelock of issue 11 comes back)."""
+    """Planted: a waiting requester is a victim again (the two-stage livelock comes back)."""
     monkeypatch.setitem(policy_module.VICTIM_EXCLUSIONS, "waiting_this_pass", lambda s, candidate, step: False)
     sched = Scheduler(
         SchedulerConfig(

@@ -1,4 +1,4 @@
-"""Every sequence of release-causing events during a copy is well defined (issue 25, bug 2).
+"""Every sequence of release-causing events during a copy is well defined.
 
 A copy in flight is a suspend's (GPU -> host) or a resume's (host -> GPU). While it is in flight its request may
 lose its host copy, be cancelled or aborted, the copy may fail or complete, and the scheduler may step. Each call
@@ -93,7 +93,7 @@ def test_every_sequence_of_release_causing_events_during_a_copy_is_well_defined(
 
 
 def test_the_issue_25_double_release_leaves_the_scheduler_whole() -> None:
-    """The reproduction of issue 25: a lost host copy, then a cancel, while the copy to host is in flight."""
+    """The reproduction: a lost host copy, then a cancel, while the copy to host is in flight."""
     s = Scheduler(CONFIG)
     s.submit(prompt_of(0, 3), 2, request_id=0)
     s.submit(prompt_of(1, 3), 2, request_id=1)
@@ -131,7 +131,7 @@ def test_an_effect_that_fails_leaves_the_request_in_its_old_state(monkeypatch: p
 def test_check_invariants_reports_a_half_applied_transition_as_an_invariant_violation() -> None:
     s, _, rid = with_copy_in_flight(TO_HOST)
     request = s.get(rid)
-    request.state = "done"  # what the double release of issue 25 left behind: done, yet still active
+    request.state = "done"  # what the double release left behind: done, yet still active
     with pytest.raises(InvariantViolation) as info:
         s.check_invariants()
     assert info.value.invariant_id == "STATS-COUNT" and "half applied" in str(info.value)

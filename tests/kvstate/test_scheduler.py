@@ -1,4 +1,4 @@
-"""The scheduler against DESIGN §1 and the spec's pass-scope invariants.
+"""The scheduler against the spec's preemption design and its pass-scope invariants.
 
 Scenarios use block_size 1 (blocks = tokens) and pools a few blocks wide so that each behaviour is forced in a
 known pass. Steps are driven by `SimExecutor` (which also checks every invariant after every step) or, where a
@@ -652,7 +652,7 @@ def test_recorded_transitions_are_taken_once_and_only_from_a_scheduler_that_reco
 
 
 def test_forget_finished_is_all_or_nothing() -> None:
-    """Issue 32, item 23: one active id among finished ones refuses the call and forgets none of them."""
+    """One active id among finished ones refuses the call and forgets none of them."""
     sched = Scheduler(SchedulerConfig(gpu_blocks=8, host_blocks=0, block_size=2))
     done = sched.submit([1, 2], 1, request_id="done")
     active = sched.submit([3, 4, 5, 6], 4, request_id="active")
@@ -667,7 +667,7 @@ def test_forget_finished_is_all_or_nothing() -> None:
 
 
 def test_an_id_is_echoed_short_in_the_scheduler_errors() -> None:
-    """Issue 32, item 22: a 50,000-character id is echoed as a short prefix, not whole."""
+    """A 50,000-character id is echoed as a short prefix, not whole."""
     sched = Scheduler(SchedulerConfig(gpu_blocks=8, host_blocks=0, block_size=2))
     long_id = "x" * 50_000
     sched.submit([1, 2], 1, request_id=long_id)

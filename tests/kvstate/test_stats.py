@@ -1,4 +1,4 @@
-"""Iteration statistics (DESIGN §1.8, STATS-COUNT): suspended and recompute-paused requests and their KV tokens,
+"""Iteration statistics (STATS-COUNT): suspended and recompute-paused requests and their KV tokens,
 recomputed tokens during replay, and a JSON-safe dict. Every expectation is computed from the scheduler's own
 request records and outputs, never hard-coded."""
 

@@ -1,4 +1,4 @@
-"""The per-step hot paths (issue 13): the column form of chunk planning, the plain `state` attribute the lifecycle
+"""The per-step hot paths: the column form of chunk planning, the plain `state` attribute the lifecycle
 writes, and the decode fast path of `schedule()` / `complete_step()`. Every expectation is derived from the
 scheduler's own records or from the general (row by row) reading of the same data."""
 

@@ -1,4 +1,4 @@
-"""The bounds of `kvstate.untrusted` at their edges (issue 32, item 23): each test kills a mutant the suite let
+"""The bounds of `kvstate.untrusted` at their edges: each test kills a mutant the suite let
 through — the depth bound off by one, `shown` unbounded, duplicate keys accepted."""
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def test_ci_soak_when_the_host_tier_cannot_be_allocated():
 
 
 def test_soak_command_prints_a_summary_and_passes(capsys, tmp_path):
-    report = tmp_path / "report"  # --report writes the trace and a visual report of it (issue 32, item 9)
+    report = tmp_path / "report"  # --report writes the trace and a visual report of it
     argv = ["soak", "--requests", "40", "--seed", "1", "--inject", "copy_to_host:0.2", "--report", str(report)]
     assert main(argv) == 0
     printed = capsys.readouterr().out

@@ -1,5 +1,5 @@
-"""A spec or bounds file under the size limit still cannot exhaust time or memory (issue 32): what reaches the TOML
-parser is bounded first (item 12), and a spec's error listing stays small and linear (items 13 and 22)."""
+"""A spec or bounds file under the size limit still cannot exhaust time or memory: what reaches the TOML
+parser is bounded first, and a spec's error listing stays small and linear."""
 
 from __future__ import annotations
 
