@@ -22,6 +22,9 @@ __all__ = ["KVStateAdapter"]
 class KVStateAdapter:
     """`SchedulerAdapter` over this package's `Scheduler` driven by the slot-level `SimExecutor`.
 
+    Every pass the scheduler runs is kept, with a snapshot of the requests taken just before it, until `take_passes`
+    hands it over.
+
     `scheduler_factory(config, spec)` and `executor_factory(scheduler, vocab, check_invariants=...)` let tests
     substitute subclasses (for instance deliberately broken ones). `deep_checks` turns the scheduler's own
     `check_invariants` on (inside every step and in `check_invariants()`).

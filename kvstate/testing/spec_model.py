@@ -40,7 +40,11 @@ RESET_INVARIANTS = ("RESET-PROMPT", "RESET-BUDGET", "RESET-CLEARED")
 
 class SpecModel:
     """What the machine derives from the spec: states, the reachability closure of its edges, residencies,
-    the destinations of the cancel event, and the invariants it checks."""
+    the destinations of the cancel event, and the invariants it checks.
+
+    Every name it holds is the spec's. The spec it holds has a terminal state, the cancel event and every invariant
+    of `CHECKED_INVARIANTS`; any other spec is refused with a `ValueError` that names what it lacks.
+    """
 
     def __init__(self, spec: Spec, cancel_event: str) -> None:
         self.spec = spec

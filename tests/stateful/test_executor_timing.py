@@ -1,6 +1,7 @@
-"""The conformance machine over executor timing (issue 25): micro-batches in flight, copies completing late or
-early, copies failing when issued or later, micro-batches landing early, lost host copies and aborts at any
-moment, in the default profile; and the machine finding the two bugs of issue 25 on the code before the fix.
+"""The conformance machine over executor timing: micro-batches in flight, copies completing late or early, copies
+failing when issued or later, micro-batches landing early, lost host copies and aborts at any moment, in the default
+profile; the machine finding two bugs of such timing on the code before their fixes (a micro-batch livelock, a double
+release); and a promotion that must not be made for a victim whose copy is in flight.
 
 `TimingAdapter` is `KVStateAdapter` with a `SimExecutor` that keeps `micro_batches` outputs in flight and lets copies
 complete up to `copy_delay` passes late; `TimingMachine` adds a rule for every choice the executor and the
@@ -172,7 +173,7 @@ def test_the_timing_machines_keep_work_in_flight_between_steps() -> None:
     assert (tight.micro_batches, tight.copy_delay, roomy.micro_batches, roomy.copy_delay) == (2, 1, 1, 2)
 
 
-# ---------------------------------------------------------------------------- the bugs of issue 25, found again
+# ------------------------------------------------------------------------- two bugs of executor timing, found again
 def policy_before_p1() -> Spec:
     """The packaged spec with the policy before P1: a requester without an eligible victim preempts itself."""
     spec = load_spec()
