@@ -23,11 +23,30 @@ def _draw_without_local_constants() -> None:
     """Hypothesis mixes literals of the local modules loaded so far into what it draws (its "local constants"), so a
     derandomized search (a test that must find a planted bug) would depend on which modules earlier tests imported
     and on whether kvstate is installed (CI) or editable: this suite draws without them, and each search is the same
-    in any order and any install. (Hypothesis has no setting for it: its provider's private lookup is replaced.)"""
+    in any order and any install.
+
+    Hypothesis has no setting for it, so its provider's private lookup is replaced. A Hypothesis that renames or
+    moves that lookup stops the suite here, saying so, rather than letting the searches silently depend on order."""
+    from hypothesis import __version__
     from hypothesis.internal.conjecture import providers
 
-    if hasattr(providers, "_get_local_constants") and hasattr(providers, "Constants"):
-        providers._get_local_constants = providers.Constants
+    lookup = "hypothesis.internal.conjecture.providers._get_local_constants"
+    if not all(hasattr(providers, name) for name in ("_get_local_constants", "Constants", "HypothesisProvider")):
+        raise RuntimeError(
+            f"tests/conftest.py: Hypothesis {__version__} has no {lookup} (or no Constants or HypothesisProvider "
+            "beside it), which this suite replaces so that its derandomized searches draw no local constants; find "
+            "where HypothesisProvider now collects its local constants and replace that here, or install "
+            "Hypothesis 6.170.x, which has it"
+        )
+    providers._get_local_constants = providers.Constants
+    drawn_from = getattr(providers.HypothesisProvider(None), "_local_constants", None)
+    if drawn_from is None or len(drawn_from):
+        raise RuntimeError(
+            f"tests/conftest.py: Hypothesis {__version__}'s HypothesisProvider no longer reads its local constants "
+            f"through {lookup}, so replacing it does not keep them out of this suite's derandomized searches; find "
+            "where the provider now collects them and replace that here, or install Hypothesis 6.170.x, which "
+            "reads them there"
+        )
 
 
 _draw_without_local_constants()

@@ -1,5 +1,5 @@
 """An adapter that breaks the `SchedulerAdapter` contract is told which member or key is wrong, when its machine is
-defined (issue 32, item 8; issue 27 item 4), not with a bare `KeyError` or an empty list of names."""
+defined, not with a bare `KeyError` or an empty list of names."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The conformance kit checks a scheduler's victim and admission choices against the policy it declares (issue 27).
+"""The conformance kit checks a scheduler's victim and admission choices against the policy it declares.
 
 A toy continuous-batching scheduler (below) is correct in every other respect (spec edges, blocks, outputs): with
 tail-first victims it passes under the vLLM preset it declares; with head-first victims it fails, naming VICTIM-TAIL.

@@ -1,6 +1,7 @@
-"""The conformance machine over executor timing (issue 25): micro-batches in flight, copies completing late or
-early, copies failing when issued or later, micro-batches landing early, lost host copies and aborts at any
-moment, in the default profile; and the machine finding the two bugs of issue 25 on the code before the fix.
+"""The conformance machine over executor timing: micro-batches in flight, copies completing late or early, copies
+failing when issued or later, micro-batches landing early, lost host copies and aborts at any moment, in the default
+profile; the machine finding two bugs of such timing on the code before their fixes (a micro-batch livelock, a double
+release); and a promotion that must not be made for a victim whose copy is in flight.
 
 `TimingAdapter` is `KVStateAdapter` with a `SimExecutor` that keeps `micro_batches` outputs in flight and lets copies
 complete up to `copy_delay` passes late; `TimingMachine` adds a rule for every choice the executor and the
@@ -25,7 +26,7 @@ from kvstate.config import SchedulerConfig
 from kvstate.errors import InvariantViolation
 from kvstate.sim import SimExecutor
 from kvstate.spec import Spec
-from kvstate.testing import ConformanceMachine, KVStateAdapter, LifecycleViolation
+from kvstate.testing import ConformanceMachine, KVStateAdapter, LifecycleViolation, Submission
 from tests.planted import old_release
 from tests.stateful.test_conformance import TIGHT  # two stages, small everything: the tight machine's tiers
 
@@ -172,7 +173,7 @@ def test_the_timing_machines_keep_work_in_flight_between_steps() -> None:
     assert (tight.micro_batches, tight.copy_delay, roomy.micro_batches, roomy.copy_delay) == (2, 1, 1, 2)
 
 
-# ---------------------------------------------------------------------------- the bugs of issue 25, found again
+# ------------------------------------------------------------------------- two bugs of executor timing, found again
 def policy_before_p1() -> Spec:
     """The packaged spec with the policy before P1: a requester without an eligible victim preempts itself."""
     spec = load_spec()
@@ -198,21 +199,33 @@ def test_the_machine_finds_the_double_release_of_a_request_whose_copy_is_in_flig
     assert "raised KeyError" in str(err)
 
 
-# ------------------------------------------------------------------------ a wasted promotion, found by the machine
-def test_the_roomy_machines_wasted_promotion_replays_clean() -> None:
-    """The step list of `roomy_wasted_promotion` passes every check: a promotion is tried only when `suspend` would
-    then fire on its victim (`Scheduler._promote_for` asks the lifecycle's `can_fire`)."""
-    from tests.stateful.roomy_wasted_promotion import replay  # it imports this module's machine
+# ------------------------------------------------------------------ a promotion only for a victim that then suspends
+def promote_for_a_victim_whose_copy_is_in_flight() -> None:
+    """The roomy machine, every check on, through the shortest run it found where a promotion would be wasted.
 
-    replay()
+    Request 1 is suspended; four short requests arrive; request 1 resumes beside them, its copy up in flight, and the
+    GPU tier fills. In the next pass request 5 is suspended for request 2, requests 2 and 3 wait for blocks on their
+    way, and request 4 chooses request 1, whose copy is still in flight: promoting 5 would make host room for 1, yet 1
+    cannot be suspended while a copy of it is in flight. Such a promotion frees the blocks 2 and 3 wait for."""
+    state = RoomyTimingMachine()
+    state.submit_many(batch=[Submission((0,) * 31, 1), Submission((0,) * 33, 1)])
+    state.step_until(in_state="suspended")
+    state.submit_many(
+        batch=[Submission((0,) * 9, 1), Submission((0,) * 9, 1), Submission((0,) * 9, 1), Submission((0,) * 7, 1)]
+    )
+    state.teardown()
 
 
-def test_a_promotion_for_a_victim_that_cannot_suspend_is_caught(monkeypatch) -> None:
-    """With that question planted away (suspend always looks possible), the same step list breaks PROMOTE-GATE: the
+def test_no_promotion_is_made_for_a_victim_whose_copy_is_in_flight() -> None:
+    """That run passes every check: a promotion is tried only when `suspend` would then fire on its victim
+    (`Scheduler._promote_for` asks the lifecycle's `can_fire`)."""
+    promote_for_a_victim_whose_copy_is_in_flight()
+
+
+def test_a_promotion_for_a_victim_that_cannot_suspend_breaks_promote_gate(monkeypatch) -> None:
+    """With that question planted away (suspend always looks possible), the same run breaks PROMOTE-GATE: the
     policy's pass check finds a promotion whose victim was then recompute-paused."""
-    from tests.stateful.roomy_wasted_promotion import replay  # it imports this module's machine
-
     monkeypatch.setattr(lifecycle_module._SpecRules, "can_fire", lambda self, request, event, pool: True)
     with pytest.raises(InvariantViolation) as info:
-        replay()
+        promote_for_a_victim_whose_copy_is_in_flight()
     assert info.value.invariant_id == "PROMOTE-GATE" and "then not suspended" in str(info.value)

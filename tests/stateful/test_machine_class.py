@@ -1,4 +1,4 @@
-"""The conformance machine as a module-level class (issue 18): subclass it, inject the adapter, add checks."""
+"""The conformance machine as a module-level class: subclass it, inject the adapter, add checks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The conformance machine's own defaults (issue 15): profiles registered by `kvstate.testing`, no per-example
+"""The conformance machine's own defaults: profiles registered by `kvstate.testing`, no per-example
 deadline, token ids drawn from the adapter's vocabulary, so a third party's first run fails only for a real reason."""
 
 from __future__ import annotations
