@@ -55,7 +55,9 @@ def normalize_stop_token_ids(stop_token_ids: object) -> tuple[int, ...]:
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Pool sizes and budgets of one scheduler. `host_blocks=0` means no host tier. `lifecycle` picks the
-    implementation that fires transitions: "machine" (the `transitions` machine, default) or "compiled"."""
+    implementation that fires transitions: "machine" (the `transitions` machine, default) or "compiled".
+    `max_util_for_resume`: a resume is refused while the GPU blocks neither free nor held exceed this share of
+    the GPU tier (the utilization gate; 1 never refuses)."""
 
     gpu_blocks: int
     host_blocks: int = 0
@@ -71,6 +73,7 @@ class SchedulerConfig:
     no_progress_limit: int = 64
     block_bytes: int = 0
     lifecycle: str = "machine"
+    max_util_for_resume: float = 1.0
 
     def __post_init__(self) -> None:
         positive = (
@@ -100,6 +103,12 @@ class SchedulerConfig:
             raise ConfigError(
                 f"lifecycle must be one of {LIFECYCLES} (the transitions machine, or the table compiled "
                 f"from the same spec), got {self.lifecycle!r}"
+            )
+        util = self.max_util_for_resume
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise ConfigError(
+                f"max_util_for_resume must be a fraction in (0, 1] of the GPU tier (1: the gate never refuses), "
+                f"got {util!r}"
             )
         if self.capacity_policy not in CAPACITY_POLICIES:
             raise ConfigError(f"capacity_policy must be one of {CAPACITY_POLICIES}, got {self.capacity_policy!r}")

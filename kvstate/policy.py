@@ -35,6 +35,10 @@ HOLD_NEW_AFTER_PREEMPTION_OR_WAIT = "hold_new_after_preemption_or_wait"
 HOLD_READMISSIONS_AFTER_PREEMPTION = "hold_readmissions_after_preemption"
 READMIT_LATEST_VICTIM_FIRST = "readmit_latest_victim_first"
 LATEST_ADMISSION_FIRST = "latest_admission_first"
+HOST_TAKES_EVERY_HELD_BLOCK = "host_takes_every_held_block"
+SUSPEND_ALWAYS = "always"
+ON_DEMAND = "on_demand"
+EAGER = "eager"
 
 # rule vocabulary: every name the spec's [policy] may use, with its meaning
 VOCABULARY: Mapping[str, Mapping[str, str]] = {
@@ -72,6 +76,23 @@ VOCABULARY: Mapping[str, Mapping[str, str]] = {
             "request that chunk_in_flight alone excludes holds GPU blocks (that chunk lands within the micro-batches "
             "in flight, and then it is a victim again); otherwise it preempts itself (the progress rule, P1)"
         ),
+    },
+    "suspend_rule": {
+        HOST_TAKES_EVERY_HELD_BLOCK: (
+            "a victim is suspended only when the host tier has a free block for every block suspended requests hold "
+            "on the GPU, its own included, so held blocks can always be offloaded; never without a host tier"
+        ),
+        SUSPEND_ALWAYS: (
+            "a victim that can be suspended is suspended whatever the host tier can take (TensorRT-LLM's ladder): "
+            "without room below, its blocks stay held on the GPU and free nothing"
+        ),
+    },
+    "offload": {
+        ON_DEMAND: (
+            "held blocks move to the host tier only when an allocation needs GPU room, exactly as many as it needs, "
+            "least recently held first"
+        ),
+        EAGER: "all of a victim's blocks move to the host tier in the pass that suspends it, as far as it has room",
     },
     "promotion_candidates": {"suspended_this_pass": "requests suspended earlier in the same pass"},
     "promotion_order": {"latest_suspension_first": "the most recently suspended candidate first"},
@@ -159,6 +180,15 @@ class Promotion:
 
 
 @dataclass(frozen=True, slots=True)
+class Offload:
+    """`blocks` held GPU blocks of suspended `request` moved to the host tier for `requester`'s allocation."""
+
+    requester: Hashable
+    request: Hashable
+    blocks: int
+
+
+@dataclass(frozen=True, slots=True)
 class Wait:
     """`requester` was not scheduled because `reserved` blocks on their way (fenced, awaiting consensus) will free."""
 
@@ -170,7 +200,7 @@ class Wait:
 class PassRecord:
     """The decisions of one pass that its output does not show, in the order they were taken."""
 
-    decisions: list[Victim | Promotion | Wait] = field(default_factory=list)
+    decisions: list[Victim | Promotion | Offload | Wait] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,11 +1,14 @@
 """The tiered block pool: block accounting for a GPU tier and an optional host tier, and migration plans.
 
 Invariants kept (checked by `TieredBlockPool.check_invariants`, ids from the spec):
-* CONS-GPU / CONS-HOST: in each tier, free + held + fenced = capacity;
-* OWN-EXCL: a block is free, held by exactly one request, or fenced by exactly one in-flight copy;
+* CONS-GPU / CONS-HOST: in each tier, free + owned + fenced = capacity;
+* OWN-EXCL: a block is free, owned by exactly one request, or fenced by exactly one in-flight copy;
 * FENCE: the source blocks of a migration, and its destination blocks once their owner is released, stay
   fenced (unallocatable) until `complete(plan)` is called;
-* suspend and resume are all-or-nothing: a refused one changes nothing.
+* held blocks: an owner that `hold` made evictable keeps its GPU blocks until `offload` moves them, first in table
+  order, to the host tier; owners are offloaded least recently held first (`held_owners`); `onboard` locks an
+  owner's GPU blocks again and copies only its host blocks up, placing them before its GPU blocks, so its table
+  keeps its order; offload and onboard are all-or-nothing: a refused one changes nothing.
 Allocation prefers the lowest free ids, so a request's blocks tend to form runs the executor copies at once.
 A request's block table is an immutable tuple, replaced when it grows or shrinks, so reading it (every decode
 step, `planned_chunks`) copies nothing.
@@ -93,6 +96,13 @@ class Tier:
     def held(self, owner: Hashable) -> tuple[int, ...]:
         return self.blocks_of.get(owner, ())
 
+    def take_front(self, owner: Hashable, count: int) -> list[int]:
+        """`count` free blocks placed before `owner`'s blocks in its table (what `take` appends)."""
+        blocks = self.take(owner, count)
+        table = self.blocks_of[owner]
+        self.blocks_of[owner] = table[-count:] + table[:-count] if count else table
+        return blocks
+
     def take(self, owner: Hashable, count: int) -> list[int]:
         if count > len(self._free):
             raise PoolError(
@@ -132,9 +142,12 @@ class Tier:
         self.give_back(blocks)
         return blocks
 
-    def fence(self, owner: Hashable, plan_id: int) -> tuple[int, ...]:
-        """Move every block of `owner` from held to fenced by `plan_id`."""
-        blocks = self.blocks_of.pop(owner, ())
+    def fence(self, owner: Hashable, plan_id: int, count: int | None = None) -> tuple[int, ...]:
+        """Move the first `count` blocks of `owner`'s table (default: all) from owned to fenced by `plan_id`."""
+        table = self.blocks_of.pop(owner, ())
+        blocks, kept = (table, ()) if count is None else (table[:count], table[count:])
+        if kept:
+            self.blocks_of[owner] = kept
         for block in blocks:
             del self.owner_of[block]
             self.fenced[block] = plan_id
@@ -189,8 +202,9 @@ class Tier:
 class TieredBlockPool:
     """Block accounting for a GPU tier and an optional host tier (capacity 0 = no host tier).
 
-    Verb pairs: `can_allocate`/`allocate`, `can_suspend`/`suspend`, `can_resume`/`resume`; `release` frees
-    a request's blocks in both tiers, `complete` ends a migration's fence. Satisfies `kvstate.PoolView`.
+    Verb pairs: `can_allocate`/`allocate`, `can_offload`/`offload`, `can_onboard`/`onboard`; `hold` makes an
+    owner's GPU blocks evictable, `release` frees a request's blocks in both tiers, `complete` ends a migration's
+    fence. Satisfies the pool figures of `kvstate.PoolView`.
     """
 
     def __init__(self, gpu_blocks: int, host_blocks: int = 0, block_size: int = 16, pipeline_stages: int = 1) -> None:
@@ -206,6 +220,7 @@ class TieredBlockPool:
         self._pipeline_stages = pipeline_stages
         self.in_flight: dict[int, MigrationPlan] = {}
         self._next_plan_id = 0
+        self._held: dict[Hashable, None] = {}  # owners whose GPU blocks are held, least recently held first
 
     # ---- PoolView
     @property
@@ -270,40 +285,80 @@ class TieredBlockPool:
                 dest = self.host if plan.direction == TO_HOST else self.gpu
                 held = set(dest.held(owner))
                 dest.fence_blocks(owner, [dst for _, dst in plan.pairs if dst in held], plan.plan_id)
+        self._held.pop(owner, None)
         return len(self.gpu.release(owner)) + len(self.host.release(owner))
 
-    # ---- migration
-    def can_suspend(self, owner: Hashable) -> bool:
-        held = len(self.gpu.held(owner))
-        return self.has_host_tier and held > 0 and not self.host.held(owner) and held <= self.host.num_free
+    # ---- held blocks and migration
+    def hold(self, owner: Hashable) -> None:
+        """`owner`'s GPU blocks become held: evictable, offloaded after every owner held before it."""
+        if self.gpu.held(owner):
+            self._held[owner] = None
 
-    def suspend(self, owner: Hashable) -> MigrationPlan:
-        """Plan GPU -> host copies of all of `owner`'s blocks; its GPU blocks are fenced until `complete`."""
-        if not self.can_suspend(owner):
+    def held_owners(self) -> list[Hashable]:
+        """The owners whose GPU blocks are held, least recently held first (the order `offload` takes them in)."""
+        return list(self._held)
+
+    def is_held(self, owner: Hashable) -> bool:
+        return owner in self._held
+
+    @property
+    def gpu_held_blocks(self) -> int:
+        """GPU blocks held by owners (evictable where a host tier exists)."""
+        return sum(len(self.gpu.held(owner)) for owner in self._held)
+
+    def can_offload(self, owner: Hashable, count: int) -> bool:
+        """`owner` is held, holds at least `count` GPU blocks, has no copy in flight, and the host tier has room."""
+        return (
+            owner in self._held
+            and 0 < count <= len(self.gpu.held(owner))
+            and count <= self.host.num_free
+            and not any(p.request_id == owner for p in self.in_flight.values())
+        )
+
+    def offload(self, owner: Hashable, count: int) -> MigrationPlan:
+        """Plan GPU -> host copies of the first `count` of `owner`'s held GPU blocks; the GPU sources are fenced until
+        `complete`, the host destinations are `owner`'s at once (after its earlier host blocks: its table keeps its
+        order). An owner left with no GPU block is no longer held."""
+        if not self.can_offload(owner, count):
             raise PoolError(
-                f"cannot suspend {owner!r}: it holds {len(self.gpu.held(owner))} GPU blocks, the host tier has "
-                f"{self.host.num_free} free of {self.host.capacity}; recompute-pause it instead"
+                f"cannot offload {count} blocks of {owner!r}: it holds {len(self.gpu.held(owner))} GPU blocks"
+                f"{'' if owner in self._held else ' and is not held'}, the host tier has {self.host.num_free} free of "
+                f"{self.host.capacity}; offload only held blocks the host tier can take, one copy at a time"
             )
-        return self._migrate(owner, self.gpu, self.host, TO_HOST)
+        plan = self._migrate(owner, self.gpu, self.host, TO_HOST, count)
+        if not self.gpu.held(owner):
+            del self._held[owner]
+        return plan
 
-    def can_resume(self, owner: Hashable) -> bool:
-        held = len(self.host.held(owner))
-        return held > 0 and not self.gpu.held(owner) and held <= self.gpu.num_free
+    def can_onboard(self, owner: Hashable) -> bool:
+        """`owner`'s host blocks fit the GPU tier's free blocks and no copy of it is in flight."""
+        return len(self.host.held(owner)) <= self.gpu.num_free and not any(
+            p.request_id == owner for p in self.in_flight.values()
+        )
 
-    def resume(self, owner: Hashable) -> MigrationPlan:
-        """Plan host -> GPU copies of all of `owner`'s blocks; its host blocks are fenced until `complete`."""
-        if not self.can_resume(owner):
+    def onboard(self, owner: Hashable) -> MigrationPlan | None:
+        """Lock `owner`'s held GPU blocks again (no copy) and plan host -> GPU copies of its host blocks into fresh GPU
+        blocks placed before them; the host sources are fenced until `complete`. None when nothing is copied."""
+        if not self.can_onboard(owner):
             raise PoolError(
-                f"cannot resume {owner!r}: it holds {len(self.host.held(owner))} host blocks, the GPU tier has "
+                f"cannot onboard {owner!r}: it holds {len(self.host.held(owner))} host blocks, the GPU tier has "
                 f"{self.gpu.num_free} free; wait for GPU room"
             )
+        self._held.pop(owner, None)
+        if not self.host.held(owner):
+            return None
         return self._migrate(owner, self.host, self.gpu, TO_GPU)
 
-    def _migrate(self, owner: Hashable, source: Tier, dest: Tier, direction: str) -> MigrationPlan:
+    def _migrate(
+        self, owner: Hashable, source: Tier, dest: Tier, direction: str, count: int | None = None
+    ) -> MigrationPlan:
         plan_id = self._next_plan_id
         self._next_plan_id += 1
-        src_blocks = source.fence(owner, plan_id)
-        dst_blocks = dest.take(owner, len(src_blocks))
+        src_blocks = source.fence(owner, plan_id, count)
+        if direction == TO_GPU:
+            dst_blocks = dest.take_front(owner, len(src_blocks))
+        else:
+            dst_blocks = dest.take(owner, len(src_blocks))
         plan = MigrationPlan(plan_id, owner, direction, tuple(zip(src_blocks, dst_blocks, strict=True)))
         self.in_flight[plan_id] = plan
         return plan
@@ -334,15 +389,19 @@ class TieredBlockPool:
             stale = {b: p for b, p in tier.fenced.items() if p not in self.in_flight}
             if stale:
                 raise InvariantViolation("FENCE", f"{tier.name} blocks {sorted(stale)} are fenced by finished plans")
+        empty = [owner for owner in self._held if not self.gpu.held(owner)]
+        if empty:
+            raise InvariantViolation("CONS-GPU", f"owners {empty[:5]!r} are held but hold no GPU block")
 
     def usage(self) -> dict[str, int]:
         return {
             "gpu_capacity": self.gpu.capacity,
             "gpu_free": self.gpu.num_free,
-            "gpu_held": len(self.gpu.owner_of),
+            "gpu_owned": len(self.gpu.owner_of),
+            "gpu_held": self.gpu_held_blocks,
             "gpu_fenced": len(self.gpu.fenced),
             "host_capacity": self.host.capacity,
             "host_free": self.host.num_free,
-            "host_held": len(self.host.owner_of),
+            "host_owned": len(self.host.owner_of),
             "host_fenced": len(self.host.fenced),
         }

@@ -73,7 +73,7 @@ class RequestView(Protocol):
 
     @property
     def copy_in_flight(self) -> bool:
-        """A copy of its KV (a suspend's or a resume's) is issued and not yet reported complete or failed."""
+        """A copy of its KV (an offload's or a resume's) is planned and not yet reported complete or failed."""
 
 
 class PoolView(Protocol):
@@ -109,6 +109,16 @@ class PoolView(Protocol):
         """KV tokens a promotion under way may still throw away: the victim's KV minus what was promoted for it
         (`inf` where no pass bounds it, as in the abstract model)."""
 
+    @property
+    def offload_limit(self) -> int:
+        """Held blocks an offload may move now: what the allocation under way still needs from it (pass data; the
+        abstract model tries every count)."""
+
+    @property
+    def resume_gate_open(self) -> bool:
+        """The utilization gate lets a resume through now: the GPU blocks neither free nor evictable are at most
+        `max_util_for_resume` of the GPU tier (always open in the abstract model: a refusal only removes behaviour)."""
+
 
 class PassView(NamedTuple):
     """A `PoolView` as a value: the figures of the pool and of the scheduling pass under way at one decision. The
@@ -122,6 +132,8 @@ class PassView(NamedTuple):
     first_chunk_limit: int
     pass_number: int | None
     promotion_worth: float
+    offload_limit: int = 0
+    resume_gate_open: bool = True
 
 
 Guard = Callable[[RequestView, PoolView], bool]
@@ -174,18 +186,41 @@ def gpu_room_for_first_chunk(request: RequestView, pool: PoolView) -> bool:
     return pool.gpu_free_blocks >= first_chunk_blocks(request, pool)
 
 
-@tla(r"~request.copy_in_flight /\ pool.gpu_free_blocks >= request.num_host_blocks")
-def gpu_room_for_all_blocks(request: RequestView, pool: PoolView) -> bool:
-    """Its host copy is complete (no copy of it in flight) and the GPU tier has a free block for every block the
-    request holds in the host tier."""
-    return not request.copy_in_flight and pool.gpu_free_blocks >= request.num_host_blocks
+@tla("~request.copy_in_flight")
+def no_copy_in_flight(request: RequestView, pool: PoolView) -> bool:
+    """No copy of the request's KV is in flight (a resume's copy up, SPEC.md 4.0): its blocks are all on the GPU and
+    final, so they can be held."""
+    return not request.copy_in_flight
 
 
-@tla(r"~request.copy_in_flight /\ pool.has_host_tier /\ pool.host_free_blocks >= request.num_gpu_blocks")
-def host_room_for_all_blocks(request: RequestView, pool: PoolView) -> bool:
-    """Its KV is all on the GPU (no copy of it in flight), and a host tier exists and has a free block for every GPU
-    block the request holds (suspend is all-or-nothing)."""
-    return not request.copy_in_flight and pool.has_host_tier and pool.host_free_blocks >= request.num_gpu_blocks
+@tla(
+    r"~request.copy_in_flight /\ pool.has_host_tier /\ request.num_gpu_blocks >= 1"
+    r" /\ pool.host_free_blocks >= 1 /\ pool.offload_limit >= 1"
+)
+def host_room_for_held_blocks(request: RequestView, pool: PoolView) -> bool:
+    """The request holds blocks on the GPU and no copy of it is in flight, a host tier exists with a free block,
+    and the allocation under way needs at least one block from an offload."""
+    return (
+        not request.copy_in_flight
+        and pool.has_host_tier
+        and request.num_gpu_blocks >= 1
+        and pool.host_free_blocks >= 1
+        and pool.offload_limit >= 1
+    )
+
+
+@tla(r"~request.copy_in_flight /\ pool.resume_gate_open /\ pool.gpu_free_blocks >= request.num_host_blocks")
+def gpu_room_for_offloaded_blocks(request: RequestView, pool: PoolView) -> bool:
+    """No copy of it is in flight, the utilization gate is open, and the GPU tier has a free block for every block
+    the request holds in the host tier (its blocks still on the GPU need none: they are locked again)."""
+    return not request.copy_in_flight and pool.resume_gate_open and pool.gpu_free_blocks >= request.num_host_blocks
+
+
+@tla("Min(Min(request.num_gpu_blocks, pool.host_free_blocks), pool.offload_limit)")
+def offload_blocks(request: RequestView, pool: PoolView) -> int:
+    """The held blocks an offload moves: what the allocation under way needs from it, as far as the request holds
+    blocks on the GPU and the host tier has room."""
+    return min(request.num_gpu_blocks, pool.host_free_blocks, pool.offload_limit)
 
 
 @tla("promoted_kv_tokens < victim_kv_tokens")
@@ -195,16 +230,16 @@ def promotion_saves_kv(promoted_kv_tokens: float, victim_kv_tokens: float) -> bo
 
 
 @tla(
-    r"pool.has_host_tier /\ pool.pass_number # NoPass /\ request.suspended_in_pass = pool.pass_number"
+    r"pool.pass_number # NoPass /\ (request.suspended_in_pass # pool.pass_number \/ pool.has_host_tier)"
     r" /\ promotion_saves_kv(request.kv_tokens, pool.promotion_worth)"
 )
-def same_pass_promotion(request: RequestView, pool: PoolView) -> bool:
-    """The promotion gate: a host tier exists, the request was suspended earlier in the pass under way, and its KV
-    is worth less than what the promotion may still throw away (PROMOTE-GATE)."""
+def promotion_gate(request: RequestView, pool: PoolView) -> bool:
+    """The promotion gate: only in a scheduling pass; a request suspended in the pass under way only while a host
+    tier exists (without one it waits a pass); and its KV is worth less than what the promotion may still throw
+    away (PROMOTE-GATE)."""
     return (
-        pool.has_host_tier
-        and pool.pass_number is not None
-        and request.suspended_in_pass == pool.pass_number
+        pool.pass_number is not None
+        and (request.suspended_in_pass != pool.pass_number or pool.has_host_tier)
         and promotion_saves_kv(request.kv_tokens, pool.promotion_worth)
     )
 
@@ -249,9 +284,10 @@ GUARDS: Mapping[str, Guard] = {
     fn.__name__: fn
     for fn in (
         gpu_room_for_first_chunk,
-        gpu_room_for_all_blocks,
-        host_room_for_all_blocks,
-        same_pass_promotion,
+        no_copy_in_flight,
+        host_room_for_held_blocks,
+        gpu_room_for_offloaded_blocks,
+        promotion_gate,
         single_stage,
         multi_stage,
         replay_complete,
@@ -277,24 +313,36 @@ class EffectHooks(Protocol[R_contra]):
         """Allocate GPU blocks for the first prefill chunk (of the prompt, or of the replay prompt)."""
 
     @tla(
-        "[request |-> [request EXCEPT !.gpu = 0, !.host = request.gpu, !.fenced_gpu = request.gpu,"
-        " !.incoming = request.gpu,"
+        "[request |-> [request EXCEPT"
         " !.in_flight = IF PipelineStages > 1 /\\ request.computed >= request.prefill THEN 1 ELSE 0],"
-        " pool |-> [pool EXCEPT !.gpu_fenced = @ + request.gpu, !.host_free = @ - request.gpu]]",
+        " pool |-> pool]",
         params=EFFECT_TLA_PARAMS,
     )
-    def migrate_to_host(self, request: R_contra, transition: Transition) -> None:
-        """Plan copies of every GPU block to fresh host blocks; fence the GPU sources until the copies complete (with
-        several pipeline stages, a decode step of the request may still be in flight: its token may land)."""
+    def hold_blocks(self, request: R_contra, transition: Transition) -> None:
+        """Its GPU blocks become held: they stay where they are, no longer locked, and join the tail of the offload
+        order (least recently held first). Nothing is copied. With several pipeline stages a decode step of the
+        request may still be in flight: its token may land."""
 
     @tla(
-        "[request |-> [request EXCEPT !.gpu = request.host, !.host = 0, !.fenced_host = request.host,"
+        "LET moved == offload_blocks(RequestView(request), PoolView(pool)) IN"
+        " [request |-> [request EXCEPT !.gpu = @ - moved, !.host = @ + moved, !.fenced_gpu = moved,"
+        " !.incoming = moved],"
+        " pool |-> [pool EXCEPT !.gpu_fenced = @ + moved, !.host_free = @ - moved]]",
+        params=EFFECT_TLA_PARAMS,
+    )
+    def offload_held_blocks(self, request: R_contra, transition: Transition) -> None:
+        """Move `offload_blocks` of its held GPU blocks, first in table order, to fresh host blocks: plan the copies
+        and fence the GPU sources until they complete (FENCE); the host blocks are the request's at once."""
+
+    @tla(
+        "[request |-> [request EXCEPT !.gpu = @ + request.host, !.host = 0, !.fenced_host = request.host,"
         " !.incoming = request.host, !.in_flight = 0],"
         " pool |-> [pool EXCEPT !.host_fenced = @ + request.host, !.gpu_free = @ - request.host]]",
         params=EFFECT_TLA_PARAMS,
     )
-    def migrate_to_gpu(self, request: R_contra, transition: Transition) -> None:
-        """Plan copies of every host block to fresh GPU blocks; fence the host sources until the copies complete."""
+    def lock_and_onboard(self, request: R_contra, transition: Transition) -> None:
+        """Lock its held GPU blocks again (no copy) and copy its host blocks up into fresh GPU blocks placed before
+        them in its table, fencing the host sources until the copies complete (RESUME-COPY)."""
 
     @tla(
         "LET released == ReleaseBlocks(request, pool) IN"

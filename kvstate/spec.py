@@ -14,7 +14,7 @@ from kvstate.errors import SpecError
 from kvstate.untrusted import Limits, UntrustedFileError, bare, read_toml, shown
 from kvstate.validate import validate_spec
 
-RESIDENCIES = ("gpu", "host", "none")
+RESIDENCIES = ("gpu", "held", "none")
 INVARIANT_SCOPES = ("state", "step", "pass", "run", "liveness")
 CONTAINERS = ("waiting", "resident", "suspended", "paused", "finished")
 ORIGINS = ("scheduler", "executor", "environment")
@@ -22,7 +22,8 @@ ORIGINS = ("scheduler", "executor", "environment")
 
 @dataclass(frozen=True, slots=True)
 class State:
-    """A lifecycle state. `residency` names the only tier that may hold the request's KV in this state.
+    """A lifecycle state. `residency` says where the request's KV may be in this state: `gpu` (locked on the GPU),
+    `held` (held: on the GPU until an allocation offloads it to the host tier, so in either tier or split) or `none`.
 
     `role` says what the state is for (`kvstate.roles.ROLES`; each role names exactly one state; "" for a state
     that plays none), so code finds states by role, never by name. `computing`: a request in it computes in a
@@ -100,6 +101,8 @@ class Policy:
     work_conservation: bool
     readmissions_keeping_admission: tuple[str, ...]
     progress: str
+    suspend_rule: str = "host_takes_every_held_block"
+    offload: str = "on_demand"
 
 
 @dataclass(frozen=True, slots=True)
@@ -424,6 +427,8 @@ class _Reader:
                 else ()
             ),
             progress=self.string(entry, "progress", where),
+            suspend_rule=self.optional_string(entry, "suspend_rule", where) or "host_takes_every_held_block",
+            offload=self.optional_string(entry, "offload", where) or "on_demand",
         )
 
     def invariant(self, entry: dict, index: int) -> Invariant:

@@ -2,7 +2,8 @@
 
 Invariant kept (STATS-COUNT, names as in SPEC.md section 11): suspended and recompute-paused requests are
 counted (`num_suspended`; `num_recompute_paused` includes victims awaiting consensus) with the KV tokens they hold
-(`suspended_kv_tokens` in the host tier; `recompute_paused_kv_tokens`, still on the GPU while consensus is awaited)
+(`suspended_kv_tokens`, held on the GPU or in the host tier, with `suspended_gpu_blocks` still on the GPU;
+`recompute_paused_kv_tokens`, still on the GPU while consensus is awaited)
 and the tokens their replays must recompute (`recompute_paused_tokens_to_replay`); tokens recomputed by replay are
 reported as `recomputed_tokens`, never as cache hits (this model has no prefix cache, so no token is ever a cache
 hit). `requests_per_state` is keyed by the spec's state names, every state present from the start.
@@ -36,6 +37,9 @@ class IterationStats:
     generated_tokens: int = 0
     blocks_migrated: int = 0
     bytes_migrated: int = 0
+    blocks_offloaded: int = 0
+    blocks_onboarded: int = 0
+    suspended_gpu_blocks: int = 0
     gpu_blocks_used: int = 0
     gpu_capacity: int = 0
     host_blocks_used: int = 0

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from kvstate.policy import HOLD_NEW_AFTER_PREEMPTION_OR_WAIT, NO_READMISSION_OF_VICTIMS, STOP_AT_FIRST_MISFIT
 from kvstate.request import Request
-from kvstate.scheduler.core import SchedulerCore
+from kvstate.scheduler.held_blocks import HeldBlocks
 from kvstate.scheduler.scheduling_pass import SchedulingPass
-from kvstate.semantics import first_chunk_tokens
+from kvstate.semantics import first_chunk_blocks, first_chunk_tokens
 
 __all__ = ["Admission"]
 
 
-class Admission(SchedulerCore):
+class Admission(HeldBlocks):
     """The scheduler's admissions and readmissions (this module's docstring)."""
 
     def _admit(self, pass_: SchedulingPass) -> None:
@@ -53,8 +53,9 @@ class Admission(SchedulerCore):
         if pass_.slots_left == 0 or request.request_id in self.in_flight:
             return False  # no slot, or its step of an earlier pass has not landed yet (it lost its host copy since)
         out = pass_.output
-        if request.state == self._offloaded:  # a resume moves KV back and computes once it is back (the guard
-            if not self._try_fire(request, event, pass_):  # refuses while its suspend copy is still in flight)
+        if request.state == self._offloaded:  # a resume locks its held blocks, copies its host blocks up and
+            if not self._try_fire(request, event, pass_):  # computes once they are back (refused while a copy of
+                self._make_admission_room(request, request.num_host_blocks, pass_)  # it is in flight)
                 return False
             out.resumed.append(request)
             pass_.slots_left -= 1
@@ -62,9 +63,18 @@ class Admission(SchedulerCore):
         if pass_.tokens_left == 0:
             return False
         if not self._try_fire(request, event, pass_):
+            self._make_admission_room(request, first_chunk_blocks(request, self._view(pass_)), pass_)
             return False
         self._add_scheduled(request, first_chunk_tokens(request, self._view(pass_)), pass_)
         return True
+
+    def _make_admission_room(self, request: Request, need: int, pass_: SchedulingPass) -> None:
+        """A readmission or admission that did not fit: when GPU room is what it lacked beyond the room already on
+        its way, offload held blocks for the shortfall (the storage manager's allocation), so it fits once their
+        copies complete."""
+        short = need - self.pool.gpu_free_blocks - pass_.pending_free
+        if short > 0:
+            self._offload_for(request, short, pass_)
 
     def _reservable(self, request: Request) -> bool:
         """guaranteed_no_evict: the request's worst case fits beside every resident request's worst case."""

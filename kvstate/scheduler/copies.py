@@ -39,22 +39,23 @@ class CopyReports(SchedulerCore):
 
     def needs_undo(self, output: SchedulerOutput, plan: MigrationPlan) -> bool:
         """A failure of `plan`, an in-flight migration of `output`, must be undone by `fail_migration`: its request
-        is still in the state the plan left it in (listed suspended or resumed in `output`, and the undoing event has
-        an edge from its state) and still holds the plan's destinations (`copy_in_use`). Otherwise nothing will read
-        what the copy writes, and its failure ends its fences as its completion would."""
+        is still in the state the plan left it in (the undoing event has an edge from its state; a resume's request
+        is listed resumed in `output`) and still holds the plan's destinations (`copy_in_use`). Otherwise nothing
+        will read what the copy writes, and its failure ends its fences as its completion would."""
         request = self.requests.get(plan.request_id)
         event, listed = self._undo_of(plan, output)
         return (
             request is not None
-            and request in listed
+            and (listed is None or request in listed)
             and event in self.lifecycle.allowed_events(request.state)
             and self.copy_in_use(plan)
         )
 
-    def _undo_of(self, plan: MigrationPlan, output: SchedulerOutput) -> tuple[str, list[Request]]:
-        """The event that undoes a failed `plan`, and the list of `output` its request joined when it was planned."""
+    def _undo_of(self, plan: MigrationPlan, output: SchedulerOutput) -> tuple[str, list[Request] | None]:
+        """The event that undoes a failed `plan`, and the list of `output` its request joined when it was planned
+        (None for an offload: it may offload a request suspended passes before)."""
         if plan.direction == TO_HOST:
-            return "lose_host_copy", output.suspended
+            return "lose_host_copy", None
         return "recompute_pause", output.resumed
 
     def copy_in_use(self, plan: MigrationPlan) -> bool:
@@ -67,13 +68,14 @@ class CopyReports(SchedulerCore):
         return bool(held) and all(dst in held for _, dst in plan.pairs)
 
     def lose_host_copy(self, request_id: Hashable) -> Request:
-        """The host copy of a suspended request is unusable (copy failed, corrupt, tier gone): replay it."""
+        """The host blocks of a suspended request are unusable (a copy failed, corrupt, tier gone): replay it."""
         request = self.get(request_id)
         self._fire(request, "lose_host_copy", self._idle)
         return request
 
     def set_host_capacity(self, host_blocks: int) -> list[Request]:
-        """Attach, resize or remove (0) the host tier; suspended requests lose their host copies first.
+        """Attach, resize or remove (0) the host tier; suspended requests with host blocks lose them first (those
+        held wholly on the GPU stay suspended there).
 
         Removing it is refused (`PoolError`, nothing changed) when recompute-pause is disabled under
         `max_utilization`: without either preemption path the scheduler would stall (LIVE-DONE)."""
@@ -92,7 +94,8 @@ class CopyReports(SchedulerCore):
                 f"cannot change the host tier while {len(self.pool.host.fenced)} of its blocks are in flight; "
                 "call complete_migrations() for the current output first"
             )
-        lost = [self.lose_host_copy(r.request_id) for r in list(self.suspended)] if host_blocks == 0 else []
+        offloaded = [r for r in self.suspended if r.num_host_blocks] if host_blocks == 0 else []
+        lost = [self.lose_host_copy(r.request_id) for r in offloaded]
         self.pool.set_host_capacity(host_blocks)
         if host_blocks == 0:
             self.host_tier_fallback = True
@@ -103,7 +106,7 @@ class CopyReports(SchedulerCore):
         one's whose copies are still in flight), failed (or that the host copy it would read is corrupt): undo the
         move through spec events, atomically.
 
-        * ``to_host`` (a suspend): the host copy is unusable, so the suspended request takes `lose_host_copy` to
+        * ``to_host`` (an offload): the host copy is unusable, so the suspended request takes `lose_host_copy` to
           `recompute_paused` (its generated tokens are kept and replayed);
         * ``to_gpu`` (a resume): its GPU blocks never received the KV, so the `running` request (not scheduled while
           its copy is in flight) takes `recompute_pause` (to `recompute_paused`, or `awaiting_consensus` with
@@ -126,15 +129,14 @@ class CopyReports(SchedulerCore):
             )
         request = self.requests.get(plan.request_id)
         suspend = plan.direction == TO_HOST
-        event, listed = self._undo_of(plan, output)
+        event, _ = self._undo_of(plan, output)
         if request is None or not self.needs_undo(output, plan):
             state = "not active (done or unknown)" if request is None else request.state
             raise PoolError(
-                f"cannot fail migration plan {plan.plan_id}: request {plan.request_id!r} is {state} and "
-                f"{'not ' if request is None or request not in listed else ''}listed as "
-                f"{'suspended' if suspend else 'resumed'} in this output (or no longer holds the copy's "
-                "destinations); only a suspend or resume of the current iteration can fail, or a later one whose "
-                "request still waits for the copy: report a copy nobody waits for complete (Step.failed does)"
+                f"cannot fail migration plan {plan.plan_id} ({'an offload' if suspend else 'a resume'}): request "
+                f"{plan.request_id!r} is {state}, not waiting for this copy (or no longer holds its destinations); "
+                "only an offload or resume whose request still waits for the copy can fail: report a copy nobody "
+                "waits for complete (Step.failed does)"
             )
         self._end_copy(plan)  # withdraw: sources free at once, destinations stay with the request until released
         self._fire(request, event, self._idle)

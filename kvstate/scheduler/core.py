@@ -186,7 +186,18 @@ class SchedulerCore:
             min(config.prefill_chunk_size, pass_.tokens_left),
             pass_.number,
             pass_.promotion_worth,
+            pass_.offload_limit,
+            self.resume_gate_open(),
         )
+
+    def resume_gate_open(self) -> bool:
+        """The utilization gate: the GPU blocks neither free nor held (locked by computing requests, fenced) are at
+        most `max_util_for_resume` of the GPU tier."""
+        if self.config.max_util_for_resume >= 1:
+            return True  # at most the whole tier is unavailable
+        pool = self.pool
+        unavailable = pool.gpu.capacity - pool.gpu_free_blocks - pool.gpu_held_blocks
+        return unavailable <= self.config.max_util_for_resume * pool.gpu.capacity
 
     def snapshot(self, request: Request, transition: Transition) -> FiredTransition:
         """`transition`, just taken by `request`, with the figures its trace line records, read now."""

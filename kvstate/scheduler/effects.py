@@ -11,7 +11,7 @@ from kvstate.pool import MigrationPlan
 from kvstate.request import Request
 from kvstate.scheduler.queues import BY_ADMISSION, insert_ordered
 from kvstate.scheduler.scheduling_pass import SchedulingPass
-from kvstate.semantics import first_chunk_blocks
+from kvstate.semantics import first_chunk_blocks, offload_blocks
 from kvstate.spec import Transition
 
 if TYPE_CHECKING:
@@ -49,21 +49,26 @@ class SchedulerEffects:
         request.num_gpu_blocks = blocks
         self._admit(request, transition.event)
 
-    def migrate_to_host(self, request: Request, transition: Transition) -> None:
-        migrations = self._migrations()  # before the pool changes: a refusal changes nothing
-        plan = self.s.pool.suspend(request.request_id)
-        migrations.append(plan)
-        request.copy_in_flight = True
-        request.num_gpu_blocks, request.num_host_blocks = 0, plan.num_blocks
+    def hold_blocks(self, request: Request, transition: Transition) -> None:
+        self.s.pool.hold(request.request_id)
         request.num_suspensions += 1
         request.suspended_in_pass = self.pass_.number
 
-    def migrate_to_gpu(self, request: Request, transition: Transition) -> None:
+    def offload_held_blocks(self, request: Request, transition: Transition) -> None:
         migrations = self._migrations()  # before the pool changes: a refusal changes nothing
-        plan = self.s.pool.resume(request.request_id)
+        plan = self.s.pool.offload(request.request_id, offload_blocks(request, self.s._view(self.pass_)))
         migrations.append(plan)
         request.copy_in_flight = True
-        request.num_gpu_blocks, request.num_host_blocks = plan.num_blocks, 0
+        request.num_gpu_blocks -= plan.num_blocks
+        request.num_host_blocks += plan.num_blocks
+
+    def lock_and_onboard(self, request: Request, transition: Transition) -> None:
+        migrations = self._migrations()  # before the pool changes: a refusal changes nothing
+        plan = self.s.pool.onboard(request.request_id)
+        if plan is not None:
+            migrations.append(plan)
+            request.copy_in_flight = True
+        request.num_gpu_blocks, request.num_host_blocks = request.num_gpu_blocks + request.num_host_blocks, 0
         self._admit(request, transition.event)
 
     def release_kv_and_reset(self, request: Request, transition: Transition) -> None:

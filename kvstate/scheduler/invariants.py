@@ -32,14 +32,20 @@ def check_scheduler(scheduler: SchedulerCore, output: SchedulerOutput | None = N
                 f"request {request.request_id!r} records {request.num_gpu_blocks}"
                 f"/{request.num_host_blocks} blocks, the pool says {gpu}/{host}",
             )
-        if (residency != "gpu" and gpu) or (residency != "host" and host):
+        if (residency == "none" and gpu) or (residency != "held" and host):
             raise InvariantViolation(
                 "RES-STATE",
                 f"request {request.request_id!r} in {request.state} holds {gpu} GPU and {host} host blocks",
             )
-        if residency == "host" and not scheduler.pool.has_host_tier:
+        if host and not scheduler.pool.has_host_tier:
             raise InvariantViolation(
-                "NO-HOST-NO-SUSPEND", f"request {request.request_id!r} is suspended without a host tier"
+                "NO-HOST-NO-OFFLOAD", f"request {request.request_id!r} holds {host} host blocks without a host tier"
+            )
+        if scheduler.pool.is_held(request.request_id) != (residency == "held" and gpu > 0):
+            raise InvariantViolation(
+                "RES-STATE",
+                f"request {request.request_id!r} in {request.state} with {gpu} GPU blocks is "
+                f"{'' if scheduler.pool.is_held(request.request_id) else 'not '}held by the pool",
             )
     kept, recount = scheduler.tally.to_dict(), scheduler.tally.recount(scheduler.requests.values()).to_dict()
     if recount != kept:

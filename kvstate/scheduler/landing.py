@@ -116,9 +116,10 @@ class StepLanding(SchedulerCore):
         """The decode step a request had in flight when a later pass preempted it leaves the last stage; True when
         its token is kept. Awaiting consensus, it is kept (the replay prompt includes it) and a final one takes
         `finish`'s self-loop, so consensus terminates the request instead of replaying it (PP-TERMINATE).
-        Suspended (its host copy was taken after the step on every stage), a token is kept unless it is final
-        (a stop token): a suspended request cannot finish, so that step is dropped and recomputed after resume,
-        which samples the same token. After a recompute-pause reset, a cancel or an abort it is dropped."""
+        Suspended (its blocks are held where the step wrote them: none is offloaded while its step is in flight), a
+        token is kept unless it is final (a stop token): a suspended request cannot finish, so that step is dropped
+        and recomputed after resume, which samples the same token. After a recompute-pause reset, a cancel or an
+        abort it is dropped."""
         if state not in (self._pending_reset, self._offloaded):
             return False
         token = sampled[request.request_id]  # a decode step: a request with a chunk in flight is no victim

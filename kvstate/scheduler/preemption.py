@@ -4,9 +4,14 @@ Invariants kept (ids from the spec; the policy's rules are the spec's `[policy]`
 * victims are taken tail-first by admission order among requests not yet scheduled in the pass, never twice in a
   pass, never one about to produce its final token, never one awaiting consensus, never one past the preemption cap
   (VICTIM-TAIL, VICTIM-ONCE, VICTIM-NOT-FINAL, PP-HOLD): the exclusions the spec's policy names;
-* a victim is suspended when the host tier has room, else, promoting requests suspended earlier in the same pass
-  (most recent first, while their KV is worth less than the victim's: PROMOTE-GATE), suspended after promotion,
-  else recompute-paused;
+* suspension copies nothing: a suspended request's GPU blocks are held, and GPU room comes from the offload of held
+  blocks to the host tier, which an allocation asks for when it needs room, exactly as many blocks as it needs,
+  least recently held first (OFFLOAD-DEMAND; with the policy's `eager` offload, all of a victim's blocks at its
+  suspension); an offload's GPU sources free once its copy completes, so the requester waits for them;
+* a victim is suspended as the policy's suspend rule allows (`host_takes_every_held_block`: the host tier can take
+  every held block, its own included, so held blocks never block an allocation: SUSPEND-ROOM), else, promoting
+  requests suspended earlier in the same pass (most recent first, while their KV is worth less than the victim's:
+  PROMOTE-GATE), suspended after promotion, else recompute-paused;
 * a requester that counts on room on its way (fenced blocks, blocks awaiting consensus) reserves it, so the next
   requester takes a victim instead of counting the same blocks (WORK-CONSERVE).
 """
@@ -14,17 +19,26 @@ Invariants kept (ids from the spec; the policy's rules are the spec's `[policy]`
 from __future__ import annotations
 
 from kvstate.errors import KVStateError
-from kvstate.policy import CHUNK_IN_FLIGHT, VICTIM_EXCLUSIONS, Promotion, Victim, Wait, preemption_capped
+from kvstate.policy import (
+    CHUNK_IN_FLIGHT,
+    EAGER,
+    HOST_TAKES_EVERY_HELD_BLOCK,
+    VICTIM_EXCLUSIONS,
+    Promotion,
+    Victim,
+    Wait,
+    preemption_capped,
+)
 from kvstate.pool import MigrationPlan
 from kvstate.request import Request
-from kvstate.scheduler.core import SchedulerCore
+from kvstate.scheduler.held_blocks import HeldBlocks
 from kvstate.scheduler.scheduling_pass import SchedulingPass
 from kvstate.semantics import promotion_saves_kv
 
 __all__ = ["Preemption"]
 
 
-class Preemption(SchedulerCore):
+class Preemption(HeldBlocks):
     """The scheduler's victim choice and preemption (this module's docstring)."""
 
     def _make_room(self, request: Request, need: int, pass_: SchedulingPass) -> bool:
@@ -32,6 +46,8 @@ class Preemption(SchedulerCore):
         waits for room on its way (which it then reserves: WORK-CONSERVE)."""
         while self.pool.gpu_free_blocks < need:
             short = need - self.pool.gpu_free_blocks
+            if pass_.pending_free < short:  # held blocks move down first: their sources free once copied
+                self._offload_for(request, short - pass_.pending_free, pass_)
             if pass_.pending_free >= short:
                 self._wait(request, short, pass_)
                 return False
@@ -90,23 +106,31 @@ class Preemption(SchedulerCore):
                 return candidate
         return None
 
+    def _suspension_frees(self, victim: Request) -> bool:
+        """The policy's suspend rule lets `victim` be suspended now (`host_takes_every_held_block`: a host tier can
+        take every block suspended requests hold on the GPU, the victim's included; `always`: whatever it frees)."""
+        if self.policy.suspend_rule != HOST_TAKES_EVERY_HELD_BLOCK:
+            return True
+        pool = self.pool
+        return pool.has_host_tier and pool.host_free_blocks - pool.gpu_held_blocks >= victim.num_gpu_blocks
+
     def _preempt(self, victim: Request, pass_: SchedulingPass) -> None:
-        """Suspend the victim if the host tier takes it (promoting if worth it), else recompute-pause it, to make
-        room for `pass_.requester` (set before: the victim itself when it evicts itself).
-        Blocks that free only after a copy or a consensus count as `pending_free` for this pass."""
+        """Suspend the victim if the suspend rule lets it (promoting if worth it), else recompute-pause it, to make
+        room for `pass_.requester` (set before: the victim itself when it evicts itself). Blocks that free only
+        after a copy or a consensus count as `pending_free` for this pass; a suspension frees room only through the
+        offload of held blocks (at once with the `eager` offload policy)."""
         requester = pass_.requester
         if requester is None:
             raise KVStateError("a victim is chosen only for a requester: set pass_.requester before preempting")
         pass_.victims.add(id(victim))
         held = victim.num_gpu_blocks
-        # without a host tier nothing is ever suspended (NO-HOST-NO-SUSPEND): neither suspend nor a promotion that
-        # would make host room for it is asked for; with one, suspend's guard decides
-        suspendable = self.pool.has_host_tier and "suspend" in self.lifecycle.allowed_events(victim.state)
+        suspendable = "suspend" in self.lifecycle.allowed_events(victim.state)
         if suspendable and (
-            self._try_fire(victim, "suspend", pass_)
+            (self._suspension_frees(victim) and self._try_fire(victim, "suspend", pass_))
             or (self._promote_for(victim, pass_) and self._try_fire(victim, "suspend", pass_))
         ):
-            pass_.pending_free += held
+            if self.policy.offload == EAGER:
+                self._offload_for_eagerly(victim, requester, pass_)
             pass_.suspended.append(victim)
             pass_.output.suspended.append(victim)
             event = "suspend"
@@ -123,25 +147,30 @@ class Preemption(SchedulerCore):
         pass_.record.decisions.append(Victim(requester.request_id, victim.request_id, event))
 
     def _promote_for(self, victim: Request, pass_: SchedulingPass) -> bool:
-        """Promote requests suspended earlier in this pass to recompute-pause, most recent first, to make host room
-        for `victim`: the shortest such group that makes room, only while its KV is worth less than the victim's
-        (the spec's promotion gate decides each one; the group is checked against the same rule first), and only
-        when `suspend` would then fire on the victim (its guard holds on the pool with the group's host blocks
-        free: not while a copy of the victim is in flight, SPEC.md 7.3): a promotion is never wasted. Only asked
-        where a host tier exists (`_preempt`)."""
-        if not self.config.enable_recompute_pause or victim.num_gpu_blocks > self.pool.host.capacity:
+        """Promote requests suspended earlier in this pass to recompute-pause, most recent first, so that the suspend
+        rule lets `victim` be suspended: the shortest such group that makes the host room, only while its KV is
+        worth less than the victim's (the spec's promotion gate decides each one; the group is checked against the
+        same rule first), and only when `suspend` would then fire on the victim (not while a copy of the victim is
+        in flight, SPEC.md 7.3): a promotion is never wasted. A promoted request frees its host blocks and its held
+        GPU blocks, which no longer wait for host room."""
+        pool = self.pool
+        if (
+            not self.config.enable_recompute_pause
+            or self.policy.suspend_rule != HOST_TAKES_EVERY_HELD_BLOCK
+            or not pool.has_host_tier
+            or victim.num_gpu_blocks > pool.host.capacity
+        ):
             return False
-        missing = victim.num_gpu_blocks - self.pool.host_free_blocks
+        missing = victim.num_gpu_blocks - (pool.host_free_blocks - pool.gpu_held_blocks)
         group, freed = [], 0
         for candidate in reversed(pass_.suspended):
             if freed >= missing:
                 break
             group.append(candidate)
-            freed += candidate.num_host_blocks
+            freed += candidate.num_host_blocks + candidate.num_gpu_blocks
         if freed < missing or not promotion_saves_kv(sum(c.kv_tokens for c in group), victim.kv_tokens):
             return False
-        room_made = self._view(pass_)._replace(host_free_blocks=self.pool.host_free_blocks + freed)
-        if not self.lifecycle.can_fire(victim, "suspend", room_made):
+        if not self.lifecycle.can_fire(victim, "suspend", self._view(pass_)):
             return False
         pass_.promotion_worth = victim.kv_tokens
         for candidate in group:

@@ -38,6 +38,7 @@ class SchedulingPass:
         self.promotion_worth = 0
         self.requester: Request | None = None  # the request the pass is making room for
         self.chunk_blocks: dict[Hashable, int] = {}  # blocks allocated for a resident request's chunk of this pass
+        self.offload_limit = 0  # held blocks the allocation under way needs from an offload (its guard reads it)
         self.record = PassRecord()
 
     def charge(self, tokens: int, slots: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvstate.output import SchedulerOutput
+from kvstate.pool import TO_HOST
 from kvstate.stats import IterationStats
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ def figures_now(scheduler: SchedulerCore, recomputed: int, generated: int, *, it
         "num_suspended": counts[scheduler._offloaded],
         "num_recompute_paused": counts[scheduler._dropped] + counts[scheduler._pending_reset],
         "suspended_kv_tokens": tally.kv_tokens[scheduler._offloaded],
+        "suspended_gpu_blocks": tally.gpu_blocks[scheduler._offloaded],
         "recompute_paused_kv_tokens": tally.kv_tokens[scheduler._pending_reset],
         "recompute_paused_tokens_to_replay": tally.replay_tokens[scheduler._dropped],
         "recomputed_tokens": recomputed,
@@ -41,6 +43,7 @@ def stats_of(out: SchedulerOutput, figures: dict[str, Any], block_bytes: int) ->
     """The `IterationStats` of `out`'s iteration: the `figures` the scheduler took when it completed
     (`figures_now`), and what `out` itself says."""
     blocks = sum(p.num_blocks for p in out.migrations)
+    offloaded = sum(p.num_blocks for p in out.migrations if p.direction == TO_HOST)
     return IterationStats(
         **figures,
         suspended_this_iteration=len(out.suspended),
@@ -48,5 +51,7 @@ def stats_of(out: SchedulerOutput, figures: dict[str, Any], block_bytes: int) ->
         preemptions=len(out.suspended) + len(out.recompute_paused),
         scheduled_tokens=out.num_tokens,
         blocks_migrated=blocks,
+        blocks_offloaded=offloaded,
+        blocks_onboarded=blocks - offloaded,
         bytes_migrated=blocks * block_bytes,
     )
