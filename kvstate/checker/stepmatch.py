@@ -13,7 +13,7 @@ them (it records every transition it takes), so it stays small; results are cach
 
 Invariant: `match` returns True only when some sequence of at most `depth` enabled abstract actions leads from a
 variant of `before` to a variant of `after` (variants: the abstraction's choices for decode steps that may still be
-in the pipeline, `Refinement._variants`).
+in the pipeline, `Abstraction.variants`).
 """
 
 from __future__ import annotations
