@@ -1,7 +1,8 @@
 """Model checking of the lifecycle spec and refinement checking of the real scheduler (`kvstate check`).
 
-* `model`: the abstract model derived from the spec (counts, not tokens), with symmetry reduction: its states are
-  `AbstractState` records of `AbstractRequest` records, its edges `Edge` values labelled by an `Action`;
+* `model`: the abstract model derived from the spec (counts, not tokens), with symmetry reduction; `records`: its
+  states, `AbstractState` records of `AbstractRequest` records, and its edges, `Edge` values labelled by an
+  `Action`; `effects`: the views of its records that the real guards read, and the spec's effects on them;
 * `invariants`: predicates keyed by spec invariant id, and which layer checks which invariant;
 * `explore`: BFS, deadlock, no trap, weakly fair lassos (the fairness in its docstring), coverage;
 * `refinement`: exhaustive exploration of the real `Scheduler` driven by `SimExecutor` under every executor timing,
@@ -18,10 +19,12 @@
 """
 
 from kvstate.checker.bounds import Bound, BoundsError, load_bounds, select_bounds
+from kvstate.checker.effects import AbstractEffects
 from kvstate.checker.explore import HOLDS, INCOMPLETE, VIOLATED, ModelResult, explore
 from kvstate.checker.invariants import STATE_PREDICATES, STEP_PREDICATES, CheckerError, plan_invariants
-from kvstate.checker.model import AbstractEffects, AbstractModel, AbstractRequest, AbstractState, Action, Edge
+from kvstate.checker.model import AbstractModel
 from kvstate.checker.observed import ObservedScheduler
+from kvstate.checker.records import AbstractRequest, AbstractState, Action, Edge
 from kvstate.checker.refinement import Refinement
 from kvstate.checker.replay import replay_abstract, replay_refinement
 from kvstate.checker.runner import EXIT_CODES, BoundReport, check_bound, run_check

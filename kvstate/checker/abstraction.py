@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from kvstate.checker.bounds import Bound
-from kvstate.checker.model import ABSENT, NONE, AbstractModel, AbstractRequest, AbstractState
+from kvstate.checker.model import AbstractModel
+from kvstate.checker.records import ABSENT, NONE, AbstractRequest, AbstractState
 from kvstate.checker.world import World
 from kvstate.pool import TO_HOST
 

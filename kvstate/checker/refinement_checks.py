@@ -20,8 +20,9 @@ from collections.abc import Hashable
 from kvstate.checker.abstraction import Abstraction
 from kvstate.checker.bounds import Bound
 from kvstate.checker.invariants import STATE_PREDICATES, STEP_PREDICATES
-from kvstate.checker.model import NONE, AbstractModel, AbstractRequest, AbstractState, Action, Edge, PoolCounts
+from kvstate.checker.model import AbstractModel
 from kvstate.checker.observed import ObservedScheduler, RealFields
+from kvstate.checker.records import NONE, AbstractRequest, AbstractState, Action, Edge, PoolCounts
 from kvstate.checker.stepmatch import StepMatcher
 from kvstate.checker.world import BoundRequests, World, bound_index
 from kvstate.config import RequestRejected, SchedulerConfig

@@ -8,7 +8,8 @@ from collections import deque
 from kvstate.checker.bounds import Bound
 from kvstate.checker.explore import Violation, deadlock, is_environment
 from kvstate.checker.invariants import STATE_PREDICATES, STEP_PREDICATES
-from kvstate.checker.model import AbstractModel, AbstractRequest, AbstractState, Action
+from kvstate.checker.model import AbstractModel
+from kvstate.checker.records import AbstractRequest, AbstractState, Action
 from kvstate.checker.refinement import Refinement
 from kvstate.errors import InvariantViolation
 from kvstate.spec import load_spec

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from kvstate.checker.bounds import Bound
 from kvstate.checker.counterexample_trace import CounterexampleTrace, trace_path, write_abstract, write_refinement
+from kvstate.checker.effects import AbstractEffects
 from kvstate.checker.explore import HOLDS, INCOMPLETE, SKIPPED, VIOLATED, ModelResult, explore
 from kvstate.checker.invariants import InvariantPlan, plan_invariants
-from kvstate.checker.model import AbstractEffects, AbstractModel
+from kvstate.checker.model import AbstractModel
 from kvstate.checker.observed import ObservedScheduler
 from kvstate.checker.refinement import Refinement, RefinementResult
 from kvstate.checker.replay import format_abstract_path

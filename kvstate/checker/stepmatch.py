@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 
-from kvstate.checker.model import STOP, AbstractModel, AbstractState, Action
+from kvstate.checker.model import AbstractModel
+from kvstate.checker.records import STOP, AbstractState, Action
 
 COMPUTED_BY_STEP = frozenset({"catch_up", "finish"})  # fired inside an abstract compute action, not on their own
 
