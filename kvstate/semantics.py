@@ -12,7 +12,7 @@ Every guard, effect and helper here also has its **TLA+ meaning**, recorded besi
 effect the spec uses without one. A guard's (and a helper's) TLA+ reads the same views as its Python: `request` and
 `pool` are records with the fields of `RequestView` and `PoolView` (None is `NoReason` or `NoPass`, `inf` is
 `Unbounded`). An effect's TLA+ is its meaning on the abstract state the model checker explores (block counts, as
-`kvstate.checker.model.AbstractEffects` implements it): `request` is the abstract request record (state, computed,
+`kvstate.checker.effects.AbstractEffects` implements it): `request` is the abstract request record (state, computed,
 generated, gpu, host, deferred, prefill, in_flight, fenced_gpu, fenced_host, incoming, stopped, prompt_len,
 max_new_tokens: `kvstate.tla.abstract`), `pool` the pool counts (gpu_free, host_free, gpu_fenced, host_fenced) and
 `transition` the edge taken (event, source, dest, done_reason); its value is the record `[request |-> ..., pool |->

@@ -1,12 +1,17 @@
 """Model checking of the lifecycle spec and refinement checking of the real scheduler (`kvstate check`).
 
-* `model`: the abstract model derived from the spec (counts, not tokens), with symmetry reduction: its states are
-  `AbstractState` records of `AbstractRequest` records, its edges `Edge` values labelled by an `Action`;
+* `model`: the abstract model derived from the spec (counts, not tokens), with symmetry reduction; `records`: its
+  states, `AbstractState` records of `AbstractRequest` records, and its edges, `Edge` values labelled by an
+  `Action`; `effects`: the views of its records that the real guards read, and the spec's effects on them;
 * `invariants`: predicates keyed by spec invariant id, and which layer checks which invariant;
 * `explore`: BFS, deadlock, no trap, weakly fair lassos (the fairness in its docstring), coverage;
-* `refinement`: exhaustive exploration of the real `Scheduler` driven by `SimExecutor` under every executor timing;
+* `refinement`: exhaustive exploration of the real `Scheduler` driven by `SimExecutor` under every executor timing,
+  from its parts: `observed` (the scheduler under observation), `world` (a world and its fingerprint), `environment`
+  (the executor's and the environment's choices), `abstraction` (a world's abstract state), `refinement_checks`
+  (the checks on every transition and action) and `world_graph` (the worlds found, and the livelock search);
 * `stepmatch`: step refinement, each scheduler action as a sequence of abstract actions;
 * `runner`: the `kvstate check` code path, reports and counterexample regression tests;
+* `replay`: replaying a counterexample, as the generated regression tests do;
 * `sweep`: swept bounds (`kvstate check --sweep NAME`) and their summary table;
 * `bounds`: named bounds from `spec/bounds.toml`;
 * `search`: what both searches share: their limits and shortest-path reconstruction;
@@ -14,11 +19,14 @@
 """
 
 from kvstate.checker.bounds import Bound, BoundsError, load_bounds, select_bounds
+from kvstate.checker.effects import AbstractEffects
 from kvstate.checker.explore import HOLDS, INCOMPLETE, VIOLATED, ModelResult, explore
 from kvstate.checker.invariants import STATE_PREDICATES, STEP_PREDICATES, CheckerError, plan_invariants
-from kvstate.checker.model import AbstractEffects, AbstractModel, AbstractRequest, AbstractState, Action, Edge
-from kvstate.checker.refinement import ObservedScheduler, Refinement, replay_refinement
-from kvstate.checker.replay import replay_abstract
+from kvstate.checker.model import AbstractModel
+from kvstate.checker.observed import ObservedScheduler
+from kvstate.checker.records import AbstractRequest, AbstractState, Action, Edge
+from kvstate.checker.refinement import Refinement
+from kvstate.checker.replay import replay_abstract, replay_refinement
 from kvstate.checker.runner import EXIT_CODES, BoundReport, check_bound, run_check
 from kvstate.checker.stepmatch import StepMatcher
 from kvstate.checker.sweep import Sweep, SweepReport, load_sweeps, run_sweep, select_sweep

@@ -59,7 +59,7 @@ def _write(path: Path, lines: list[dict]) -> None:
 
 def write_abstract(path: Path, spec: Spec, model: AbstractModel, violation: Violation) -> CounterexampleTrace:
     """The trace of an abstract-model counterexample, replayed step by step on `model`, written to `path`."""
-    from kvstate.checker.model import AbstractRequest
+    from kvstate.checker.records import AbstractRequest
 
     bound = model.bound
     state = model.initial()

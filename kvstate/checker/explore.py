@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 from kvstate.checker.bounds import Bound
 from kvstate.checker.invariants import STATE_PREDICATES, STEP_PREDICATES
-from kvstate.checker.model import AbstractModel, AbstractState, Action
+from kvstate.checker.model import AbstractModel
+from kvstate.checker.records import AbstractState, Action
 from kvstate.checker.search import SearchBudget, path_indices
 from kvstate.spec import Transition
 

@@ -13,14 +13,8 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstate.checker.model import (
-    ABSENT,
-    AbstractModel,
-    AbstractRequest,
-    AbstractState,
-    Edge,
-    abstract_state,
-)
+from kvstate.checker.model import AbstractModel
+from kvstate.checker.records import ABSENT, AbstractRequest, AbstractState, Edge, abstract_state
 from kvstate.errors import KVStateError
 from kvstate.pool import ceil_div
 from kvstate.spec import Spec

@@ -1,4 +1,5 @@
-"""Replaying counterexamples: the functions the generated regression tests call, and step-list formatting."""
+"""Replaying counterexamples: the functions the generated regression tests call (`replay_abstract` on the abstract
+model, `replay_refinement` on the real scheduler), and step-list formatting."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from collections import deque
 from kvstate.checker.bounds import Bound
 from kvstate.checker.explore import Violation, deadlock, is_environment
 from kvstate.checker.invariants import STATE_PREDICATES, STEP_PREDICATES
-from kvstate.checker.model import AbstractModel, AbstractRequest, AbstractState, Action
+from kvstate.checker.model import AbstractModel
+from kvstate.checker.records import AbstractRequest, AbstractState, Action
+from kvstate.checker.refinement import Refinement
 from kvstate.errors import InvariantViolation
 from kvstate.spec import load_spec
 
@@ -48,6 +51,25 @@ def replay_abstract(
     if invariant == "LIVE-DONE" and not _final_reachable(model, state):
         raise InvariantViolation("LIVE-DONE", "no final state is reachable from the end of the counterexample")
     return True
+
+
+def replay_refinement(
+    bound: Bound | dict, actions: list[tuple], *, invariant: str | None = None, spec_path: str | None = None
+) -> None:
+    """Replay a refinement counterexample; raises (AssertionError) when the violation is still there."""
+    if isinstance(bound, dict):
+        bound = Bound.from_dict(bound)
+    refinement = Refinement(bound, load_spec(spec_path) if spec_path else None)
+    world = refinement.initial()
+    refinement.checks.refusal()
+    for action in actions:
+        refinement.apply(world, tuple(action))
+    if invariant == "LIVE-DONE":
+        for _ in range(1000):
+            if not world.scheduler.has_unfinished:
+                return
+            refinement.apply(world, ("step",))
+        raise InvariantViolation("LIVE-DONE", "requests still unfinished after 1000 scheduler steps")
 
 
 def _fair_successors(model: AbstractModel, state: AbstractState):

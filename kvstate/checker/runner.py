@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from kvstate.checker.bounds import Bound
 from kvstate.checker.counterexample_trace import CounterexampleTrace, trace_path, write_abstract, write_refinement
+from kvstate.checker.effects import AbstractEffects
 from kvstate.checker.explore import HOLDS, INCOMPLETE, SKIPPED, VIOLATED, ModelResult, explore
 from kvstate.checker.invariants import InvariantPlan, plan_invariants
-from kvstate.checker.model import AbstractEffects, AbstractModel
-from kvstate.checker.refinement import ObservedScheduler, Refinement, RefinementResult
+from kvstate.checker.model import AbstractModel
+from kvstate.checker.observed import ObservedScheduler
+from kvstate.checker.refinement import Refinement, RefinementResult
 from kvstate.checker.replay import format_abstract_path
 from kvstate.errors import KVStateError
 from kvstate.semantics import Guard
@@ -190,7 +192,7 @@ def write_refinement_test(directory: Path, bound: Bound, spec: Spec, result: Ref
         raise ValueError(f"bound {bound.name}: the refinement found no violation; there is no counterexample")
     actions = "".join(f"    {tuple(action)!r},\n" for action, _ in result.path)
     text = _header("scheduler refinement", bound, invariant, result.message, spec) + (
-        "from kvstate.checker.refinement import replay_refinement\n\n"
+        "from kvstate.checker.replay import replay_refinement\n\n"
         f"BOUND = {bound.to_dict()!r}\n"
         f"SPEC_PATH = {_spec_path(spec)!r}\n"
         f"INVARIANT = {invariant!r}\n"

@@ -13,7 +13,7 @@ them (it records every transition it takes), so it stays small; results are cach
 
 Invariant: `match` returns True only when some sequence of at most `depth` enabled abstract actions leads from a
 variant of `before` to a variant of `after` (variants: the abstraction's choices for decode steps that may still be
-in the pipeline, `Refinement._variants`).
+in the pipeline, `Abstraction.variants`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 
-from kvstate.checker.model import STOP, AbstractModel, AbstractState, Action
+from kvstate.checker.model import AbstractModel
+from kvstate.checker.records import STOP, AbstractState, Action
 
 COMPUTED_BY_STEP = frozenset({"catch_up", "finish"})  # fired inside an abstract compute action, not on their own
 

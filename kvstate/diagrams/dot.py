@@ -30,8 +30,9 @@ from dataclasses import dataclass, replace
 from kvstate.diagrams.escape import dot_comment, dot_html, dot_string
 from kvstate.diagrams.geometry import Box, Curve, Point
 from kvstate.diagrams.ir import ANY_STATE, Diagram, DrawnEdge, EdgeKind
-from kvstate.diagrams.layout import Layout, PlacedNode, Route, lay_out, twins
+from kvstate.diagrams.layout import Layout, PlacedNode, lay_out
 from kvstate.diagrams.metrics import FALLBACK_FONT_SLACK, text_width
+from kvstate.diagrams.routing import Route, twins
 
 INITIAL_NODE = "__initial__"
 INITIAL_STYLE = 'shape=point, width=0.15, style=filled, fillcolor=black, label="", tooltip="initial pseudo-state"'
@@ -217,7 +218,7 @@ def edge_line(route: Route, place: Placer, attributes: Sequence[str]) -> str:
 
 
 def lifecycle_edge_labels(diagram: Diagram, drawn: tuple[DrawnEdge, ...]) -> list[Sequence[str]]:
-    """Each edge's label; with firing counts, twins (`layout.twins`: drawn as one labelled curve) share one label
+    """Each edge's label; with firing counts, twins (`routing.twins`: drawn as one labelled curve) share one label
     whose counts are summed over them, as a bundle's are."""
     labels: list[Sequence[str]] = [edge.label_parts(diagram.fired) for edge in drawn]
     if diagram.fired is None or diagram.all_edges:

@@ -1,10 +1,11 @@
-"""The TLA+ meaning of the abstract model's own parts (`kvstate.checker.model`), each beside the name of its Python
-counterpart: the views its guards read, how a step's result becomes the next state, its own actions (arrivals,
-compute steps, copy completions) and its initial state. `kvstate.tla.module` writes them into the lifecycle module
-in this order; the spec's guards and effects are not here but beside their Python meanings (`kvstate.semantics`).
+"""The TLA+ meaning of the abstract model's own parts (`kvstate.checker.model`, its views and effects in
+`kvstate.checker.effects`), each beside the name of its Python counterpart: the views its guards read, how a step's
+result becomes the next state, its own actions (arrivals, compute steps, copy completions) and its initial state.
+`kvstate.tla.module` writes them into the lifecycle module in this order; the spec's guards and effects are not here
+but beside their Python meanings (`kvstate.semantics`).
 
-When `kvstate.checker.model` changes how it counts, the definition here that names the changed part changes with
-it; `kvstate check --engine tlc` shows any difference left as different state counts.
+When `kvstate.checker.model` or `kvstate.checker.effects` changes how it counts, the definition here that names the
+changed part changes with it; `kvstate check --engine tlc` shows any difference left as different state counts.
 
 Variables and records: `requests[r]` is request r's record with the fields of `AbstractRequest` (state, computed,
 generated, gpu, host, deferred, prefill, in_flight, and its copy in flight: fenced_gpu, fenced_host, incoming), its
@@ -43,7 +44,7 @@ PRELUDE = (
         'blocks of one tier ("gpu" or "host") held by the requests of S',
         recursive=True,
     ),
-    Definition("NoReason", "", '""', "no termination reason (None in Python; kvstate.checker.model.NONE)"),
+    Definition("NoReason", "", '""', "no termination reason (None in Python; kvstate.checker.records.NONE)"),
     Definition("NoPass", "", "-1", "no scheduling pass under way (None in Python)"),
     Definition(
         "Unbounded",
@@ -55,7 +56,7 @@ PRELUDE = (
         "CopyInFlight",
         "q",
         "q.fenced_gpu > 0 \\/ q.fenced_host > 0 \\/ q.incoming > 0",
-        "request record q has a copy in flight (kvstate.checker.model.RequestState.copy_in_flight)",
+        "request record q has a copy in flight (kvstate.checker.effects.RequestState.copy_in_flight)",
     ),
     Definition(
         "ReleaseBlocks",
@@ -68,7 +69,7 @@ PRELUDE = (
                             !.gpu_fenced = @ + incoming_gpu, !.host_fenced = @ + incoming_host]]""",
         "request record q releases every block it holds (SPEC.md section 4.0): the destinations its copy in flight "
         "still writes stay fenced by that copy, the others become free "
-        "(kvstate.checker.model.AbstractEffects._release)",
+        "(kvstate.checker.effects.AbstractEffects._release)",
     ),
     Definition(
         "RequestView",
@@ -82,7 +83,7 @@ PRELUDE = (
      suspended_in_pass |-> 0,
      kv_tokens |-> request.computed,
      copy_in_flight |-> CopyInFlight(request)]""",
-        "kvstate.semantics.RequestView of an abstract request (kvstate.checker.model.RequestState); the abstract "
+        "kvstate.semantics.RequestView of an abstract request (kvstate.checker.effects.RequestState); the abstract "
         "model has no passes: every suspension counts as one of the pass under way (pass 0)",
     ),
     Definition(
@@ -96,7 +97,7 @@ PRELUDE = (
      first_chunk_limit |-> ChunkSize,
      pass_number |-> 0,
      promotion_worth |-> Unbounded]""",
-        "kvstate.semantics.PoolView of the pool counts (kvstate.checker.model.PoolState)",
+        "kvstate.semantics.PoolView of the pool counts (kvstate.checker.effects.PoolState)",
     ),
 )
 
@@ -108,7 +109,7 @@ RESULTS = (
     THEN [q EXCEPT !.computed = 0, !.generated = 0, !.deferred = NoReason, !.prefill = 0, !.in_flight = 0,
                    !.incoming = 0, !.stopped = FALSE]
     ELSE [q EXCEPT !.stopped = FALSE]""",
-        "a finished request's history no longer matters, its blocks and its copy's fences do (kvstate.checker.model "
+        "a finished request's history no longer matters, its blocks and its copy's fences do (kvstate.checker.effects "
         "RequestState.record); no state keeps a stop token's mark",
     ),
     Definition(

@@ -5,7 +5,7 @@ TLA+ action of each id of `STEP_PREDICATES` (TLC checks it as the property `[][a
 `DEADLOCK` the one of `kvstate.checker.explore.deadlock`. Each reads the variables and operators of the exported
 lifecycle module (`kvstate.tla.module`): `requests[r]` (the abstract request record), `counts` (the pool counts),
 `Held(S, field)`, `Residency(state)`, `StepTaken(r, event)` (the transitions a step of request r by `event`
-took, as `kvstate.checker.model.Edge.taken`), `Resets(r)`, `FairStepEnabled` and the actions `Compute(r)`,
+took, as `kvstate.checker.records.Edge.taken`), `Resets(r)`, `FairStepEnabled` and the actions `Compute(r)`,
 `ComputeStop(r)` and `Complete(r)`.
 
 `checked_ids` is the list both engines check, in our checker's order; the export refuses an id our checker

@@ -61,7 +61,7 @@ def unsupported(bound: Bound) -> str | None:
     if bound.max_num_tokens is not None and bound.chunk_size > 1:
         return (
             f"bound {bound.name}: its token budget per pass (max_num_tokens = {bound.max_num_tokens}) cuts chunks "
-            "short in the abstract model (kvstate.checker.model Action.tokens), and the TLA+ export does not express "
+            "short in the abstract model (kvstate.checker.records Action.tokens), and the TLA+ export does not express "
             "chunk cuts; check it with our engine (kvstate check --bound), or drop max_num_tokens for the cross-check"
         )
     return None

@@ -32,7 +32,7 @@ from kvstate.tla import abstract, invariants
 from kvstate.tla.names import TlaExportError, camel, comment, identifier, string
 
 MODULE_NAME = "KVStateLifecycle"
-NOT_ARRIVED = ""  # kvstate.checker.model.ABSENT
+NOT_ARRIVED = ""  # kvstate.checker.records.ABSENT
 RULE = "-" * 100
 
 # The events the abstract model's compute step fires when its guards hold (kvstate.checker.model.AbstractModel).
@@ -112,8 +112,11 @@ class _Writer:
             "    StopTokens       \\* TRUE: any produced token may be a stop token (the bound has stop tokens)",
             "",
             "VARIABLES",
-            "    requests,  \\* requests[r]: the abstract request record of r (kvstate.checker.model.AbstractRequest)",
-            "    counts     \\* the pool's free and fenced blocks per tier (kvstate.checker.model.PoolCounts)",
+            (
+                "    requests,  \\* requests[r]: the abstract request record of r "
+                "(kvstate.checker.records.AbstractRequest)"
+            ),
+            "    counts     \\* the pool's free and fenced blocks per tier (kvstate.checker.records.PoolCounts)",
             "",
         ]
         self.defined |= {
@@ -344,7 +347,7 @@ class _Writer:
             f"CASE {arms}\n      [] OTHER -> {{}}",
             params="r, e",
             note='the edges the step taken took, if it is a step of request r by event e ("compute": a compute '
-            "step, its token a stop token or not); as kvstate.checker.model.Edge.taken",
+            "step, its token a stop token or not); as kvstate.checker.records.Edge.taken",
         )
         resetting = sorted({t.event for t in self.transitions if t.effect == RESET_EFFECT})
         if {CATCH_UP, FINISH} & set(resetting):

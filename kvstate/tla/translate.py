@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TypeGuard
 
-from kvstate.checker.model import STOP, AbstractModel, AbstractRequest, AbstractState, Action, Edge, PoolCounts
+from kvstate.checker.model import AbstractModel
+from kvstate.checker.records import STOP, AbstractRequest, AbstractState, Action, Edge, PoolCounts
 from kvstate.errors import KVStateError
 from kvstate.tla.models import request_name
 from kvstate.tla.tlc import TlcState

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 from kvstate.checker import Bound
 from kvstate.checker.explore import explore, is_environment, weakly_fair_lasso
-from kvstate.checker.model import AbstractModel, Action
+from kvstate.checker.model import AbstractModel
+from kvstate.checker.records import Action
 from kvstate.cli import main
 
 X, Y, Z = (Action("event", 0, name) for name in ("x", "y", "z"))

@@ -14,7 +14,8 @@ import pytest
 from kvstate import load_spec
 from kvstate.checker.bounds import Bound, BoundsError, load_bounds
 from kvstate.checker.explore import HOLDS
-from kvstate.checker.refinement import ObservedScheduler, Refinement
+from kvstate.checker.observed import ObservedScheduler
+from kvstate.checker.refinement import Refinement
 from kvstate.config import SchedulerConfig
 from kvstate.scheduler import Scheduler
 from kvstate.sim import SimExecutor, reference_output

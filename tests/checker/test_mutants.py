@@ -14,7 +14,8 @@ import pytest
 
 from kvstate import policy
 from kvstate.checker import VIOLATED, check_bound, select_bounds
-from kvstate.checker.refinement import ObservedScheduler, prompt_of
+from kvstate.checker.observed import ObservedScheduler
+from kvstate.checker.world import prompt_of
 from kvstate.config import SchedulerConfig
 from kvstate.errors import InvariantViolation
 from kvstate.lifecycle import TransitionTable

@@ -13,7 +13,7 @@ import itertools
 
 import pytest
 
-from kvstate.checker.refinement import prompt_of
+from kvstate.checker.world import prompt_of
 from kvstate.config import SchedulerConfig
 from kvstate.errors import InvariantViolation, KVStateError
 from kvstate.pool import TO_GPU, TO_HOST
