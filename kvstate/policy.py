@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
 from kvstate.errors import InvariantViolation
+from kvstate.pool import TO_HOST
 from kvstate.roles import DROPPED, OFFLOADED, PENDING_RESET, QUEUED
 
 if TYPE_CHECKING:  # annotations only: kvstate.spec validates what it loads with `policy_problems`
@@ -222,6 +223,11 @@ class RequestSnapshot:
     num_output_tokens: int = 0  # tokens generated so far (victim order fewest_outputs_first)
     prompt_tokens: int = 0  # its original prompt's length (fewest_outputs_first's tie-break)
     last_preemption: int = -1  # when it was last a victim (an increasing count), -1 never (readmit_latest_victim_first)
+    # read by the offload and suspension rules (SUSPEND-ROOM, OFFLOAD-DEMAND):
+    host_blocks: int = 0  # blocks it holds in the host tier
+    held_rank: int = -1  # its place in the offload order of held requests (least recently held 0), -1 not held
+    next_step_blocks: int = 0  # GPU blocks its next allocation takes: its next chunk's, a resume's, a first chunk's
+    copy_in_flight: bool = False  # a copy of its KV (an offload's or a resume's) is in flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,12 +242,25 @@ class PassSnapshot:
     # the order in which the pass serves its requesters, where it is not the spec's (SPEC.md 7.2: decode steps,
     # then chunks, each by arrival): a third-party engine's own (`kvstate.declared`); None keeps the spec's
     serve_order: tuple[Hashable, ...] | None = None
+    host_free: int = 0  # free host blocks
+
+
+def _next_step_blocks(r, config, offloaded: str, block_size: int) -> int:
+    """The GPU blocks `r`'s next allocation takes, from its own fields: a resume's host blocks, a (first or next)
+    chunk's new blocks, a decode step's new block."""
+    if r.state == offloaded:
+        return r.num_host_blocks
+    left = r.num_prefill_tokens - r.num_computed_tokens
+    tokens = min(config.prefill_chunk_size, left) if left > 0 else 1
+    return max(0, -(-(r.num_computed_tokens + tokens) // block_size) - r.num_gpu_blocks)
 
 
 def snapshot(scheduler) -> PassSnapshot:
     """A `PassSnapshot` of `scheduler` (a `kvstate.Scheduler`) now."""
     cap = scheduler.config.max_preemptions_per_request
     not_ready = scheduler.not_ready()
+    held_rank = {owner: rank for rank, owner in enumerate(scheduler.pool.held_owners())}
+    offloaded = scheduler.spec.role(OFFLOADED)
     requests = tuple(
         RequestSnapshot(
             r.request_id,
@@ -255,6 +274,10 @@ def snapshot(scheduler) -> PassSnapshot:
             r.num_gpu_blocks,
             r.request_id in scheduler.in_flight,
             r.request_id in not_ready and r.request_id not in scheduler.in_flight,
+            host_blocks=r.num_host_blocks,
+            held_rank=held_rank.get(r.request_id, -1),
+            next_step_blocks=_next_step_blocks(r, scheduler.config, offloaded, scheduler.config.block_size),
+            copy_in_flight=r.copy_in_flight,
         )
         for r in scheduler.requests.values()
     )
@@ -264,6 +287,7 @@ def snapshot(scheduler) -> PassSnapshot:
         scheduler.pool.has_host_tier,
         scheduler.slots_per_pass(),
         scheduler.config.max_num_tokens,
+        host_free=scheduler.pool.host_free_blocks,
     )
 
 
@@ -302,6 +326,7 @@ class _PassCheck:
     def run(self) -> None:
         self.check_victims()
         self.check_promotions()
+        self.check_held_blocks()
         self.check_admissions()
         if self.policy.work_conservation:
             self.check_work_conservation()
@@ -447,6 +472,91 @@ class _PassCheck:
                     "suspended: a promotion is only for a victim it lets suspend (SPEC.md 7.3), never wasted",
                 )
 
+    # ---- suspensions and offloads
+    def check_held_blocks(self) -> None:
+        """SUSPEND-ROOM and OFFLOAD-DEMAND, replaying the pass's decisions on the host tier's free blocks and each
+        request's held GPU blocks from the snapshot: a suspension under `host_takes_every_held_block` finds room
+        for every held block; an offload takes the least recently held request it may take, for a requester of the
+        pass, no more blocks than that requester's allocation takes; under `eager`, each suspension is followed by
+        the offload of its victim."""
+        held = {r.request_id: r.gpu_blocks for r in self.before.requests if r.held_rank >= 0}
+        order = sorted(held, key=lambda rid: self.by_id[rid].held_rank)
+        host_free, offloaded_for, moved = self.before.host_free, dict[Hashable, int](), set[Hashable]()
+        decisions = self.record.decisions
+        for index, d in enumerate(decisions):
+            if isinstance(d, Victim) and d.event == "suspend":
+                self.check_suspension(d, host_free, sum(held.values()))
+                gpu = self.by_id[d.victim].gpu_blocks
+                if gpu:
+                    held[d.victim] = gpu
+                    order.append(d.victim)
+                if self.policy.offload == EAGER:
+                    following = decisions[index + 1] if index + 1 < len(decisions) else None
+                    if gpu and host_free and not (isinstance(following, Offload) and following.request == d.victim):
+                        self.fail("OFFLOAD-DEMAND", f"victim {d.victim!r} was suspended but not offloaded at once")
+            elif isinstance(d, Promotion):
+                host_free += self.by_id[d.promoted].host_blocks + self.offloaded_in_pass(d.promoted)
+                held.pop(d.promoted, None)
+            elif isinstance(d, Offload):
+                self.check_offload(d, order, held, offloaded_for, moved)
+                moved.add(d.request)
+                held[d.request] -= d.blocks
+                host_free -= d.blocks
+                if not held[d.request]:
+                    del held[d.request]
+
+    def offloaded_in_pass(self, request: Hashable) -> int:
+        return sum(d.blocks for d in self.record.decisions if isinstance(d, Offload) and d.request == request)
+
+    def check_suspension(self, d: Victim, host_free: int, held: int) -> None:
+        if self.policy.suspend_rule != HOST_TAKES_EVERY_HELD_BLOCK:
+            return
+        gpu = self.by_id[d.victim].gpu_blocks
+        if not self.before.has_host_tier or host_free - held < gpu:
+            self.fail(
+                "SUSPEND-ROOM",
+                f"request {d.victim!r} was suspended holding {gpu} GPU blocks while the host tier had {host_free} "
+                f"free for {held} blocks already held{'' if self.before.has_host_tier else ' (no host tier)'}: a "
+                "suspension that the host tier cannot take frees nothing; recompute-pause the victim instead",
+            )
+
+    def check_offload(
+        self,
+        d: Offload,
+        order: list[Hashable],
+        held: dict[Hashable, int],
+        offloaded_for: dict[Hashable, int],
+        moved: set[Hashable],
+    ) -> None:
+        if d.request not in held or d.blocks < 1 or d.blocks > held[d.request]:
+            self.fail("OFFLOAD-DEMAND", f"{d.blocks} blocks of {d.request!r} were offloaded, which it does not hold")
+        if self.policy.offload == EAGER:
+            return
+        # skipped: the requester, requests with a step or a copy in flight (one planned by an offload of this pass)
+        skippable = {r.request_id for r in self.before.requests if r.in_flight or r.copy_in_flight} | {d.requester}
+        skippable |= moved
+        if d.requester not in self.order:  # an admission's: the resumes of the pass came before it
+            skippable |= {r.request_id for r in self.out.resumed}
+        first = next((rid for rid in order if rid in held and rid not in skippable), None)
+        if first != d.request:
+            self.fail(
+                "OFFLOAD-DEMAND",
+                f"{d.request!r}'s held blocks were offloaded before {first!r}'s, which were held longer: held blocks "
+                "move down least recently held first",
+            )
+        requester = self.by_id.get(d.requester)
+        offloaded_for[d.requester] = offloaded_for.get(d.requester, 0) + d.blocks
+        takes = None if requester is None else requester.next_step_blocks
+        if requester is not None and requester.state == self.spec.role(OFFLOADED):
+            takes = requester.host_blocks + self.offloaded_in_pass(d.requester)  # a resume copies every host block
+        if takes is None or offloaded_for[d.requester] > takes:
+            need = "no allocation" if takes is None else f"{takes} blocks"
+            self.fail(
+                "OFFLOAD-DEMAND",
+                f"{offloaded_for[d.requester]} held blocks were offloaded for {d.requester!r}, whose allocation "
+                f"takes {need}: an offload moves only what an allocation needs",
+            )
+
     # ---- admissions
     def admitted(self) -> list[Hashable]:
         """Requests readmitted or admitted by the pass, in candidate order."""
@@ -522,8 +632,9 @@ class _PassCheck:
     def room_on_its_way(self) -> int:
         pending = self.spec.role(PENDING_RESET)
         room = self.before.gpu_fenced + sum(r.gpu_blocks for r in self.before.requests if r.state == pending)
-        for r in self.out.suspended:
-            room += self.by_id[r.request_id].gpu_blocks if r.request_id in self.by_id else 0
+        room += sum(p.num_blocks for p in self.out.migrations if p.direction == TO_HOST)  # offloads' GPU sources
+        # a promotion frees its request's GPU blocks at once, the sources of its withdrawn offloads included
+        room += sum(self.by_id[d.promoted].gpu_blocks for d in self.record.decisions if isinstance(d, Promotion))
         for r in self.out.recompute_paused:
             if r.state == pending and r.request_id in self.by_id and self.by_id[r.request_id].state != pending:
                 room += self.by_id[r.request_id].gpu_blocks

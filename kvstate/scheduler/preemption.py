@@ -129,8 +129,6 @@ class Preemption(HeldBlocks):
             (self._suspension_frees(victim) and self._try_fire(victim, "suspend", pass_))
             or (self._promote_for(victim, pass_) and self._try_fire(victim, "suspend", pass_))
         ):
-            if self.policy.offload == EAGER:
-                self._offload_for_eagerly(victim, requester, pass_)
             pass_.suspended.append(victim)
             pass_.output.suspended.append(victim)
             event = "suspend"
@@ -145,6 +143,8 @@ class Preemption(HeldBlocks):
             return
         pass_.preempted = True
         pass_.record.decisions.append(Victim(requester.request_id, victim.request_id, event))
+        if event == "suspend" and self.policy.offload == EAGER:
+            self._offload_for_eagerly(victim, requester, pass_)
 
     def _promote_for(self, victim: Request, pass_: SchedulingPass) -> bool:
         """Promote requests suspended earlier in this pass to recompute-pause, most recent first, so that the suspend
@@ -189,4 +189,4 @@ class Preemption(HeldBlocks):
         for plan in plans:
             pass_.output.migrations.remove(plan)
             self._end_copy(plan)
-            pass_.pending_free -= plan.num_blocks
+            pass_.pending_free = max(0, pass_.pending_free - plan.num_blocks)  # reserved room: free now
