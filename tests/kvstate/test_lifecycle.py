@@ -106,6 +106,8 @@ class FakePool:
     first_chunk_limit: int = 1 << 30  # no chunk size or token budget cuts a first chunk
     pass_number: int | None = None
     promotion_worth: int = 0
+    offload_limit: int = 0
+    resume_gate_open: bool = True
 
 
 @dataclass(frozen=True)
@@ -331,25 +333,68 @@ REAL_GUARD_CASES = {
         "gpu_room_for_first_chunk",
     ),
     "admit-short-one": ("waiting", "admit", {"prefill_tokens_left": 4}, FakePool(gpu_free_blocks=3), None),
-    "suspend-host-room": (
+    # suspension copies nothing and checks nothing about the host tier: it holds the blocks where they are
+    "suspend-with-host-room": (
         "running",
         "suspend",
         {"num_gpu_blocks": 5},
         FakePool(host_free_blocks=5, has_host_tier=True),
-        "host_room_for_all_blocks",
+        "no_copy_in_flight",
     ),
-    "suspend-host-short-one": (
+    "suspend-with-a-host-tier-too-small": (
         "running",
         "suspend",
         {"num_gpu_blocks": 5},
         FakePool(host_free_blocks=4, has_host_tier=True),
-        None,
+        "no_copy_in_flight",
     ),
-    "suspend-no-host-tier": (
+    "suspend-without-a-host-tier": (
         "running",
         "suspend",
         {"num_gpu_blocks": 5},
         FakePool(host_free_blocks=100, has_host_tier=False),
+        "no_copy_in_flight",
+    ),
+    "offload-for-an-allocation": (
+        "suspended",
+        "offload",
+        {"num_gpu_blocks": 3},
+        FakePool(host_free_blocks=1, has_host_tier=True, offload_limit=2),
+        "host_room_for_held_blocks",
+    ),
+    "offload-with-the-host-tier-full": (
+        "suspended",
+        "offload",
+        {"num_gpu_blocks": 3},
+        FakePool(host_free_blocks=0, has_host_tier=True, offload_limit=2),
+        None,
+    ),
+    "offload-without-a-host-tier": (
+        "suspended",
+        "offload",
+        {"num_gpu_blocks": 3},
+        FakePool(host_free_blocks=100, has_host_tier=False, offload_limit=2),
+        None,
+    ),
+    "offload-that-no-allocation-needs": (
+        "suspended",
+        "offload",
+        {"num_gpu_blocks": 3},
+        FakePool(host_free_blocks=4, has_host_tier=True, offload_limit=0),
+        None,
+    ),
+    "offload-of-nothing-held": (
+        "suspended",
+        "offload",
+        {"num_gpu_blocks": 0, "num_host_blocks": 3},
+        FakePool(host_free_blocks=4, has_host_tier=True, offload_limit=2),
+        None,
+    ),
+    "offload-while-its-copy-is-in-flight": (
+        "suspended",
+        "offload",
+        {"num_gpu_blocks": 3, "copy_in_flight": True},
+        FakePool(host_free_blocks=4, has_host_tier=True, offload_limit=2),
         None,
     ),
     "suspend-while-its-copy-is-in-flight": (
@@ -371,7 +416,21 @@ REAL_GUARD_CASES = {
         "resume",
         {"num_host_blocks": 6},
         FakePool(gpu_free_blocks=6, has_host_tier=True),
-        "gpu_room_for_all_blocks",
+        "gpu_room_for_offloaded_blocks",
+    ),
+    "resume-held-on-the-gpu-needs-no-room": (
+        "suspended",
+        "resume",
+        {"num_gpu_blocks": 6, "num_host_blocks": 0},
+        FakePool(gpu_free_blocks=0, has_host_tier=False),
+        "gpu_room_for_offloaded_blocks",
+    ),
+    "resume-refused-by-the-utilization-gate": (
+        "suspended",
+        "resume",
+        {"num_gpu_blocks": 2, "num_host_blocks": 1},
+        FakePool(gpu_free_blocks=6, has_host_tier=True, resume_gate_open=False),
+        None,
     ),
     "resume-gpu-short-one": (
         "suspended",
@@ -388,7 +447,7 @@ REAL_GUARD_CASES = {
         "recompute_pause",
         {"num_host_blocks": 3, "suspended_in_pass": 7, "kv_tokens": 3},
         FakePool(has_host_tier=True, pass_number=7, promotion_worth=4),
-        "same_pass_promotion",
+        "promotion_gate",
     ),
     "promote-without-host-tier": (
         "suspended",
@@ -397,12 +456,20 @@ REAL_GUARD_CASES = {
         FakePool(has_host_tier=False, gpu_free_blocks=100, pass_number=7, promotion_worth=4),
         None,
     ),
+    # a request suspended in an earlier pass may always be promoted: it frees its blocks on whichever tier they sit
     "promote-suspended-in-an-earlier-pass": (
         "suspended",
         "recompute_pause",
         {"suspended_in_pass": 6, "kv_tokens": 3},
         FakePool(has_host_tier=True, pass_number=7, promotion_worth=4),
-        None,
+        "promotion_gate",
+    ),
+    "promote-suspended-in-an-earlier-pass-without-a-host-tier": (
+        "suspended",
+        "recompute_pause",
+        {"suspended_in_pass": 6, "kv_tokens": 3},
+        FakePool(has_host_tier=False, pass_number=7, promotion_worth=4),
+        "promotion_gate",
     ),
     "promote-between-passes": (
         "suspended",
@@ -490,6 +557,7 @@ def test_real_guards(impl, case) -> None:
         host_free_blocks=st.integers(0, 8),
         has_host_tier=st.booleans(),
         pipeline_stages=st.integers(1, 4),
+        offload_limit=st.integers(0, 8),
     ),
 )
 def test_real_exclusive_guards_are_exclusive(fields: dict, pool: FakePool) -> None:
@@ -497,9 +565,9 @@ def test_real_exclusive_guards_are_exclusive(fields: dict, pool: FakePool) -> No
     request = FakeRequest("req-x", **fields)
     for group in GROUPS:
         assert sum(bool(GUARDS[g](request, pool)) for g in group) <= 1, group
-    # no suspend without a host tier, whatever the room
+    # no offload without a host tier, whatever the room
     if not pool.has_host_tier:
-        assert not GUARDS[_only_guard("running", "suspend")](request, pool)
+        assert not GUARDS[_only_guard("suspended", "offload")](request, pool)
 
 
 def _only_guard(state: str, event: str) -> str:

@@ -129,7 +129,11 @@ PRESSURED = Workload(
 def test_the_pressured_workload_exercises_suspend_and_recompute_pause() -> None:
     trace, outputs, ended = run_sim(PRESSURED, "machine")
     events = {json.loads(line)["event"] for line in trace.splitlines()}
-    assert {"suspend", "resume", "recompute_pause", "replay"} <= events and ended == "done" and len(outputs) == 4
+    assert (
+        {"suspend", "offload", "resume", "recompute_pause", "replay"} <= events
+        and ended == "done"
+        and len(outputs) == 4
+    )
 
 
 def _planted(kind: str, guard: str, wrong) -> object:
@@ -144,13 +148,19 @@ def _planted(kind: str, guard: str, wrong) -> object:
 
 @pytest.mark.parametrize("kind", ["machine", "compiled"])
 def test_a_planted_difference_in_either_implementation_is_caught(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One implementation's suspend guard wants one spare host block: the traces must differ."""
+    """One implementation's offload guard refuses an allocation that needs a single block: the traces must differ."""
 
-    def host_room_off_by_one(request, pool) -> bool:
-        return pool.has_host_tier and pool.host_free_blocks > request.num_gpu_blocks
+    def needs_two_blocks(request, pool) -> bool:
+        return (
+            not request.copy_in_flight
+            and pool.has_host_tier
+            and request.num_gpu_blocks >= 1
+            and pool.host_free_blocks >= 1
+            and pool.offload_limit >= 2
+        )
 
     monkeypatch.setattr(
-        kvstate.scheduler.core, "make_lifecycle", _planted(kind, "host_room_for_all_blocks", host_room_off_by_one)
+        kvstate.scheduler.core, "make_lifecycle", _planted(kind, "host_room_for_held_blocks", needs_two_blocks)
     )
     with pytest.raises(AssertionError, match="differ"):
         assert_same(PRESSURED)

@@ -101,7 +101,8 @@ def test_promotion_with_host_tier_recompute_pauses_a_request_suspended_earlier_i
     # y was suspended first (tail); x did not fit the host beside it, so y was promoted to make room
     assert ids(out.suspended) == ["x"] and ids(out.recompute_paused) == ["y"]
     assert y.state == "recompute_paused" and y.num_suspensions == 1 and y.num_recompute_pauses == 1
-    assert x.state == "suspended" and x.num_host_blocks == 6
+    # x's blocks are held: only the 3 that p's chunk needs beyond the free blocks are offloaded (on demand)
+    assert x.state == "suspended" and (x.num_gpu_blocks, x.num_host_blocks) == (3, 3)
     assert [p.request_id for p in out.migrations] == ["x"]  # y's abandoned copy is not issued
     assert sched.pool.host_blocks("y") == () and sched.pool.gpu_blocks("y") == ()
     assert y.num_computed_tokens == 0 and y.prefill_tokens == y.prompt  # fully reset
@@ -141,24 +142,23 @@ def test_decoding_victim_is_the_tail_not_the_requester() -> None:
 def test_tail_first_follows_admission_order_not_arrival_order() -> None:
     sched = make(9, 7, prefill_chunk_size=1)
     for rid, prompt, m in [
-        ("b", [18, 7, 13], 3),
-        ("c", [17, 35, 43, 37], 1),
-        ("a", [21, 27], 4),
-        ("d", [22], 7),
-        ("e", [17, 2, 22], 1),
+        ("b", [49, 27, 3, 17], 5),
+        ("c", [26, 20, 31, 23], 5),
+        ("a", [33, 9], 3),
+        ("d", [49, 7], 5),
+        ("e", [35, 46, 39], 2),
     ]:
         sched.submit(prompt, m, request_id=rid)
     ex = SimExecutor(sched)
-    for _ in range(6):
+    for _ in range(4):
         ex.step()
-    # b and c were suspended and resumed after d was admitted: admission order d, b, c; arrival order b, c, d
-    assert ids(sched.admitted) == ["d", "b", "c"]
-    assert sched.get("d").arrival > sched.get("c").arrival
+    # b was suspended and resumed after d was admitted: admission order a, d, b; arrival order b, a, d
+    assert ids(sched.admitted) == ["a", "d", "b"]
+    assert sched.get("d").arrival > sched.get("b").arrival
     assert sched.pool.gpu_free_blocks == 0 and not sched.get("d").about_to_finish  # d is an eligible victim too
     out = ex.step()
-    assert ids(out.suspended + out.recompute_paused) == ["c"]  # the last admitted, although d arrived later
+    assert ids(out.suspended + out.recompute_paused) == ["b"]  # the last admitted, although d arrived later
     assert sched.get("d").state == "running"
-    run_and_check(ex)
 
 
 def test_no_request_is_chosen_as_a_victim_twice_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -452,12 +452,13 @@ def test_suspended_requests_resume_in_arrival_order() -> None:
     for rid, prompt, m in [("a", [2, 16], 5), ("b", [25, 19], 4), ("c", [37, 13], 5), ("d", [18], 2)]:
         sched.submit(prompt, m, request_id=rid)
     ex = SimExecutor(sched)
-    suspension_order = []
-    for _ in range(6):
-        suspension_order += ids(ex.step().suspended)
+    suspension_order: list[str] = []
+    for _ in range(12):  # until the first pass that resumes
+        out = ex.step()
+        suspension_order += ids(out.suspended)
+        if out.resumed:
+            break
     assert suspension_order == ["c", "b"]  # suspended c first, then b
-    assert ids(sched.suspended) == ["b", "c"]
-    out = ex.step()
     assert ids(out.resumed) == ["b", "c"]  # arrival order, not suspension order
     assert sched.get("b").arrival < sched.get("c").arrival
     run_and_check(ex)
@@ -539,24 +540,26 @@ def test_ending_an_unknown_or_finished_request_raises_unknown_request_id(verb: s
 
 
 def test_never_completed_fences_raise_scheduler_stalled_naming_requests() -> None:
+    """a's decode steps outgrow the GPU tier: a suspended request's held blocks are offloaded for the next block,
+    and the requester waits for that copy, which never completes."""
     sched = make(5, 8, no_progress_limit=5)
-    sched.submit([1, 2, 4], 2, request_id="a")
+    sched.submit([1, 2], 3, request_id="a")
     sched.submit([3], 3, request_id="b")
     ex = SimExecutor(sched, complete_fences=False)
     with pytest.raises(SchedulerStalled) as info:
         for _ in range(50):
             ex.step()
     message = str(info.value)
-    assert "'b':suspended" in message and "complete_migrations" in message
+    assert "'a':suspended" in message and "complete_migrations" in message
     assert sched.iteration < 50
     assert sched.pool.in_flight  # the cause: copies never reported complete
 
 
 def test_manual_loop_without_completing_migrations_stalls_instead_of_hanging() -> None:
     sched = make(5, 8, no_progress_limit=4)
-    sched.submit([1, 2, 4], 2, request_id="a")
+    sched.submit([1, 2], 3, request_id="a")
     sched.submit([3], 3, request_id="b")
-    with pytest.raises(SchedulerStalled, match="'b'"):
+    with pytest.raises(SchedulerStalled, match="'a':suspended"):
         for _ in range(40):
             out = sched.schedule()
             sampled = {r.request_id: 1 for r in out.scheduled}
@@ -572,9 +575,10 @@ def test_lose_host_copy_moves_a_suspended_request_to_replay_and_output_still_mat
     ex.sync_host_tier()
     ex.step()
     b = sched.get("b")
-    assert b.state == "suspended" and b.num_host_blocks == 3 and b.generated
+    # b's 3 blocks are held, the one a's next step needs offloaded: split across the tiers
+    assert b.state == "suspended" and (b.num_gpu_blocks, b.num_host_blocks) == (2, 1) and b.generated
     assert sched.lose_host_copy("b") is b
-    assert b.state == "recompute_paused" and sched.pool.host_blocks("b") == ()
+    assert b.state == "recompute_paused" and sched.pool.host_blocks("b") == () == sched.pool.gpu_blocks("b")
     assert sched.pool.host_free_blocks == 4
     assert b.prefill_tokens == b.prompt + tuple(b.generated) and b.num_computed_tokens == 0
     sched.check_invariants()
@@ -609,13 +613,14 @@ def test_removing_the_host_tier_mid_run_replays_every_suspended_request(seed: in
 
 def test_refused_host_tier_removal_changes_nothing() -> None:
     sched = make(6, 8)
-    for rid, prompt, m in [("a", [21, 9, 36], 3), ("b", [20, 33, 13], 3), ("c", [11, 10], 3), ("d", [32], 3)]:
+    for rid, prompt, m in [("a", [10, 26], 3), ("b", [5], 3), ("c", [24], 3), ("d", [33], 1)]:
         sched.submit(prompt, m, request_id=rid)
     ex = SimExecutor(sched)
-    for _ in range(6):
+    for _ in range(3):
         ex.step()
-    out = sched.schedule()  # plans a resume (host -> GPU copy in flight) while d stays suspended
-    assert any(p.direction == "to_gpu" for p in out.migrations) and ids(sched.suspended) == ["d"]
+    out = sched.schedule()  # plans a resume (host -> GPU copy in flight) while c stays suspended, offloaded
+    assert any(p.direction == "to_gpu" for p in out.migrations) and ids(sched.suspended) == ["c"]
+    assert sched.get("c").num_host_blocks == 1
     before = {r.request_id: r.state for r in sched.requests.values()}
     with pytest.raises(PoolError):
         sched.set_host_capacity(0)
@@ -624,18 +629,18 @@ def test_refused_host_tier_removal_changes_nothing() -> None:
 
 
 def test_a_victim_of_the_pass_is_skipped_not_a_stop_for_later_resumes() -> None:
-    """Request 2 is suspended in pass 4 and its copy is in flight; request 3, suspended earlier and arriving later,
-    fits and is resumed in the same pass: the victim is left out of the candidates (no readmission of victims),
-    it does not end the admissions as a misfit would."""
+    """Request 1 is suspended in pass 4; requests 3 and 4, suspended earlier and arriving later, fit and are resumed
+    in the same pass: the victim is left out of the candidates (no readmission of victims), it does not end the
+    admissions as a misfit would."""
     sched = make(8, 6, prefill_chunk_size=4)
-    for rid, (prompt, m) in enumerate([([22], 7), ([9, 3, 0, 64], 4), ([70], 5), ([79, 22], 6), ([2, 97], 4)]):
+    for rid, (prompt, m) in enumerate([([51, 88], 6), ([60, 98], 6), ([57, 95], 3), ([52], 3), ([65], 3)]):
         sched.submit(prompt, m, request_id=rid)
     ex = SimExecutor(sched)
     for _ in range(3):
         ex.step()
     out = ex.step()
-    assert ids(out.suspended) == [2] and 3 in ids(out.resumed)
-    assert sched.get(3).arrival > sched.get(2).arrival
+    assert ids(out.suspended) == [1] and ids(out.resumed) == [3, 4]
+    assert sched.get(3).arrival > sched.get(1).arrival
     run_and_check(ex)
 
 

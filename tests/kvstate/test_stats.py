@@ -61,8 +61,8 @@ def test_pressured_step_counts_suspended_and_recompute_paused_requests_and_their
     blocks = sum(p.num_blocks for p in out.migrations)
     assert stats.blocks_migrated == blocks > 0 and stats.bytes_migrated == blocks * BLOCK_BYTES
     usage = sched.pool.usage()
-    assert stats.host_blocks_used == usage["host_held"] + usage["host_fenced"] > 0
-    assert stats.gpu_blocks_used == usage["gpu_held"] + usage["gpu_fenced"]
+    assert stats.host_blocks_used == usage["host_owned"] + usage["host_fenced"] > 0
+    assert stats.gpu_blocks_used == usage["gpu_owned"] + usage["gpu_fenced"]
     assert (stats.gpu_capacity, stats.host_capacity) == (15, 6)
 
 
