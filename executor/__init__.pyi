@@ -1,8 +1,11 @@
 # The names `executor` exports, and their modules: read by type checkers, and by `lazy_loader.attach_stub` in
 # `__init__.py`, which imports each module the first time one of its names is used.
 
+from .batch import PagedBatch, SeqChunk
 from .checkpoint import load_checkpoint
 from .checkpoint_files import CheckpointError
+from .decode_kv import DecodeKV
+from .decode_plan import BatchPlanner
 from .engine import (
     Engine,
     EngineClosed,
@@ -27,7 +30,7 @@ from .kv_cache import (
     PagedKVCache,
     resolve_device,
 )
-from .model import BatchPlanner, DecodeKV, LlamaModel, ModelConfig, PagedBatch, SeqChunk
+from .model import LlamaModel, ModelConfig
 from .sampler import GREEDY, SamplingParams, draw_seed, sample_token
 from .trace import TRACE_FIELDS, TraceWriter, read_trace, trace_record
 

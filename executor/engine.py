@@ -64,9 +64,11 @@ from pathlib import Path
 import torch
 
 from executor.checkpoint import load_checkpoint
+from executor.decode_kv import DECODE_KV_BUDGET_BYTES
+from executor.decode_plan import BatchPlanner
 from executor.faults import FaultInjector, FaultPlan
 from executor.kv_cache import Fence, HostTierAllocationError, MigrationFailed, PagedKVCache, block_shape, resolve_device
-from executor.model import DECODE_KV_BUDGET_BYTES, BatchPlanner, LlamaModel, ModelConfig
+from executor.model import LlamaModel, ModelConfig
 from executor.sampler import GREEDY, SamplingParams, sample_batch
 from executor.trace import TraceWriter
 from kvstate.config import ConfigError, RequestRejected, SchedulerConfig, normalize_stop_token_ids

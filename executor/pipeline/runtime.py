@@ -51,8 +51,9 @@ from typing import IO, Any
 
 import torch
 
+from executor.batch import SeqChunk
+from executor.decode_plan import BatchPlanner
 from executor.engine import resolve_dtype
-from executor.model import BatchPlanner, SeqChunk
 from executor.pipeline.comm import FRAME_BYTES, Comm
 from executor.pipeline.config import PipelineConfig, PipelineRequest
 from executor.pipeline.consensus import ConsensusBook

@@ -8,7 +8,8 @@ import random
 import torch
 
 from executor import BatchPlanner, PagedBatch, PagedKVCache, SeqChunk
-from executor.model import DecodeKV, apply_rotary, rotary_cos_sin
+from executor.decode_kv import DecodeKV
+from executor.model import apply_rotary, rotary_cos_sin
 from kvstate.output import PlannedBatch
 
 BLOCK = 4
