@@ -6,17 +6,15 @@ from .checkpoint import load_checkpoint
 from .checkpoint_files import CheckpointError
 from .decode_kv import DecodeKV
 from .decode_plan import BatchPlanner
-from .engine import (
-    Engine,
+from .engine import Engine
+from .engine_config import EngineConfig, resolve_dtype
+from .engine_errors import (
     EngineClosed,
-    EngineConfig,
     EngineMisuse,
     HostTierFallbackWarning,
     HostTierLossRefused,
     InvalidTokenId,
     RequestNotActive,
-    RunTotals,
-    resolve_dtype,
 )
 from .faults import FAULT_KINDS, FaultInjector, FaultPlan, FaultPlanError, FaultSpec
 from .gguf_llama import load_gguf_llama
@@ -31,6 +29,7 @@ from .kv_cache import (
     resolve_device,
 )
 from .model import LlamaModel, ModelConfig
+from .run_totals import RunTotals
 from .sampler import GREEDY, SamplingParams, draw_seed, sample_token
 from .trace import TRACE_FIELDS, TraceWriter, read_trace, trace_record
 

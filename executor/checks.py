@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from executor.engine import Engine, EngineConfig
+from executor.engine import Engine
+from executor.engine_config import EngineConfig
 from executor.model import LlamaModel, ModelConfig
 from executor.sampler import GREEDY, SamplingParams
 from kvstate.config import SchedulerConfig

@@ -53,7 +53,7 @@ import torch
 
 from executor.batch import SeqChunk
 from executor.decode_plan import BatchPlanner
-from executor.engine import resolve_dtype
+from executor.engine_config import resolve_dtype
 from executor.pipeline.comm import FRAME_BYTES, Comm
 from executor.pipeline.config import PipelineConfig, PipelineRequest
 from executor.pipeline.consensus import ConsensusBook
@@ -214,7 +214,7 @@ class PipelineRank:
         vocab = self.config.engine.model.vocab_size
         bad = [t for t in (*request.prompt, *request.stop_token_ids) if not 0 <= t < vocab]
         if bad:
-            from executor.engine import InvalidTokenId
+            from executor.engine_errors import InvalidTokenId
 
             raise InvalidTokenId(
                 f"request {request.request_id!r} has token id {bad[0]} outside the model's "

@@ -26,7 +26,8 @@ import torch
 import executor.engine as engine_module
 from executor import Engine, EngineConfig
 from executor.checks import leaked_blocks, random_workload
-from executor.engine import EngineBroken, EngineBusy, FinishedRequest
+from executor.engine import FinishedRequest
+from executor.engine_errors import EngineBroken, EngineBusy
 from kvstate import load_spec
 from kvstate.checker import validate_trace
 from kvstate.cli import main
@@ -210,7 +211,7 @@ POINTS = {
     ),
     "sampling": (lambda e, m: _patch(e, m, engine_module, "sample_batch", when=in_flight(e)), "settled"),
     "wait on a fence": (_flaky_fences, "settled"),
-    "record a suspend": (lambda e, m: _patch(e, m, e, "_after_suspend"), "settled"),
+    "record a suspend": (lambda e, m: _patch(e, m, e._host_tier, "after_suspend"), "settled"),
     "complete_migrations": (
         lambda e, m: _patch(e, m, e.scheduler, "complete_migrations", when=in_flight(e)),
         "settled",
@@ -456,14 +457,14 @@ def test_take_finished_hands_over_and_forgets(make_engine, references, tmp_path)
     assert {rid: f.tokens for rid, f in rest.items()} == {rid: references[rid] for rid in rest}
     # no record of a taken request is left anywhere in the engine
     assert not engine.scheduler.finished and not engine.scheduler.requests and not engine._submissions
-    assert not engine._checksums and engine.outputs() == {} and engine.take_finished() == {}
+    assert not engine._host_tier.checksums and engine.outputs() == {} and engine.take_finished() == {}
     for rid in first:
         with pytest.raises(UnknownRequestId):
             engine.scheduler.get(rid)
     report = validate_trace(Path(engine.trace.path).read_text().splitlines(), SPEC)  # line-buffered: all there
     assert report.ok, report.divergence.describe()
     # a taken id may be used again: the trace then names it twice, the second time from the initial state, which
-    # the trace format documents and `kvstate validate` accepts (issue 32, item 20)
+    # the trace format documents and `kvstate validate` accepts
     prompt, new = WORK[3]
     assert engine.add_request(prompt, new, request_id=3) == 3
     assert engine.run() == {3: references[3]}
@@ -665,9 +666,9 @@ def test_a_hook_failure_at_any_transition_is_settled_or_breaks_cleanly(make_engi
     assert outcomes == {k: "broken" if seen[k][1] else "settled" for k in occasions}
 
 
-# ------------------------------------------------------------------------------------------ issue 32
+# ------------------------------------------------------------------------------- the trace under failure
 def test_an_interrupt_inside_the_trace_write_breaks_the_engine_and_says_so(make_engine, tmp_path, monkeypatch):
-    """Ctrl-C landing in the trace write (item 16): the lines left unwritten would make the trace lie, so the engine
+    """Ctrl-C landing in the trace write: the lines left unwritten would make the trace lie, so the engine
     is broken at once, says why, and the interrupt goes on; what was written is a valid prefix."""
     engine = pressured(make_engine, tmp_path)
     fired = _patch(
