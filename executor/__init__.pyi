@@ -31,12 +31,10 @@ from .kv_cache import (
 from .model import LlamaModel, ModelConfig
 from .run_totals import RunTotals
 from .sampler import GREEDY, SamplingParams, draw_seed, sample_token
-from .trace import TRACE_FIELDS, TraceWriter, read_trace, trace_record
 
 __all__ = [
     "FAULT_KINDS",
     "GREEDY",
-    "TRACE_FIELDS",
     "BatchPlanner",
     "CheckpointError",
     "CompletedFence",
@@ -64,15 +62,12 @@ __all__ = [
     "RunTotals",
     "SamplingParams",
     "SeqChunk",
-    "TraceWriter",
     "draw_seed",
     "load_checkpoint",
     "load_gguf_llama",
     "load_hf_llama",
-    "read_trace",
     "resolve_device",
     "resolve_dtype",
     "sample_token",
     "save_hf_llama",
-    "trace_record",
 ]

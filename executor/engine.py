@@ -73,13 +73,13 @@ from executor.run_totals import RunTotals
 from executor.sampler import GREEDY, SamplingParams, sample_batch
 from executor.step_attempt import StepAttempt, settle_interrupted, step_progress
 from executor.submission import Submission, checked_request
-from executor.trace import TraceWriter
 from kvstate.config import ConfigError
 from kvstate.output import SchedulerOutput, planned_chunks
 from kvstate.pool import ceil_div
 from kvstate.request import Request
 from kvstate.scheduler import Scheduler, Step, UnknownRequestId
 from kvstate.stats import IterationStats
+from kvstate.trace import TraceWriter
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,13 +62,13 @@ from executor.pipeline.hosttier import agree_host_tier
 from executor.pipeline.protocol import MirrorBook, batch_chunks, held_blocks, new_request_data
 from executor.pipeline.stage import StageCache, StageModel
 from executor.sampler import sample_batch
-from executor.trace import trace_record
 from kvstate.errors import KVStateError
 from kvstate.pool import TO_GPU, MigrationPlan
 from kvstate.request import Request
 from kvstate.roles import PENDING_RESET
 from kvstate.scheduler import Scheduler, Step
 from kvstate.spec import Transition, default_spec
+from kvstate.trace import trace_record
 
 
 class PipelineFailed(KVStateError, RuntimeError):
