@@ -486,7 +486,7 @@ def test_take_finished_reports_cancelled_requests(make_engine, tmp_path):
 
 
 def test_an_id_reused_after_each_cancel_while_waiting_gives_a_valid_trace(make_engine, tmp_path):
-    """Item 20: the same id cancelled while waiting, taken and submitted again writes the same line each time (the
+    """The same id cancelled while waiting, taken and submitted again writes the same line each time (the
     validator reads each as a new request's first line), then once run to its end."""
     engine = make_engine(trace_path=tmp_path / "trace.ndjson")
     for _ in range(3):
@@ -711,7 +711,7 @@ class _FillingFile(io.RawIOBase):
 
 
 def test_a_disk_that_fills_mid_line_leaves_a_torn_trace_the_validator_reads(make_engine, tmp_path, capsys):
-    """Item 21: the disk fills inside a line; the engine breaks naming the trace, and `kvstate validate` reports
+    """The disk fills inside a line; the engine breaks naming the trace, and `kvstate validate` reports
     the cut last line as torn and validates every line before it."""
     engine = pressured(make_engine, tmp_path)
     path = engine.trace.path
@@ -742,7 +742,7 @@ class _BigId(enum.IntEnum):
     ],
 )
 def test_an_id_the_trace_cannot_carry_is_refused_at_submission(make_engine, tmp_path, request_id, words):
-    """Item 20: what the engine accepts, its own trace reader accepts."""
+    """What the engine accepts, its own trace reader accepts."""
     engine = make_engine(trace_path=tmp_path / "trace.ndjson")
     with pytest.raises(RequestRejected, match=words) as info:
         engine.add_request([1, 2, 3], 2, request_id=request_id)
@@ -756,7 +756,7 @@ def test_an_id_the_trace_cannot_carry_is_refused_at_submission(make_engine, tmp_
 
 
 def test_a_trace_path_in_a_missing_directory_is_a_clear_error(make_engine, tmp_path):
-    """Item 2: the engine names the trace path and what to do, not a bare `[Errno 2]`."""
+    """The engine names the trace path and what to do, not a bare `[Errno 2]`."""
     path = tmp_path / "missing" / "trace.ndjson"
     with pytest.raises(OSError) as info:
         make_engine(trace_path=path)
