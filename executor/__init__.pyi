@@ -1,19 +1,20 @@
 # The names `executor` exports, and their modules: read by type checkers, and by `lazy_loader.attach_stub` in
 # `__init__.py`, which imports each module the first time one of its names is used.
 
+from .batch import PagedBatch, SeqChunk
 from .checkpoint import load_checkpoint
 from .checkpoint_files import CheckpointError
-from .engine import (
-    Engine,
+from .decode_kv import DecodeKV
+from .decode_plan import BatchPlanner
+from .engine import Engine
+from .engine_config import EngineConfig, resolve_dtype
+from .engine_errors import (
     EngineClosed,
-    EngineConfig,
     EngineMisuse,
     HostTierFallbackWarning,
     HostTierLossRefused,
     InvalidTokenId,
     RequestNotActive,
-    RunTotals,
-    resolve_dtype,
 )
 from .faults import FAULT_KINDS, FaultInjector, FaultPlan, FaultPlanError, FaultSpec
 from .gguf_llama import load_gguf_llama
@@ -27,14 +28,13 @@ from .kv_cache import (
     PagedKVCache,
     resolve_device,
 )
-from .model import BatchPlanner, DecodeKV, LlamaModel, ModelConfig, PagedBatch, SeqChunk
+from .model import LlamaModel, ModelConfig
+from .run_totals import RunTotals
 from .sampler import GREEDY, SamplingParams, draw_seed, sample_token
-from .trace import TRACE_FIELDS, TraceWriter, read_trace, trace_record
 
 __all__ = [
     "FAULT_KINDS",
     "GREEDY",
-    "TRACE_FIELDS",
     "BatchPlanner",
     "CheckpointError",
     "CompletedFence",
@@ -62,15 +62,12 @@ __all__ = [
     "RunTotals",
     "SamplingParams",
     "SeqChunk",
-    "TraceWriter",
     "draw_seed",
     "load_checkpoint",
     "load_gguf_llama",
     "load_hf_llama",
-    "read_trace",
     "resolve_device",
     "resolve_dtype",
     "sample_token",
     "save_hf_llama",
-    "trace_record",
 ]

@@ -5,14 +5,14 @@ Used by `kvstate demo`, `kvstate soak`, `python -m executor.pipeline` and the te
 
 Output equivalence per dtype (`compare_outputs`, the one implementation of the rule): an output must equal its
 unpressured reference token for token. In float64 and float32 that is exact, with no exception (a pressured run
-changes which requests share a batch and how a prompt is chunked, which moves logits by float rounding only:
-measured up to 2.6e-6 in float32, far below the smallest top-2 gap seen, 3.4e-4). In bfloat16 and float16 the
-same rounding is large enough to flip a near-tie, so a divergence is accepted only where it is one: at the first
-position where a greedy output leaves its reference, the reference's top-2 logit gap and the chosen token's
-distance below the reference's best logit are both at most `GAP_TOLERANCE[dtype]` (logits of the dense forward
-of the reference's own prefix). Everything after an accepted divergence is a different, equally valid
-continuation and is not compared. Accepted divergences are reported, never hidden; a sampled request, or a
-divergence where the reference was not near a tie, is a mismatch in every dtype.
+changes which requests share a batch and how a prompt is chunked, which moves logits by float rounding only, far
+below the smallest gap between the top two logits the tests have seen). In bfloat16 and float16 the same rounding is
+large enough to flip a near-tie, so a divergence is accepted only where it is one: at the first position where a
+greedy output leaves its reference, the reference's top-2 logit gap and the chosen token's distance below the
+reference's best logit are both at most `GAP_TOLERANCE[dtype]` (logits of the dense forward of the reference's own
+prefix). Everything after an accepted divergence is a different, equally valid continuation and is not compared.
+Accepted divergences are reported, never hidden; a sampled request, or a divergence where the reference was not near
+a tie, is a mismatch in every dtype.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from executor.engine import Engine, EngineConfig
+from executor.engine import Engine
+from executor.engine_config import EngineConfig
 from executor.model import LlamaModel, ModelConfig
 from executor.sampler import GREEDY, SamplingParams
 from kvstate.config import SchedulerConfig
@@ -117,10 +118,9 @@ def submit_all(engine: Engine, work: list[tuple[list[int], int]], sampling: Samp
 
 
 # The largest top-2 logit gap of the reference at which a lower-precision run may pick the other token (module
-# docstring). Exact (0) in float64 and float32. A flip needs a gap no larger than the two tokens' drifts together;
-# the largest logit drift between the paged batched path and the dense one, over 510 positions of mixed prefill
-# chunks and decodes on the CPU, was 0.039 in bfloat16 and 0.0049 in float16 (2.1e-6 in float32), so these
-# tolerances are about three times two drifts.
+# docstring). Exact (0) in float64 and float32. A flip needs a gap no larger than the two tokens' drifts together
+# (a logit's drift: how far the paged batched path moves it from the dense one), so each tolerance is about three
+# times the largest two drifts seen on the CPU over mixed prefill chunks and decodes in that dtype.
 GAP_TOLERANCE: dict[torch.dtype, float] = {
     torch.float64: 0.0,
     torch.float32: 0.0,

@@ -12,13 +12,13 @@ Invariants kept:
   slice copy. On CUDA a plan of more runs is staged (`_copy_staged`): the device side is gathered into (suspend)
   or scattered from (resume) a contiguous device staging buffer by one kernel, and the tier crossing is one DMA
   per run of consecutive host ids (one for a suspend into a fresh host range or a resume of one: the usual case)
-  instead of one per run — a DMA launch costs ~5-10 µs against ~1.3 µs to move a 64 KiB block. The staging
+  instead of one per run (a DMA launch costs more than moving a small block). The staging
   buffer and the index tensors belong to the plan's `EventFence` until it is dropped, so nothing the copy stream
   still reads is freed or reused early. A CPU plan of up to `GATHER_MIN_RUNS` runs is one slice copy per run; one
   of more runs is one gather (`index_select(out=)`) when its destination ids are consecutive (a suspend into a
   fresh host range), else one memcpy per run through NumPy views, whose call overhead is a fraction of a torch
-  slice copy's: per-call overhead, not bandwidth, is what a fragmented plan of small blocks pays (§6 of
-  DESIGN.md; `index_copy_` measured slower than either);
+  slice copy's: per-call overhead, not bandwidth, is what a fragmented plan of small blocks pays (`index_copy_`
+  is slower than either);
 * a plan's copies are complete once its `Fence` reports `done()`; `Fence.wait()` blocks the host until then and
   `Fence.order_before(stream)` makes a stream wait for them on the device. The scheduler may reuse a migration's
   source blocks only after its fence completed (the engine calls `complete_migrations` after `wait()`);
@@ -29,7 +29,7 @@ Invariants kept:
   source blocks are reused only after its `wait()`. `copy_delay_cycles` holds the copy stream back before each
   plan (`torch.cuda._sleep`; tests and scripts/gpu-check use it to show that ordering, not luck, is at work);
 * the host tier either exists with its full capacity or not at all: a failed allocation raises
-  `HostTierAllocationError` and leaves the cache GPU-only, so the engine can fall back (DESIGN §1.7);
+  `HostTierAllocationError` and leaves the cache GPU-only, so the engine can fall back to GPU-only operation;
   `detach_host_tier` drops it mid-run (the engine does so only once the scheduler has no host blocks);
 * `migrate(plan)` is `execute(plan)` for callers that handle failures: a copy that fails raises
   `MigrationFailed` only after every copy it had issued has completed, so the caller may release the plan's
@@ -46,7 +46,8 @@ from typing import Protocol
 
 import torch
 
-from executor.model import ModelConfig, host_longs
+from executor.batch import host_longs
+from executor.model import ModelConfig
 from kvstate.pool import TO_GPU, TO_HOST, MigrationPlan
 
 GATHER_MIN_RUNS = 4  # a CPU plan with more runs than this is copied by one gather/scatter, not run by run

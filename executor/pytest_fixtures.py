@@ -3,8 +3,8 @@
 Import the ones you need into a `conftest.py` (`from executor.pytest_fixtures import make_engine, tiny_model`):
 
 * `single_thread_torch` (session, autouse once imported): torch runs one intra-op thread. The tiny model's ops
-  last microseconds; with two intra-op threads on a busy two-core machine every op waits on a barrier
-  (measured 25x slower);
+  are short; with two intra-op threads on a busy two-core machine every op waits on a barrier, which costs more
+  than the op;
 * `tiny_model` (session): the default tiny model in float64 on the CPU, seed 0, shared by every engine;
 * `make_engine`: `make_engine(**overrides)` builds a CPU engine on `tiny_model` that checks the scheduler's
   invariants around every step (`check_invariants=True`), and closes it after the test; `overrides` name
@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from executor.checks import leaked_blocks, mismatches
-from executor.engine import Engine, EngineConfig
+from executor.engine import Engine
+from executor.engine_config import EngineConfig
 from executor.model import LlamaModel, ModelConfig
 from kvstate.config import SchedulerConfig
 

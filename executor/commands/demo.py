@@ -170,7 +170,7 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from executor import resolve_device
-    from executor.engine import resolve_dtype
+    from executor import resolve_dtype
 
     try:
         device = resolve_device(args.device)

@@ -13,7 +13,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from executor.engine import EngineConfig
+from executor.engine_config import EngineConfig
 from executor.sampler import GREEDY, SamplingParams
 
 MIN_TIMEOUT_S = 1.0  # the least `PipelineConfig.timeout_s`: the ranks and their store need this long to meet

@@ -25,7 +25,7 @@ from executor.pipeline.config import PipelineConfig
 from executor.pipeline.launch import PipelineResult, run_pipeline
 
 if TYPE_CHECKING:
-    from executor.engine import EngineConfig
+    from executor.engine_config import EngineConfig
 
 DEMO_TIMEOUT_S = 60.0  # bound of every wait on a peer rank: a dead or stopped rank fails the demo this fast
 

@@ -86,7 +86,7 @@ class PipelineResult:
 
 def validate_requests(config: PipelineConfig, requests: Sequence[PipelineRequest]) -> None:
     """What rank 0's scheduler would refuse, refused here (`RequestRejected`), before any process starts."""
-    from executor.engine import InvalidTokenId
+    from executor.engine_errors import InvalidTokenId
     from kvstate.config import RequestRejected
 
     e = config.engine

@@ -51,8 +51,9 @@ from typing import IO, Any
 
 import torch
 
-from executor.engine import resolve_dtype
-from executor.model import BatchPlanner, SeqChunk
+from executor.batch import SeqChunk
+from executor.decode_plan import BatchPlanner
+from executor.engine_config import resolve_dtype
 from executor.pipeline.comm import FRAME_BYTES, Comm
 from executor.pipeline.config import PipelineConfig, PipelineRequest
 from executor.pipeline.consensus import ConsensusBook
@@ -61,13 +62,13 @@ from executor.pipeline.hosttier import agree_host_tier
 from executor.pipeline.protocol import MirrorBook, batch_chunks, held_blocks, new_request_data
 from executor.pipeline.stage import StageCache, StageModel
 from executor.sampler import sample_batch
-from executor.trace import trace_record
 from kvstate.errors import KVStateError
 from kvstate.pool import TO_GPU, MigrationPlan
 from kvstate.request import Request
 from kvstate.roles import PENDING_RESET
 from kvstate.scheduler import Scheduler, Step
 from kvstate.spec import Transition, default_spec
+from kvstate.trace import trace_record
 
 
 class PipelineFailed(KVStateError, RuntimeError):
@@ -213,7 +214,7 @@ class PipelineRank:
         vocab = self.config.engine.model.vocab_size
         bad = [t for t in (*request.prompt, *request.stop_token_ids) if not 0 <= t < vocab]
         if bad:
-            from executor.engine import InvalidTokenId
+            from executor.engine_errors import InvalidTokenId
 
             raise InvalidTokenId(
                 f"request {request.request_id!r} has token id {bad[0]} outside the model's "

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executor.batch import PagedBatch
 from executor.kv_cache import PagedKVCache
-from executor.model import LlamaModel, PagedBatch, RMSNorm, rotary_cos_sin
+from executor.model import LlamaModel, RMSNorm, rotary_cos_sin
 from executor.pipeline.config import stage_layers
 
 

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from executor.engine import EngineConfig
+from executor import EngineConfig
 from executor.pipeline import PipelineConfig, PipelineConfigError, assign_devices, rank_cores, run_pipeline
 
 

@@ -106,25 +106,3 @@ def test_decode_does_not_depend_on_batch_mates(tiny_model):
     assert together[1].argmax() == alone[0].argmax()
     expected = tiny_model.forward_dense(prompts[0] + [nxt[0]])[-1]
     torch.testing.assert_close(alone[0], expected, rtol=1e-10, atol=1e-10)
-
-
-def test_attention_plan():
-    """A decode-only batch is one group read in place (no row gather, no reorder); a mixed batch is a decode group
-    and a chunk group, whose outputs are put back in batch order."""
-    decodes = [SeqChunk((1,), 6, (2, 5)), SeqChunk((2,), 3, (7,)), SeqChunk((3,), 9, (0, 1, 4))]
-    batch = PagedBatch.build(decodes, BLOCK)
-    (group,) = batch.groups
-    assert batch.out_order is None and group.query_rows is None and group.valid is None
-    assert (group.num_seqs, group.num_queries, group.num_blocks) == (3, 1, 3)
-    assert group.blocks.tolist() == [2, 5, 2, 7, 7, 7, 0, 1, 4]  # padded with each request's own first block
-    # keys are read up to the longest context (10 of the 12 slots gathered), the shorter ones masked
-    assert group.num_keys == 10 and group.mask.shape == (3, 1, 1, 10)
-    assert group.mask.sum(-1).flatten().tolist() == [7, 4, 10]
-
-    mixed = PagedBatch.build([SeqChunk((5, 6, 7), 0, (3,)), decodes[0], SeqChunk((8, 9), 4, (6, 8))], BLOCK)
-    dec, chunk = mixed.groups
-    assert (dec.num_seqs, chunk.num_seqs, chunk.num_queries) == (1, 2, 3)
-    assert chunk.query_rows.tolist() == [0, 1, 2, 4, 5, 5] and chunk.valid.tolist() == [0, 1, 2, 3, 4]
-    assert mixed.out_order.tolist() == [1, 2, 3, 0, 4, 5]
-    # causal within a chunk plus every cached position: row 4 (position 4 of the second chunk) sees keys 0..4
-    assert chunk.mask[1, 0].sum(-1).tolist() == [5, 6, 6]

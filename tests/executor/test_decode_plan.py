@@ -1,5 +1,5 @@
-"""The decode plan: keys read up to the longest context only, batches read as columns, tables recognised by
-identity or by their blocks, and the rotary factors that every layer shares."""
+"""The decode plan: batches read as columns, tables recognised by identity or by their blocks, and the keys and
+values a reused plan keeps (`DecodeKV`), within a budget, giving the logits of a fresh gather."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import torch
 
 from executor import BatchPlanner, PagedBatch, PagedKVCache, SeqChunk
-from executor.model import DecodeKV, apply_rotary, rotary_cos_sin
+from executor.decode_kv import DecodeKV
 from kvstate.output import PlannedBatch
 
 BLOCK = 4
@@ -27,37 +27,6 @@ def _columns(chunks: list[SeqChunk]) -> PlannedBatch:
         [c.block_table for c in chunks],
         [c.produces_token for c in chunks],
     )
-
-
-def test_equal_contexts_read_no_padding_and_need_no_mask(tiny_model):
-    """Requests decoding at the same position read exactly their context (no mask); their logits equal those of
-    each request decoded alone and those of the dense forward."""
-    rng = random.Random(3)
-    tables = [(0, 1, 2), (5, 3, 4), (8, 7, 6)]
-    prompts = [[rng.randrange(512) for _ in range(9)] for _ in tables]
-    nxt = [rng.randrange(512) for _ in tables]
-    cache = _cache(tiny_model, 9)
-    prefill = [SeqChunk(tuple(p), 0, t) for p, t in zip(prompts, tables, strict=True)]
-    tiny_model.forward_paged(PagedBatch.build(prefill, BLOCK), cache)
-    decode = [SeqChunk((n,), 9, t) for n, t in zip(nxt, tables, strict=True)]
-    batch = PagedBatch.build(decode, BLOCK)
-    (group,) = batch.groups
-    assert (group.num_blocks, group.num_keys, group.mask) == (3, 10, None)  # 12 slots gathered, 10 read
-    together = tiny_model.forward_paged(batch, cache)
-    for i, chunk in enumerate(decode):
-        alone = PagedBatch.build([chunk], BLOCK)
-        assert alone.groups[0].mask is None
-        torch.testing.assert_close(together[i], tiny_model.forward_paged(alone, cache)[0], rtol=1e-12, atol=1e-12)
-        dense = tiny_model.forward_dense(prompts[i] + [nxt[i]])[-1]
-        torch.testing.assert_close(together[i], dense, rtol=1e-10, atol=1e-10)
-
-
-def test_ragged_contexts_mask_past_each_context():
-    """With unequal contexts the keys are read up to the longest and each shorter one is masked past its end."""
-    batch = PagedBatch.build([SeqChunk((1,), 2, (4,)), SeqChunk((2,), 6, (0, 3))], BLOCK)
-    (group,) = batch.groups
-    assert group.num_keys == 7 and group.mask.shape == (2, 1, 1, 7)
-    assert group.mask.sum(-1).flatten().tolist() == [3, 7]
 
 
 def test_planner_reads_columns_like_chunks():
@@ -89,19 +58,6 @@ def test_planner_rebuilds_when_a_table_holds_other_blocks():
     planner.plan(_columns([SeqChunk((1,), 5, (3, 4)), SeqChunk((1,), 5, (6, 7))]))
     batch = planner.plan(_columns([SeqChunk((2,), 6, (3, 4)), SeqChunk((2,), 6, (6, 9))]))
     assert planner.reuses == 0 and batch.groups[0].blocks.tolist() == [3, 4, 6, 9]
-
-
-def test_rotary_equals_rotate_half():
-    """`apply_rotary` with the shared factors equals Hugging Face's ``x * cos + rotate_half(x) * sin`` exactly."""
-    positions = torch.tensor([0, 1, 7, 300, 4095])
-    x = torch.randn(5, 3, 16, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
-    cos, sin = rotary_cos_sin(positions, 16, 10000.0, torch.float32)
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16))
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
-    angles = torch.cat((angles, angles), dim=-1)
-    ref_cos, ref_sin = angles.cos().float()[:, None, :], angles.sin().float()[:, None, :]
-    rotate_half = torch.cat((-x[..., 8:], x[..., :8]), dim=-1)
-    assert torch.equal(apply_rotary(x, cos, sin), x * ref_cos + rotate_half * ref_sin)
 
 
 def _ragged_decode(model, planner: BatchPlanner, steps: int) -> list[tuple[bool, DecodeKV | None]]:

@@ -26,7 +26,8 @@ import torch
 import executor.engine as engine_module
 from executor import Engine, EngineConfig
 from executor.checks import leaked_blocks, random_workload
-from executor.engine import EngineBroken, EngineBusy, FinishedRequest
+from executor.engine import FinishedRequest
+from executor.engine_errors import EngineBroken, EngineBusy
 from kvstate import load_spec
 from kvstate.checker import validate_trace
 from kvstate.cli import main
@@ -210,7 +211,7 @@ POINTS = {
     ),
     "sampling": (lambda e, m: _patch(e, m, engine_module, "sample_batch", when=in_flight(e)), "settled"),
     "wait on a fence": (_flaky_fences, "settled"),
-    "record a suspend": (lambda e, m: _patch(e, m, e, "_after_suspend"), "settled"),
+    "record a suspend": (lambda e, m: _patch(e, m, e._host_tier, "after_suspend"), "settled"),
     "complete_migrations": (
         lambda e, m: _patch(e, m, e.scheduler, "complete_migrations", when=in_flight(e)),
         "settled",
@@ -456,14 +457,14 @@ def test_take_finished_hands_over_and_forgets(make_engine, references, tmp_path)
     assert {rid: f.tokens for rid, f in rest.items()} == {rid: references[rid] for rid in rest}
     # no record of a taken request is left anywhere in the engine
     assert not engine.scheduler.finished and not engine.scheduler.requests and not engine._submissions
-    assert not engine._checksums and engine.outputs() == {} and engine.take_finished() == {}
+    assert not engine._host_tier.checksums and engine.outputs() == {} and engine.take_finished() == {}
     for rid in first:
         with pytest.raises(UnknownRequestId):
             engine.scheduler.get(rid)
     report = validate_trace(Path(engine.trace.path).read_text().splitlines(), SPEC)  # line-buffered: all there
     assert report.ok, report.divergence.describe()
     # a taken id may be used again: the trace then names it twice, the second time from the initial state, which
-    # the trace format documents and `kvstate validate` accepts (issue 32, item 20)
+    # the trace format documents and `kvstate validate` accepts
     prompt, new = WORK[3]
     assert engine.add_request(prompt, new, request_id=3) == 3
     assert engine.run() == {3: references[3]}
@@ -485,7 +486,7 @@ def test_take_finished_reports_cancelled_requests(make_engine, tmp_path):
 
 
 def test_an_id_reused_after_each_cancel_while_waiting_gives_a_valid_trace(make_engine, tmp_path):
-    """Item 20: the same id cancelled while waiting, taken and submitted again writes the same line each time (the
+    """The same id cancelled while waiting, taken and submitted again writes the same line each time (the
     validator reads each as a new request's first line), then once run to its end."""
     engine = make_engine(trace_path=tmp_path / "trace.ndjson")
     for _ in range(3):
@@ -665,9 +666,9 @@ def test_a_hook_failure_at_any_transition_is_settled_or_breaks_cleanly(make_engi
     assert outcomes == {k: "broken" if seen[k][1] else "settled" for k in occasions}
 
 
-# ------------------------------------------------------------------------------------------ issue 32
+# ------------------------------------------------------------------------------- the trace under failure
 def test_an_interrupt_inside_the_trace_write_breaks_the_engine_and_says_so(make_engine, tmp_path, monkeypatch):
-    """Ctrl-C landing in the trace write (item 16): the lines left unwritten would make the trace lie, so the engine
+    """Ctrl-C landing in the trace write: the lines left unwritten would make the trace lie, so the engine
     is broken at once, says why, and the interrupt goes on; what was written is a valid prefix."""
     engine = pressured(make_engine, tmp_path)
     fired = _patch(
@@ -710,7 +711,7 @@ class _FillingFile(io.RawIOBase):
 
 
 def test_a_disk_that_fills_mid_line_leaves_a_torn_trace_the_validator_reads(make_engine, tmp_path, capsys):
-    """Item 21: the disk fills inside a line; the engine breaks naming the trace, and `kvstate validate` reports
+    """The disk fills inside a line; the engine breaks naming the trace, and `kvstate validate` reports
     the cut last line as torn and validates every line before it."""
     engine = pressured(make_engine, tmp_path)
     path = engine.trace.path
@@ -741,7 +742,7 @@ class _BigId(enum.IntEnum):
     ],
 )
 def test_an_id_the_trace_cannot_carry_is_refused_at_submission(make_engine, tmp_path, request_id, words):
-    """Item 20: what the engine accepts, its own trace reader accepts."""
+    """What the engine accepts, its own trace reader accepts."""
     engine = make_engine(trace_path=tmp_path / "trace.ndjson")
     with pytest.raises(RequestRejected, match=words) as info:
         engine.add_request([1, 2, 3], 2, request_id=request_id)
@@ -755,7 +756,7 @@ def test_an_id_the_trace_cannot_carry_is_refused_at_submission(make_engine, tmp_
 
 
 def test_a_trace_path_in_a_missing_directory_is_a_clear_error(make_engine, tmp_path):
-    """Item 2: the engine names the trace path and what to do, not a bare `[Errno 2]`."""
+    """The engine names the trace path and what to do, not a bare `[Errno 2]`."""
     path = tmp_path / "missing" / "trace.ndjson"
     with pytest.raises(OSError) as info:
         make_engine(trace_path=path)

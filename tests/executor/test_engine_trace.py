@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from executor import read_trace
 from executor.checks import random_workload, submit_all
 from kvstate import load_spec
 from kvstate.checker.trace import validate_trace
+from kvstate.trace import read_trace
 
 SPEC = load_spec()
 

@@ -1,4 +1,5 @@
-"""The model: paged attention equals dense attention; logits do not depend on batch-mates or chunking."""
+"""The model: paged attention equals dense attention; logits do not depend on batch-mates or chunking; the rotary
+factors every layer shares equal Hugging Face's rotation."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from executor import LlamaModel, ModelConfig, PagedBatch, PagedKVCache, SeqChunk
+from executor.model import apply_rotary, rotary_cos_sin
 
 
 def _cache(model: LlamaModel, blocks: int, block_size: int) -> PagedKVCache:
@@ -76,11 +78,6 @@ def test_no_sample_rows_and_sample_selection(tiny_model):
     torch.testing.assert_close(out[0], tiny_model.forward_dense([4, 5])[1], rtol=1e-10, atol=1e-10)
 
 
-def test_table_too_short_is_refused():
-    with pytest.raises(ValueError, match="needs 2 blocks"):
-        PagedBatch.build([SeqChunk((1, 2, 3, 4, 5), 0, (0,))], 4)
-
-
 def test_seeded_weights_are_reproducible_and_seed_dependent():
     a, b, c = LlamaModel.from_seed(seed=5), LlamaModel.from_seed(seed=5), LlamaModel.from_seed(seed=6)
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
@@ -102,3 +99,16 @@ def test_model_config_validation():
         ModelConfig(num_heads=4, num_kv_heads=3)
     with pytest.raises(ValueError, match="hidden_size"):
         ModelConfig(hidden_size=0)
+
+
+def test_rotary_equals_rotate_half():
+    """`apply_rotary` with the shared factors equals Hugging Face's ``x * cos + rotate_half(x) * sin`` exactly."""
+    positions = torch.tensor([0, 1, 7, 300, 4095])
+    x = torch.randn(5, 3, 16, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
+    cos, sin = rotary_cos_sin(positions, 16, 10000.0, torch.float32)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16))
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    ref_cos, ref_sin = angles.cos().float()[:, None, :], angles.sin().float()[:, None, :]
+    rotate_half = torch.cat((-x[..., 8:], x[..., :8]), dim=-1)
+    assert torch.equal(apply_rotary(x, cos, sin), x * ref_cos + rotate_half * ref_sin)

@@ -116,7 +116,7 @@ def test_the_engine_samples_token_i_at_position_prompt_len_plus_i():
     position P + i. With a zeroed output head every logit is 0, so a draw depends only on (seed, request id,
     position); the expected tokens come from `sample_token` alone, without the engine. A prompt that is
     prefilled in chunks and a seed of the engine's config make the position the only thing left to get wrong."""
-    from executor.engine import Engine, EngineConfig
+    from executor import Engine, EngineConfig
     from executor.model import LlamaModel, ModelConfig
     from kvstate.config import SchedulerConfig
 

@@ -396,7 +396,7 @@ def test_every_fault_at_once_with_cancellations(make_engine):
 
 def test_a_faulty_run_leaves_a_trace_of_spec_edges_only(make_engine, tmp_path):
     """Every transition the faults cause is a spec edge, each request's chain is unbroken, and it ends done."""
-    from executor import read_trace
+    from kvstate.trace import read_trace
 
     path = tmp_path / "faults.ndjson"
     faults = FaultPlan.of(4, copy_to_host=0.3, copy_to_gpu=0.3, corrupt_host=0.3, host_loss=[80])
