@@ -306,6 +306,13 @@ class TieredBlockPool:
         """GPU blocks held by owners (evictable where a host tier exists)."""
         return sum(len(self.gpu.held(owner)) for owner in self._held)
 
+    def resume_gate_open(self, max_util: float) -> bool:
+        """The utilization gate of a resume: the GPU blocks neither free nor held (locked by computing owners,
+        fenced) are at most `max_util` of the GPU tier (1 never refuses)."""
+        if max_util >= 1:
+            return True  # at most the whole tier is unavailable
+        return self.gpu.capacity - self.gpu_free_blocks - self.gpu_held_blocks <= max_util * self.gpu.capacity
+
     def can_offload(self, owner: Hashable, count: int) -> bool:
         """`owner` is held, holds at least `count` GPU blocks, has no copy in flight, and the host tier has room."""
         return (

@@ -169,8 +169,7 @@ def _run(args: argparse.Namespace) -> int:
     check_args(args)
     import torch
 
-    from executor import resolve_device
-    from executor import resolve_dtype
+    from executor import resolve_device, resolve_dtype
 
     try:
         device = resolve_device(args.device)

@@ -371,8 +371,7 @@ def _run(args: argparse.Namespace) -> int:
     check_fault_plan(settings.faults, settings.seed)
     import torch
 
-    from executor import resolve_device
-    from executor import resolve_dtype
+    from executor import resolve_device, resolve_dtype
 
     try:
         device = resolve_device(settings.device)

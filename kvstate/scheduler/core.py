@@ -176,28 +176,7 @@ class SchedulerCore:
 
     def _view(self, pass_: SchedulingPass) -> PassView:
         """What the guards read for one decision: the pool's figures and those of `pass_`."""
-        pool, config = self.pool, self.config
-        return PassView(
-            pool.gpu_free_blocks,
-            pool.host_free_blocks,
-            pool.has_host_tier,
-            pool.pipeline_stages,
-            config.block_size,
-            min(config.prefill_chunk_size, pass_.tokens_left),
-            pass_.number,
-            pass_.promotion_worth,
-            pass_.offload_limit,
-            self.resume_gate_open(),
-        )
-
-    def resume_gate_open(self) -> bool:
-        """The utilization gate: the GPU blocks neither free nor held (locked by computing requests, fenced) are at
-        most `max_util_for_resume` of the GPU tier."""
-        if self.config.max_util_for_resume >= 1:
-            return True  # at most the whole tier is unavailable
-        pool = self.pool
-        unavailable = pool.gpu.capacity - pool.gpu_free_blocks - pool.gpu_held_blocks
-        return unavailable <= self.config.max_util_for_resume * pool.gpu.capacity
+        return pass_.view(self.pool, self.config)
 
     def snapshot(self, request: Request, transition: Transition) -> FiredTransition:
         """`transition`, just taken by `request`, with the figures its trace line records, read now."""

@@ -44,7 +44,7 @@ class SchedulerEffects:
         insert_ordered(self.s.admitted, request, BY_ADMISSION)
 
     def allocate_first_chunk(self, request: Request, transition: Transition) -> None:
-        blocks = first_chunk_blocks(request, self.s._view(self.pass_))
+        blocks = first_chunk_blocks(request, self.pass_.view(self.s.pool, self.s.config))
         self.s.pool.allocate(request.request_id, blocks)
         request.num_gpu_blocks = blocks
         self._admit(request, transition.event)
@@ -56,7 +56,7 @@ class SchedulerEffects:
 
     def offload_held_blocks(self, request: Request, transition: Transition) -> None:
         migrations = self._migrations()  # before the pool changes: a refusal changes nothing
-        plan = self.s.pool.offload(request.request_id, offload_blocks(request, self.s._view(self.pass_)))
+        plan = self.s.pool.offload(request.request_id, offload_blocks(request, self.pass_.view(self.s.pool, self.s.config)))
         migrations.append(plan)
         request.copy_in_flight = True
         request.num_gpu_blocks -= plan.num_blocks

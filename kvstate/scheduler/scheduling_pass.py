@@ -7,7 +7,9 @@ from collections.abc import Hashable
 from kvstate.config import SchedulerConfig
 from kvstate.output import SchedulerOutput
 from kvstate.policy import PassRecord
+from kvstate.pool import TieredBlockPool
 from kvstate.request import Request
+from kvstate.semantics import PassView
 
 __all__ = ["SchedulingPass"]
 
@@ -15,7 +17,7 @@ __all__ = ["SchedulingPass"]
 class SchedulingPass:
     """One scheduling pass: its output, budgets, victims and reservations, and what its guards read of it.
 
-    The lifecycle's guards get a `PassView` of it for each decision (`Scheduler._view`): the pool figures plus
+    The lifecycle's guards get a `PassView` of it for each decision (`view`): the pool figures plus
     `number` (None for the pass used between passes) and the worth a promotion may still throw away.
     Invariants: `tokens_left` and `slots_left` never go negative; `pending_free` is the room on its way that no
     requester of this pass has reserved yet; `record` lists victims, promotions and waits in decision order;
@@ -40,6 +42,21 @@ class SchedulingPass:
         self.chunk_blocks: dict[Hashable, int] = {}  # blocks allocated for a resident request's chunk of this pass
         self.offload_limit = 0  # held blocks the allocation under way needs from an offload (its guard reads it)
         self.record = PassRecord()
+
+    def view(self, pool: TieredBlockPool, config: SchedulerConfig) -> PassView:
+        """What the guards read for one decision in this pass: `pool`'s figures and the pass's own."""
+        return PassView(
+            pool.gpu_free_blocks,
+            pool.host_free_blocks,
+            pool.has_host_tier,
+            pool.pipeline_stages,
+            config.block_size,
+            min(config.prefill_chunk_size, self.tokens_left),
+            self.number,
+            self.promotion_worth,
+            self.offload_limit,
+            pool.resume_gate_open(config.max_util_for_resume),
+        )
 
     def charge(self, tokens: int, slots: int) -> None:
         """Spend `tokens` of the token budget and `slots` batch slots on requests scheduled in this pass."""
