@@ -215,16 +215,16 @@ class _Search:
             for t in edge.taken:
                 taken[t] = taken.get(t, 0) + 1
             nxt = model.canonical(edge.after_requests, edge.after_pool)
-            if (bad := _first_violation(self.step_checks, model, edge)) is not None:
-                return Violation(*bad, [*self.path_to(i), (edge.action, nxt)])
             j = index.get(nxt)
-            if j is None:
+            if j is None:  # a new state's invariants first, then the edge's (TLC's order too)
                 j = index[nxt] = len(states)
                 states.append(nxt)
                 self.parent.append(i)
                 self.via.append(edge.action)
                 if (bad := _first_violation(self.state_checks, model, nxt)) is not None:
                     return Violation(*bad, self.path_to(j))
+            if (bad := _first_violation(self.step_checks, model, edge)) is not None:
+                return Violation(*bad, [*self.path_to(i), (edge.action, nxt)])
             if is_environment(edge.action, self.environment):
                 continue
             fair.append((j, Action(*edge.action)))
