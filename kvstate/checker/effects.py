@@ -4,16 +4,51 @@ pool counts, which the real guards of `kvstate.semantics` read, and `AbstractEff
 A step of the abstract model builds the views from its records, fires the spec's events on them through
 `TransitionTable.fire` with `AbstractEffects` as the effect hooks, and turns them back into records (`record`).
 Blocks are counts; a copy in flight is the blocks it fences in each tier and the destinations the request still
-holds (`kvstate.checker.records`).
+holds (`kvstate.checker.records`). The abstract model has no scheduling passes, so what the guards read of a pass is
+over-approximated (every behaviour a pass allows is kept): every suspension counts as one of an earlier pass than the
+pass under way (the promotion gate is open), a promotion may throw away any KV, the resume gate is open, and the
+offload limit is the block count the action that fires the offload carries (`Action.blocks`).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+
 from kvstate.checker.bounds import Bound
 from kvstate.checker.records import NONE, AbstractRequest, AbstractState, PoolCounts
 from kvstate.request import STATE_ATTRIBUTE
-from kvstate.semantics import first_chunk_blocks
-from kvstate.spec import Transition
+from kvstate.semantics import TLA, TlaMeaning, first_chunk_blocks, offload_blocks
+from kvstate.spec import Spec, Transition
+
+OFFLOAD_LIMIT = "offload_limit"  # the PoolView field an allocation's offload reads: pass data, an action parameter here
+
+
+def reads_offload_limit(name: str | None, meanings: Mapping[str, TlaMeaning] = TLA) -> bool:
+    """Whether the guard, effect or helper `name` reads the pool's `offload_limit`, directly or through a helper it
+    calls, by its TLA+ meaning (recorded beside its Python meaning in `kvstate.semantics`)."""
+    seen: set[str] = set()
+    todo = [name] if name else []
+    while todo:
+        current = todo.pop()
+        if current in seen or current not in meanings:
+            continue
+        seen.add(current)
+        body = meanings[current].body
+        if re.search(rf"\.{OFFLOAD_LIMIT}\b", body):
+            return True
+        todo += [other for other in meanings if re.search(rf"\b{re.escape(other)}\(", body)]
+    return False
+
+
+def offload_limited_events(spec: Spec, meanings: Mapping[str, TlaMeaning] = TLA) -> frozenset[str]:
+    """The spec's events with a transition whose guard or effect reads the pool's `offload_limit` (the offload of
+    held blocks): the abstract model fires them with every block count an allocation may ask for."""
+    return frozenset(
+        e.name
+        for e in spec.events
+        if any(reads_offload_limit(t.guard, meanings) or reads_offload_limit(t.effect, meanings) for t in e.transitions)
+    )
 
 
 class RequestState:
@@ -40,9 +75,10 @@ class RequestState:
         "stopped",
     )
 
-    # The abstract model has no scheduling passes: every suspended request counts as suspended in the pass under
-    # way (`PoolState.pass_number`), an over-approximation of the promotion gate; the scheduler refinement's step
-    # simulation checks the real same-pass and worth clauses (PROMOTE-GATE).
+    # The abstract model has no scheduling passes: every suspended request counts as suspended in a pass before the
+    # one under way (`PoolState.pass_number`), so the promotion gate is open (a request suspended in the pass under
+    # way is promoted without a host tier only a pass later: a subset of these behaviours); the scheduler
+    # refinement checks the real same-pass and worth clauses (PROMOTE-GATE).
     suspended_in_pass = 0
 
     def __init__(self, req: AbstractRequest, slot: int, bound: Bound) -> None:
@@ -148,18 +184,23 @@ class PoolState:
         "host_capacity",
         "host_fenced",
         "host_free",
+        "offload_limit",
         "stages",
     )
 
-    # no passes in the abstract model (see RequestState.suspended_in_pass): any promotion's worth is allowed
-    pass_number = 0
+    # no passes in the abstract model (see RequestState.suspended_in_pass): the pass under way is pass 1, every
+    # suspension is of pass 0, any promotion's worth is allowed and the utilization gate never refuses a resume (a
+    # refusal only removes behaviour)
+    pass_number = 1
     promotion_worth = float("inf")
+    resume_gate_open = True
 
     def __init__(self, state: AbstractState, bound: Bound) -> None:
         _, self.gpu_free, self.host_free, self.gpu_fenced, self.host_fenced = state
         self.gpu_capacity, self.host_capacity, self.stages = bound.gpu_blocks, bound.host_blocks, bound.pipeline_stages
         self.block_size = bound.block_size
         self.first_chunk_limit = bound.chunk_size  # no token budget per pass in the abstract model: the chunk size
+        self.offload_limit = 0  # no allocation under way: an offload fires only with a block count (Action.blocks)
 
     def record(self) -> PoolCounts:
         return PoolCounts(self.gpu_free, self.host_free, self.gpu_fenced, self.host_fenced)
@@ -197,29 +238,34 @@ class AbstractEffects:
         self.pool.gpu_free -= blocks
         request.gpu = blocks
 
-    def migrate_to_host(self, request: RequestState, transition: Transition) -> None:
-        blocks = request.gpu
-        self.pool.gpu_fenced += blocks  # sources stay fenced until the copies complete (FENCE)
-        self.pool.host_free -= blocks
-        request.gpu, request.host = 0, blocks
-        request.fenced_gpu, request.incoming = blocks, blocks
-        # With several stages the request's last decode step may still be in the pipeline: its token may still land
-        # (it is kept, SPEC.md section 9.1, unless it is final).
+    def hold_blocks(self, request: RequestState, transition: Transition) -> None:
+        # Nothing moves: its GPU blocks are held. With several stages the request's last decode step may still be in
+        # the pipeline: its token may still land in its held blocks (it is kept, SPEC.md section 9.1, unless final).
         request.in_flight = int(self.pool.stages > 1 and not request.is_prefilling)
 
-    def migrate_to_gpu(self, request: RequestState, transition: Transition) -> None:
-        blocks = request.host
+    def offload_held_blocks(self, request: RequestState, transition: Transition) -> None:
+        moved = offload_blocks(request, self.pool)
+        self.pool.gpu_fenced += moved  # sources stay fenced until the copies complete (FENCE)
+        self.pool.host_free -= moved
+        request.gpu -= moved
+        request.host += moved  # the destinations are the request's at once, after its earlier host blocks
+        request.fenced_gpu, request.incoming = moved, moved
+
+    def lock_and_onboard(self, request: RequestState, transition: Transition) -> None:
+        blocks = request.host  # its held GPU blocks are locked again where they are: only host blocks are copied
         self.pool.host_fenced += blocks
         self.pool.gpu_free -= blocks
-        request.gpu, request.host = blocks, 0
+        request.gpu, request.host = request.gpu + blocks, 0
         request.fenced_host, request.incoming = blocks, blocks
         request.in_flight = 0  # resumed only once any step it had in the pipeline landed
 
     def _release(self, request: RequestState) -> None:
-        """Release every block it holds (SPEC.md section 4.0): the destinations its in-flight copy still writes
-        stay fenced by that copy, the others become free."""
-        incoming_gpu = request.incoming if request.gpu else 0
-        incoming_host = request.incoming - incoming_gpu
+        """Release every block it holds in both tiers (SPEC.md section 4.0): the destinations its in-flight copy
+        still writes stay fenced by that copy, the others become free. The copy's direction is its own: an offload
+        fences GPU sources and writes host blocks, a resume fences host sources and writes GPU blocks (a suspended
+        request may hold blocks in both tiers, so the tiers it holds say nothing of the direction)."""
+        incoming_host = request.incoming if request.fenced_gpu else 0
+        incoming_gpu = request.incoming - incoming_host
         self.pool.gpu_free += request.gpu - incoming_gpu
         self.pool.host_free += request.host - incoming_host
         self.pool.gpu_fenced += incoming_gpu

@@ -13,11 +13,12 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvstate.checker.effects import PoolState, RequestState
 from kvstate.checker.model import AbstractModel
 from kvstate.checker.records import ABSENT, AbstractRequest, AbstractState, Edge, abstract_state
 from kvstate.errors import KVStateError
 from kvstate.pool import ceil_div
-from kvstate.spec import Spec
+from kvstate.spec import Spec, Transition
 
 
 class CheckerError(KVStateError):
@@ -85,40 +86,44 @@ def own_excl(model: AbstractModel, state: AbstractState) -> str | None:
 
 @_on_records
 def res_state(model: AbstractModel, state: AbstractState) -> str | None:
+    """Each request holds blocks only where its state's residency allows (gpu: GPU only; held: either tier or both;
+    none: nothing), and enough of them for the tokens it computed (in either tier, when held)."""
     block_size = model.bound.block_size
     for r in state.requests:
         residency = "none" if r.state == ABSENT else model.spec.residency(r.state)
-        if (residency != "gpu" and r.gpu) or (residency != "host" and r.host):
+        if (residency == "none" and (r.gpu or r.host)) or (residency == "gpu" and r.host):
             return (
                 f"request {_who(model, r)} in {r.state or 'absent'} (residency {residency}) holds {r.gpu} GPU "
                 f"and {r.host} host blocks"
             )
-        if residency == "gpu" and r.gpu < ceil_div(r.computed, block_size):
+        owned = r.gpu + r.host if residency == "held" else r.gpu
+        if residency != "none" and owned < ceil_div(r.computed, block_size):
+            where = "GPU and host" if residency == "held" else "GPU"
             return (
-                f"request {_who(model, r)} in {r.state} computed {r.computed} tokens but holds only {r.gpu} GPU blocks"
-            )
-        if residency == "host" and r.host < ceil_div(r.computed, block_size):
-            return (
-                f"request {_who(model, r)} in {r.state} computed {r.computed} tokens but holds only {r.host} "
-                "host blocks"
+                f"request {_who(model, r)} in {r.state} computed {r.computed} tokens but holds only {owned} {where} "
+                "blocks"
             )
     return None
 
 
 @_on_records
 def host_cap(model: AbstractModel, state: AbstractState) -> str | None:
-    held = sum(r.host for r in state.requests if r.state != ABSENT and model.spec.residency(r.state) == "host")
+    held = sum(r.host for r in state.requests if r.state != ABSENT and model.spec.residency(r.state) == "held")
     if held > model.bound.host_blocks:
         return f"suspended requests hold {held} host blocks, capacity {model.bound.host_blocks}"
     return None
 
 
 @_on_records
-def no_host_no_suspend(model: AbstractModel, state: AbstractState) -> str | None:
-    if model.bound.host_blocks == 0 and any(
-        r.state != ABSENT and model.spec.residency(r.state) == "host" for r in state.requests
-    ):
-        return "a request is suspended but there is no host tier"
+def no_host_no_offload(model: AbstractModel, state: AbstractState) -> str | None:
+    if model.bound.host_blocks == 0:
+        holding = [r for r in state.requests if r.host or r.fenced_host]
+        if holding:
+            r = holding[0]
+            return (
+                f"request {_who(model, r)} in {r.state or 'absent'} holds {r.host} host blocks (its copy fences "
+                f"{r.fenced_host}) but there is no host tier"
+            )
     return None
 
 
@@ -136,7 +141,7 @@ STATE_PREDICATES: dict[str, Callable[[AbstractModel, AbstractState], str | None]
     "OWN-EXCL": own_excl,
     "RES-STATE": res_state,
     "HOST-CAP": host_cap,
-    "NO-HOST-NO-SUSPEND": no_host_no_suspend,
+    "NO-HOST-NO-OFFLOAD": no_host_no_offload,
     "PP-HOLD": pp_hold,
 }
 
@@ -237,10 +242,54 @@ def reset_terminated(model: AbstractModel, edge: Edge) -> str | None:
     return None
 
 
+def promotion_gate_clauses(suspended_in_pass: int | None, pass_number: int | None, has_host_tier: bool) -> str | None:
+    """What is wrong with a promotion (a suspended request recompute-paused) by the promotion gate's pass clauses,
+    read from the request's suspension pass, the pass under way and the host tier (None: nothing)."""
+    if pass_number is None:
+        return "a suspended request was promoted to recompute-pause outside a scheduling pass"
+    if suspended_in_pass == pass_number and not has_host_tier:
+        return (
+            f"a request suspended in pass {pass_number} was promoted to recompute-pause in the same pass without a "
+            "host tier (it waits a pass)"
+        )
+    return None
+
+
+def _promotions(model: AbstractModel, edge: Edge) -> list[Transition]:
+    return [t for t in edge.taken if t.event == "recompute_pause" and model.spec.residency(t.source) == "held"]
+
+
 def promote_gate(model: AbstractModel, edge: Edge) -> str | None:
-    for t in edge.taken:
-        if t.event == "recompute_pause" and model.spec.residency(t.source) == "host" and model.bound.host_blocks == 0:
-            return "a suspended request was promoted to recompute-pause without a host tier"
+    """The promotion gate's pass clauses, on what the abstract model has of passes: every suspension counts as one of
+    a pass before the one under way (`kvstate.checker.effects`), so the gate is open here; the scheduler refinement
+    checks the same clauses on the real passes (`RefinementChecks.transition`) and the policy's rules on every pass."""
+    if not edge.taken or not _promotions(model, edge):
+        return None
+    return promotion_gate_clauses(RequestState.suspended_in_pass, PoolState.pass_number, model.bound.host_blocks > 0)
+
+
+def resume_copy(model: AbstractModel, edge: Edge) -> str | None:
+    """A resume (a held state left for a gpu state) is all-or-nothing and copies exactly the request's host blocks:
+    afterwards every block is on the GPU, its host blocks are the new copy's sources and destinations, and no GPU
+    block it held is copied (they are locked again where they are)."""
+    if not edge.taken or (pair := _acting(edge)) is None:
+        return None
+    spec = model.spec
+    if not any(spec.residency(t.source) == "held" and spec.residency(t.dest) == "gpu" for t in edge.taken):
+        return None
+    before, after = pair
+    if after.host or after.gpu != before.gpu + before.host:
+        return (
+            f"a resume left {after.gpu} GPU and {after.host} host blocks of {before.gpu} GPU + {before.host} host "
+            "(all-or-nothing: every block on the GPU)"
+        )
+    copied = (after.incoming - before.incoming, after.fenced_host - before.fenced_host)
+    if copied != (before.host, before.host) or after.fenced_gpu != before.fenced_gpu:
+        return (
+            f"a resume of a request with {before.host} host and {before.gpu} held GPU blocks copied "
+            f"{copied[0]} blocks up from {copied[1]} fenced host sources and fenced "
+            f"{after.fenced_gpu - before.fenced_gpu} GPU blocks: it copies exactly its host blocks"
+        )
     return None
 
 
@@ -267,6 +316,7 @@ STEP_PREDICATES: dict[str, Callable[[AbstractModel, Edge], str | None]] = {
     "RESET-NO-TRUNCATE": reset_no_truncate,
     "RESET-TERMINATED": reset_terminated,
     "PROMOTE-GATE": promote_gate,
+    "RESUME-COPY": resume_copy,
     "PP-TERMINATE": pp_terminate,
 }
 
@@ -290,7 +340,16 @@ REFINEMENT_CHECKS: dict[str, str] = {
     "VICTIM-TAIL": "step simulation: each victim is the latest-admitted eligible request at its choice",
     "VICTIM-NOT-FINAL": "step simulation: no victim was about to produce its final token",
     "VICTIM-SELF": "step simulation: no self-preemption while a request only chunk_in_flight excludes could give way",
-    "PROMOTE-GATE": "step simulation: promotions only of this pass's suspensions, most recent first, worth less",
+    "PROMOTE-GATE": (
+        "every promotion the scheduler takes: in a pass, and one of the pass's own suspensions only with a host "
+        "tier; step simulation: promotions only of this pass's suspensions, most recent first, worth less"
+    ),
+    "RESUME-COPY": "every resume the scheduler takes plans one copy of exactly its host blocks, none without any",
+    "SUSPEND-ROOM": "step simulation: a suspension only as the policy's suspend rule allows (host room for it)",
+    "OFFLOAD-DEMAND": (
+        "step simulation: held blocks move only for an allocation that needs them, least recently held first, "
+        "no more than it takes (or all of a victim's at once under the eager offload)"
+    ),
     "ADMIT-ORDER": "step simulation: admissions are a prefix of the candidates in the policy's class order",
     "ADMIT-HOLD": "step simulation: no new request in a pass with a victim or a waiting requester",
     "WORK-CONSERVE": "step simulation: reserved room within what is on its way; nobody left while budget remained",

@@ -10,7 +10,10 @@ Transitions (`AbstractModel.successors`), each atomic:
   views built from the abstract state, fired through `TransitionTable.fire` with the effect applied by an
   `EffectHooks` implementation on the abstract state (`AbstractEffects`, or an injected class); a release
   (`release_kv_and_reset`, `release_kv_and_terminate`) leaves the destinations of the request's copy in flight
-  fenced by that copy (SPEC.md section 4.0);
+  fenced by that copy (SPEC.md section 4.0); an event whose guard or effect reads the pool's offload limit (the
+  offload of held blocks, which moves what an allocation asks for) is fired once per block count k in 1..(the GPU
+  blocks the request holds) (`Action.blocks`): whatever an allocation may ask of them (what the host tier cannot
+  take is the guard's and the effect's to refuse or cut);
 * `compute` (a scheduler step of one request): a running or replaying request computes its next prefill chunk
   or decodes one token, allocating the GPU blocks it needs (disabled without room: making room is the job of
   the spec's preemption events, and while its resume copy is in flight: its KV is not back). When the step completes
@@ -19,8 +22,10 @@ Transitions (`AbstractModel.successors`), each atomic:
   is spent, or, in a bound with stop tokens, at any token a `compute` action named `STOP` produces;
 * with several pipeline stages, a request whose recompute-pause or suspend was decided while its last decode step
   was in the pipeline (`in_flight`) may still receive that token (`compute` lands it): awaiting consensus, `finish`
-  then takes its self-loop and defers the termination; suspended, the token is kept in the host tier unless it is
-  final (a suspended request cannot finish: it is dropped, and recomputed after resume);
+  then takes its self-loop and defers the termination; suspended, the token is kept unless it is final (a suspended
+  request cannot finish: it is dropped, and recomputed after resume), and its blocks join the tail of the request's
+  table: its held GPU blocks (nothing is copied at suspension), or the host tier when every block it holds was
+  offloaded (then, while that offload is in flight, their GPU sources are fenced by it too);
 * `complete` (the executor, F2): the request's copy in flight completes, or fails (the fences end alike; the undoing
   events of a failure are spec events of their own), ending its fences.
 """
@@ -30,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 from kvstate.checker.bounds import Bound
-from kvstate.checker.effects import AbstractEffects, PoolState, RequestState
+from kvstate.checker.effects import AbstractEffects, PoolState, RequestState, offload_limited_events
 from kvstate.checker.records import ABSENT, NONE, STOP, AbstractRequest, AbstractState, Action, Edge, PoolCounts
 from kvstate.lifecycle import TransitionTable
 from kvstate.pool import ceil_div
@@ -69,6 +74,7 @@ class AbstractModel:
         self.first_chunk_events = frozenset(
             t.event for t in self.spec.transitions if t.effect == "allocate_first_chunk"
         )  # the events a cut applies to
+        self.limited_events = offload_limited_events(self.spec)  # fired with a block count (Action.blocks)
         self.events_from = {s.name: self.table.allowed_events(s.name) for s in self.spec.states}
         if not bound.cancel:  # keep out the environment's events that end requests (cancel, abort)
             ending = {e.name for e in self.spec.events if e.name in self.spec.environment_events and e.done_reason}
@@ -120,18 +126,28 @@ class AbstractModel:
                     yield Action("compute", k, STOP)
                 yield from (Action("compute", k, None, n) for n in self.chunk_cuts if n < r.prefill - r.computed)
             for event in self.events_from[st]:
+                if event in self.limited_events:  # every count an allocation may ask of its held GPU blocks
+                    yield from (Action("event", k, event, None, n) for n in range(1, r.gpu + 1))
+                    continue
                 yield Action("event", k, event)
                 if event in self.first_chunk_events:
                     yield from (Action("event", k, event, n) for n in self.chunk_cuts)
 
     def apply(self, state: AbstractState, action: Action) -> Edge | None:
         """The edge `action` takes from `state`, or None when it is not enabled."""
-        kind, slot, name, tokens = Action(*action)
+        kind, slot, name, tokens, blocks = Action(*action)
         pool = PoolState(state, self.bound)
         if tokens is not None:
             if kind not in ("compute", "event") or not 1 <= tokens <= self.bound.chunk_size:
                 raise ValueError(f"action {action!r}: only compute and event actions cut a chunk, to 1..chunk_size")
             pool.first_chunk_limit = tokens
+        if blocks is not None:
+            if kind != "event" or name not in self.limited_events or blocks < 1:
+                raise ValueError(
+                    f"action {action!r}: only an event that reads the offload limit "
+                    f"({', '.join(sorted(self.limited_events)) or 'none in this spec'}) takes a block count, >= 1"
+                )
+            pool.offload_limit = blocks
         if slot is None:
             raise ValueError(f"action {action!r} names no request slot; every action is one request's")
         request = RequestState(state.requests[slot], slot, self.bound)
@@ -190,12 +206,12 @@ class AbstractModel:
         produces = request.computed + step >= request.prefill
         if stop and not produces:
             return None
-        in_host = request.state == self.offloaded  # suspended after the step: its block was copied with the others
-        if not self._take_blocks(request, pool, step, in_host):
+        held = request.state == self.offloaded  # suspended after the step: its KV is held, in either tier
+        if not self._take_blocks(request, pool, step, held):
             return None
         if request.in_flight:
             request.in_flight = 0  # the decode step that was in the pipeline lands
-            if in_host and (stop or request.generated + 1 >= request.max_new_tokens):
+            if held and (stop or request.generated + 1 >= request.max_new_tokens):
                 return []  # a suspended request cannot finish: its final token is dropped, recomputed after resume
         request.computed += step
         taken: list[Transition] = []
@@ -224,14 +240,17 @@ class AbstractModel:
             return cut if cut < request.next_chunk else None
         return 1 if request.state == self.active and cut is None else None
 
-    def _take_blocks(self, request: RequestState, pool: PoolState, tokens: int, in_host: bool) -> bool:
-        """Allocate the blocks a step of `tokens` needs, in the tier the request is in; False when that tier has too
-        few free. A step landing on a suspended request was copied with its other blocks: its block is in the host
-        tier, and while that copy is in flight its GPU source is fenced by the copy too."""
-        held = request.host if in_host else request.gpu
-        need = ceil_div(request.computed + tokens, self.bound.block_size) - held
+    def _take_blocks(self, request: RequestState, pool: PoolState, tokens: int, held: bool) -> bool:
+        """Allocate the blocks a step of `tokens` needs at the tail of the request's table; False when that tier has
+        too few free. A step landing on a suspended (`held`) request counts the blocks it holds in both tiers; its
+        new blocks are GPU blocks (held where the step wrote them), unless every block it holds was offloaded: then
+        they went to the host tier with the others, and while that offload is in flight their GPU sources are fenced
+        by it too."""
+        owned = request.gpu + request.host if held else request.gpu
+        need = ceil_div(request.computed + tokens, self.bound.block_size) - owned
         if need <= 0:
             return True
+        in_host = held and request.gpu == 0 and request.host > 0
         copying = in_host and bool(request.incoming)
         if need > (pool.host_free if in_host else pool.gpu_free) or (copying and need > pool.gpu_free):
             return False
@@ -288,4 +307,5 @@ class AbstractModel:
             return f"{name_of} arrives"
         if kind == "compute":
             return f"{name_of} computes one step" + (" (its token is a stop token)" if name == STOP else "")
-        return f"{name_of} takes event {name}"
+        blocks = Action(*action).blocks
+        return f"{name_of} takes event {name}" + (f" ({blocks} blocks)" if blocks is not None else "")

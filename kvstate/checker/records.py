@@ -7,10 +7,13 @@ plain tuples of their fields): `group` indexes the bound's distinct (prompt_len,
 spec state ("" = not arrived yet), `deferred` the termination reason recorded while awaiting consensus ("" = none)
 and `prefill` the length of the (replay) prompt. The host tier is present iff the bound's host capacity is > 0; the
 pipeline depth is the bound's. `in_flight` (0/1) marks a decode step that may still be in the pipeline when a
-recompute-pause or a suspend was decided (pipeline stages > 1 only). A request's copy in flight (the guards allow one
-at a time: SPEC.md section 4.0) is `fenced_gpu` and `fenced_host`, the blocks it fences in each tier (its sources,
-and its destinations once the request released them), and `incoming`, the destinations the request still holds; the
-pool's fenced counts are their sums, and a finished request keeps the record of its copy until it completes.
+recompute-pause or a suspend was decided (pipeline stages > 1 only). A suspended request holds its KV split: `host`
+blocks (the prefix of its table that offloads moved) and `gpu` blocks (held, still on the GPU); a request in a gpu
+state holds `gpu` blocks only. A request's copy in flight (the guards allow one at a time: SPEC.md section 4.0) is
+`fenced_gpu` and `fenced_host`, the blocks it fences in each tier (its sources, and its destinations once the
+request released them), and `incoming`, the destinations the request still holds (host blocks for an offload, whose
+sources are GPU blocks; GPU blocks for a resume, whose sources are host blocks); the pool's fenced counts are their
+sums, and a finished request keeps the record of its copy until it completes.
 Sorting the tuples is the symmetry reduction: requests with equal parameters are interchangeable, so states that
 differ only by a permutation of them are one state.
 
@@ -69,13 +72,16 @@ class Action(NamedTuple):
     """What an edge does: ("arrive", k, None), ("event", k, "suspend"), ("compute", k, None) or
     ("complete", k, None); `k` is the request's slot in the state the edge leaves. `tokens` (bounds with a token
     budget per pass only) cuts a compute step's chunk, or the first chunk an event allocates, to that many tokens,
-    as a pass whose budget runs out does. Plain 3-tuples are accepted wherever an action is (counterexample files
-    write them as literals)."""
+    as a pass whose budget runs out does. `blocks` is the block count an event whose guard or effect reads the
+    pool's `offload_limit` (the offload of held blocks) is fired with: the abstract model tries every count an
+    allocation may ask for (`AbstractModel.limited_events`). Plain 3-tuples are accepted wherever an action is
+    (counterexample files write them as literals)."""
 
     kind: str
     slot: int | None
     name: str | None
     tokens: int | None = None
+    blocks: int | None = None
 
 
 def abstract_state(state: tuple) -> AbstractState:
