@@ -1,9 +1,11 @@
 """The abstraction of the scheduler refinement: the abstract spec state a world of the real scheduler stands for.
 
-A request whose step is still in flight (several pipeline stages) shows as it was before that step, because
-`AbstractModel` computes a step atomically: the blocks allocated for the step count as free, also in the copy of a
-request suspended with it. A request preempted while its decode step is in flight may still receive that
-token (suspended or awaiting consensus): `Abstraction.variants` lists both abstract states it may stand for.
+A suspended request's KV is split: its host blocks (the prefix of its table that offloads moved) and its held GPU
+blocks. A request whose step is still in flight (several pipeline stages) shows as it was before that step, because
+`AbstractModel` computes a step atomically: the blocks allocated for the step (the tail of its table: held GPU blocks,
+or host blocks where an offload moved them, whose GPU sources an offload still in flight fences) count as free. A
+request preempted while its decode step is in flight may still receive that token (suspended or awaiting consensus):
+`Abstraction.variants` lists both abstract states it may stand for.
 """
 
 from __future__ import annotations
@@ -45,62 +47,59 @@ class Abstraction:
         for i in range(len(self.bound.requests)):
             group = self.bound.group_of(i)
             r = s.requests.get(i) or s.finished.get(i)
-            fenced_gpu, fenced_host, incoming = copies.get(i, (0, 0, 0))
+            fenced_gpu, fenced_host, incoming = copies.get(i, (0, 0, frozenset()))
             if r is None:
                 reqs.append(AbstractRequest(group, ABSENT, 0, 0, 0, 0, NONE, self.bound.requests[i][0], 0))
-            elif r.state in self.model.terminal:
+                continue
+            if r.state in self.model.terminal:
                 reqs.append(
                     AbstractRequest(
                         group, r.state, 0, 0, r.num_gpu_blocks, r.num_host_blocks, NONE, 0, 0, fenced_gpu, fenced_host
                     )
                 )
-            else:
-                gpu, host = r.num_gpu_blocks, r.num_host_blocks
-                step = s.in_flight.get(i, 0) if r.num_gpu_blocks or r.num_host_blocks else 0  # its step's blocks
-                if host:  # suspended since: its host copy holds the step's blocks (its GPU blocks are free)
-                    host, host_free = host - step, host_free + step
-                    if incoming:  # and that copy, still in flight, fences their GPU sources
-                        fenced_gpu, incoming, gpu_fenced, gpu_free = (
-                            fenced_gpu - step,
-                            incoming - step,
-                            gpu_fenced - step,
-                            gpu_free + step,
-                        )
-                else:
-                    gpu, gpu_free = gpu - step, gpu_free + step
-                landing = int(i in s.in_flight and r.state in preempted)  # its decode step may still land
-                reqs.append(
-                    AbstractRequest(
-                        group,
-                        r.state,
-                        r.num_computed_tokens,
-                        len(r.generated),
-                        gpu,
-                        host,
-                        r.termination_reason or NONE,
-                        len(r.prefill_tokens),
-                        landing,
-                        fenced_gpu,
-                        fenced_host,
-                        incoming,
-                    )
+                continue
+            gpu_table, host_table = pool.gpu_blocks(i), pool.host_blocks(i)
+            gpu, host, copied = len(gpu_table), len(host_table), len(incoming)
+            step = s.in_flight.get(i, 0) if gpu or host else 0  # its step's blocks: the tail of its table
+            on_gpu = min(step, gpu)
+            on_host = host_table[len(host_table) - (step - on_gpu) :] if step > on_gpu else ()
+            moved = sum(1 for b in on_host if b in incoming)  # offloaded with the step: their sources are fenced
+            gpu, gpu_free = gpu - on_gpu, gpu_free + on_gpu + moved
+            host, host_free = host - len(on_host), host_free + len(on_host)
+            fenced_gpu, copied, gpu_fenced = fenced_gpu - moved, copied - moved, gpu_fenced - moved
+            landing = int(i in s.in_flight and r.state in preempted)  # its decode step may still land
+            reqs.append(
+                AbstractRequest(
+                    group,
+                    r.state,
+                    r.num_computed_tokens,
+                    len(r.generated),
+                    gpu,
+                    host,
+                    r.termination_reason or NONE,
+                    len(r.prefill_tokens),
+                    landing,
+                    fenced_gpu,
+                    fenced_host,
+                    copied,
                 )
+            )
         return AbstractState(tuple(reqs), gpu_free, host_free, gpu_fenced, len(pool.host.fenced))
 
     @staticmethod
-    def _copies(pool) -> dict[Hashable, tuple[int, int, int]]:
+    def _copies(pool) -> dict[Hashable, tuple[int, int, frozenset[int]]]:
         """Per request with a copy in flight: the GPU and host blocks its copy fences, and the destinations it still
-        holds (the abstract model's `fenced_gpu`, `fenced_host`, `incoming`)."""
-        out: dict[Hashable, tuple[int, int, int]] = {}
+        holds (the abstract model's `fenced_gpu`, `fenced_host` and, counted, `incoming`)."""
+        out: dict[Hashable, tuple[int, int, frozenset[int]]] = {}
         for plan in pool.in_flight.values():
             owner = plan.request_id
             dest = pool.host if plan.direction == TO_HOST else pool.gpu
             held = set(dest.held(owner))
-            fenced_gpu, fenced_host, incoming = out.get(owner, (0, 0, 0))
+            fenced_gpu, fenced_host, incoming = out.get(owner, (0, 0, frozenset()))
             out[owner] = (
                 fenced_gpu + len(pool.gpu.fenced_by(plan.plan_id)),
                 fenced_host + len(pool.host.fenced_by(plan.plan_id)),
-                incoming + sum(1 for _, dst in plan.pairs if dst in held),
+                incoming | {dst for _, dst in plan.pairs if dst in held},
             )
         return out
 

@@ -4,8 +4,9 @@ The choices (`Environment.actions`): the next request arrives (in the bound's or
 (`SimExecutor.step`: land what must land, consensus, schedule, issue copies, compute, complete the copies that are
 due), possibly with the k-th copy it issues failing at once; a copy in flight completes early or fails (copies
 complete up to `copy_delay` passes late: `SimExecutor`); the oldest micro-batch in flight lands early
-(`micro_batches` > 1); a request is cancelled or aborted; a suspended request loses its host copy. Each choice of
-the environment is taken at most its budget's times per run, so arrivals and faults stop (F4).
+(`micro_batches` > 1); a request is cancelled or aborted; a suspended request with blocks in the host tier loses them
+(one held wholly on the GPU has no host copy to lose). Each choice of the environment is taken at most its budget's
+times per run, so arrivals and faults stop (F4).
 
 With `micro_batches` > 1 a step lands the oldest output when it must (`Scheduler.must_land`) before it schedules, so
 cancellations and lost host copies also hit requests whose step is in flight, and a request preempted while its
@@ -42,7 +43,8 @@ class Environment:
     def actions(self, world: World) -> list[tuple]:
         """Every choice of the environment in `world`: an arrival (in the bound's order), a scheduler step (with
         the k-th copy it issues failing, while copy failures are left), an in-flight copy completing early or
-        failing, the oldest micro-batch in flight landing early, a cancel, an abort, a lost host copy."""
+        failing, the oldest micro-batch in flight landing early, a cancel, an abort, a lost host copy (of a suspended
+        request holding host blocks)."""
         s, sim = world.scheduler, world.sim
         out: list[tuple] = []
         if world.submitted < len(self.bound.requests):
@@ -62,7 +64,7 @@ class Environment:
         if world.aborts_left:
             out += [("abort", rid) for rid in active]
         if world.losses_left:
-            out += [("lose_host_copy", r.request_id) for r in s.suspended]
+            out += [("lose_host_copy", r.request_id) for r in s.suspended if r.num_host_blocks]
         return out
 
     def act(self, world: World, action: tuple) -> None:

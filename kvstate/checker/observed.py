@@ -16,6 +16,7 @@ from kvstate import policy
 from kvstate.config import SchedulerConfig
 from kvstate.errors import InvariantViolation, KVStateError
 from kvstate.lifecycle import TransitionTable
+from kvstate.pool import TieredBlockPool
 from kvstate.request import Request
 from kvstate.scheduler import Scheduler
 from kvstate.spec import Spec, Transition
@@ -67,7 +68,7 @@ class ObservedScheduler(Scheduler):
         the one the checker's table resolves with the real guards on the same view (SPEC-EDGE)."""
         expected = self.checker_table.resolve(request, event, self._view(pass_))
         before = request.state
-        fields = RealFields.of(request)
+        fields = RealFields.of(request, self.pool, pass_.number)
         fenced = dict(self.pool.gpu.fenced), dict(self.pool.host.fenced)
         transition = super()._try_fire(request, event, pass_)
         taken = None if transition is None else (transition.source, transition.dest)
@@ -85,7 +86,9 @@ class ObservedScheduler(Scheduler):
 
 @dataclass(frozen=True, slots=True)
 class RealFields:
-    """What the step invariants read of a real request, taken just before a transition."""
+    """What the step invariants read of a real request, taken just before a transition: its fields, its block tables
+    and copies in flight (RESUME-COPY), its suspension's pass and the pass under way (PROMOTE-GATE; None between
+    passes)."""
 
     state: str
     computed: int
@@ -94,9 +97,16 @@ class RealFields:
     host: int
     termination_reason: str | None
     prefill: int
+    suspended_in_pass: int | None = None
+    pass_number: int | None = None
+    gpu_table: tuple[int, ...] = ()
+    host_table: tuple[int, ...] = ()
+    plans: frozenset[int] = frozenset()
 
     @classmethod
-    def of(cls, r: Request) -> RealFields:
+    def of(cls, r: Request, pool: TieredBlockPool | None = None, pass_number: int | None = None) -> RealFields:
+        """`r`'s fields now; with its `pool`, also its block tables and the ids of its copies in flight."""
+        rid = r.request_id
         return cls(
             r.state,
             r.num_computed_tokens,
@@ -105,4 +115,9 @@ class RealFields:
             r.num_host_blocks,
             r.termination_reason,
             len(r.prefill_tokens),
+            r.suspended_in_pass,
+            pass_number,
+            () if pool is None else pool.gpu_blocks(rid),
+            () if pool is None else pool.host_blocks(rid),
+            frozenset(() if pool is None else (p.plan_id for p in pool.in_flight.values() if p.request_id == rid)),
         )

@@ -2,15 +2,16 @@
 
 Checked on every action: every transition the scheduler fires (collected with its `on_transition` listener) is a
 spec edge, and every decision the scheduler takes (an edge, or a refusal when no guard holds) is the one the
-checker's own table with the real guards resolves on the same view just before (SPEC-EDGE, `ObservedScheduler`);
-the step invariants on every transition it takes (RESET-*, PROMOTE-GATE, PP-TERMINATE with the first deferred
-reason kept, FENCE on the pool); `Scheduler.check_invariants` (pool, RES-STATE, OUT-DISJOINT, OUT-STATE; run by the
-sim); VICTIM-ONCE; generated tokens only grow (GEN-APPEND); outputs equal `reference_output` (OUT-EQUIV: a finished
-request's whole output, a cancelled or unfinished one a prefix of it); the abstraction of the world satisfies every
-state predicate of the abstract model; the abstraction after the action is reached from the one before by a
-sequence of abstract actions (`StepMatcher`: step refinement) and, when the abstract model's reachable set is given,
-is one of its states (REFINES: the scheduler never reaches a state the spec does not allow). A crash of the
-scheduler is the SPEC-EDGE violation of a transition not taken whole (`Environment.act`).
+checker's own table with the real guards resolves on the same view just before (SPEC-EDGE, `ObservedScheduler`); the
+step invariants on every transition it takes (RESET-*, PROMOTE-GATE with the real pass clauses, RESUME-COPY on the
+real copy plans, PP-TERMINATE with the first deferred reason kept, FENCE on the pool); `Scheduler.check_invariants`
+(pool, RES-STATE, OUT-DISJOINT, OUT-STATE; run by the sim); VICTIM-ONCE; generated tokens only grow (GEN-APPEND);
+outputs equal `reference_output` (OUT-EQUIV: a finished request's whole output, a cancelled or unfinished one a
+prefix of it); the abstraction of the world satisfies every state predicate of the abstract model; the abstraction
+after the action is reached from the one before by a sequence of abstract actions (`StepMatcher`: step refinement)
+and, when the abstract model's reachable set is given, is one of its states (REFINES: the scheduler never reaches a
+state the spec does not allow). A crash of the scheduler is the SPEC-EDGE violation of a transition not taken whole
+(`Environment.act`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Hashable
 
 from kvstate.checker.abstraction import Abstraction
 from kvstate.checker.bounds import Bound
-from kvstate.checker.invariants import STATE_PREDICATES, STEP_PREDICATES
+from kvstate.checker.invariants import STATE_PREDICATES, STEP_PREDICATES, promotion_gate_clauses
 from kvstate.checker.model import AbstractModel
 from kvstate.checker.observed import ObservedScheduler, RealFields
 from kvstate.checker.records import NONE, AbstractRequest, AbstractState, Action, Edge, PoolCounts
@@ -27,6 +28,7 @@ from kvstate.checker.stepmatch import StepMatcher
 from kvstate.checker.world import BoundRequests, World, bound_index
 from kvstate.config import RequestRejected, SchedulerConfig
 from kvstate.errors import InvariantViolation
+from kvstate.pool import TO_GPU
 from kvstate.request import Request
 from kvstate.scheduler import Scheduler
 from kvstate.spec import Transition
@@ -56,7 +58,11 @@ class RefinementChecks:
         self.abstraction = Abstraction(bound, model)
         self.matcher = StepMatcher(model)
         self.edges = {(t.source, t.event, t.dest) for t in model.spec.transitions}
-        self.step_checks = [(i, p) for i, p in STEP_PREDICATES.items() if i not in ("FENCE", "GEN-APPEND")]
+        # checked on the real transition's own terms below (FENCE on the pool, RESUME-COPY on the plans) or after
+        # the whole action (GEN-APPEND)
+        self.step_checks = [
+            (i, p) for i, p in STEP_PREDICATES.items() if i not in ("FENCE", "GEN-APPEND", "RESUME-COPY")
+        ]
 
     def refusal(self) -> None:
         """LIVE-REFUSE: a request that can never fit alone is refused at submission."""
@@ -79,9 +85,10 @@ class RefinementChecks:
         fenced: tuple[dict, dict],
     ) -> None:
         """The step invariants on one real transition, just taken: the abstract step predicates (RESET-*,
-        RESET-TERMINATED, PROMOTE-GATE, PP-TERMINATE) on its before and after, RESET-PROMPT on the tokens
-        themselves, FENCE on the pool (no fenced block left its fence during the transition) and PP-TERMINATE's
-        first-reason rule (a deferred reason, once recorded, is the one the request ends with)."""
+        RESET-TERMINATED, PP-TERMINATE) on its before and after, RESET-PROMPT on the tokens themselves, FENCE on the
+        pool (no fenced block left its fence during the transition), PP-TERMINATE's first-reason rule (a deferred
+        reason, once recorded, is the one the request ends with), PROMOTE-GATE's pass clauses on the real passes and
+        RESUME-COPY on the copies the transition planned."""
         group = self.bound.group_of(bound_index(request.request_id))
 
         def record(f: RealFields) -> AbstractRequest:
@@ -112,6 +119,8 @@ class RefinementChecks:
                 f"request {request.request_id!r} deferred {first!r} first, then {transition.event} made it "
                 f"{request.termination_reason or request.done_reason!r}: the first recorded reason wins",
             )
+        self._promotion(scheduler, request, before, transition)
+        self._resume_copy(scheduler, request, before, transition)
         for tier, was in zip((scheduler.pool.gpu, scheduler.pool.host), fenced, strict=True):
             moved = [b for b, plan in was.items() if tier.fenced.get(b) != plan]
             if moved:
@@ -120,6 +129,46 @@ class RefinementChecks:
                     f"{transition} on request {request.request_id!r} took {tier.name} blocks {sorted(moved)} out "
                     "of their copy's fence; only the copy's completion ends it",
                 )
+
+    def _promotion(
+        self, scheduler: ObservedScheduler, request: Request, before: RealFields, transition: Transition
+    ) -> None:
+        """PROMOTE-GATE on a real promotion (a held state left by recompute_pause): in a pass, and one of the pass's
+        own suspensions only while a host tier exists."""
+        if transition.event != "recompute_pause" or self.model.spec.residency(transition.source) != "held":
+            return
+        wrong = promotion_gate_clauses(before.suspended_in_pass, before.pass_number, scheduler.pool.has_host_tier)
+        if wrong is not None:
+            raise InvariantViolation("PROMOTE-GATE", f"request {request.request_id!r}, {transition}: {wrong}")
+
+    def _resume_copy(
+        self, scheduler: ObservedScheduler, request: Request, before: RealFields, transition: Transition
+    ) -> None:
+        """RESUME-COPY on a real resume (a held state left for a gpu state): one copy up of exactly its host blocks,
+        in table order, into GPU blocks placed before its held GPU blocks, which stay where they are; no copy when
+        it had no host block."""
+        spec = self.model.spec
+        if spec.residency(transition.source) != "held" or spec.residency(transition.dest) != "gpu":
+            return
+        rid, pool = request.request_id, scheduler.pool
+        plans = [p for p in pool.in_flight.values() if p.request_id == rid and p.plan_id not in before.plans]
+        table = pool.gpu_blocks(rid)
+        sources = tuple(src for p in plans for src, _ in p.pairs)
+        destinations = tuple(dst for p in plans for _, dst in p.pairs)
+        wrong = (
+            (len(plans) > 1 or any(p.direction != TO_GPU for p in plans))
+            or sources != before.host_table
+            or table != destinations + before.gpu_table
+            or pool.host_blocks(rid)
+        )
+        if wrong:
+            raise InvariantViolation(
+                "RESUME-COPY",
+                f"request {rid!r}, {transition}: with host blocks {list(before.host_table)} and held GPU blocks "
+                f"{list(before.gpu_table)} it planned {[(p.direction, list(p.pairs)) for p in plans]} and now holds "
+                f"GPU blocks {list(table)}, host blocks {list(pool.host_blocks(rid))}: a resume copies exactly its "
+                "host blocks up, in one copy placed before its held GPU blocks, which are locked again with no copy",
+            )
 
     def world(self, world: World, before: dict[Hashable, list[int]]) -> None:
         """The checks after every action: spec edges, GEN-APPEND and OUT-EQUIV against `before` (each request's

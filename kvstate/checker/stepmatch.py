@@ -36,14 +36,17 @@ class StepMatcher:
 
     def allowed(self, touched: Iterable[int], fired: Mapping[int, Iterable[str]]) -> frozenset[Action]:
         """The abstract actions a step may use: on each touched request, computing (its token a stop token, in a
-        bound with stop tokens), arriving, completing its copy, and the spec events the scheduler fired on it."""
+        bound with stop tokens), arriving, completing its copy, and the spec events the scheduler fired on it (an
+        offload of held blocks with any block count: `Action.blocks`)."""
         model, out = self.model, set[Action]()
         for slot in touched:
             out |= {Action("compute", slot, None), Action("complete", slot, None), Action("arrive", slot, None)}
             if model.stop_tokens:
                 out.add(Action("compute", slot, STOP))
             events = {e for e in fired.get(slot, ()) if e not in COMPUTED_BY_STEP}
-            out |= {Action("event", slot, e) for e in events}
+            out |= {Action("event", slot, e) for e in events - model.limited_events}
+            counts = range(1, model.bound.gpu_blocks + 1)
+            out |= {Action("event", slot, e, None, n) for e in events & model.limited_events for n in counts}
             for n in model.chunk_cuts:  # a token budget may cut chunks short
                 out.add(Action("compute", slot, None, n))
                 out |= {Action("event", slot, e, n) for e in events & model.first_chunk_events}

@@ -5,9 +5,11 @@ The refinement submits request `i` of a bound with id `i` (`bound_index`) and th
 `BoundRequests` holds those prompts, their stop tokens and what each request generates alone with unlimited memory.
 
 Two worlds with the same `fingerprint` behave alike from then on: it holds the request states, token lists, block
-tables, free lists, KV contents of held blocks, copies in flight and how long they may still take, outputs in flight,
-the admission order, what the no-progress detector (A4) reads and the environment budgets left; it leaves out
-iteration numbers, plan ids and statistics counters, which no later decision reads.
+tables, free lists, KV contents of owned blocks, copies in flight and how long they may still take, outputs in
+flight, the admission order, the order in which held blocks are offloaded (least recently held first), what the
+no-progress detector (A4) reads and the environment budgets left; it leaves out iteration numbers (a suspension's pass
+number among them: the promotion gate compares it only with the pass under way), plan ids and statistics counters,
+which no later decision reads.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ def fingerprint(world: World) -> tuple:
         tuple(active),
         finished,
         tuple(r.request_id for r in s.admitted),
+        tuple(pool.held_owners()),  # the offload order: the least recently held request's blocks move first
         pool.gpu.free_blocks(),
         pool.host.free_blocks(),
         tuple(sorted(pool.gpu.fenced)),
