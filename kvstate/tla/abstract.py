@@ -9,11 +9,12 @@ changed part changes with it; `kvstate check --engine tlc` shows any difference 
 
 Variables and records: `requests[r]` is request r's record with the fields of `AbstractRequest` (state, computed,
 generated, gpu, host, deferred, prefill, in_flight, and its copy in flight: fenced_gpu, fenced_host, incoming), its
-constants prompt_len and max_new_tokens, and `stopped` (`RequestState.stopped`: TRUE only inside a compute step whose
-token is a stop token; FALSE in every state, which `Settle` ensures); `counts` is the record of `PoolCounts`
-(gpu_free, host_free, gpu_fenced, host_fenced). A step's result is a record [ok, request, pool, taken]: whether the
-step is enabled, the request and pool after it, and the indices in `Transitions` of the spec edges it took (as
-`Edge.taken`).
+constants prompt_len and max_new_tokens, and `stopped` (`RequestState.stopped`: TRUE only inside a compute step
+whose token is a stop token; FALSE in every state, which `Settle` ensures); `counts` is the record of `PoolCounts`
+(gpu_free, host_free, gpu_fenced, host_fenced) and `offload_limit` (`PoolState.offload_limit`: the block count an
+offload of held blocks is fired with, k only inside that step, 0 in every state, which `Commit` ensures). A step's
+result is a record [ok, request, pool, taken]: whether the step is enabled, the request and pool after it, and the
+indices in `Transitions` of the spec edges it took (as `Edge.taken`).
 
 Not expressed: the chunk cuts of a bound with a token budget per pass (`max_num_tokens`, `Action.tokens`); the
 export refuses such a bound (`kvstate.tla.models.unsupported`).
@@ -61,14 +62,15 @@ PRELUDE = (
     Definition(
         "ReleaseBlocks",
         "q, c",
-        r"""LET incoming_gpu == IF q.gpu > 0 THEN q.incoming ELSE 0
-        incoming_host == q.incoming - incoming_gpu
+        r"""LET incoming_host == IF q.fenced_gpu > 0 THEN q.incoming ELSE 0
+        incoming_gpu == q.incoming - incoming_host
     IN  [request |-> [q EXCEPT !.gpu = 0, !.host = 0, !.incoming = 0,
                                !.fenced_gpu = @ + incoming_gpu, !.fenced_host = @ + incoming_host],
          pool |-> [c EXCEPT !.gpu_free = @ + q.gpu - incoming_gpu, !.host_free = @ + q.host - incoming_host,
                             !.gpu_fenced = @ + incoming_gpu, !.host_fenced = @ + incoming_host]]""",
-        "request record q releases every block it holds (SPEC.md section 4.0): the destinations its copy in flight "
-        "still writes stay fenced by that copy, the others become free "
+        "request record q releases every block it holds in both tiers (SPEC.md section 4.0): the destinations its "
+        "copy in flight still writes stay fenced by that copy, the others become free; the copy's direction is its "
+        "own (an offload fences GPU sources and writes host blocks, a resume the reverse) "
         "(kvstate.checker.effects.AbstractEffects._release)",
     ),
     Definition(
@@ -84,7 +86,7 @@ PRELUDE = (
      kv_tokens |-> request.computed,
      copy_in_flight |-> CopyInFlight(request)]""",
         "kvstate.semantics.RequestView of an abstract request (kvstate.checker.effects.RequestState); the abstract "
-        "model has no passes: every suspension counts as one of the pass under way (pass 0)",
+        "model has no passes: every suspension counts as one of a pass (0) before the pass under way (1)",
     ),
     Definition(
         "PoolView",
@@ -95,9 +97,13 @@ PRELUDE = (
      pipeline_stages |-> PipelineStages,
      block_size |-> BlockSize,
      first_chunk_limit |-> ChunkSize,
-     pass_number |-> 0,
-     promotion_worth |-> Unbounded]""",
-        "kvstate.semantics.PoolView of the pool counts (kvstate.checker.effects.PoolState)",
+     pass_number |-> 1,
+     promotion_worth |-> Unbounded,
+     offload_limit |-> pool.offload_limit,
+     resume_gate_open |-> TRUE]""",
+        "kvstate.semantics.PoolView of the pool counts (kvstate.checker.effects.PoolState): the pass under way is "
+        "pass 1, any promotion's worth is allowed, the utilization gate is open, and the offload limit is the block "
+        "count of the offload step under way (0 outside one)",
     ),
 )
 
@@ -117,8 +123,9 @@ RESULTS = (
         "r, res",
         r"""/\ res.ok
     /\ requests' = [requests EXCEPT ![r] = Settle(res.request)]
-    /\ counts' = res.pool""",
-        "a step of request r with result res (kvstate.checker.model.AbstractModel.apply)",
+    /\ counts' = [res.pool EXCEPT !.offload_limit = 0]""",
+        "a step of request r with result res (kvstate.checker.model.AbstractModel.apply); no state keeps an "
+        "offload's block count",
     ),
 )
 
@@ -147,9 +154,10 @@ OWN_ACTIONS = (
                   ELSE IF q.computed < q.prefill THEN Min(ChunkSize, q.prefill - q.computed)
                   ELSE 1
         produces == q.computed + tokens >= q.prefill
-        in_host == q.state = Offloaded
+        held == q.state = Offloaded
+        in_host == held /\ q.gpu = 0 /\ q.host > 0
         copying == in_host /\ q.incoming > 0
-        need == ceil_div(q.computed + tokens, BlockSize) - (IF in_host THEN q.host ELSE q.gpu)
+        need == ceil_div(q.computed + tokens, BlockSize) - (IF held THEN q.gpu + q.host ELSE q.gpu)
         grow == IF need > 0 THEN need ELSE 0
         fits == /\ grow <= (IF in_host THEN c.host_free ELSE c.gpu_free)
                 /\ copying => grow <= c.gpu_free
@@ -161,7 +169,7 @@ OWN_ACTIONS = (
               THEN [c EXCEPT !.host_free = @ - grow, !.gpu_free = IF copying THEN @ - grow ELSE @,
                              !.gpu_fenced = IF copying THEN @ + grow ELSE @]
               ELSE [c EXCEPT !.gpu_free = @ - grow]
-        dropped == q.in_flight = 1 /\ in_host /\ (stop \/ q.generated + 1 >= q.max_new_tokens)
+        dropped == q.in_flight = 1 /\ held /\ (stop \/ q.generated + 1 >= q.max_new_tokens)
         q1 == [qb EXCEPT !.in_flight = 0, !.computed = IF dropped THEN @ ELSE @ + tokens]
         made == produces /\ ~dropped
         q2 == IF made THEN [q1 EXCEPT !.generated = @ + 1, !.stopped = stop] ELSE q1
@@ -176,9 +184,10 @@ OWN_ACTIONS = (
         ELSE [ok |-> FALSE, request |-> q, pool |-> c, taken |-> {{}}]""",
         "one forward pass of request record q (AbstractModel._compute), its token a stop token when stop (bounds with "
         "stop tokens only): a prefill chunk, a decode step or a landing in-flight decode step (on a request awaiting "
-        "consensus, or suspended: then its block is in the host tier, and while its copy is in flight the GPU source "
-        "is fenced too; a suspended request's final token is dropped), allocating the blocks it needs; not while its "
-        "resume copy is in flight; a produced token fires catch_up and finish where their guards hold",
+        "consensus, or suspended: then its blocks join the tail of its table, its held GPU blocks, or the host tier "
+        "when every block it holds was offloaded, and while that offload is in flight the GPU source is fenced too; a "
+        "suspended request's final token is dropped), allocating the blocks it needs; not while its resume copy is in "
+        "flight; a produced token fires catch_up and finish where their guards hold",
     ),
     Definition(
         "Compute",
@@ -221,6 +230,7 @@ INIT = Definition(
             deferred |-> NoReason, prefill |-> PromptLen[r], in_flight |-> 0,
             fenced_gpu |-> 0, fenced_host |-> 0, incoming |-> 0, stopped |-> FALSE,
             prompt_len |-> PromptLen[r], max_new_tokens |-> MaxNewTokens[r]]]
-    /\ counts = [gpu_free |-> GpuBlocks, host_free |-> HostBlocks, gpu_fenced |-> 0, host_fenced |-> 0]""",
+    /\ counts = [gpu_free |-> GpuBlocks, host_free |-> HostBlocks, gpu_fenced |-> 0, host_fenced |-> 0,
+                  offload_limit |-> 0]""",
     "every request not arrived yet, every block free (AbstractModel.initial)",
 )

@@ -32,12 +32,11 @@ STATE: Mapping[str, str] = {
     "RES-STATE": r"""\A r \in Requests :
         LET q == requests[r]
             residency == Residency(q.state)
-        IN  /\ residency # "gpu" => q.gpu = 0
-            /\ residency # "host" => q.host = 0
-            /\ residency = "gpu" => q.gpu >= ceil_div(q.computed, BlockSize)
-            /\ residency = "host" => q.host >= ceil_div(q.computed, BlockSize)""",
-    "HOST-CAP": 'Held({r \\in Requests : Residency(requests[r].state) = "host"}, "host") <= HostBlocks',
-    "NO-HOST-NO-SUSPEND": 'HostBlocks = 0 => \\A r \\in Requests : Residency(requests[r].state) # "host"',
+        IN  /\ residency = "none" => q.gpu = 0 /\ q.host = 0
+            /\ residency = "gpu" => q.host = 0 /\ q.gpu >= ceil_div(q.computed, BlockSize)
+            /\ residency = "held" => q.gpu + q.host >= ceil_div(q.computed, BlockSize)""",
+    "HOST-CAP": 'Held({r \\in Requests : Residency(requests[r].state) = "held"}, "host") <= HostBlocks',
+    "NO-HOST-NO-OFFLOAD": r"HostBlocks = 0 => \A r \in Requests : requests[r].host = 0 /\ requests[r].fenced_host = 0",
     "PP-HOLD": r"""\A r \in Requests :
         requests[r].state = PendingReset
             => requests[r].gpu # 0 /\ requests[r].gpu >= ceil_div(requests[r].computed, BlockSize)""",
@@ -63,7 +62,16 @@ STEP: Mapping[str, str] = {
         Resets(r) => requests'[r].prefill >= requests[r].prompt_len + requests[r].generated""",
     "RESET-TERMINATED": r"\A r \in Requests : Resets(r) => requests[r].deferred = NoReason",
     "PROMOTE-GATE": r"""\A r \in Requests : \A k \in StepTaken(r, "recompute_pause") :
-        Transitions[k].event = "recompute_pause" /\ Residency(Transitions[k].source) = "host" => HostBlocks > 0""",
+        Transitions[k].event = "recompute_pause" /\ Residency(Transitions[k].source) = "held"
+            => /\ PoolView(counts).pass_number # NoPass
+               /\ RequestView(requests[r]).suspended_in_pass # PoolView(counts).pass_number \/ HostBlocks > 0""",
+    "RESUME-COPY": r"""\A r \in Requests : \A k \in StepTaken(r, "resume") :
+        Residency(Transitions[k].source) = "held" /\ Residency(Transitions[k].dest) = "gpu"
+            => LET b == requests[r]
+                   a == requests'[r]
+               IN  /\ a.host = 0 /\ a.gpu = b.gpu + b.host
+                   /\ a.incoming - b.incoming = b.host /\ a.fenced_host - b.fenced_host = b.host
+                   /\ a.fenced_gpu = b.fenced_gpu""",
     "PP-TERMINATE": r"""\A r \in Requests : \A k \in StepTaken(r, "consensus") :
         Transitions[k].event = "consensus"
             => (requests[r].deferred # NoReason <=> Transitions[k].dest \in Terminal)""",

@@ -25,9 +25,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvstate import semantics
+from kvstate.checker.effects import offload_limited_events
 from kvstate.roles import ACTIVE, OFFLOADED, PENDING_RESET, RECOMPUTING
 from kvstate.semantics import EFFECTS, GUARDS, TLA, EffectHooks, TlaMeaning
-from kvstate.spec import Spec, Transition
+from kvstate.spec import RESIDENCIES, Spec, Transition
 from kvstate.tla import abstract, invariants
 from kvstate.tla.names import TlaExportError, camel, comment, identifier, string
 
@@ -62,6 +63,7 @@ class _Writer:
         self.transitions = list(spec.transitions)
         self.index = {id(t): k for k, t in enumerate(self.transitions, 1)}
         self.event_names = {e.name: camel(e.name, f"{spec.source}: event {e.name!r}") for e in spec.events}
+        self.limited = offload_limited_events(spec, meanings)  # taken with every block count (Action.blocks)
 
     # ---- output
     def define(self, name: str, body: str, *, params: str = "", note: str = "", recursive: bool = False) -> None:
@@ -163,13 +165,17 @@ class _Writer:
         self.define("Recomputing", name[spec.role(RECOMPUTING)], note="role recomputing")
         self.define("PendingReset", name[spec.role(PENDING_RESET)], note="role pending_reset")
         self.define("Offloaded", name[spec.role(OFFLOADED)], note="role offloaded")
-        by_tier = {tier: [s.name for s in spec.states if s.residency == tier] for tier in ("gpu", "host")}
+        *kept, last = RESIDENCIES  # the last residency holds nothing: what a request not arrived has
+        arms = " ELSE ".join(
+            f"IF s \\in {members(s.name for s in spec.states if s.residency == tier)} THEN {string(tier, 'residency')}"
+            for tier in kept
+        )
         self.define(
             "Residency",
-            f'IF s \\in {members(by_tier["gpu"])} THEN "gpu" ELSE IF s \\in {members(by_tier["host"])} THEN "host" '
-            'ELSE "none"',
+            f"{arms} ELSE {string(last, 'residency')}",
             params="s",
-            note="the tier that may hold the KV of a request in state s (a request not arrived: none)",
+            note="where the KV of a request in state s may be (kvstate.spec.RESIDENCIES; a request not arrived: "
+            f"{last})",
         )
 
     def views(self) -> None:
@@ -255,6 +261,17 @@ class _Writer:
                 params="q, c",
                 note=f"event {event.name} (origin {event.origin}): {summary}",
             )
+            if event.name in self.limited:
+                self.define(
+                    name,
+                    "\\E k \\in 1..GpuBlocks :\n"
+                    "        LET c == [counts EXCEPT !.offload_limit = k] IN\n"
+                    f"        /\\ {name}Edge(requests[r], c) # 0\n"
+                    f"        /\\ Commit(r, Result({name}Edge(requests[r], c), requests[r], c))",
+                    params="r",
+                    note="an offload of held blocks moves what an allocation asks for: any count k (the limit)",
+                )
+                continue
             self.define(
                 name,
                 f"/\\ {name}Edge(requests[r], counts) # 0\n"
@@ -317,12 +334,14 @@ class _Writer:
         self.define("AllDone", "\\A r \\in Requests : requests[r].state \\in Terminal")
         fair = [e for e in spec.events if e.name not in spec.environment_events]
         moves = "\n           \\/ ".join(
-            f"Moves(r, {self.result_of(name)})"
+            f"(\\E k \\in 1..GpuBlocks : Moves(r, {self.result_of(name, 'k')}))"
+            if name in self.limited
+            else f"Moves(r, {self.result_of(name)})"
             for name in ["arrive", "compute", "compute_stop", "complete", *(e.name for e in fair)]
         )
         self.define(
             "Moves",
-            "res.ok /\\ (Settle(res.request) # requests[r] \\/ res.pool # counts)",
+            "res.ok /\\ (Settle(res.request) # requests[r] \\/ [res.pool EXCEPT !.offload_limit = 0] # counts)",
             params="r, res",
             note="result res is a step of request r that changes the state",
         )
@@ -338,9 +357,15 @@ class _Writer:
             note="the edges step result res of request r took, if the step taken is that one",
         )
         compute = f"TakenBy(r, {self.result_of('compute')}) \\cup TakenBy(r, {self.result_of('compute_stop')})"
+
+        def taken(event: str) -> str:
+            if event in self.limited:  # every block count
+                return f"UNION {{TakenBy(r, {self.result_of(event, 'k')}) : k \\in 1..GpuBlocks}}"
+            return f"TakenBy(r, {self.result_of(event)})"
+
         arms = "\n      [] ".join(
             [f"e = {string('compute', 'event')} -> {compute}"]
-            + [f"e = {string(e.name, 'event')} -> TakenBy(r, {self.result_of(e.name)})" for e in spec.events]
+            + [f"e = {string(e.name, 'event')} -> {taken(e.name)}" for e in spec.events]
         )
         self.define(
             "StepTaken",
@@ -374,9 +399,9 @@ class _Writer:
             note="every request reaches done in every fair behaviour in which environment events stop (F4)",
         )
 
-    def result_of(self, event: str) -> str:
+    def result_of(self, event: str, limit: str = "") -> str:
         """The TLA+ expression of the result of `event` on request r ("arrive", "compute", "compute_stop" and
-        "complete": the model's own steps)."""
+        "complete": the model's own steps); `limit` names the block count an offload-limited event is taken with."""
         own = {
             "arrive": "ArriveResult(requests[r], counts)",
             "compute": "ComputeResult(requests[r], counts, FALSE)",
@@ -385,7 +410,8 @@ class _Writer:
         }
         if event in own:
             return own[event]
-        return f"Result({self.event_names[event]}Edge(requests[r], counts), requests[r], counts)"
+        counts = f"[counts EXCEPT !.offload_limit = {limit}]" if limit else "counts"
+        return f"Result({self.event_names[event]}Edge(requests[r], {counts}), requests[r], {counts})"
 
     def statement(self, inv_id: str) -> str:
         found = [inv.statement for inv in self.spec.invariants if inv.id == inv_id]

@@ -99,7 +99,8 @@ def _integers(values: list[object]) -> TypeGuard[list[int]]:
 
 def _candidates(model: AbstractModel, state: AbstractState) -> Iterator[Action]:
     """Every action of our model from `state`, each request slot on its own (no twin is skipped), the scheduler's and
-    executor's before the environment's (where two lead to the same state, the trace names the former)."""
+    executor's before the environment's (where two lead to the same state, the trace names the former); an offload
+    with every block count."""
     environment = model.spec.environment_events
     for fair in (True, False):
         for k, request in enumerate(state.requests):
@@ -110,7 +111,11 @@ def _candidates(model: AbstractModel, state: AbstractState) -> Iterator[Action]:
                     yield Action("compute", k, STOP)
                 yield Action("complete", k, None)
             for event in model.events_from.get(request.state, ()):
-                if (event not in environment) == fair:
+                if (event not in environment) != fair:
+                    continue
+                if event in model.limited_events:  # an offload, with each block count it may move
+                    yield from (Action("event", k, event, None, n) for n in range(1, model.bound.gpu_blocks + 1))
+                else:
                     yield Action("event", k, event)
 
 
