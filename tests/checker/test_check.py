@@ -47,10 +47,13 @@ def test_coverage_lists_every_transition(default_reports):
     assert taken_anywhere == set(SPEC.transitions)  # every spec edge is exercised by some default bound
 
 
-def test_no_host_bound_never_suspends(default_reports):
+def test_no_host_bound_never_offloads(default_reports):
+    """Without a host tier the spec lets a request be suspended (its blocks stay held on the GPU: it frees nothing,
+    which the shipped policy's suspend rule keeps out), but never offloaded (NO-HOST-NO-OFFLOAD)."""
     _, reports = default_reports
     no_host = next(r for r in reports if r.bound.name == "no_host")
-    assert any(t.event == "suspend" for t in no_host.abstract.never_enabled)
+    assert any(t.event == "offload" for t in no_host.abstract.never_enabled)
+    assert not any(t.event == "suspend" for t in no_host.abstract.never_enabled)
 
 
 def test_cli_exit_code_holds(capsys, tmp_path):
@@ -115,8 +118,8 @@ def test_tarjan_iterative_deep_chain():
 def spec_with_resume_to_done(tmp_path: Path) -> Path:
     text = packaged_spec_path().read_text()
     edited = text.replace(
-        '{ source = ["suspended"], dest = "running", guard = "gpu_room_for_all_blocks"',
-        '{ source = ["suspended"], dest = "done", guard = "gpu_room_for_all_blocks"',
+        '{ source = ["suspended"], dest = "running", guard = "gpu_room_for_offloaded_blocks"',
+        '{ source = ["suspended"], dest = "done", guard = "gpu_room_for_offloaded_blocks"',
     )
     assert edited != text
     path = tmp_path / "lifecycle.toml"

@@ -91,7 +91,7 @@ def test_information_is_printed_as_information_and_the_lists_only_with_verbose(c
     assert "never enabled in this bound" not in plain and "non-trivial SCCs" not in plain
     assert main(["check", "--bound", "no_host", "--verbose", "--counterexample-dir", str(tmp_path)]) == 0
     verbose = capsys.readouterr().out
-    assert "never enabled in this bound (information: other bounds may take them): running -suspend-> suspended" in (
+    assert "never enabled in this bound (information: other bounds may take them): suspended -offload-> suspended" in (
         verbose
     )
     assert "progress-free cycles (information:" in verbose and "non-trivial SCCs with an unfinished request" in verbose

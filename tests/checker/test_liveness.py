@@ -60,19 +60,22 @@ def catch_up_self_loop() -> Spec:
 
 
 class MovesNothing(AbstractEffects):
-    """Suspend and resume move no blocks: the victim keeps its GPU blocks."""
+    """Suspend, offload and resume move no blocks: the victim keeps its GPU blocks."""
 
-    def migrate_to_host(self, request, transition) -> None:
+    def hold_blocks(self, request, transition) -> None:
         pass
 
-    def migrate_to_gpu(self, request, transition) -> None:
+    def offload_held_blocks(self, request, transition) -> None:
+        pass
+
+    def lock_and_onboard(self, request, transition) -> None:
         pass
 
 
 def suspend_that_frees_nothing() -> tuple[Spec, dict]:
-    """A preemption that frees nothing: the suspended state gets the running state's residency, suspend and resume
-    move no blocks (`MovesNothing`) and recompute-pause never happens, so two requests that fill the GPU tier can
-    only suspend and resume each other forever."""
+    """A preemption that frees nothing: the suspended state gets the running state's residency, suspend, offload and
+    resume move no blocks (`MovesNothing`) and recompute-pause never happens, so two requests that fill the GPU tier
+    can only suspend and resume each other forever."""
     spec = load_spec()
     suspend = spec.event_by_name["suspend"].transitions[0]
     states = tuple(

@@ -26,17 +26,35 @@ def always(request, pool) -> bool:
     return True
 
 
+class OffloadsWhatIsAsked(AbstractEffects):
+    """The offload moves every block the allocation asks for, whether the host tier has room for them or not."""
+
+    def offload_held_blocks(self, request, transition):
+        moved = min(request.gpu, self.pool.offload_limit)
+        self.pool.gpu_fenced += moved
+        self.pool.host_free -= moved
+        request.gpu -= moved
+        request.host += moved
+        request.fenced_gpu, request.incoming = moved, moved
+
+
 @pytest.mark.parametrize("bound", ["default", "no_host"])
-def test_suspend_without_host_room(bound):
-    guards = {**GUARDS, "host_room_for_all_blocks": always}
+def test_offload_without_host_room(bound):
+    """Held blocks moved to the host tier without room there (the guard and the effect both ignore it): the move
+    that suspension was before lazy suspension made it an offload."""
+
+    def ignores_host_room(request, pool) -> bool:  # the guard without its host tier and host room clauses
+        return not request.copy_in_flight and request.num_gpu_blocks >= 1 and pool.offload_limit >= 1
+
+    guards = {**GUARDS, "host_room_for_held_blocks": ignores_host_room}
     text = caught(
-        check_bound(BOUNDS[bound], guards=guards, refine=False),
+        check_bound(BOUNDS[bound], guards=guards, effects=OffloadsWhatIsAsked, refine=False),
         "OWN-EXCL",
         "CONS-HOST",
         "HOST-CAP",
-        "NO-HOST-NO-SUSPEND",
+        "NO-HOST-NO-OFFLOAD",
     )
-    assert "suspend" in text
+    assert "offload" in text
 
 
 def test_recompute_pause_that_keeps_its_blocks():
@@ -60,7 +78,10 @@ def test_replay_that_forgets_generated_tokens():
 
 
 def test_resume_that_ignores_gpu_room():
-    guards = {**GUARDS, "gpu_room_for_all_blocks": always}
+    def ignores_gpu_room(request, pool) -> bool:  # the guard without its GPU room clause
+        return not request.copy_in_flight and pool.resume_gate_open
+
+    guards = {**GUARDS, "gpu_room_for_offloaded_blocks": ignores_gpu_room}
     text = caught(check_bound(BOUNDS["default"], guards=guards, refine=False), "OWN-EXCL", "CONS-GPU")
     assert "resume" in text
 
@@ -96,8 +117,8 @@ def test_victim_chosen_twice(monkeypatch):
 def test_spec_edit_resume_to_done(tmp_path):
     text = packaged_spec_path().read_text()
     edited = text.replace(
-        '{ source = ["suspended"], dest = "running", guard = "gpu_room_for_all_blocks"',
-        '{ source = ["suspended"], dest = "done", guard = "gpu_room_for_all_blocks"',
+        '{ source = ["suspended"], dest = "running", guard = "gpu_room_for_offloaded_blocks"',
+        '{ source = ["suspended"], dest = "done", guard = "gpu_room_for_offloaded_blocks"',
     )
     path = tmp_path / "lifecycle.toml"
     path.write_text(edited)

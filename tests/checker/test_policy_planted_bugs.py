@@ -42,6 +42,22 @@ BOUNDS = {
         },
         name="worth",
     ),
+    # two requests suspended in one pass, both promoted for a third (the workload of test_mutants.py): promotions
+    # happen here, also of requests suspended in an earlier pass once the candidates are planted
+    "promotion": Bound.from_dict(
+        {
+            "requests": [[1, 4], [1, 4], [3, 4], [1, 4], [1, 4]],
+            "gpu_blocks": 7,
+            "host_blocks": 3,
+            "block_size": 1,
+            "chunk_size": 8,
+            "cancel": False,
+            "env_cancels": 0,
+            "env_host_losses": 0,
+            "abstract_model": False,
+        },
+        name="promotion",
+    ),
 }
 
 
@@ -71,18 +87,28 @@ def test_a_victim_about_to_finish_is_caught(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_promoting_a_request_suspended_in_an_earlier_pass_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Candidates taken from every suspended request (not only this pass's): the spec's promotion gate refuses
-    the edge (SPEC-EDGE, naming the guard) or the policy check refuses the promotion (PROMOTE-GATE)."""
+    """Candidates taken from every suspended request (not only this pass's): the spec's promotion gate lets a
+    request suspended in an earlier pass through (the engine's gate does), so the policy check refuses the promotion
+    (PROMOTE-GATE: the policy's candidates are this pass's suspensions)."""
     original = Scheduler._promote_for
 
     def from_every_pass(self, victim, step):
-        step.suspended[:0] = [r for r in self.suspended if r not in step.suspended]
-        return original(self, victim, step)
+        # listed as this pass's suspensions (a promotion takes its request off the pass's suspended list), those
+        # without a copy in flight (a promotion withdraws only the copies its pass planned); the rest unlisted again
+        earlier = [r for r in self.suspended if r not in step.suspended and not r.copy_in_flight]
+        step.suspended[:0] = earlier
+        step.output.suspended[:0] = earlier
+        try:
+            return original(self, victim, step)
+        finally:
+            for r in earlier:
+                for listed in (step.suspended, step.output.suspended):
+                    if r in listed:
+                        listed.remove(r)
 
     monkeypatch.setattr(Scheduler, "_promote_for", from_every_pass)
-    monkeypatch.setattr(kvstate.semantics, "same_pass_promotion", lambda request, pool: pool.has_host_tier)
-    text = caught("policy", "PROMOTE-GATE", "SPEC-EDGE")
-    assert "same_pass_promotion" in text or "same pass" in text
+    text = caught("promotion", "PROMOTE-GATE", "SPEC-EDGE")
+    assert "same pass" in text
 
 
 def test_promotion_without_the_worth_rule_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -57,8 +57,8 @@ def test_a_planted_spec_bug_is_found_by_both_engines_with_counterexamples_of_equ
 
 
 def test_a_planted_difference_between_a_guards_tla_and_python_meanings_fails_the_count_comparison(tlc_tools, capsys):
-    # admission's guard: the same plant in resume's guard (gpu_room_for_all_blocks) changes no state count of this
-    # bound since the model of issue 25 (a resume waits for its host copy to complete)
+    # admission's guard: the same plant in resume's guard (gpu_room_for_offloaded_blocks) changes no state count of
+    # this bound since the model of issue 25 (a resume waits for its host copy to complete)
     name = "gpu_room_for_first_chunk"
     differs = {**TLA, name: TLA[name]._replace(body=TLA[name].body.replace(">=", ">"))}
     assert differs[name].body != TLA[name].body
@@ -142,7 +142,7 @@ def test_the_large_bound_agrees_with_two_groups_of_interchangeable_requests(tlc_
 
 
 def test_a_tla_meaning_tlc_cannot_parse_is_a_failure_naming_the_place(tlc_tools, capsys):
-    name = "gpu_room_for_all_blocks"
+    name = "gpu_room_for_offloaded_blocks"
     broken = {**TLA, name: TLA[name]._replace(body="pool.gpu_free_blocks >=")}
     code, (c,) = cross_check([TWINS], load_spec(), Options(meanings=broken), tools=tlc_tools)
     assert code == 1 and c.tlc.verdict == "error"
