@@ -5,7 +5,9 @@ GPU and host tiers (host 0 = no host tier), the block size, the prefill chunk, t
 environment nondeterminism the scheduler refinement injects (cancellations, aborts, lost host copies, failed
 copies), and optionally the scheduler's batch budgets (`max_batch_size`, `max_num_tokens`), its preemption cap
 (`max_preemptions`, A3) and no-progress limit (`no_progress_limit`, A4) (left out: the `SchedulerConfig` defaults),
-and stop tokens (`stop_at`: per request, the position of its output that is a stop token, -1 for none).
+and stop tokens (`stop_at`: per request, the position of its output that is a stop token, -1 for none), and the
+offload policy the scheduler refinement runs (`offload`: one of the spec's `[policy] offload` rules, in place of the
+spec's own; left out: the spec's).
 Executor timing: `micro_batches` (default 1) is how many scheduler outputs the refinement's executor keeps in flight
 at most (`SimExecutor(micro_batches=)`, pipeline stages > 1 only; the oldest may land earlier), so a request may be
 preempted while its decode step is in flight and receive its token while suspended or awaiting consensus (a deferred
@@ -27,6 +29,7 @@ from importlib import resources
 from pathlib import Path
 
 from kvstate.errors import KVStateError
+from kvstate.policy import VOCABULARY
 from kvstate.untrusted import Limits, UntrustedFileError, read_toml
 
 DEFAULT_SET_KEY = "default_set"
@@ -61,6 +64,7 @@ class Bound:
     no_progress_limit: int | None = None  # refinement: SchedulerConfig.no_progress_limit (A4; None: the default)
     stop_at: tuple[int, ...] = ()  # per request: the position of its output that is a stop token (-1: none)
     abstract_model: bool = True  # False: too large to enumerate; only the scheduler refinement runs (no REFINES)
+    offload: str | None = None  # refinement: the [policy] offload rule in place of the spec's (None: the spec's)
     description: str = ""
     groups: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
 
@@ -102,6 +106,7 @@ class Bound:
                     f"{where}: {name} must be a positive integer (or left out for the scheduler's "
                     f"default), got {value!r}"
                 )
+        self._check_offload(where)
         for prompt, new in self.requests:
             if prompt <= 0 or new <= 0:
                 raise BoundsError(f"{where}: request [{prompt}, {new}] needs prompt_len >= 1 and max_new_tokens >= 1")
@@ -111,6 +116,13 @@ class Bound:
                     f"({self.gpu_blocks} blocks x {self.block_size} tokens); the scheduler refuses it at submission "
                     "(LIVE-REFUSE), so it cannot be part of a bound: shrink it or enlarge gpu_blocks"
                 )
+
+    def _check_offload(self, where: str) -> None:
+        if self.offload is not None and self.offload not in VOCABULARY["offload"]:
+            raise BoundsError(
+                f"{where}: offload must be one of the policy's offload rules {sorted(VOCABULARY['offload'])} (or left "
+                f"out for the spec's own), got {self.offload!r}"
+            )
 
     @property
     def stop_tokens(self) -> bool:
@@ -144,6 +156,7 @@ class Bound:
             "no_progress_limit": self.no_progress_limit,
             "stop_at": list(self.stop_at),
             "abstract_model": self.abstract_model,
+            "offload": self.offload,
             "description": self.description,
         }
 

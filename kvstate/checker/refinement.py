@@ -26,7 +26,7 @@ from kvstate.checker.model import AbstractModel
 from kvstate.checker.observed import ObservedScheduler
 from kvstate.checker.refinement_checks import RefinementChecks
 from kvstate.checker.search import SearchBudget
-from kvstate.checker.world import BoundRequests, World, fingerprint, scheduler_config, shape
+from kvstate.checker.world import BoundRequests, World, bound_spec, fingerprint, scheduler_config, shape
 from kvstate.checker.world_graph import WorldGraph
 from kvstate.errors import InvariantViolation
 from kvstate.lifecycle import TransitionTable
@@ -76,7 +76,7 @@ class Refinement:
         """`reachable`: the abstract model's reachable states, which every world's abstraction must be one of
         (REFINES), or None; `scheduler_class`: the observed scheduler to drive (a subclass plants a bug)."""
         self.bound = bound
-        self.spec = spec if spec is not None else default_spec()
+        self.spec = bound_spec(bound, spec if spec is not None else default_spec())
         self.table = TransitionTable(self.spec, GUARDS)
         self.scheduler_class = scheduler_class
         self.config = scheduler_config(bound)

@@ -226,6 +226,7 @@ def describe_bound(bound: Bound) -> str:
         + (f", {bound.micro_batches} micro-batches in flight" if bound.micro_batches > 1 else "")
         + (f", copies up to {bound.copy_delay} pass(es) late" if bound.copy_delay else "")
         + (f", {bound.env_copy_failures} failed cop(ies)" if bound.env_copy_failures else "")
+        + (f", offload {bound.offload}" if bound.offload is not None else "")
         + (f", {bound.env_aborts} abort(s)" if bound.env_aborts and bound.cancel else "")
         + (f", stop tokens at {list(bound.stop_at)}" if bound.stop_tokens else "")
         + (f", preemption cap {bound.max_preemptions}" if bound.max_preemptions is not None else "")
@@ -244,7 +245,10 @@ def report_lines(report: BoundReport, spec: Spec, *, verbose: bool = False) -> l
         f"coverage {total - len(a.never_enabled)}/{total} transitions" if a.verdict == HOLDS else "coverage not judged"
     )
     if a.verdict == SKIPPED:
-        lines.append("  abstract model: not run (abstract_model = false: too large to enumerate)")
+        lines.append(
+            "  abstract model: not run (abstract_model = false: too large to enumerate, or another bound's; the "
+            "refinement checks REFINES action by action)"
+        )
     else:
         lines.append(
             f"  abstract model: {a.states} states ({a.symmetric_states} up to symmetry), {a.edges} edges, "

@@ -14,6 +14,7 @@ which no later decision reads.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from kvstate.checker.bounds import Bound
 from kvstate.checker.observed import ObservedScheduler
 from kvstate.config import SchedulerConfig
 from kvstate.sim import SimExecutor, reference_output
+from kvstate.spec import Spec
 
 
 def bound_index(request_id: Hashable) -> int:
@@ -79,6 +81,14 @@ def scheduler_config(bound: Bound) -> SchedulerConfig:
         enable_recompute_pause=bound.recompute_pause,
         **budgets,
     )
+
+
+def bound_spec(bound: Bound, spec: Spec) -> Spec:
+    """The spec the scheduler of `bound` runs: `spec`, with the bound's offload rule in place of its own where the
+    bound names one (the policy is the spec's to state; a bound only picks among its rules)."""
+    if bound.offload is None or bound.offload == spec.policy.offload:
+        return spec
+    return dataclasses.replace(spec, policy=dataclasses.replace(spec.policy, offload=bound.offload))
 
 
 @dataclass

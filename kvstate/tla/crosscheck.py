@@ -153,7 +153,10 @@ def cross_check(
     runnable = [b for b in bounds if b.abstract_model and unsupported(b) is None]
     for b in bounds:
         if not b.abstract_model:
-            say(f"bound {b.name}: not run (abstract_model = false: too large to enumerate; neither engine runs it)")
+            say(
+                f"bound {b.name}: not run (abstract_model = false: too large to enumerate, or another bound's; neither "
+                "engine runs it)"
+            )
         elif (why := unsupported(b)) is not None:
             say(f"{why} (not run by either engine)")
     say(
