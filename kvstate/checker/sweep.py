@@ -4,8 +4,9 @@
 A sweep (`[sweeps.NAME]` in `spec/bounds.toml`) names, per dimension, the values to take: request counts, prompt
 lengths and max-new-token counts (every sequence of that many requests of those shapes, in arrival order), the GPU
 tier from the smallest that fits each request alone to `gpu_extra` blocks more, host tiers, block sizes, prefill
-chunks, pipeline depths (each with 1..stages micro-batches in flight) and copy delays (with a host tier: without one
-nothing is copied), plus the environment every configuration gets. Each configuration is a `Bound` checked by
+chunks, pipeline depths (each with 1..stages micro-batches in flight), copy delays and offload policies (both with a
+host tier only: without one nothing is copied, and every offload policy offloads nothing), plus the environment every
+configuration gets. Each configuration is a `Bound` checked by
 `check_bound` (the abstract model too, unless `abstract_model = false`: the refinement's step refinement then checks
 REFINES action by action); a violation writes its counterexample as a regression test.
 
@@ -26,6 +27,7 @@ from pathlib import Path
 from kvstate.checker.bounds import Bound, BoundsError, packaged_bounds_path
 from kvstate.checker.explore import HOLDS, INCOMPLETE, VIOLATED
 from kvstate.checker.runner import check_bound
+from kvstate.policy import VOCABULARY
 from kvstate.pool import ceil_div
 from kvstate.spec import Spec, load_spec
 from kvstate.untrusted import Limits, UntrustedFileError, read_toml
@@ -41,6 +43,7 @@ DIMENSIONS = (
     "pipeline_stages",
     "copy_delays",
 )
+POLICIES = ("offloads",)  # dimensions of policy rules: lists of rule names (`Bound.offload`)
 ENVIRONMENT = ("env_cancels", "env_aborts", "env_host_losses", "env_copy_failures", "cancel", "abstract_model")
 
 
@@ -58,6 +61,7 @@ class Sweep:
     chunk_sizes: tuple[int, ...] = (2,)
     pipeline_stages: tuple[int, ...] = (1,)
     copy_delays: tuple[int, ...] = (0,)
+    offloads: tuple[str | None, ...] = (None,)  # None: the spec's own offload rule
     env_cancels: int = 0
     env_aborts: int = 0
     env_host_losses: int = 0
@@ -69,7 +73,7 @@ class Sweep:
     @classmethod
     def from_dict(cls, data: dict, name: str) -> Sweep:
         where = f"sweep {name!r}"
-        known = set(DIMENSIONS) | set(ENVIRONMENT) | {"description"}
+        known = set(DIMENSIONS) | set(POLICIES) | set(ENVIRONMENT) | {"description"}
         unknown = set(data) - known
         if unknown:
             raise BoundsError(f"{where}: unknown keys {sorted(unknown)}; known keys: {sorted(known)}")
@@ -89,6 +93,14 @@ class Sweep:
                 floor = "positive" if positive else "non-negative"
                 raise BoundsError(f"{where}: '{key}' must be a non-empty list of {floor} integers, got {listed!r}")
             values[key] = tuple(listed)
+        if "offloads" in data:
+            listed = data["offloads"]
+            rules = sorted(VOCABULARY["offload"])
+            if not isinstance(listed, list) or not listed or not all(v in rules for v in listed):
+                raise BoundsError(
+                    f"{where}: 'offloads' must be a non-empty list of offload rules {rules}, got {listed!r}"
+                )
+            values["offloads"] = tuple(listed)
         for key in ENVIRONMENT:
             if key in data:
                 values[key] = data[key]
@@ -107,11 +119,11 @@ class Sweep:
             for requests in itertools.product(shapes, repeat=count):
                 for block in self.block_sizes:
                     fits = max(ceil_div(p + m, block) for p, m in requests)  # the smallest GPU tier for each alone
-                    for extra, host, chunk, (stages, micro), delay in itertools.product(
-                        self.gpu_extra, self.host_blocks, self.chunk_sizes, pipelines, self.copy_delays
+                    for extra, host, chunk, (stages, micro), delay, offload in itertools.product(
+                        self.gpu_extra, self.host_blocks, self.chunk_sizes, pipelines, self.copy_delays, self.offloads
                     ):
-                        if delay and not host:
-                            continue  # nothing is copied without a host tier: every delay is delay 0
+                        if not host and (delay or offload != self.offloads[0]):
+                            continue  # nothing is copied without a host tier: every delay is 0, every offload alike
                         yield {
                             "requests": requests,
                             "gpu_blocks": fits + extra,
@@ -121,6 +133,7 @@ class Sweep:
                             "pipeline_stages": stages,
                             "micro_batches": micro,
                             "copy_delay": delay,
+                            "offload": offload,
                             **{key: getattr(self, key) for key in ENVIRONMENT},
                         }
 
@@ -183,6 +196,7 @@ class SweepReport:
             ("chunk", lambda b: b.chunk_size),
             ("stages x micro-batches", lambda b: f"{b.pipeline_stages}x{b.micro_batches}"),
             ("copy delay", lambda b: b.copy_delay),
+            ("offload", lambda b: b.offload or "the spec's"),
         ]
         out = [
             "| dimension | value | configurations | holds | violated | incomplete | states |",
