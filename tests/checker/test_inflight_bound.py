@@ -1,7 +1,8 @@
 """Several micro-batches in flight, in the model checker and the pure stepping driver: the `pipeline2_inflight`
 bound drives the real scheduler with two outputs in flight, and the refinement reaches worlds in which a request
-preempted while its decode step is in flight receives that token suspended or awaiting consensus (a deferred
-finish); the sim keeps outputs equal to the reference with stop tokens, and never schedules a request twice."""
+preempted while its decode step is in flight receives that token suspended (in its held blocks, or in the host tier
+with eager offload) or awaiting consensus (a deferred finish); the sim keeps outputs equal to the reference with stop
+tokens, and never schedules a request twice."""
 
 from __future__ import annotations
 
@@ -26,13 +27,17 @@ PENDING = "awaiting_consensus"
 
 class LandingScheduler(ObservedScheduler):
     """The observed scheduler, counting (class-wide: worlds are deep copies) the tokens that land on a request
-    preempted while its decode step was in flight, by the state it is in when the token lands."""
+    preempted while its decode step was in flight, by the state it is in when the token lands, and (`tails`) by the
+    tier that holds the tail of its table then, where the step wrote its KV."""
 
     landed: typing.ClassVar[Counter] = Counter()
+    tails: typing.ClassVar[Counter] = Counter()
 
     def _land_preempted(self, request, state, sampled) -> bool:
         kept = super()._land_preempted(request, state, sampled)
         LandingScheduler.landed[state, kept] += 1
+        if state == self._offloaded:  # a suspended request holds its KV; a reset or ended one holds none
+            LandingScheduler.tails["gpu" if self.pool.gpu_blocks(request.request_id) else "host"] += 1
         return kept
 
 
@@ -44,7 +49,7 @@ def test_the_in_flight_bound_is_in_the_default_set_with_two_micro_batches():
 
 
 def _landings(bound: Bound) -> Counter:
-    LandingScheduler.landed = Counter()
+    LandingScheduler.landed, LandingScheduler.tails = Counter(), Counter()
     result = Refinement(bound, SPEC, scheduler_class=LandingScheduler).explore()
     assert result.verdict == HOLDS, result.message
     return LandingScheduler.landed
@@ -65,7 +70,19 @@ def test_the_refinement_holds_with_two_micro_batches_and_lands_tokens_on_preempt
 def test_a_request_suspended_with_its_decode_step_in_flight_keeps_the_token_that_lands():
     bounds, _ = load_bounds()
     landed = _landings(bounds["pipeline2_inflight_suspend"])
-    assert landed["suspended", True] > 0, landed  # the host copy was taken after the step on every stage
+    assert landed["suspended", True] > 0, landed  # its blocks are held where the step wrote them
+
+
+@pytest.mark.parametrize(("name", "tail"), [("inflight_suspend", "gpu"), ("inflight_suspend_eager", "host")])
+def test_a_token_landing_on_a_suspended_request_lands_where_its_table_ends(name, tail):
+    """On demand, nothing of a request with a step in flight is offloaded: the step's KV is in its held GPU blocks.
+    Eager, all of a victim's blocks move at its suspension, the step's among them (the copy is taken after the step
+    on every stage): the token lands with its KV in the host tier."""
+    bounds, default = load_bounds()
+    assert name in default
+    landed = _landings(bounds[name])
+    assert landed["suspended", True] > 0, landed
+    assert set(LandingScheduler.tails) == {tail}, LandingScheduler.tails
 
 
 def test_micro_batches_need_several_stages():

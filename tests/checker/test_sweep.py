@@ -53,6 +53,18 @@ def test_a_sweep_enumerates_each_configuration_once_with_delays_only_where_copie
     assert {b.gpu_blocks for b in bounds if b.requests == ((2, 1),)} == {3}  # the smallest tier that fits it
 
 
+def test_a_sweep_takes_each_offload_rule_only_where_a_host_tier_takes_offloads():
+    entry = {"request_counts": [1], "prompt_lens": [1], "max_new_tokens": [1], "host_blocks": [0, 1]}
+    sweep = Sweep.from_dict({**entry, "offloads": ["on_demand", "eager"]}, "offloads")
+    bounds = sweep.bounds()
+    assert [(b.host_blocks, b.offload) for b in bounds] == [(0, "on_demand"), (1, "on_demand"), (1, "eager")]
+    assert [b.offload for b in Sweep.from_dict(entry, "spec").bounds()] == [None, None]  # the spec's own rule
+    report = run_sweep(sweep)
+    assert report.verdict == "holds" and "| offload | eager | 1 | 1 | 0 | 0 |" in "\n".join(report.lines())
+    with pytest.raises(BoundsError, match="'offloads' must be a non-empty list of offload rules"):
+        Sweep.from_dict({**entry, "offloads": ["lazy"]}, "bad")
+
+
 def test_a_sweep_reports_a_table_of_configurations_by_verdict(bounds_file):
     report = run_sweep(select_sweep("tiny", bounds_file), workers=2)
     assert report.verdict == "holds" and len(report.outcomes) == 18
@@ -107,7 +119,8 @@ def test_a_bad_sweep_is_refused_with_the_key_named(entry, message):
 def test_the_packaged_sweeps_span_the_dimensions_the_issue_names():
     sweeps = load_sweeps()
     ci = sweeps["ci"]
-    assert len(ci.bounds()) == 1440 and not ci.abstract_model
+    assert len(ci.bounds()) == 2400 and not ci.abstract_model  # 1440 configurations, 960 with a host tier twice
+    assert set(ci.offloads) == {"on_demand", "eager"}  # the spec's offload rule and the other one
     union = {key: set() for key in ("request_counts", "host_blocks", "block_sizes", "chunk_sizes", "copy_delays")}
     for sweep in sweeps.values():
         for key, values in union.items():

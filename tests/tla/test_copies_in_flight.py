@@ -31,6 +31,15 @@ OLD_RELEASE = (
 )
 
 
+# ReleaseBlocks with the copy's direction taken from the tiers the request holds, not from its fences
+RELEASE_BY_TIER = r"""LET incoming_gpu == IF q.gpu > 0 THEN q.incoming ELSE 0
+        incoming_host == q.incoming - incoming_gpu
+    IN  [request |-> [q EXCEPT !.gpu = 0, !.host = 0, !.incoming = 0,
+                               !.fenced_gpu = @ + incoming_gpu, !.fenced_host = @ + incoming_host],
+         pool |-> [c EXCEPT !.gpu_free = @ + q.gpu - incoming_gpu, !.host_free = @ + q.host - incoming_host,
+                            !.gpu_fenced = @ + incoming_gpu, !.host_fenced = @ + incoming_host]]"""
+
+
 def explored(bound: Bound):
     result = explore(AbstractModel(bound, load_spec(), symmetry=False), keep_states=True)
     assert result.verdict == HOLDS and result.reachable is not None
@@ -42,7 +51,14 @@ def test_the_bounds_exercise_what_they_are_named_for():
     offloaded, terminal = spec.role("offloaded"), set(spec.terminal_states)
     copies, landing = explored(COPIES).reachable, explored(LANDING).reachable
     assert any(r.state in terminal and r.fenced_gpu + r.fenced_host > 0 for s in copies for r in s.requests)
+    # lazy suspension: a suspended request split across both tiers while an offload is in flight, and a release of
+    # one that leaves the offload's host destinations fenced
+    assert any(r.state == offloaded and r.gpu and r.host and r.incoming for s in copies for r in s.requests)
+    assert any(r.state in terminal and r.fenced_host for s in copies for r in s.requests)
     assert any(r.state == offloaded and r.in_flight for s in landing for r in s.requests)
+    # a step landing in held GPU blocks, and one landing in the host tier when every block was offloaded
+    assert any(r.state == offloaded and r.in_flight and r.gpu for s in landing for r in s.requests)
+    assert any(r.state == offloaded and r.in_flight and not r.gpu and r.host for s in landing for r in s.requests)
     without_stops = Bound("no_stops", STOPS.requests, gpu_blocks=5, host_blocks=0, block_size=1, chunk_size=2)
     assert explored(STOPS).edges > explored(without_stops).edges  # a stop token is a step of its own
 
@@ -61,6 +77,25 @@ def test_the_release_before_issue_25_as_a_tla_meaning_is_a_difference_the_compar
     out = capsys.readouterr().out
     assert code == 1 and c.mismatches, out
     assert "the engines disagree on 1 bound(s) (exit 1)" in out
+
+
+def test_a_release_that_takes_its_copys_direction_from_the_tiers_held_is_a_difference_the_comparison_catches(
+    tlc_tools, capsys
+):
+    """A suspended request may hold blocks in both tiers with an offload in flight: a release whose TLA+ meaning
+    takes the destinations for GPU blocks whenever it holds GPU blocks (its direction before lazy suspension) differs
+    from our checker's, which reads the copy's own fences."""
+    release = TLA["release_kv_and_terminate"]
+    by_tier = release.body.replace("ReleaseBlocks(request, pool)", "ReleaseByTier(request, pool)")
+    assert by_tier != release.body
+    differs = {
+        "ReleaseByTier": release._replace(params=("q", "c"), body=RELEASE_BY_TIER),
+        **TLA,
+        "release_kv_and_terminate": release._replace(body=by_tier),
+    }
+    code, (c,) = cross_check([COPIES], load_spec(), Options(meanings=differs), tools=tlc_tools)
+    out = capsys.readouterr().out
+    assert code == 1 and c.mismatches and c.ours.states != c.tlc.states, out
 
 
 def test_a_bound_whose_abstract_model_cuts_chunks_is_refused_naming_the_feature(tlc_tools, capsys):

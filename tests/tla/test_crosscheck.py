@@ -22,7 +22,8 @@ TWINS = Bound("twins", ((2, 1), (2, 1)), gpu_blocks=4, host_blocks=2, block_size
 
 
 def swap_suspend_and_resume_effects(data: dict) -> None:
-    """A planted spec bug: suspend runs resume's effect (the request keeps no blocks; its GPU blocks leak)."""
+    """A planted spec bug: suspend runs resume's effect and resume suspend's (a resumed request keeps the blocks it
+    holds in the host tier: a running request with host blocks)."""
     events = {e["name"]: e for e in data["events"]}
     (suspend,), (resume,) = events["suspend"]["transitions"], events["resume"]["transitions"]
     suspend["effect"], resume["effect"] = resume["effect"], suspend["effect"]
@@ -30,7 +31,9 @@ def swap_suspend_and_resume_effects(data: dict) -> None:
 
 @pytest.mark.parametrize(
     ("plant", "bounds"),
-    [(swap_suspend_and_resume_guards, ["default", "no_host"]), (swap_suspend_and_resume_effects, ["default"])],
+    # without a host tier nothing is offloaded, so a resume needs no GPU room and the swapped guards change nothing
+    # there (no_host); a host tier of one block is enough to show them
+    [(swap_suspend_and_resume_guards, ["default", "small_host"]), (swap_suspend_and_resume_effects, ["default"])],
     ids=["guards swapped", "effects swapped"],
 )
 def test_a_planted_spec_bug_is_found_by_both_engines_with_counterexamples_of_equal_length(
