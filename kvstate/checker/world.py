@@ -7,9 +7,9 @@ The refinement submits request `i` of a bound with id `i` (`bound_index`) and th
 Two worlds with the same `fingerprint` behave alike from then on: it holds the request states, token lists, block
 tables, free lists, KV contents of owned blocks, copies in flight and how long they may still take, outputs in
 flight, the admission order, the order in which held blocks are offloaded (least recently held first), what the
-no-progress detector (A4) reads and the environment budgets left; it leaves out iteration numbers (a suspension's pass
-number among them: the promotion gate compares it only with the pass under way), plan ids and statistics counters,
-which no later decision reads.
+no-progress detector (A4) and the preemption cap (A3) read and the environment budgets left; it leaves out iteration
+numbers (a suspension's pass number among them: the promotion gate compares it only with the pass under way), plan
+ids and statistics counters, which no later decision reads.
 """
 
 from __future__ import annotations
@@ -109,10 +109,12 @@ def fingerprint(world: World) -> tuple:
     """What identifies `world` among the worlds of one bound (the module's docstring says what it holds)."""
     s, sim = world.scheduler, world.sim
     pool = s.pool
+    cap = s.config.max_preemptions_per_request
     active = []
     for rid in sorted(s.requests, key=bound_index):
         r = s.requests[rid]
         gpu, host = pool.gpu_blocks(rid), pool.host_blocks(rid)
+        preempted = r.num_suspensions + r.num_recompute_pauses
         active.append(
             (
                 rid,
@@ -124,6 +126,8 @@ def fingerprint(world: World) -> tuple:
                 host,
                 r.termination_reason,
                 r.replay_high_water,  # what the no-progress detector (A4) reads, with idle_iterations below
+                r.num_recompute_pauses > 0,  # the detector's allowance for replays reads it too
+                min(preempted, cap) if cap is not None else 0,  # the preemption cap (A3): whether it is reached
                 tuple(tuple(sim.gpu[b]) for b in gpu),
                 tuple(tuple(sim.host[b]) for b in host),
             )

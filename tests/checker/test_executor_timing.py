@@ -209,6 +209,33 @@ def test_the_fingerprint_includes_what_the_no_progress_detector_reads():
     other = r.clone(world)
     other.scheduler.get(0).replay_high_water += 1
     assert fingerprint(other) != fingerprint(world)
+    other = r.clone(world)
+    other.scheduler.get(0).num_recompute_pauses += 1  # the detector's allowance for replays reads it
+    assert fingerprint(other) != fingerprint(world)
+
+
+def test_the_fingerprint_includes_the_order_held_blocks_are_offloaded_in():
+    """The least recently held request's blocks move first: two worlds that differ only in that order differ."""
+    r = Refinement(bound())
+    world = r.initial()
+    r.apply(world, ("submit", 0))
+    one, other = r.clone(world), r.clone(world)
+    one.scheduler.pool._held = {0: None, 1: None}
+    other.scheduler.pool._held = {1: None, 0: None}
+    assert fingerprint(one) != fingerprint(other)
+
+
+def test_the_fingerprint_includes_whether_the_preemption_cap_is_reached():
+    r = Refinement(bound(max_preemptions=1))
+    world = r.initial()
+    r.apply(world, ("submit", 0))
+    r.apply(world, ("step",))
+    other = r.clone(world)
+    other.scheduler.get(0).num_suspensions += 1
+    assert fingerprint(other) != fingerprint(world)
+    once, twice = r.clone(other), r.clone(other)
+    twice.scheduler.get(0).num_suspensions += 1  # past the cap: the scheduler reads only that it is reached
+    assert fingerprint(twice) == fingerprint(once)
 
 
 def test_a3_stop_tokens_and_a4_each_appear_in_a_default_bound():
