@@ -128,6 +128,26 @@ def test_a_bound_offload_must_be_one_of_the_policys_offload_rules():
         Bound(name="x", requests=((1, 1),), gpu_blocks=2, offload="lazy")
 
 
+# ------------------------------------------------------------------------------------------- offload copies
+def test_offload_copies_complete_late_or_fail_and_a_failed_one_is_undone_by_losing_the_host_copy():
+    """An offload's copy is explored like every copy: late up to copy_delay passes, or failed when issued or later;
+    a failure is undone by lose_host_copy (the request replays), as the spec's undo of a failed offload says."""
+    (bound,) = select_bounds(["late_copies"])
+    assert bound.copy_delay and bound.env_copy_failures
+    refinement = Refinement(bound, SPEC)
+    after_failure: Counter = Counter()
+    apply = refinement.apply
+
+    def observed(world, action) -> None:
+        apply(world, action)
+        if action[0] == "fail" or (action[0] == "step" and len(action) > 1):  # a copy in flight, or one issued, fails
+            after_failure.update(event for _, _, event, _ in world.scheduler.transition_log)
+
+    refinement.apply = observed  # type: ignore[method-assign]
+    assert refinement.explore().verdict == HOLDS
+    assert after_failure["lose_host_copy"] > 0 and after_failure["offload"] > 0, after_failure
+
+
 # ------------------------------------------------------------------------------------------- RESUME-COPY
 def test_a_resume_that_places_its_onboarded_blocks_after_its_held_ones_is_caught(monkeypatch):
     """The host blocks a resume copies up hold the start of the request's KV: placed after its held GPU blocks, its
