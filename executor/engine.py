@@ -142,7 +142,9 @@ class Engine:
         self._host_tier = HostTier(self.cache, self.device, self.totals, self.faults, config.verify_host_checksums)
         host_blocks = self._host_tier.attach(config)
         self.scheduler = Scheduler(
-            replace(sc, host_blocks=host_blocks, block_bytes=self.cache.block_bytes), record_transitions=True
+            replace(sc, host_blocks=host_blocks, block_bytes=self.cache.block_bytes),
+            spec=config.spec,
+            record_transitions=True,
         )
         self.scheduler.host_tier_fallback = host_blocks < sc.host_blocks
         spec = self.scheduler.spec
