@@ -69,7 +69,7 @@ from executor.faults import FaultInjector
 from executor.host_tier import HostTier
 from executor.kv_cache import PagedKVCache, resolve_device
 from executor.model import LlamaModel
-from executor.run_totals import RunTotals
+from executor.run_totals import RunTotals, resume_copies
 from executor.sampler import GREEDY, SamplingParams, sample_batch
 from executor.step_attempt import StepAttempt, settle_interrupted, step_progress
 from executor.submission import Submission, checked_request
@@ -250,6 +250,7 @@ class Engine:
         sampled = self._compute(step.output)
         attempt.phase = "complete migrations"
         self._host_tier.settle(step)
+        resumes = resume_copies(step.output)  # before complete_step: resumed requests are not scheduled yet
         attempt.phase = "complete step"
         attempt.progress = step_progress(step.output)
         produced = step.finish(sampled)
@@ -258,13 +259,7 @@ class Engine:
         if check:
             scheduler.check_invariants()
         stats = self.stats()
-        totals = self.totals
-        totals.steps += 1
-        totals.generated_tokens += stats.generated_tokens
-        totals.recomputed_tokens += stats.recomputed_tokens
-        totals.scheduled_tokens += stats.scheduled_tokens
-        totals.blocks_migrated += stats.blocks_migrated
-        totals.bytes_migrated += stats.bytes_migrated
+        self.totals.add_step(stats, resumes)
         return stats
 
     def _settle_failed(self, attempt: StepAttempt, err: BaseException) -> None:
