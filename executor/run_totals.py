@@ -1,9 +1,11 @@
-"""The run totals of an engine (`RunTotals`): sums over every step since it was built, and what one step's output
-says about its resumes (`resume_copies`)."""
+"""The run totals of an engine (`RunTotals`): sums over every step since it was built, what one step's output says
+about its resumes (`resume_copies`), and the summary rows of the copies lazy suspension made and saved
+(`copy_rows`, shared by the commands that print a run's totals)."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from kvstate.output import SchedulerOutput
@@ -110,3 +112,17 @@ class RunTotals:
         d.update(events=dict(self.events), faults=dict(self.faults), preemptions=self.preemptions)
         d["failures"] = self.failures
         return d
+
+
+def copy_rows(totals: Mapping) -> list[tuple[str, str]]:
+    """(metric, value) rows of the copies of a run whose `totals` are `RunTotals.to_dict()` (or a pipeline's, with
+    the same names): offloads and the blocks they moved down, the blocks resumes copied up, and the resumes and
+    blocks that needed no copy because the blocks were still on the GPU."""
+    events = totals.get("events", {})
+    return [
+        ("offloads", str(events.get("offload", 0))),
+        ("blocks offloaded (GPU -> host)", str(totals.get("blocks_offloaded", 0))),
+        ("blocks onboarded (host -> GPU)", str(totals.get("blocks_onboarded", 0))),
+        ("resumes without a copy", f"{totals.get('resumed_without_copy', 0)} of {events.get('resume', 0)}"),
+        ("blocks re-locked without a copy", str(totals.get("blocks_relocked", 0))),
+    ]
