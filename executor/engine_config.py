@@ -101,7 +101,7 @@ class EngineConfig:
     simulate_host_alloc_failure: bool = False  # tests: behave as if the host tier could not be allocated
     check_invariants: bool = False  # run Scheduler.check_invariants around every step (slow; for tests)
     faults: FaultPlan | None = None  # fault injection (executor.faults); None = no injected faults
-    verify_host_checksums: bool = False  # CRC-32 every suspended block; a mismatch on resume replays the request
+    verify_host_checksums: bool = False  # CRC-32 every offloaded block; a mismatch on resume replays the request
     decode_kv_bytes: int = DECODE_KV_BUDGET_BYTES  # memory a reused decode plan keeps its keys and values in (DecodeKV)
     spec: Spec | None = None  # the lifecycle and policy the scheduler runs (None: the packaged spec; `offload_spec`)
 

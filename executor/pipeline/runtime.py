@@ -334,7 +334,7 @@ class PipelineRank:
         fences = [self.cache.execute(plan) for plan in plans]
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         for plan, fence in zip(plans, fences, strict=True):
-            if plan.direction == TO_GPU:  # the forward reads resumed blocks; suspended ones only free after the wait
+            if plan.direction == TO_GPU:  # the forward reads resumed blocks; offloaded ones only free after the wait
                 fence.order_before(stream)
         writers = [(rid, table) for rid, _, _, table, _ in message["chunks"]]
         writers += [(p.request_id, [dst for _, dst in p.pairs]) for p in plans if p.direction == TO_GPU]
