@@ -7,7 +7,7 @@ from .checkpoint_files import CheckpointError
 from .decode_kv import DecodeKV
 from .decode_plan import BatchPlanner
 from .engine import Engine
-from .engine_config import EngineConfig, resolve_dtype
+from .engine_config import OFFLOAD_POLICIES, EngineConfig, offload_spec, resolve_dtype
 from .engine_errors import (
     EngineClosed,
     EngineMisuse,
@@ -35,6 +35,7 @@ from .sampler import GREEDY, SamplingParams, draw_seed, sample_token
 __all__ = [
     "FAULT_KINDS",
     "GREEDY",
+    "OFFLOAD_POLICIES",
     "BatchPlanner",
     "CheckpointError",
     "CompletedFence",
@@ -66,6 +67,7 @@ __all__ = [
     "load_checkpoint",
     "load_gguf_llama",
     "load_hf_llama",
+    "offload_spec",
     "resolve_device",
     "resolve_dtype",
     "sample_token",

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from executor.engine import Engine
-from executor.engine_config import EngineConfig
+from executor.engine_config import EngineConfig, offload_spec
 from executor.model import LlamaModel, ModelConfig
 from executor.sampler import GREEDY, SamplingParams
 from kvstate.config import SchedulerConfig
@@ -56,11 +56,13 @@ def demo_engine_config(  # noqa: PLR0913 - keyword-only: one per demo option
     dtype: str,
     trace: str | Path | None,
     lifecycle: str = "machine",
+    offload: str | None = None,
     **settings: Any,
 ) -> EngineConfig:
     """The engine configuration of a demo run (`kvstate demo`, with or without `--pp`, and `python -m
     executor.pipeline`): prefill chunks of `chunk_size`, at least 256 tokens a pass, `demo_model(hidden_size)` with
-    weights, workload and sampling all seeded by `seed`; `settings` are further `EngineConfig` fields."""
+    weights, workload and sampling all seeded by `seed`, the spec with offload policy `offload` (None: the spec's
+    own); `settings` are further `EngineConfig` fields."""
     scheduler = SchedulerConfig(
         gpu_blocks=gpu_blocks,
         host_blocks=host_blocks,
@@ -77,6 +79,7 @@ def demo_engine_config(  # noqa: PLR0913 - keyword-only: one per demo option
         seed=seed,
         weights_seed=seed,
         trace_path=trace,
+        spec=None if offload is None else offload_spec(offload),
         **settings,
     )
 

@@ -5,8 +5,8 @@ serializes its calls with `executor.call_guard.CallGuard` and counts its work in
 One `step()` runs the phases of a `kvstate.scheduler.Step` (as `kvstate.sim.SimExecutor` does) with tensors:
 
 1. ``out = scheduler.schedule()``;
-2. issue every migration plan of ``out`` (suspend: GPU -> host; resume: host -> GPU) on the copy stream
-   (`executor.host_tier.HostTier`, `PagedKVCache.execute`), and make the compute stream wait on the resumes'
+2. issue every migration plan of ``out`` (offload: held GPU blocks -> host; resume: host -> GPU) on the copy
+   stream (`executor.host_tier.HostTier`, `PagedKVCache.execute`), and make the compute stream wait on the resumes'
    fences (only they write blocks the forward reads); a plan that cannot be copied is failed, and the step carries
    on with the amended output;
 3. one forward pass (its `PagedBatch` from `BatchPlanner`, which reuses the decode plan while the batch is
@@ -17,15 +17,22 @@ One `step()` runs the phases of a `kvstate.scheduler.Step` (as `kvstate.sim.SimE
 4. wait on the fences, then ``complete_migrations(out)`` (only now may fenced source blocks be reused);
 5. ``complete_step(out, sampled)``.
 
+Suspension is lazy (the spec's `suspend` copies nothing): a suspended request's blocks stay in the device cache,
+held, until the scheduler plans an offload of some of them for an allocation that needs the GPU room (or of all of
+them at once, under the spec's `eager` offload policy: `EngineConfig.spec`, `offload_spec`); a resume re-locks the
+blocks still on the GPU with no copy and copies up only its host blocks, which the pool places before them in the
+request's block table.
+
 Recompute-pause needs no executor action: the scheduler frees the blocks and resets the request, and its replay
 is an ordinary chunked prefill of prompt + generated tokens.
 
 Faults (`EngineConfig.faults`, a seeded `executor.faults.FaultPlan`; spec/SPEC.md "Faults"): a failed copy is
-reported with `Scheduler.fail_migration` before the forward pass (a failed suspend takes `lose_host_copy`, a failed
+reported with `Scheduler.fail_migration` before the forward pass (a failed offload takes `lose_host_copy`, a failed
 resume `recompute_pause`; either replays), and the step carries on with ``out.amended(failure)`` (the output
-`schedule()` returned is never changed), a host copy whose checksum no longer matches (`verify_host_checksums`)
-is treated as a failed resume, and a lost host tier (`lose_host_tier`) replays every suspended request and leaves
-the engine GPU-only. The engine keeps serving through all of them and every output still equals its reference.
+`schedule()` returned is never changed), a host block whose checksum no longer matches (`verify_host_checksums`)
+fails the resume that reads it, and a lost host tier (`lose_host_tier`) replays every suspended request holding
+host blocks (those held wholly on the GPU stay suspended) and leaves the engine GPU-only. The engine keeps
+serving through all of them and every output still equals its reference.
 
 Failures (an exception anywhere inside `step()`: the forward pass, sampling, a copy, the scheduler, a trace write,
 an interrupt): the step is settled before the exception leaves it (`executor.step_attempt`): every fence is
@@ -39,7 +46,8 @@ cause, and every later call that drives it raises it (finished outputs can still
 Invariants kept:
 * OUT-EQUIV: every finished request's output equals `Engine.reference` of it (its unpressured run) — the model
   reads only the request's own blocks and the sampler depends only on (seed, request id, position);
-* no block of a migration's source is reused before that migration's fence has completed;
+* no block of a migration's source is reused before that migration's fence has completed: an offload's GPU
+  sources are given to another request only after their copy down is complete;
 * between two calls nothing is in flight: every fence has completed and `scheduler.pool.in_flight` is empty,
   also after a failed step and after `close()` (so the device cache may then be freed);
 * every lifecycle transition is written to the trace (when `trace_path` is set) as it happens; an interruption
@@ -69,7 +77,7 @@ from executor.faults import FaultInjector
 from executor.host_tier import HostTier
 from executor.kv_cache import PagedKVCache, resolve_device
 from executor.model import LlamaModel
-from executor.run_totals import RunTotals
+from executor.run_totals import RunTotals, resume_copies
 from executor.sampler import GREEDY, SamplingParams, sample_batch
 from executor.step_attempt import StepAttempt, settle_interrupted, step_progress
 from executor.submission import Submission, checked_request
@@ -80,6 +88,8 @@ from kvstate.request import Request
 from kvstate.scheduler import Scheduler, Step, UnknownRequestId
 from kvstate.stats import IterationStats
 from kvstate.trace import TraceWriter
+
+HELD = "held"  # the spec's residency of states whose KV is held: on the GPU, the host tier or both
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,11 +152,14 @@ class Engine:
         self._host_tier = HostTier(self.cache, self.device, self.totals, self.faults, config.verify_host_checksums)
         host_blocks = self._host_tier.attach(config)
         self.scheduler = Scheduler(
-            replace(sc, host_blocks=host_blocks, block_bytes=self.cache.block_bytes), record_transitions=True
+            replace(sc, host_blocks=host_blocks, block_bytes=self.cache.block_bytes),
+            spec=config.spec,
+            record_transitions=True,
         )
         self.scheduler.host_tier_fallback = host_blocks < sc.host_blocks
         spec = self.scheduler.spec
-        self._host_states = frozenset(s.name for s in spec.states if spec.residency(s.name) == "host")
+        # the states a request may hold host blocks in (the rest hold none: RES-STATE)
+        self._host_states = frozenset(s.name for s in spec.states if spec.residency(s.name) == HELD)
         self.trace = TraceWriter(config.trace_path) if config.trace_path is not None else None
         self._produced: list[Request] = []  # the requests that produced a token in the last step (`last_produced`)
         self._submissions: dict[Hashable, Submission] = {}
@@ -248,6 +261,7 @@ class Engine:
         sampled = self._compute(step.output)
         attempt.phase = "complete migrations"
         self._host_tier.settle(step)
+        resumes = resume_copies(step.output)  # before complete_step: resumed requests are not scheduled yet
         attempt.phase = "complete step"
         attempt.progress = step_progress(step.output)
         produced = step.finish(sampled)
@@ -256,13 +270,7 @@ class Engine:
         if check:
             scheduler.check_invariants()
         stats = self.stats()
-        totals = self.totals
-        totals.steps += 1
-        totals.generated_tokens += stats.generated_tokens
-        totals.recomputed_tokens += stats.recomputed_tokens
-        totals.scheduled_tokens += stats.scheduled_tokens
-        totals.blocks_migrated += stats.blocks_migrated
-        totals.bytes_migrated += stats.bytes_migrated
+        self.totals.add_step(stats, resumes)
         return stats
 
     def _settle_failed(self, attempt: StepAttempt, err: BaseException) -> None:
@@ -318,8 +326,9 @@ class Engine:
             )
 
     def lose_host_tier(self, reason: str = "the host tier became unusable") -> list[Hashable]:
-        """The host tier is gone (call between steps): every suspended request takes `lose_host_copy` and will be
-        replayed, the host tensor is dropped, and the engine keeps serving GPU-only (`host_tier_fallback`).
+        """The host tier is gone (call between steps): every suspended request holding host blocks takes
+        `lose_host_copy` and will be replayed (those held wholly on the GPU stay suspended), the host tensor is
+        dropped, and the engine keeps serving GPU-only (`host_tier_fallback`).
         Returns the ids of the requests that lost their host copy. Raises `HostTierLossRefused` (nothing
         changed) when recompute-pause is disabled, since nothing could be evicted afterwards."""
         with self._calls.exclusive("lose_host_tier"):
@@ -392,7 +401,7 @@ class Engine:
             taken = self.scheduler.forget_finished(list(self.scheduler.finished))
             for request in taken:
                 self._submissions.pop(request.request_id, None)
-                self._host_tier.checksums.pop(request.request_id, None)
+                self._host_tier.forget(request.request_id)
             return {r.request_id: FinishedRequest(list(r.generated), r.end_reason) for r in taken}
 
     def stats(self) -> IterationStats:
@@ -489,7 +498,8 @@ class Engine:
     # ---------------------------------------------------------------------------------------- lifecycle
     def _take_transitions(self) -> None:
         """Take the transitions the scheduler recorded since the last call (after every call that may fire one):
-        count each event, forget a dropped host copy's checksums, write the trace lines. A failed trace write is
+        count each event, forget the checksums of a request that left the states holding host blocks (its host
+        copy was read by a resume, lost or released), write the trace lines. A failed trace write is
         kept, not raised, so that a failing step is still settled; `_break_on_trace_failure` then breaks the
         engine once its state is consistent. An interruption (KeyboardInterrupt, or any other BaseException)
         anywhere in here, the trace write included, leaves lines unwritten: the engine is marked broken at once
@@ -499,8 +509,8 @@ class Engine:
             for fired in self.scheduler.take_fired():
                 transition = fired.transition
                 events[transition.event] += 1
-                if transition.source in host_states and transition.event != "resume":
-                    self._host_tier.checksums.pop(fired.request.request_id, None)  # the host copy is gone (lost, ...)
+                if transition.source in host_states and transition.dest not in host_states:
+                    self._host_tier.forget(fired.request.request_id)  # it holds no host block now (RES-STATE)
                 if self.trace is not None and self._trace_failure is None:
                     try:
                         self.trace.write(fired)

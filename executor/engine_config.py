@@ -7,7 +7,9 @@ What it keeps true:
 * pool sizes that cannot fit the device's or the machine's memory are refused (`check_memory`) before the cache is
   allocated;
 * a reference run's config (`unpressured`) is the same engine with room for every token, no host tier, no trace,
-  no faults and no checks.
+  no faults and no checks;
+* the lifecycle an engine runs is `EngineConfig.spec` (None: the packaged spec); `offload_spec` is a copy of one
+  with another offload policy, refused unless the spec's policy vocabulary names it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from executor.faults import FaultPlan
 from executor.kv_cache import block_shape
 from executor.model import ModelConfig
 from kvstate.config import ConfigError, SchedulerConfig
+from kvstate.policy import VOCABULARY
+from kvstate.spec import Spec, default_spec
+
+OFFLOAD_POLICIES: tuple[str, ...] = tuple(VOCABULARY["offload"])  # the values of the spec's `[policy] offload`
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -95,8 +101,9 @@ class EngineConfig:
     simulate_host_alloc_failure: bool = False  # tests: behave as if the host tier could not be allocated
     check_invariants: bool = False  # run Scheduler.check_invariants around every step (slow; for tests)
     faults: FaultPlan | None = None  # fault injection (executor.faults); None = no injected faults
-    verify_host_checksums: bool = False  # CRC-32 every suspended block; a mismatch on resume replays the request
+    verify_host_checksums: bool = False  # CRC-32 every offloaded block; a mismatch on resume replays the request
     decode_kv_bytes: int = DECODE_KV_BUDGET_BYTES  # memory a reused decode plan keeps its keys and values in (DecodeKV)
+    spec: Spec | None = None  # the lifecycle and policy the scheduler runs (None: the packaged spec; `offload_spec`)
 
     def __post_init__(self) -> None:
         """Refuse wrong types and unsupported dtypes here; pool sizes and budgets are checked by `SchedulerConfig`
@@ -117,20 +124,7 @@ class EngineConfig:
                 f"EngineConfig.faults must be an executor.FaultPlan or None, got "
                 f"{type(self.faults).__name__}; build one with FaultPlan.parse or FaultPlan.of"
             )
-        for f in fields(self):
-            value, kind = getattr(self, f.name), _FIELD_KINDS.get(f.name)
-            if kind is bool and not isinstance(value, bool):
-                raise ConfigError(f"EngineConfig.{f.name} must be True or False, got {value!r}")
-            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ConfigError(f"EngineConfig.{f.name} must be an int, got {type(value).__name__} {value!r}")
-        if not isinstance(self.model, ModelConfig):
-            raise ConfigError(f"EngineConfig.model must be an executor.ModelConfig, got {type(self.model).__name__}")
-        for name in ("checkpoint", "trace_path"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, (str, os.PathLike)):
-                raise ConfigError(
-                    f"EngineConfig.{name} must be a path (str or os.PathLike) or None, got {type(value).__name__}"
-                )
+        _check_field_types(self)
         if not isinstance(self.device, (str, torch.device)):
             raise ConfigError(
                 f"EngineConfig.device must be 'auto', 'cpu', 'cuda', 'cuda:N' or a torch.device, got "
@@ -144,6 +138,43 @@ class EngineConfig:
                 "decode step gathers its blocks again)"
             )
 
+
+def _check_field_types(config: EngineConfig) -> None:
+    """Refuse (`ConfigError`) a field of `config` of the wrong type: flags, integers, classes and paths."""
+    for f in fields(config):
+        value, kind = getattr(config, f.name), _FIELD_KINDS.get(f.name)
+        if kind is bool and not isinstance(value, bool):
+            raise ConfigError(f"EngineConfig.{f.name} must be True or False, got {value!r}")
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"EngineConfig.{f.name} must be an int, got {type(value).__name__} {value!r}")
+    for name, cls, how in _FIELD_CLASSES:
+        value = getattr(config, name)
+        if not isinstance(value, cls) and not (value is None and name == "spec"):
+            raise ConfigError(f"EngineConfig.{name} must be {how}, got {type(value).__name__}")
+    for name in ("checkpoint", "trace_path"):
+        value = getattr(config, name)
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise ConfigError(
+                f"EngineConfig.{name} must be a path (str or os.PathLike) or None, got {type(value).__name__}"
+            )
+
+
+def offload_spec(offload: str, spec: Spec | None = None) -> Spec:
+    """`spec` (default: the packaged spec) with its policy's `offload` set to `offload` (`OFFLOAD_POLICIES`:
+    ``on_demand`` moves held blocks only when an allocation needs the GPU room, ``eager`` moves all of a victim's
+    blocks in the pass that suspends it); `spec` itself is returned when it already says so."""
+    if offload not in OFFLOAD_POLICIES:
+        raise ConfigError(f"offload policy {offload!r} is not one of {', '.join(OFFLOAD_POLICIES)}; pass one of those")
+    spec = spec if spec is not None else default_spec()
+    if spec.policy.offload == offload:
+        return spec
+    return replace(spec, policy=replace(spec.policy, offload=offload))
+
+
+_FIELD_CLASSES = (
+    ("model", ModelConfig, "an executor.ModelConfig"),
+    ("spec", Spec, "a kvstate.Spec or None (the packaged spec); load one with kvstate.load_spec, or use offload_spec"),
+)  # EngineConfig fields checked by class in __post_init__
 
 _FIELD_KINDS = {
     **dict.fromkeys(("weights_seed", "seed", "decode_kv_bytes"), int),

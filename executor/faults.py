@@ -5,10 +5,10 @@ Kinds (`FAULT_KINDS`) and what the engine does when one fires (spec events in `s
 | kind | decided | effect |
 |---|---|---|
 | ``host_alloc`` | once, at engine start (iteration 0) | the host tier cannot be allocated: GPU-only fallback |
-| ``copy_to_host`` | per suspend copy (iteration, request) | the copy fails mid-way: `lose_host_copy`, replay |
+| ``copy_to_host`` | per offload copy (iteration, request) | the copy fails mid-way: `lose_host_copy`, replay |
 | ``copy_to_gpu`` | per resume copy (iteration, request) | the copy fails mid-way: `recompute_pause`, replay |
-| ``corrupt_host`` | per completed suspend (iteration, request) | one value of the host copy changes at rest |
-| ``host_loss`` | per iteration, before scheduling | the host tier disappears: every suspended request replays |
+| ``corrupt_host`` | per completed offload (iteration, request) | one value of the host copy changes at rest |
+| ``host_loss`` | per iteration, before scheduling | the host tier goes: suspended requests with host blocks replay |
 
 A `FaultSpec` fires at the iterations it lists, and otherwise with probability `rate`. The decision is a pure
 function of (plan seed, kind, iteration, request id) — a keyed hash, not a shared random stream — so it does not

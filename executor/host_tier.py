@@ -1,15 +1,23 @@
 """The engine's host tier (`HostTier`): allocated when the engine is built, the copies of the scheduler's migration
 plans to and from it, the checksums of what it holds, and its loss mid-run.
 
+Suspension is lazy (spec/SPEC.md §4.2): a suspended request's blocks stay in the device cache, held, and only an
+offload (a `to_host` plan, planned when an allocation needs the GPU room) copies some of them down; a resume copies
+up only its host blocks (a `to_gpu` plan, or none when every block is still on the GPU).
+
 What it keeps true:
 * a host tier that cannot be allocated leaves the engine GPU-only, with a `HostTierFallbackWarning`, where
   recompute-pause can evict instead; otherwise it is a `ConfigError`;
 * a resume's copies are ordered before the forward pass that reads its blocks (its fence orders the compute
-  stream); a suspend's copies are not, since the forward never reads host blocks;
-* a migration's source blocks are given back only after its fence has completed (`settle`);
-* a plan whose copy failed, or whose host copy no longer has the checksums recorded when it was written, is
+  stream); an offload's are not, since the forward never reads host blocks;
+* a migration's source blocks are given back only after its fence has completed (`settle`): an offload's GPU
+  sources are reused only once their copy down is complete (FENCE);
+* every host block a request holds has the checksum recorded when the offload that wrote it completed (with
+  `verify_host_checksums`), kept per block: a request offloaded in several steps has the blocks of each;
+* a plan whose copy failed, or a resume whose host blocks no longer have the checksums recorded for them, is
   reported failed and counted, and the scheduler replays its request;
-* a lost host tier replays every suspended request, forgets every checksum and leaves the engine GPU-only.
+* a lost host tier replays every suspended request holding host blocks (those held wholly on the GPU stay
+  suspended), forgets every checksum and leaves the engine GPU-only.
 """
 
 from __future__ import annotations
@@ -31,9 +39,10 @@ from kvstate.scheduler import Scheduler, Step
 
 
 class HostTier:
-    """The host tier of one engine's `cache` (module docstring). `checksums` maps a suspended request's id to its
-    host blocks and their CRCs, recorded when its copies completed (with `verify_host_checksums`); copies, failures
-    and losses are counted in `totals`; copy faults come from `faults`."""
+    """The host tier of one engine's `cache` (module docstring). `checksums` maps a suspended request's id to the
+    CRC of each host block it holds, recorded when the offload that wrote the block completed (with
+    `verify_host_checksums`); copies, failures and losses are counted in `totals`; copy faults come from
+    `faults`."""
 
     def __init__(
         self,
@@ -45,7 +54,7 @@ class HostTier:
     ) -> None:
         self.cache, self.device, self.totals, self.faults = cache, device, totals, faults
         self.verify_host_checksums = verify_host_checksums
-        self.checksums: dict[Hashable, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # id -> (host blocks, CRCs)
+        self.checksums: dict[Hashable, dict[int, int]] = {}  # request id -> {host block: CRC-32}
 
     def attach(self, config: EngineConfig) -> int:
         """Allocate the host tier `config` asks for; returns its size in blocks, 0 when its allocation failed (the
@@ -86,10 +95,10 @@ class HostTier:
         step.complete_migrations()
 
     def issue(self, plan: MigrationPlan, iteration: int) -> Fence | None:
-        """Issue `plan`'s copies; None when they failed (or its host copy is corrupt) and it must be failed. A
-        resume's fence orders the compute stream after its copies: resumed blocks are in place before attention
-        reads them (a suspend's copies are not waited for there: the forward never reads host blocks, and their
-        sources are freed only after `wait`)."""
+        """Issue `plan`'s copies; None when they failed (or the host blocks it reads are corrupt) and it must be
+        failed. A resume's fence orders the compute stream after its copies: resumed blocks are in place before
+        attention reads them (an offload's copies are not waited for there: the forward never reads host blocks,
+        and their GPU sources are freed only after `wait`)."""
         if plan.direction == TO_GPU and self.verify_host_checksums and not self.host_copy_intact(plan):
             self.totals.checksum_mismatches += 1
             return None
@@ -109,26 +118,34 @@ class HostTier:
         fence.wait()
         self.totals.migrations += 1
         if plan.direction == TO_HOST:
-            self.after_suspend(plan, iteration)
+            self.after_offload(plan, iteration)
 
-    def after_suspend(self, plan: MigrationPlan, iteration: int) -> None:
-        """A suspend's copies completed: record its checksums, then let a `corrupt_host` fault hit the copy."""
+    def after_offload(self, plan: MigrationPlan, iteration: int) -> None:
+        """An offload's copies completed: record the checksum of each host block it wrote (beside those of the
+        request's earlier offloads), then let a `corrupt_host` fault hit one of them."""
         hosts = tuple(dst for _, dst in plan.pairs)
         if self.verify_host_checksums:
-            self.checksums[plan.request_id] = (hosts, self.cache.host_checksums(hosts))
+            recorded = self.checksums.setdefault(plan.request_id, {})
+            recorded.update(zip(hosts, self.cache.host_checksums(hosts), strict=True))
         if self.faults is not None and self.faults.fire("corrupt_host", iteration, plan.request_id):
             self.cache.corrupt_host_block(hosts[0])
 
     def host_copy_intact(self, plan: MigrationPlan) -> bool:
-        """The host blocks a resume reads still have the checksums recorded when they were written."""
-        recorded = self.checksums.pop(plan.request_id, None)
+        """Every host block a resume reads has the checksum recorded when an offload wrote it, and no other host
+        block of its request has one (a resume copies up all of them); the record is consumed."""
+        recorded = self.checksums.pop(plan.request_id, {})
         hosts = tuple(src for src, _ in plan.pairs)
-        return recorded is not None and recorded[0] == hosts and recorded[1] == self.cache.host_checksums(hosts)
+        return set(recorded) == set(hosts) and tuple(recorded[h] for h in hosts) == self.cache.host_checksums(hosts)
+
+    def forget(self, request_id: Hashable) -> None:
+        """`request_id` holds no host block any more (its host copy was read, lost or released)."""
+        self.checksums.pop(request_id, None)
 
     def lose(self, scheduler: Scheduler, reason: str) -> list[Hashable]:
-        """The host tier is gone: every suspended request of `scheduler` takes `lose_host_copy` and will be
-        replayed, the host tensor is dropped, and the engine goes on GPU-only. Returns the ids of the requests that
-        lost their host copy; raises `HostTierLossRefused` (nothing changed) when the scheduler refuses."""
+        """The host tier is gone: every suspended request of `scheduler` holding host blocks takes `lose_host_copy`
+        and will be replayed (one held wholly on the GPU stays suspended there), the host tensor is dropped, and
+        the engine goes on GPU-only. Returns the ids of the requests that lost their host copy; raises
+        `HostTierLossRefused` (nothing changed) when the scheduler refuses."""
         if not scheduler.pool.has_host_tier:
             return []
         try:
@@ -139,8 +156,8 @@ class HostTier:
         self.checksums.clear()
         self.totals.host_tier_losses += 1
         warnings.warn(
-            f"{reason}; {len(lost)} suspended requests will be replayed and the engine runs GPU-only "
-            "from now on (every eviction is a recompute-pause)",
+            f"{reason}; {len(lost)} suspended requests with host blocks will be replayed and the engine runs "
+            "GPU-only from now on (every eviction is a recompute-pause)",
             HostTierFallbackWarning,
             stacklevel=3,
         )

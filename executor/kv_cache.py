@@ -9,13 +9,13 @@ Invariants kept:
   never allocates or frees a block id, it only copies the blocks a `MigrationPlan` names;
 * `execute(plan)` moves every run of `plan.runs()` (merged consecutive ids on both sides) and counts each in
   `num_copies`; `num_transfers` counts the copy calls that crossed between the tiers. A plan of one run is one
-  slice copy. On CUDA a plan of more runs is staged (`_copy_staged`): the device side is gathered into (suspend)
+  slice copy. On CUDA a plan of more runs is staged (`_copy_staged`): the device side is gathered into (offload)
   or scattered from (resume) a contiguous device staging buffer by one kernel, and the tier crossing is one DMA
-  per run of consecutive host ids (one for a suspend into a fresh host range or a resume of one: the usual case)
+  per run of consecutive host ids (one for an offload into a fresh host range or a resume of one: the usual case)
   instead of one per run (a DMA launch costs more than moving a small block). The staging
   buffer and the index tensors belong to the plan's `EventFence` until it is dropped, so nothing the copy stream
   still reads is freed or reused early. A CPU plan of up to `GATHER_MIN_RUNS` runs is one slice copy per run; one
-  of more runs is one gather (`index_select(out=)`) when its destination ids are consecutive (a suspend into a
+  of more runs is one gather (`index_select(out=)`) when its destination ids are consecutive (an offload into a
   fresh host range), else one memcpy per run through NumPy views, whose call overhead is a fraction of a torch
   slice copy's: per-call overhead, not bandwidth, is what a fragmented plan of small blocks pays (`index_copy_`
   is slower than either);
@@ -25,7 +25,7 @@ Invariants kept:
 * on CUDA the copies run on a dedicated copy stream that first waits for the compute stream (so the forward
   passes that wrote a source block finish before it is read) and use ``non_blocking=True`` with a pinned host
   tier; on the CPU every copy is synchronous and the fence is already complete. Only fences of copies into the
-  GPU tier (resumes) need `order_before` the forward: it never reads a suspend's host blocks, and a suspend's
+  GPU tier (resumes) need `order_before` the forward: it never reads an offload's host blocks, and an offload's
   source blocks are reused only after its `wait()`. `copy_delay_cycles` holds the copy stream back before each
   plan (`torch.cuda._sleep`; tests and scripts/gpu-check use it to show that ordering, not luck, is at work);
 * the host tier either exists with its full capacity or not at all: a failed allocation raises
@@ -370,7 +370,7 @@ class PagedKVCache:
         runs: tuple[tuple[int, int, int], ...],
     ) -> tuple:
         """A plan of many runs through a contiguous staging buffer on the device tier's device, issued on the
-        current stream (the copy stream on CUDA): a suspend gathers its device blocks into the buffer with one
+        current stream (the copy stream on CUDA): an offload gathers its device blocks into the buffer with one
         `index_select` and moves it to the host with one DMA per run of consecutive host ids; a resume moves the
         host blocks into the buffer the same way and scatters them with one `index_copy_`. The index tensor is
         uploaded from pinned memory without blocking. Returns the tensors the queued copies still use (the

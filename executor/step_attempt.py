@@ -16,7 +16,7 @@ from operator import attrgetter
 from executor.host_tier import HostTier
 from executor.kv_cache import Fence, PagedKVCache
 from kvstate.output import SchedulerOutput
-from kvstate.pool import TO_GPU, TO_HOST
+from kvstate.pool import TO_GPU
 from kvstate.scheduler import Scheduler, Step
 
 
@@ -54,16 +54,7 @@ def settle_interrupted(
             fence.wait()
         cache.drain()
         if step is None and scheduler.pool.in_flight:  # schedule() planned copies, then failed
-            plans = list(scheduler.pool.in_flight.values())
-            owners = [scheduler.requests[p.request_id] for p in plans]
-            step = attempt.step = Step(
-                scheduler,
-                SchedulerOutput(
-                    migrations=plans,
-                    suspended=[r for p, r in zip(plans, owners, strict=True) if p.direction == TO_HOST],
-                    resumed=[r for p, r in zip(plans, owners, strict=True) if p.direction == TO_GPU],
-                ),
-            )
+            step = attempt.step = Step(scheduler, _planned_copies(scheduler))
         if step is not None:
             host_tier.settle(step)
         if (
@@ -79,3 +70,13 @@ def settle_interrupted(
     except BaseException as settling:
         problem = f"settling it failed too ({type(settling).__name__}: {settling})"
     return problem
+
+
+def _planned_copies(scheduler: Scheduler) -> SchedulerOutput:
+    """An output carrying the copies a `schedule()` that failed mid-pass had planned, so that they can be settled:
+    its in-flight plans, each resume's request listed `resumed` (a failed resume is undone only for a request
+    listed there). An offload's request is listed nowhere: it may have been suspended passes before, and the undoing
+    of a failed offload reads no list."""
+    plans = list(scheduler.pool.in_flight.values())
+    resumed = [scheduler.requests[p.request_id] for p in plans if p.direction == TO_GPU]
+    return SchedulerOutput(migrations=plans, resumed=resumed)

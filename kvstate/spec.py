@@ -9,12 +9,15 @@ from dataclasses import dataclass
 from functools import cache, cached_property
 from importlib import resources
 from pathlib import Path
+from types import MappingProxyType
 
 from kvstate.errors import SpecError
 from kvstate.untrusted import Limits, UntrustedFileError, bare, read_toml, shown
 from kvstate.validate import validate_spec
 
 RESIDENCIES = ("gpu", "held", "none")
+# residency -> the tiers a request in a state of that residency may hold blocks in (RES-STATE)
+RESIDENCY_TIERS = MappingProxyType({"gpu": ("gpu",), "held": ("gpu", "host"), "none": ()})
 INVARIANT_SCOPES = ("state", "step", "pass", "run", "liveness")
 CONTAINERS = ("waiting", "resident", "suspended", "paused", "finished")
 ORIGINS = ("scheduler", "executor", "environment")
@@ -214,6 +217,10 @@ class Spec:
 
     def states_with_residency(self, residency: str) -> tuple[str, ...]:
         return tuple(s.name for s in self.states if s.residency == residency)
+
+    def states_holding(self, tier: str) -> frozenset[str]:
+        """The states whose residency lets a request hold blocks in `tier` ("gpu" or "host"; RESIDENCY_TIERS)."""
+        return frozenset(s.name for s in self.states if tier in RESIDENCY_TIERS[s.residency])
 
     def mutually_exclusive(self, guard_a: str | None, guard_b: str | None) -> bool:
         """True when both guards are named, differ, and share a declared exclusivity group."""

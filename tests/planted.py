@@ -15,4 +15,5 @@ def old_release(self, owner):
         for block in blocks:
             del dest.owner_of[block]  # KeyError for a destination released before
             dest.fenced[block] = plan.plan_id
+    self._held.pop(owner, None)  # as today's release: a released owner leaves the offload order
     return len(self.gpu.release(owner)) + len(self.host.release(owner))

@@ -1,7 +1,8 @@
 """`kvstate bench`: figures measured against physical limits and peers, each a ratio of variants run side by
 side in one loop (`timing.interleaved`). Modules: `migration` (copy bandwidth, torch), `stepping` (scheduler
 workloads and the drivers that time each step), `overhead` (lifecycle and scheduler, pure Python; also the
-`lifecycle` group's schedule() rows and the `pressure` group), `peers` (the `vllm` and `nano-vllm` groups: our
+`lifecycle` group's schedule() rows and the `pressure` group), `offload` (the `offload` group: the spec's two
+offload policies side by side on a bursty workload; torch), `peers` (the `vllm` and `nano-vllm` groups: our
 scheduler beside vLLM's, driven by `vllm_peer`, and nano-vllm's, driven by `nanovllm_peer`), `end_to_end` (host tier
 sizes, the `lifecycle` group's engine rows and the `transformers` group: the engine beside `generate`, on the best
 case and on serving workloads; torch), `real_model` (the `smollm2` group: the engine beside `generate` on
@@ -19,7 +20,8 @@ from executor.bench.results import Row, Section
 
 # `kvstate bench --peers`: the groups measured beside a real peer (and the pipeline beside its own lockstep run)
 PEER_GROUPS = ("vllm", "nano-vllm", "transformers", "smollm2", "pipeline")
-TORCH_GROUPS = ("migration", "end-to-end", "lifecycle", "transformers", "smollm2")  # groups that run on a torch device
+# groups that run on a torch device
+TORCH_GROUPS = ("migration", "end-to-end", "offload", "lifecycle", "transformers", "smollm2")
 
 
 def _migration(*, quick, device, seed, **_) -> list[Section]:
@@ -38,6 +40,13 @@ def _end_to_end(*, quick, device, seed, lifecycle, **_) -> list[Section]:
     from executor.bench import end_to_end
 
     return end_to_end.run(quick=quick, device=device, seed=seed, lifecycle=lifecycle)
+
+
+def _offload(*, quick, device, seed, lifecycle, progress, **_) -> list[Section]:
+    from executor.bench import offload
+
+    shape = offload.QUICK_BURSTS if quick else offload.FULL_BURSTS
+    return [offload.bursty_section(shape=shape, device=device, seed=seed, lifecycle=lifecycle, progress=progress)]
 
 
 def _lifecycle(*, quick, device, seed, **_) -> list[Section]:
@@ -123,6 +132,7 @@ _RUNNERS: dict[str, Callable[..., list[Section]]] = {
     "migration": _migration,
     "overhead": _overhead,
     "end-to-end": _end_to_end,
+    "offload": _offload,
     "lifecycle": _lifecycle,
     "pressure": _pressure,
     "vllm": _vllm,

@@ -293,6 +293,9 @@ def host_tier_section(*, quick: bool, device: str = "cpu", seed: int = 0, lifecy
                     "recompute_pauses": t.recompute_pauses,
                     "steps": t.steps,
                     "blocks_migrated": t.blocks_migrated,
+                    "blocks_offloaded": t.blocks_offloaded,
+                    "resumes": t.events["resume"],
+                    "resumed_without_copy": t.resumed_without_copy,
                 }
             )
 
@@ -353,7 +356,11 @@ def _add_host_tier_rows(section: Section, summary: dict[str, dict]) -> None:
                 unit="tok/s",
                 baseline_name="no host tier (recompute only)",
                 baseline=base["tokens_per_s"],
-                note=f"{s['suspensions']} suspends, {s['recompute_pauses']} recompute-pauses",
+                note=(
+                    f"{s['suspensions']} suspends, {s['recompute_pauses']} recompute-pauses; "
+                    f"{s['blocks_offloaded']} blocks offloaded, {s['resumed_without_copy']} of {s['resumes']} "
+                    "resumes without a copy"
+                ),
             )
         )
         section.rows.append(

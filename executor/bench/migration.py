@@ -1,4 +1,4 @@
-"""Migration bandwidth: suspend and resume copies through `executor.PagedKVCache.execute` versus one contiguous
+"""Migration bandwidth: offload and resume copies through `executor.PagedKVCache.execute` versus one contiguous
 copy of the same bytes on the same device (the physical limit a block copier can approach).
 
 The plans are real `MigrationPlan`s from a `TieredBlockPool`, in three layouts of the request's GPU blocks:
@@ -22,7 +22,8 @@ CACHE_SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64}  # float32: 2
 
 
 def layout_plans(layout: str, num_blocks: int, seed: int = 0):
-    """(suspend plan, resume plan, gpu tier size) of a request holding `num_blocks` blocks in `layout`.
+    """(offload plan, resume plan, gpu tier size) of a suspended request holding `num_blocks` blocks in `layout`, all
+    of them offloaded at once (an eager offload, or an allocation that needs them all) and then copied back.
 
     Another request holds the GPU blocks in between, so the resume lands on the same fragmented ids."""
     gpu_blocks = num_blocks if layout == "contiguous" else 2 * num_blocks
@@ -38,11 +39,14 @@ def layout_plans(layout: str, num_blocks: int, seed: int = 0):
         )
         for owner in owners:
             pool.allocate(owner, 1)
-    suspend = pool.suspend("r")
-    pool.complete(suspend)
-    resume = pool.resume("r")
+    pool.hold("r")
+    offload = pool.offload("r", num_blocks)
+    pool.complete(offload)
+    resume = pool.onboard("r")
+    if resume is None:  # every block was offloaded, so a resume copies them all
+        raise AssertionError("a request offloaded whole resumes with a copy")
     pool.complete(resume)
-    return suspend, resume, gpu_blocks
+    return offload, resume, gpu_blocks
 
 
 def run(*, quick: bool = False, device: str = "auto", seed: int = 0) -> Section:
@@ -87,12 +91,12 @@ def run(*, quick: bool = False, device: str = "auto", seed: int = 0) -> Section:
         flat_host_src = flat_host_src.pin_memory() if pin else flat_host_src
         flat_dev = torch.empty(numel, dtype=torch.float32, device=dev)
         variants = {"baseline to_host": flat(flat_host, flat_dev), "baseline to_gpu": flat(flat_dev, flat_host_src)}
-        for layout, (suspend, resume, _) in plans.items():
-            variants[f"suspend {layout}"] = via_cache(cache, suspend)
+        for layout, (offload, resume, _) in plans.items():
+            variants[f"offload {layout}"] = via_cache(cache, offload)
             variants[f"resume {layout}"] = via_cache(cache, resume)
         times = medians(interleaved(variants, repeats=repeats, warmup=2, seed=seed))
-        for layout, (suspend, resume, _) in plans.items():
-            for op, plan, base in (("suspend", suspend, "baseline to_host"), ("resume", resume, "baseline to_gpu")):
+        for layout, (offload, resume, _) in plans.items():
+            for op, plan, base in (("offload", offload, "baseline to_host"), ("resume", resume, "baseline to_gpu")):
                 ours, limit = total_bytes / times[f"{op} {layout}"] / 1e9, total_bytes / times[base] / 1e9
                 default = tokens == DEFAULT_BLOCK_TOKENS
                 goal = 0.8 if dev.type == "cuda" else 0.7

@@ -1,7 +1,8 @@
 """Lifecycle and scheduler overhead, pure Python (no torch).
 
 * One transition through the compiled `TransitionTable` beside the same transition through the `transitions`
-  machine (`Lifecycle`): suspend and resume alternately on one request, guards evaluated, no effect hooks.
+  machine (`Lifecycle`): suspend and resume alternately on one request (a resume of a request held wholly on the
+  GPU: the usual one under lazy suspension), guards evaluated, no effect hooks.
 * Our per-step cost (`stepping`: schedule() + planned_chunks() + complete_migrations() + complete_step()) at
   256 / 1,024 / 4,096 running requests, in steady decode and under pressure with recompute-only preemption,
   with both lifecycle implementations under pressure, every variant taking turns in one loop: per-request
@@ -16,14 +17,16 @@
 
 from __future__ import annotations
 
+import math
+
 from executor.bench.results import Row, Section
 from executor.bench.stepping import BLOCK_SIZE, REGIMES, Figures, OursDriver, Workload, measure
 from executor.bench.timing import interleaved, medians
 from kvstate.config import LIFECYCLES
 from kvstate.lifecycle import Lifecycle, TransitionTable
-from kvstate.pool import TieredBlockPool
 from kvstate.request import STATE_ATTRIBUTE, new_request
 from kvstate.roles import ACTIVE
+from kvstate.semantics import PassView
 
 SIZES = (256, 1024, 4096)
 QUICK_SIZES = (256, 1024)
@@ -35,7 +38,8 @@ TRANSITIONS_PER_CALL = 1000
 
 def transition_section(*, repeats: int, seed: int = 0) -> Section:
     """µs per transition: compiled table beside the `transitions` machine."""
-    pool = TieredBlockPool(8, 8)
+    # the figures the guards read: a host tier, nothing in flight, the utilization gate open (outside a pass)
+    pool = PassView(8, 8, True, 1, BLOCK_SIZE, BLOCK_SIZE, None, math.inf)
     implementations: dict[str, TransitionTable | Lifecycle] = {"table": TransitionTable(), "machine": Lifecycle()}
     variants = {}
     for name, lifecycle in implementations.items():

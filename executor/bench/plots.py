@@ -45,7 +45,7 @@ def _save(fig, path: Path, plt) -> Path:
 def _migration(plt, section: Section):
     series = section.data["series"]
     sizes = sorted({s["block_bytes"] for s in series})
-    keys = sorted({(s["op"], s["layout"]) for s in series}, key=lambda k: (k[0] != "suspend", k[1]))
+    keys = sorted({(s["op"], s["layout"]) for s in series}, key=lambda k: (k[0] != "offload", k[1]))
     fig, ax = plt.subplots(figsize=(12, 4.6))
     width = 0.8 / len(keys)
     colors = plt.get_cmap("tab20").colors

@@ -10,9 +10,13 @@ step). Here, at batch 64 (`--quick`: 4, with 8-token prompts and budgets), seede
   the first half decodes;
 * `memory pressure`: the best case's requests with a GPU tier of half the blocks they need, and a host tier of
   none, a quarter or all of them, beside the same requests with room for all (the target applies to a full host
-  tier). Each pressure row also says how many engine steps the run took, beside the unpressured run's and the
-  fewest any schedule could take in that GPU tier (`fewest_steps`): a step has a fixed cost that does not shrink
-  with its batch, so the ratio falls with the step count as well as with what each step costs.
+  tier). With a host tier, each size runs under both offload policies of the spec (`PRESSURE_RUNS`): `on_demand`
+  (shipped: a suspended request's held blocks move to the host tier only when an allocation needs the room) and
+  `eager` (all of them when it is suspended); without one nothing is ever offloaded, so one run stands for both.
+  Each pressure row also says how many engine steps the run took, beside the unpressured run's and the fewest any
+  schedule could take in that GPU tier (`fewest_steps`): a step has a fixed cost that does not shrink with its
+  batch, so the ratio falls with the step count as well as with what each step costs; and the blocks it
+  offloaded and the resumes that needed no copy (their blocks were all still on the GPU).
 
 The peer is `transformers`' `LlamaForCausalLM.generate` on the same weights, driven one static batch at a time,
 as a server without continuous batching would: the requests present when a batch starts form it (prompts
@@ -42,6 +46,16 @@ SERVING_RATIO_TARGET = 1.15  # the decode goal, held on the serving workloads to
 PRESSURE_RATIO_TARGET = 0.85  # pressured with a full host tier >= 0.85x unpressured
 TOKEN_BUDGET = 2048  # tokens the engine computes per step at most (prompt chunks and decode steps together)
 HOST_TIERS = {"none": 0.0, "a quarter": 0.25, "full": 1.0}  # host tier, as a share of the blocks the requests need
+OFFLOADS = ("on_demand", "eager")  # the spec's offload policies, the shipped one first
+# the pressure runs: (host tier, offload policy); without a host tier nothing is offloaded, so one run (None)
+PRESSURE_RUNS: tuple[tuple[str, str | None], ...] = tuple(
+    (tier, offload) for tier, share in HOST_TIERS.items() for offload in (OFFLOADS if share else (None,))
+)
+
+
+def pressure_run(tier: str, offload: str | None) -> str:
+    """The name of the engine run under pressure with host tier `tier` and offload policy `offload`."""
+    return f"pressure, host tier {tier}{'' if offload is None else f', offload {offload}'} engine"
 
 
 @dataclass(frozen=True)
@@ -140,18 +154,30 @@ def workload_section(
         runs[name] = call
 
     steps: dict[str, int] = {}  # engine steps of each engine run (the same in every repeat: seeded, greedy)
+    copies: dict[str, dict[str, int]] = {}  # what each engine run copied and saved (`_copies`)
 
-    def engine(name: str, requests: list[Request], *, need: int, host: int = 0) -> None:
-        record = functools.partial(steps.__setitem__, name)
-        timed(name, _engine_run(model, requests, need=need, host=host, lifecycle=lifecycle, record_steps=record))
+    def engine(name: str, requests: list[Request], *, need: int, host: int = 0, offload: str | None = None) -> None:
+        timed(
+            name,
+            _engine_run(
+                model,
+                requests,
+                need=need,
+                host=host,
+                lifecycle=lifecycle,
+                offload=offload,
+                record_steps=functools.partial(steps.__setitem__, name),
+                record_copies=functools.partial(copies.__setitem__, name),
+            ),
+        )
 
     for name in ("ragged prompts", "staggered budgets", "arrivals during decode"):
         engine(f"{name} engine", work[name], need=needed_blocks(work[name]))
         if hf is not None:
             timed(f"{name} generate", _generate_run(hf, work[name]))
     engine("best case engine", best, need=need)
-    for tier, share in HOST_TIERS.items():
-        engine(f"pressure, host tier {tier} engine", best, need=need // 2, host=int(need * share))
+    for tier, offload in PRESSURE_RUNS:
+        engine(pressure_run(tier, offload), best, need=need // 2, host=int(need * HOST_TIERS[tier]), offload=offload)
     if hf is not None:
         timed("best case generate", _generate_run(hf, best))
     if progress is not None:
@@ -169,26 +195,28 @@ def workload_section(
             "gpu_blocks_needed": need,
             "tokens_per_s": rate,
             "engine_steps": steps,
+            "engine_copies": copies,
             "fewest_steps_under_pressure": fewest,
         },
     )
-    measured = _Measured(rate, outputs, seconds, steps, peer)
+    measured = _Measured(rate, outputs, seconds, steps, copies, peer)
     for name in ("ragged prompts", "staggered budgets", "arrivals during decode", "best case"):
         section.rows.append(_peer_row(name, work[name], measured))
-    for tier, share in HOST_TIERS.items():
-        section.rows.append(_pressure_row(tier, share, need=need, fewest=fewest, requests=best, measured=measured))
+    for tier, offload in PRESSURE_RUNS:
+        section.rows.append(_pressure_row(tier, offload, need=need, fewest=fewest, requests=best, measured=measured))
     return section
 
 
 @dataclass(frozen=True)
 class _Measured:
     """What the interleaved runs gave, by run name: useful tokens/s (`rate`), the last outputs, the seconds of
-    every round (the warmup first) and the engine runs' step counts; `peer` names the peer."""
+    every round (the warmup first), the engine runs' step counts and copies (`_copies`); `peer` names the peer."""
 
     rate: dict[str, float]
     outputs: dict[str, list[list[int]]]
     seconds: dict[str, list[float]]
     steps: dict[str, int]
+    copies: dict[str, dict[str, int]]
     peer: str
 
     def spread(self, baseline: str, variant: str) -> str:
@@ -207,13 +235,22 @@ def _useful(work: dict[str, list[Request]], run: str) -> int:
 
 
 def _engine_run(
-    model, requests: list[Request], *, need: int, host: int = 0, lifecycle: str, record_steps: Callable[[int], None]
+    model,
+    requests: list[Request],
+    *,
+    need: int,
+    host: int = 0,
+    lifecycle: str,
+    offload: str | None = None,
+    record_steps: Callable[[int], None],
+    record_copies: Callable[[dict[str, int]], None] | None = None,
 ):
-    """A run of the engine over `requests` (arrivals submitted before their step), GPU tier `need` blocks; each run
-    tells `record_steps` how many engine steps it took."""
+    """A run of the engine over `requests` (arrivals submitted before their step), GPU tier `need` blocks, the spec's
+    offload policy `offload` (None: the spec's own); each run tells `record_steps` how many engine steps it took
+    and `record_copies` what it copied (`_copies`)."""
 
     def run() -> list[list[int]]:
-        from executor import Engine, EngineConfig
+        from executor import Engine, EngineConfig, offload_spec
 
         longest = max(len(r.prompt) for r in requests)
         scheduler = SchedulerConfig(
@@ -225,7 +262,8 @@ def _engine_run(
             prefill_chunk_size=longest,
             lifecycle=lifecycle,
         )
-        config = EngineConfig(scheduler=scheduler, device=model.device.type, dtype="float32")
+        spec = None if offload is None else offload_spec(offload)
+        config = EngineConfig(scheduler=scheduler, device=model.device.type, dtype="float32", spec=spec)
         pending = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
         ids: dict[int, Hashable] = {}
         with Engine(config, model=model) as engine:
@@ -238,9 +276,22 @@ def _engine_run(
                 step += 1
             out = engine.outputs()
         record_steps(step)
+        if record_copies is not None:
+            record_copies(_copies(engine.totals))
         return [out[ids[i]] for i in range(len(requests))]
 
     return run
+
+
+def _copies(totals) -> dict[str, int]:
+    """What an engine run (its `RunTotals`) copied, and the resumes that needed no copy."""
+    return {
+        "blocks_migrated": totals.blocks_migrated,
+        "blocks_offloaded": totals.blocks_offloaded,
+        "suspensions": totals.suspensions,
+        "resumes": totals.events["resume"],
+        "resumed_without_copy": totals.resumed_without_copy,
+    }
 
 
 def _generate_run(hf, requests: list[Request]):
@@ -301,19 +352,23 @@ def _peer_row(name: str, requests: list[Request], measured: _Measured) -> Row:
 
 
 def _pressure_row(
-    tier: str, share: float, *, need: int, fewest: int, requests: list[Request], measured: _Measured
+    tier: str, offload: str | None, *, need: int, fewest: int, requests: list[Request], measured: _Measured
 ) -> Row:
-    """The row of the run with a GPU tier of half of `need` and host tier `tier`; `fewest`: `fewest_steps` there."""
-    name = f"pressure, host tier {tier} engine"
-    rate, outputs, steps = measured.rate, measured.outputs, measured.steps
-    full = share == 1.0
+    """The row of the run with a GPU tier of half of `need`, host tier `tier` and offload policy `offload`;
+    `fewest`: `fewest_steps` there."""
+    name = pressure_run(tier, offload)
+    rate, outputs, steps, copied = measured.rate, measured.outputs, measured.steps, measured.copies[name]
+    full = HOST_TIERS[tier] == 1.0
     agree = _agreeing(outputs, name, "best case generate")
     unpressured = _agreeing(outputs, name, "best case engine")
     equal = unpressured == len(requests) and agree in (None, len(requests))
     versus = rate.get("best case generate")
     return Row(
         group="transformers",
-        name=f"serving tokens/s under pressure, GPU tier {need // 2} of {need} blocks, host tier {tier}",
+        name=(
+            f"serving tokens/s under pressure, GPU tier {need // 2} of {need} blocks, host tier {tier}"
+            + ("" if offload is None else f", offload {offload}")
+        ),
         value=rate[name],
         unit="tok/s",
         baseline_name="the same requests unpressured",
@@ -328,7 +383,11 @@ def _pressure_row(
                 else f", to generate for {agree}; {rate[name] / versus:.2f}x {measured.peer}"
             )
             + f"; {steps[name]} engine steps (unpressured {steps['best case engine']}; no schedule in"
-            f" {need // 2} GPU blocks takes fewer than {fewest})" + measured.spread("best case engine", name)
+            f" {need // 2} GPU blocks takes fewer than {fewest})"
+            + f"; {copied['blocks_offloaded']} blocks offloaded, {copied['resumed_without_copy']} of "
+            f"{copied['resumes']} resumes without a copy"
+            + ("; no host tier: nothing is offloaded under either policy" if offload is None else "")
+            + measured.spread("best case engine", name)
         ),
     )
 
@@ -342,10 +401,13 @@ def _agreeing(outputs, a: str, b: str) -> int | None:
 
 __all__ = [
     "FULL_SERVING",
+    "OFFLOADS",
+    "PRESSURE_RUNS",
     "QUICK_SERVING",
     "Request",
     "ServingShape",
     "fewest_steps",
+    "pressure_run",
     "workload_section",
     "workloads",
 ]

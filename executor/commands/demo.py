@@ -1,8 +1,10 @@
 """`kvstate demo`: run a seeded workload through the real executor under memory pressure and check every output.
 
-The GPU tier is small enough that requests are suspended to the host tier, and the host tier is too small to
-take every victim, so some are recompute-paused and replayed. Every output is then compared with its
-unpressured reference (the same request run alone); any difference is exit status 1.
+The GPU tier is small enough that requests are suspended (their blocks held, moved to the host tier when an
+allocation needs the room: `--offload` picks the spec's offload policy), and the host tier is too small to take
+every victim, so some are recompute-paused and replayed. Every output is then compared with its unpressured
+reference (the same request run alone); any difference is exit status 1. The summary prints the copies lazy
+suspension made and saved (blocks offloaded and onboarded, resumes and blocks that needed no copy).
 
 `--pp N` runs the workload on N pipeline stages (spawned local ranks, `executor.pipeline`), by default a larger one
 (`PP_DEFAULTS`: more requests at once, so that every micro-batch in flight is full). Nothing is written unless
@@ -25,7 +27,7 @@ from pathlib import Path
 from executor.commands import model_demo
 from executor.commands.inject import check_fault_plan
 from executor.commands.outputs import add_output_options, check_outputs, prepare_outputs
-from executor.commands.workload import WORKLOAD_COUNTS, WORKLOAD_DEFAULTS, option_key
+from executor.commands.workload import WORKLOAD_COUNTS, WORKLOAD_DEFAULTS, add_offload_option, option_key
 from kvstate.commands.args import (
     MAX_STAGES,
     UsageError,
@@ -84,8 +86,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--no-checksums",
         action="store_true",
-        help="do not checksum suspended blocks (an injected corrupt_host then garbles outputs)",
+        help="do not checksum offloaded blocks (an injected corrupt_host then garbles outputs)",
     )
+    add_offload_option(p)
     add_device_option(p)
     add_dtype_option(
         p,
@@ -206,6 +209,7 @@ def _demo_engine(args: argparse.Namespace):
             faults=faults,
             verify_host_checksums=not args.no_checksums,
             checkpoint=None if args.model is None else str(args.model_file),
+            offload=args.offload,
         )
         return Engine(config)
     except (ValueError, OSError) as err:
@@ -241,7 +245,8 @@ def _demo(args: argparse.Namespace) -> int:
             out,
             ("kvstate demo", "bold"),
             f": {args.requests} requests on {engine.device} ({str(engine.model.dtype).removeprefix('torch.')}), "
-            f"GPU tier {args.gpu_blocks} blocks x {args.block_size} tokens, host tier {host}",
+            f"GPU tier {args.gpu_blocks} blocks x {args.block_size} tokens, host tier {host}, "
+            f"offload {engine.scheduler.policy.offload}",
         )
         if chat is None:
             _note_capped(out, capacity)
@@ -414,14 +419,17 @@ def _table(title: str, columns: tuple[str, ...], rows):
 
 def _summary_rows(engine, wall: float, check_time: float) -> list[tuple[str, str]]:
     from executor.checks import format_bytes
+    from executor.run_totals import copy_rows
 
     totals = engine.totals
     return [
         ("requests", str(len(engine.scheduler.finished))),
         ("iterations", str(totals.steps)),
         ("generated tokens", str(totals.generated_tokens)),
+        ("offload policy", engine.scheduler.policy.offload),
         ("suspensions", str(totals.suspensions)),
         ("resumes", str(totals.events["resume"])),
+        *copy_rows(totals.to_dict()),
         ("recompute-pauses", str(totals.recompute_pauses)),
         ("replays", str(totals.events["replay"])),
         ("recomputed tokens", str(totals.recomputed_tokens)),

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 
 from executor.commands.inject import check_fault_plan
 from executor.commands.outputs import add_output_options, check_outputs, prepare_outputs
-from executor.commands.workload import option_key
+from executor.commands.workload import add_offload_option, option_key
+from executor.run_totals import copy_rows
 from kvstate.commands.args import (
     MAX_BLOCK_SIZE,
     MAX_BLOCKS,
@@ -45,6 +46,8 @@ from kvstate.commands.args import (
 )
 from kvstate.config import SchedulerConfig
 from kvstate.errors import KVStateError
+from kvstate.policy import VOCABULARY
+from kvstate.spec import default_spec
 from kvstate.stats import IterationStats
 
 if TYPE_CHECKING:  # annotations only: importing this command imports no torch
@@ -79,6 +82,7 @@ class SoakSettings:
     reference_batch: int = 256
     lifecycle: str = "machine"
     trace: str | None = None  # the lifecycle trace file (spec/TRACE.md), None: no trace
+    offload: str | None = None  # the spec's offload policy to run (executor.offload_spec), None: the spec's own
 
     def __post_init__(self) -> None:
         for name in ("requests", "gpu_blocks", "block_size", "chunk_size", "max_num_tokens", "reference_batch"):
@@ -91,6 +95,8 @@ class SoakSettings:
             raise SoakError(f"--arrival-rate must be > 0 requests per iteration, got {self.arrival_rate!r}")
         if not 0.0 <= self.cancel_rate <= 1.0:
             raise SoakError(f"--cancel-rate must be in [0, 1], got {self.cancel_rate!r}")
+        if self.offload is not None and self.offload not in VOCABULARY["offload"]:
+            raise SoakError(f"--offload must be one of {', '.join(VOCABULARY['offload'])}, got {self.offload!r}")
         for name in ("prompt_len", "new_tokens"):
             lo, hi = getattr(self, name)
             if not 1 <= lo <= hi:
@@ -126,6 +132,11 @@ class SoakReport:
     reference_seconds: float = 0.0
     events: dict[str, int] = field(default_factory=dict)
     trace_lines: int = 0  # lines written to `settings.trace`
+    offload: str = ""  # the offload policy the engine ran
+    blocks_offloaded: int = 0
+    blocks_onboarded: int = 0
+    resumed_without_copy: int = 0
+    blocks_relocked: int = 0
 
     @property
     def ok(self) -> bool:
@@ -140,8 +151,10 @@ class SoakReport:
             ("aborted / unfinished", f"{self.aborted} / {self.unfinished}"),
             ("iterations", str(self.iterations)),
             ("generated tokens", str(self.generated_tokens)),
+            ("offload policy", self.offload),
             ("suspensions", str(self.suspensions)),
             ("resumes", str(self.resumes)),
+            *copy_rows(self._copies()),
             ("recompute-pauses", str(self.recompute_pauses)),
             ("replays", str(self.replays)),
             ("faults injected", faults),
@@ -155,6 +168,11 @@ class SoakReport:
             ("run time", f"{self.run_seconds:.1f} s"),
             ("reference time", f"{self.reference_seconds:.1f} s"),
         ]
+
+    def _copies(self) -> dict:
+        """The copy totals `copy_rows` reads, by their `RunTotals` names."""
+        names = ("blocks_offloaded", "blocks_onboarded", "resumed_without_copy", "blocks_relocked", "events")
+        return {name: getattr(self, name) for name in names}
 
 
 def _schedule(settings: SoakSettings) -> tuple[list[float], dict[int, float]]:
@@ -171,7 +189,7 @@ def _schedule(settings: SoakSettings) -> tuple[list[float], dict[int, float]]:
 
 def _engine_config(settings: SoakSettings) -> EngineConfig:
     """The engine a soak runs: invariants checked around every step, the settings' faults injected."""
-    from executor import EngineConfig, FaultPlan
+    from executor import EngineConfig, FaultPlan, offload_spec
 
     scheduler = SchedulerConfig(
         gpu_blocks=settings.gpu_blocks,
@@ -191,6 +209,7 @@ def _engine_config(settings: SoakSettings) -> EngineConfig:
         check_invariants=True,
         faults=FaultPlan.parse(settings.faults, seed=settings.seed),
         verify_host_checksums=settings.checksums,
+        spec=None if settings.offload is None else offload_spec(settings.offload),
     )
 
 
@@ -298,6 +317,11 @@ def run_soak(
         reference_seconds=reference_seconds,
         events=dict(totals.events),
         trace_lines=engine.trace.lines if engine.trace is not None else 0,
+        offload=engine.scheduler.policy.offload,
+        blocks_offloaded=totals.blocks_offloaded,
+        blocks_onboarded=totals.blocks_onboarded,
+        resumed_without_copy=totals.resumed_without_copy,
+        blocks_relocked=totals.blocks_relocked,
     )
 
 
@@ -345,8 +369,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--no-checksums",
         action="store_true",
-        help="do not checksum suspended blocks (corrupt_host faults then garble outputs)",
+        help="do not checksum offloaded blocks (corrupt_host faults then garble outputs)",
     )
+    add_offload_option(p)
     add_device_option(p)
     add_dtype_option(
         p,
@@ -400,7 +425,7 @@ def _soak(settings: SoakSettings, report_dir: str | None = None) -> int:
         ("kvstate soak", "bold"),
         f": {settings.requests} requests, seed {settings.seed}, GPU tier {settings.gpu_blocks} blocks x "
         f"{settings.block_size} tokens, host tier {host}, faults: {' '.join(settings.faults) or 'none'}, checksums "
-        f"{'on' if settings.checksums else 'off'}",
+        f"{'on' if settings.checksums else 'off'}, offload {settings.offload or default_spec().policy.offload}",
     )
     columns = (
         TextColumn("requests done"),

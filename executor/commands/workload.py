@@ -1,9 +1,12 @@
 """The counts of a demo workload, shared by `kvstate demo` and `python -m executor.pipeline`: the same option
 names, types, bounds (`kvstate.commands.args`) and help, as `(flag, argparse type, help)`; the pipeline demo reads
 them back by name (`executor.pipeline.demo.workload_options`). `WORKLOAD_DEFAULTS` is the single-process demo's
-workload; `python -m executor.pipeline` runs fewer requests."""
+workload; `python -m executor.pipeline` runs fewer requests. `add_offload_option` is the `--offload` option of the
+commands that run the engine (the spec's offload policy, `executor.offload_spec`)."""
 
 from __future__ import annotations
+
+import argparse
 
 from kvstate.commands.args import (
     MAX_BLOCK_SIZE,
@@ -47,3 +50,19 @@ WORKLOAD_DEFAULTS = {
 def option_key(flag: str) -> str:
     """The attribute argparse stores `flag` under (``--gpu-blocks`` -> ``gpu_blocks``)."""
     return flag[2:].replace("-", "_")
+
+
+def add_offload_option(parser: argparse.ArgumentParser) -> None:
+    """`--offload {on_demand,eager}`: run a copy of the spec with this offload policy (default: the spec's own)."""
+    from kvstate.policy import VOCABULARY
+
+    parser.add_argument(
+        "--offload",
+        choices=tuple(VOCABULARY["offload"]),
+        default=None,
+        help=(
+            "the spec's offload policy to run: on_demand moves a suspended request's held blocks to the host "
+            "tier only when an allocation needs the GPU room, eager moves all of them when it is suspended "
+            "(default: the spec's own, on_demand)"
+        ),
+    )

@@ -13,7 +13,7 @@ import os
 import sys
 from dataclasses import replace
 
-from executor.commands.workload import WORKLOAD_COUNTS, WORKLOAD_DEFAULTS, option_key
+from executor.commands.workload import WORKLOAD_COUNTS, WORKLOAD_DEFAULTS, add_offload_option, option_key
 from executor.pipeline.config import MAX_TIMEOUT_S, MIN_TIMEOUT_S
 from executor.pipeline.demo import DEMO_TIMEOUT_S
 from kvstate.commands.args import MAX_STAGES, device_name, non_negative_int, positive_int, seconds
@@ -37,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or auto")
     p.add_argument("--dtype", default="float64", choices=("float64", "float32"))
     p.add_argument("--trace", default=None, help="rank 0's trace file; rank r writes <stem>.rank<r><suffix>")
+    add_offload_option(p)
     p.add_argument(
         "--fail-host-tier-on-rank",
         type=non_negative_int("rank", maximum=MAX_STAGES - 1),

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from executor.pipeline.config import PipelineConfig
 from executor.pipeline.launch import PipelineResult, run_pipeline
+from kvstate.spec import default_spec
 
 if TYPE_CHECKING:
     from executor.engine_config import EngineConfig
@@ -82,6 +83,7 @@ WORKLOAD_OPTIONS = (
     "seed",
     "dtype",
     "trace",
+    "offload",
 )
 
 
@@ -105,6 +107,7 @@ def run_pp_demo(  # noqa: PLR0913 - keyword-only, one per `kvstate demo --pp` fl
     dtype: str = "float64",
     trace: str | Path | None = None,
     lifecycle: str = "machine",
+    offload: str | None = None,
     fail_host_tier_on_ranks: frozenset[int] = frozenset(),
     micro_batches: int | None = None,
     compare_lockstep: bool = False,
@@ -125,6 +128,7 @@ def run_pp_demo(  # noqa: PLR0913 - keyword-only, one per `kvstate demo --pp` fl
         dtype=dtype,
         trace=trace,
         lifecycle=lifecycle,
+        offload=offload,
     )
     config = PipelineConfig(
         engine=engine_config,
@@ -159,7 +163,8 @@ def run_pp_demo(  # noqa: PLR0913 - keyword-only, one per `kvstate demo --pp` fl
     layers = ", ".join(f"rank {r.rank}: layers {list(r.layers)}" for r in result.ranks)
     header = (
         f"kvstate demo --pp {stages}: {requests} requests on {device} ({dtype}, model width {hidden_size}), "
-        f"GPU tier {gpu_blocks} blocks x {block_size} tokens per stage, host tier {host_text}; {layers}"
+        f"GPU tier {gpu_blocks} blocks x {block_size} tokens per stage, host tier {host_text}, offload "
+        f"{(engine_config.spec or default_spec()).policy.offload}; {layers}"
     )
     rows = _rows(stages, result, wall, check_time)
     states = tuple((s, driver.peak_states.get(s, 0), driver.final_states.get(s, 0)) for s in driver.peak_states)
@@ -208,6 +213,7 @@ def mismatched(engine_config: EngineConfig, work: list[tuple[list[int], int]], r
 def _rows(stages: int, result: PipelineResult, wall: float, check_time: float) -> tuple[tuple[str, str], ...]:
     """The summary table: what rank 0 counted over the run."""
     from executor.checks import format_bytes
+    from executor.run_totals import copy_rows
 
     driver = result.driver
     totals, events, host = driver.totals, driver.totals.get("events", {}), driver.host_tier
@@ -219,6 +225,7 @@ def _rows(stages: int, result: PipelineResult, wall: float, check_time: float) -
         ("generated tokens", str(totals.get("generated_tokens", 0))),
         ("suspensions", str(events.get("suspend", 0))),
         ("resumes", str(events.get("resume", 0))),
+        *copy_rows(totals),
         ("recompute-pauses", str(events.get("recompute_pause", 0))),
         ("consensus rounds", str(events.get("consensus", 0))),
         ("replays", str(events.get("replay", 0))),

@@ -61,6 +61,7 @@ from executor.pipeline.devices import DeviceAssignment, assign_devices
 from executor.pipeline.hosttier import agree_host_tier
 from executor.pipeline.protocol import MirrorBook, batch_chunks, held_blocks, new_request_data
 from executor.pipeline.stage import StageCache, StageModel
+from executor.run_totals import resume_copies
 from executor.sampler import sample_batch
 from kvstate.errors import KVStateError
 from kvstate.pool import TO_GPU, MigrationPlan
@@ -69,6 +70,17 @@ from kvstate.roles import PENDING_RESET
 from kvstate.scheduler import Scheduler, Step
 from kvstate.spec import Transition, default_spec
 from kvstate.trace import trace_record
+
+# the `IterationStats` figures rank 0 sums over the run (its `totals`, beside `steps` and the resume counts)
+STEP_TOTALS = (
+    "generated_tokens",
+    "recomputed_tokens",
+    "scheduled_tokens",
+    "blocks_migrated",
+    "bytes_migrated",
+    "blocks_offloaded",
+    "blocks_onboarded",
+)
 
 
 class PipelineFailed(KVStateError, RuntimeError):
@@ -152,7 +164,7 @@ class PipelineRank:
         self.host = agree_host_tier(
             self.cache, e.scheduler.host_blocks, comm, simulate_failure=rank in config.fail_host_tier_on_ranks
         )
-        self.spec = default_spec()
+        self.spec = e.spec if e.spec is not None else default_spec()  # every rank runs the same lifecycle
         self._pending_reset = self.spec.role(PENDING_RESET)
         self.book = ConsensusBook(rank, config.delay_of(rank))
         self.trace = _TraceSink(config.trace_path_for(rank))
@@ -283,7 +295,7 @@ class PipelineRank:
         if self.config.engine.check_invariants:
             s.check_invariants()
         stats = s.stats()
-        for key in ("generated_tokens", "recomputed_tokens", "scheduled_tokens", "blocks_migrated", "bytes_migrated"):
+        for key in STEP_TOTALS:
             self.totals[key] += getattr(stats, key)
         self.totals["steps"] += 1
         for state, count in stats.requests_per_state.items():
@@ -322,7 +334,7 @@ class PipelineRank:
         fences = [self.cache.execute(plan) for plan in plans]
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         for plan, fence in zip(plans, fences, strict=True):
-            if plan.direction == TO_GPU:  # the forward reads resumed blocks; suspended ones only free after the wait
+            if plan.direction == TO_GPU:  # the forward reads resumed blocks; offloaded ones only free after the wait
                 fence.order_before(stream)
         writers = [(rid, table) for rid, _, _, table, _ in message["chunks"]]
         writers += [(p.request_id, [dst for _, dst in p.pairs]) for p in plans if p.direction == TO_GPU]
@@ -397,6 +409,9 @@ class PipelineRank:
             for plan, _ in step.to_wait():
                 step.waited(plan)
             step.complete_migrations()
+            without, relocked = resume_copies(step.output)  # now: a later pass may schedule the resumed requests
+            self.totals["resumed_without_copy"] += without
+            self.totals["blocks_relocked"] += relocked
             result = self._execute(message, step.output.migrations, None)
             self.book.retire(self.iteration)
             if self.world_size == 1:

@@ -16,16 +16,19 @@ the next `schedule_request`, and is completed after it.
 
 `PagePool` semantics (the project's, chosen to match what the scheduler's docstrings and its deadlock message
 say of the real manager): `suspend_request` moves a request's pages to the host tier when it exists and has room
-for all of them, and otherwise leaves them on the GPU (the request is suspended but frees nothing);
+for all of them (the eager schedule of the spec's lazy suspension: the real manager holds them on the GPU and moves
+them down when an allocation needs the room), and otherwise leaves them on the GPU, held (the request is suspended
+but frees nothing);
 `prepare_context` / `try_allocate_generation` resume a suspended request first (its pages back to the GPU, or
 reactivated in place) and fail when the GPU lacks room; `resize_context` / `try_allocate_generation` grow a cache
 page by page and fail, changing nothing, when the GPU lacks room.
 
 Mapping onto the spec (roles): no cache yet -> queued; a suspended cache -> offloaded (the scheduler put it in its
-paused list), wherever its pages are: one suspended without room in a host tier keeps GPU pages, which the
-conformance machine reports (NO-HOST-NO-SUSPEND without a host tier, RES-STATE with one); an active cache ->
-active; `GENERATION_COMPLETE` -> ended. The policy declared is `"trtllm"` (`kvstate.declared.PRESETS`);
-victims are reported with their requester, the request whose allocation was being tried.
+paused list), wherever its pages are (the held residency allows either tier); an active cache -> active;
+`GENERATION_COMPLETE` -> ended. The policy declared is `"trtllm"` (`kvstate.declared.PRESETS`); victims are
+reported with their requester, the request whose allocation was being tried, and each pass's snapshot carries the
+host tier's free pages, every request's host pages and the order of those held on the GPU, so a suspension the host
+tier cannot take (one that frees nothing, as every suspension without a host tier) breaks the declared SUSPEND-ROOM.
 """
 
 from __future__ import annotations
@@ -206,6 +209,11 @@ class PagePool:
                 self.host_slots[dst] = list(self.gpu_slots[src])
             self.free_gpu += cache.gpu
             cache.gpu = []
+
+    @property
+    def held(self) -> list[int]:
+        """The suspended requests whose pages are still on the GPU (held there), in the order they were suspended."""
+        return [rid for rid, cache in self.kv_cache_map.items() if not cache.active and cache.gpu]
 
     def is_request_active(self, request_id: int) -> bool:
         cache = self.kv_cache_map.get(request_id)
@@ -416,6 +424,9 @@ class TrtllmAdapter:
         return self._state_of_role[roles.ACTIVE]
 
     def _snapshot(self) -> PassSnapshot:
+        """The requests and the pool just before a pass; a suspended request whose pages stayed on the GPU is held
+        there, in the order it was suspended (`PagePool.held`)."""
+        held = {rid: rank for rank, rid in enumerate(self.pool.held)}
         requests = tuple(
             RequestSnapshot(
                 req.py_request_id,
@@ -429,6 +440,8 @@ class TrtllmAdapter:
                 len(cache.gpu) if (cache := self.pool.kv_cache_map.get(req.py_request_id)) else 0,
                 num_output_tokens=len(req.generated),
                 prompt_tokens=len(req.prompt),
+                host_blocks=len(cache.host) if cache else 0,
+                held_rank=held.get(req.py_request_id, -1),
             )
             for position, req in enumerate(self.active)
         )
@@ -439,6 +452,7 @@ class TrtllmAdapter:
             self.scheduler.max_num_requests,
             self.max_num_tokens or 1 << 30,
             serve_order=tuple(req.py_request_id for req in self.active),
+            host_free=len(self.pool.free_host),
         )
 
     def _pass_output(self, before: PassSnapshot, out) -> PassOutput:

@@ -16,8 +16,15 @@ which a test checks against the packaged spec):
   starts from the initial state again and holds as a new request's first line: its id was reused after
   `take_finished` (spec/TRACE.md), and from that line on it is a new request (a line from the initial state that
   breaks a rule as a first line is reported as a ``from`` divergence: a line the ended request took);
-* ``residency`` (RES-STATE): a request holds no block outside the tier its `to` state's residency names;
-* ``no-host-no-suspend`` (NO-HOST-NO-SUSPEND): with `host_capacity == 0`, no request is in a host-residency state;
+* ``residency`` (RES-STATE): a request holds blocks only in the tiers its `to` state's residency allows
+  (`kvstate.spec.RESIDENCY_TIERS`: a `gpu` state none on the host, a `held` state in either tier, a `none` state none);
+* ``no-host-no-offload`` (NO-HOST-NO-OFFLOAD): with `host_capacity == 0`, no request holds host blocks;
+* ``effect`` (RESUME-COPY, FENCE): the line's blocks are what its transition's effect leaves (`EFFECT_RULES`, keyed
+  by the effect names of `kvstate.semantics.EffectHooks`, found through the spec's edge): a hold (suspend) moves no
+  block; an offload moves k >= 1 of the request's GPU blocks to the host tier and fences them (`gpu_fenced >= k`); a
+  resume leaves the request with all its blocks on the GPU (`gpu_blocks` = its GPU + host blocks before, `host_blocks`
+  0) and fences the host sources it copies. A request's GPU count as of its last line is exact while it is in a
+  state that does not compute (nothing allocates for it between its lines) and a lower bound otherwise;
 * ``conservation`` (CONS-HOST / CONS-GPU), over all requests, from the trace alone: a request's host blocks change
   only on its own lines, so the validator knows every request's count and checks the host law exactly,
   `host_free + host_fenced + (host blocks of all requests) == host_capacity`; a request's GPU blocks grow between
@@ -44,7 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from kvstate.spec import Spec, Transition, default_spec
+from kvstate.checker.trace_effects import EFFECT_RULES, BlocksBefore
+from kvstate.spec import RESIDENCY_TIERS, Spec, Transition, default_spec
 from kvstate.trace import TRACE_FIELDS, TRACE_LIMITS, TraceError, open_trace, parse_line, trace_lines
 from kvstate.untrusted import Limits, shown
 
@@ -54,6 +62,8 @@ __all__ = [
     "CONSERVATION",
     "DONE_REASON",
     "EDGE",
+    "EFFECT",
+    "EFFECT_RULES",
     "FORMAT",
     "FROM",
     "GENERATED",
@@ -77,8 +87,8 @@ __all__ = [
 
 # rule names (stable: tests and tools match on them)
 FORMAT, ITERATION, CAPACITY, STUTTER, EDGE, FROM = "format", "iteration", "capacity", "stutter", "edge", "from"
-RESIDENCY, NO_HOST, CONSERVATION, GENERATED = "residency", "no-host-no-suspend", "conservation", "generated"
-DONE_REASON, TERMINAL = "done-reason", "terminal"
+RESIDENCY, NO_HOST, EFFECT = "residency", "no-host-no-offload", "effect"
+CONSERVATION, GENERATED, DONE_REASON, TERMINAL = "conservation", "generated", "done-reason", "terminal"
 RULES = (
     FORMAT,
     ITERATION,
@@ -88,6 +98,7 @@ RULES = (
     FROM,
     RESIDENCY,
     NO_HOST,
+    EFFECT,
     CONSERVATION,
     GENERATED,
     DONE_REASON,
@@ -97,7 +108,7 @@ RULES = (
 PROGRESS_LINES = 100_000  # lines between two progress reports
 
 # spec invariant ids the rules report (reported only when the spec in use declares them)
-INVARIANT_IDS = ("RES-STATE", "NO-HOST-NO-SUSPEND", "CONS-GPU", "CONS-HOST", "GEN-APPEND")
+INVARIANT_IDS = ("RES-STATE", "NO-HOST-NO-OFFLOAD", "RESUME-COPY", "FENCE", "CONS-GPU", "CONS-HOST", "GEN-APPEND")
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,14 +208,13 @@ class _Validator:
         self.torn: int | None = None
         self.edges = {(t.event, t.source, t.dest): t for t in spec.transitions}
         self.terminal = frozenset(spec.terminal_states)
-        self.host_states = frozenset(spec.states_with_residency("host"))
+        self.computing = spec.computing_states
         self.reasons = frozenset(e.done_reason for e in spec.events if e.done_reason)
         declared = {inv.id for inv in spec.invariants}
         self.invariant = {i: (i if i in declared else None) for i in INVARIANT_IDS}
         self.state: dict[Hashable, str] = {}
         self.last_line: dict[Hashable, int] = {}
         self.generated: dict[Hashable, int] = {}
-        self.host_held: set[Hashable] = set()
         # per tier: request id -> its blocks as of its last line (requests holding none are left out), and the sum
         self.blocks: dict[str, dict[Hashable, int]] = {"gpu": {}, "host": {}}
         self.total = {"gpu": 0, "host": 0}
@@ -306,10 +316,11 @@ class _Validator:
     def _check_and_take(self, number: int, line: dict) -> None:
         self._check_order(number, line)
         transition = self._check_edge(number, line)
-        in_host = self._check_residency(number, line)
+        self._check_residency(number, line)
+        self._check_effect(number, line, transition)
         totals = self._check_conservation(number, line)
         self._check_output(number, line, transition)
-        self._take(number, line, in_host, totals)
+        self._take(number, line, totals)
 
     def _check_order(self, number: int, line: dict) -> None:
         """``iteration`` and ``capacity``."""
@@ -360,36 +371,60 @@ class _Validator:
             raise self.fail(number, FROM, f"the line starts from {source!r} but {why}", line=line, expected=held)
         return transition
 
-    def _check_residency(self, number: int, line: dict) -> bool:
-        """``residency`` and ``no-host-no-suspend``: whether the request is in a host state once the line is taken."""
+    def _check_residency(self, number: int, line: dict) -> None:
+        """``residency`` and ``no-host-no-offload``."""
         rid, dest = line["request_id"], line["to"]
         residency = self.spec.residency(dest)
+        allowed = RESIDENCY_TIERS[residency]
         for tier in ("gpu", "host"):
             held_blocks = line[f"{tier}_blocks"]
-            if residency != tier and held_blocks != 0:
+            if tier not in allowed and held_blocks != 0:
+                where = f"only in the {' and '.join(allowed)} tier{'s' * (len(allowed) > 1)}" if allowed else "none"
                 raise self.fail(
                     number,
                     RESIDENCY,
-                    f"field '{tier}_blocks' is {held_blocks} but state {dest!r} has "
-                    f"residency {residency!r}; the transition's effect must move or free every {tier} "
-                    "block",
+                    f"field '{tier}_blocks' is {held_blocks} but state {dest!r} has residency {residency!r}, whose "
+                    f"requests hold blocks {where}; the transition's effect must move or free every {tier} block",
                     line=line,
                     invariant=self.invariant["RES-STATE"],
                 )
-        in_host = dest in self.host_states  # the set is changed only in `_take`: no copy per line (linear reading)
-        others = len(self.host_held) - (rid in self.host_held)
-        if line["host_capacity"] == 0 and (in_host or others):
-            who = rid if in_host else min((r for r in self.host_held if r != rid), key=repr)
+        if line["host_capacity"] != 0:
+            return
+        holders = self.blocks["host"]  # requests holding host blocks as of their last line: read, never copied
+        if line["host_blocks"] or len(holders) - (rid in holders):
+            who = rid if line["host_blocks"] else min((r for r in holders if r != rid), key=repr)
+            count = line["host_blocks"] or holders[who]
             raise self.fail(
                 number,
                 NO_HOST,
-                f"host_capacity is 0 (no host tier) but request {shown(who)} is in a host "
-                "state; without a host tier every eviction must be a recompute-pause, and a tier that "
-                "goes away must first drop its copies (lose_host_copy)",
+                f"field 'host_capacity' is 0 (no host tier) but request {shown(who)} holds {count} host block(s); "
+                "without a host tier held blocks stay on the GPU (nothing is offloaded), and a tier that goes away "
+                "must first drop the host copies (lose_host_copy)",
                 line=line,
-                invariant=self.invariant["NO-HOST-NO-SUSPEND"],
+                invariant=self.invariant["NO-HOST-NO-OFFLOAD"],
             )
-        return in_host
+
+    def _check_effect(self, number: int, line: dict, transition: Transition) -> None:
+        """``effect``: the request's blocks are what the effect of the line's edge leaves (`EFFECT_RULES`)."""
+        rule = EFFECT_RULES.get(transition.effect) if transition.effect else None
+        if rule is None:
+            return
+        rid = line["request_id"]
+        before = BlocksBefore(
+            self.blocks["gpu"].get(rid, 0),
+            self.blocks["host"].get(rid, 0),
+            transition.source not in self.computing,
+        )
+        problem = rule(before, line)
+        if problem is not None:
+            field, invariant, why = problem
+            raise self.fail(
+                number,
+                EFFECT,
+                f"field {field!r} {why} (event {transition.event!r} runs effect {transition.effect!r})",
+                line=line,
+                invariant=self.invariant[invariant] if invariant else None,
+            )
 
     def _check_conservation(self, number: int, line: dict) -> dict[str, int]:
         """``conservation``: the blocks all requests hold per tier once the line is taken."""
@@ -449,7 +484,7 @@ class _Validator:
                 line=line,
             )
 
-    def _take(self, number: int, line: dict, in_host: bool, totals: dict[str, int]) -> None:
+    def _take(self, number: int, line: dict, totals: dict[str, int]) -> None:
         """Record the line's transition: the request's state, blocks and output as the line leaves them."""
         rid = line["request_id"]
         self.iteration = line["iteration"]
@@ -457,10 +492,6 @@ class _Validator:
         self.state[rid] = line["to"]
         self.last_line[rid] = number
         self.generated[rid] = line["generated"]
-        if in_host:
-            self.host_held.add(rid)
-        else:
-            self.host_held.discard(rid)
         for tier, held in totals.items():
             self.total[tier] = held
             if line[f"{tier}_blocks"]:

@@ -74,19 +74,21 @@ def drops_kv(spec: Spec, t: Transition) -> bool:
     return edge_kind(spec, t.source, t.dest, t.destructive) is EdgeKind.DROP
 
 
-def _transition_row(spec: Spec, t: Transition) -> tuple[str, str, str]:
+def _transition_row(spec: Spec, t: Transition) -> tuple[str, tuple[str, str], tuple[str, str]]:
     guard = f"[{t.guard}]" if t.guard else "[—]"
     mark = DROPS_KV_MARK if drops_kv(spec, t) else ""
-    return mark + t.event, f"{t.source}\n→ {t.dest}", f"{guard}\n/ {t.effect or '—'}"
+    return mark + t.event, (t.source, f"→ {t.dest}"), (guard, f"/ {t.effect or '—'}")
 
 
-def _table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]]) -> Table:
-    """A rich table of inert plain-text cells (never read as markup) that fold rather than truncate."""
+def _table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str | tuple[str, ...]]]) -> Table:
+    """A rich table of inert plain-text cells (never read as markup) that fold rather than truncate; a tuple value
+    is a cell of several lines, each inert (a newline is ours, never the spec's: `cell` shows the spec's as `\\n`)."""
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title=title)
     for column in columns:
         table.add_column(cell(column), overflow="fold")
     for row in rows:
-        table.add_row(*(cell(value) for value in row))
+        table.add_row(*(Text("\n").join(map(cell, v)) if isinstance(v, tuple) else cell(v) for v in row))
     return table

@@ -6,7 +6,7 @@ reads it too, but lays it out again and loses the story.
 
 Invariants kept:
 * every text from the spec goes through `kvstate.diagrams.escape` (`dot_string`, `dot_comment`, `dot_html`);
-* one `subgraph cluster_<residency>` per residency tier the layout boxes (`layout.CLUSTERED`), titled with the
+* one `subgraph cluster_<residency>` per residency the layout boxes (`layout.CLUSTERED`), titled with the
   cluster's title; every other state is filled with its residency's colour;
 * the initial pseudo-state is the point node `INITIAL_NODE`, with one unlabelled edge to the initial state;
   a bundle of broadcast edges starts from the dashed pseudo-node `ANY_STATE`, drawn only when used;
@@ -63,10 +63,10 @@ COMMON_GLYPHS = frozenset("×–—→←·…”−\u2039\u203a")  # the non-AS
 
 CLUSTER_COLORS = {  # residency -> (state fill, stroke)
     "gpu": ("#e8f5e9", "#2e7d32"),
-    "host": ("#e3f2fd", "#1565c0"),
+    "held": ("#e3f2fd", "#1565c0"),
     "none": ("#f5f5f5", "#616161"),
 }
-CLUSTER_TINTS = {"gpu": "#f3faf3", "host": "#f1f7fd", "none": "#fafafa"}  # the background of a tier's box
+CLUSTER_TINTS = {"gpu": "#f3faf3", "held": "#f1f7fd", "none": "#fafafa"}  # the background of a residency's box
 EDGE_FONT_SIZE = 11  # points; drawn at natural size (1 pt = 4/3 px) that is ~15 px, above the 11 px floor
 LEGEND_FONT_SIZE = 12
 LEGEND_TITLE_SIZE = 16
@@ -287,7 +287,8 @@ def common_legend_rows(diagram: Diagram) -> list[LegendRow]:
         LegendRow("black dot / double circle", "initial / terminal state"),
         LegendRow(
             "box, fill colour",
-            "where the request's KV lives in that state: green GPU tier, blue host tier, grey none",
+            "where the request's KV lives in that state: green GPU tier; blue held, on the GPU until offloaded, "
+            "then in the host tier; grey none",
         ),
     ]
     if any(edge.source == ANY_STATE for edge in diagram.drawn_edges):

@@ -2,7 +2,7 @@
 
 Invariants kept by `build_diagram`:
 * every state of the spec is a node in exactly one cluster, the one named by its residency;
-* nodes follow spec order; clusters follow `kvstate.spec.RESIDENCIES` order (gpu, host, none) and a
+* nodes follow spec order; clusters follow `kvstate.spec.RESIDENCIES` order (gpu, held, none) and a
   residency without states has no cluster;
 * every spec transition is exactly one `Edge`, in spec order (events, then their transitions), with the
   `EdgeKind` its source, destination and event imply (never its names);
@@ -23,8 +23,8 @@ from kvstate.spec import RESIDENCIES, Spec, Transition
 
 CLUSTER_TITLES = {
     "gpu": "GPU tier: KV in GPU blocks",
-    "host": "host tier: KV in pinned host memory",
-    "none": "no KV held",
+    "held": "held: on the GPU until offloaded, then in the host tier",
+    "none": "no KV",
 }
 ANY_STATE = "__any_state__"  # the pseudo-node bundled broadcast edges start from
 
@@ -35,8 +35,8 @@ class EdgeKind(StrEnum):
     DROP = "drop"  # destructive, into a no-KV state: the KV is dropped and the request must be replayed
     HOLD = "hold"  # destructive decision whose destination still holds the KV: nothing dropped yet
     TERMINATE = "terminate"  # into a terminal state: the request ends and its KV is freed
-    DEFER = "defer"  # a self-loop: the event is recorded, its effect deferred; the state does not change
-    KEEP = "keep"  # every other edge: the KV is kept (possibly moved between tiers)
+    DEFER = "defer"  # a self-loop of an event that ends requests elsewhere: recorded now, carried out later
+    KEEP = "keep"  # every other edge: the KV is kept (possibly moved between tiers, as a held request's offload)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +53,7 @@ class Node:
 
 @dataclass(frozen=True, slots=True)
 class Cluster:
-    """The states whose KV lives in one tier (`residency` is one of `RESIDENCIES`)."""
+    """The states of one residency (one of `RESIDENCIES`): where their KV may live."""
 
     residency: str
     title: str
@@ -213,16 +213,22 @@ class Diagram:
         return None if self.fired is None else sum(self.fired.get(edge.key, 0) for edge in drawn.members)
 
 
-def edge_kind(spec: Spec, source: str, dest: str, destructive: bool) -> EdgeKind:
-    """The `EdgeKind` of a transition, from the residencies and terminal flags of its states."""
+def edge_kind(spec: Spec, source: str, dest: str, destructive: bool, event: str | None = None) -> EdgeKind:
+    """The `EdgeKind` of a transition, from the residencies and terminal flags of its states and, for a self-loop,
+    whether its `event` ends requests on another edge (a deferred ending; without `event` every self-loop is one)."""
     target = spec.state_by_name[dest]
-    if source == dest:
+    if source == dest and (event is None or ends_requests(spec, event)):
         return EdgeKind.DEFER
     if target.terminal:
         return EdgeKind.TERMINATE
     if destructive:
         return EdgeKind.DROP if target.residency == "none" else EdgeKind.HOLD
     return EdgeKind.KEEP
+
+
+def ends_requests(spec: Spec, event: str) -> bool:
+    """Whether some edge of `event` leads into a terminal state."""
+    return any(spec.state_by_name[t.dest].terminal for t in spec.event_by_name[event].transitions)
 
 
 def build_diagram(spec: Spec, *, all_edges: bool = False) -> Diagram:
@@ -248,7 +254,7 @@ def edge_of(spec: Spec, transition: Transition) -> Edge:
         guard=transition.guard,
         effect=transition.effect,
         destructive=transition.destructive,
-        kind=edge_kind(spec, transition.source, transition.dest, transition.destructive),
+        kind=edge_kind(spec, transition.source, transition.dest, transition.destructive, transition.event),
         origin=event.origin,
         feeds=event.feeds,
         feeds_production_name=fed.production_name if fed is not None else "",

@@ -1,12 +1,13 @@
 """Lay the lifecycle out along its story, by the roles the spec gives its states (never by their names).
 
-The story a reader follows: the spine left to right (queued -> active -> ended), the host tier below the active
-state (suspend and resume as a tight pair), the recompute loop above it (active -> dropped -> recomputing ->
-active) and the pending reset beside the pause edge, the terminal state at the right. `STORY_CELLS` places each
-role in a (column, row) cell; a state without a role goes to a row of its own below, in spec order; the pseudo-node
-of a bundled broadcast edge sits left of the terminal state's column, on the lowest row.
+The story a reader follows: the spine left to right (queued -> active -> ended), the held state below the active
+state (suspend and resume as a tight pair, the offload of held blocks a loop on it), the recompute loop above it
+(active -> dropped -> recomputing -> active) and the pending reset beside the pause edge, the terminal state at the
+right. `STORY_CELLS` places each role in a (column, row) cell; a state without a role goes to a row of its own
+below, in spec order; the pseudo-node of a bundled broadcast edge sits left of the terminal state's column, on the
+lowest row.
 
-Residency tiers that hold KV are clusters (a box around their states, titled inside at its bottom edge); states
+Residencies that hold KV are clusters (a box around their states, titled inside at its bottom edge); states
 without KV are in no cluster, because the story spreads them out. The edges are routed on the nodes placed here
 (`kvstate.diagrams.routing`), in several orders while some edge is not kept clean; the cleanest is kept.
 
@@ -39,7 +40,7 @@ STORY_CELLS = {  # role -> (column, row); row 0 is the spine, negative rows are 
     DROPPED: (2, -2),
 }
 INITIAL = "__initial__"  # the initial pseudo-state
-CLUSTERED = ("gpu", "host")  # residencies drawn as a titled box around their states
+CLUSTERED = ("gpu", "held")  # residencies drawn as a titled box around their states
 
 NODE_FONT = 13.0
 LABEL_FONT = 11.0

@@ -35,10 +35,10 @@ KIND_MARKS = {
     EdgeKind.KEEP: "",
 }
 LOOP_JOIN = " · "  # between the labels of a state's self-loops, drawn as one
-RESIDENCY_TAGS = {"gpu": "KV on GPU", "host": "KV on host", "none": "no KV"}
+RESIDENCY_TAGS = {"gpu": "KV on GPU", "held": "KV held, GPU then host", "none": "no KV"}
 RESIDENCY_STYLES = {
     "gpu": "fill:#e8f5e9,stroke:#2e7d32,color:#1b5e20",
-    "host": "fill:#e3f2fd,stroke:#1565c0,color:#0d47a1",
+    "held": "fill:#e3f2fd,stroke:#1565c0,color:#0d47a1",
     "none": "fill:#f5f5f5,stroke:#616161,color:#212121",
 }
 ANY_STATE_ID = "s_any_state"  # `mermaid_id` never makes it: names starting `s_` are hex-encoded
@@ -48,17 +48,18 @@ STORY_ORDER = (  # (source role, destination role) of the transition lines, in t
     (QUEUED, ACTIVE),
     (ACTIVE, OFFLOADED),
     (OFFLOADED, ACTIVE),
+    (OFFLOADED, DROPPED),
     (ACTIVE, DROPPED),
     (RECOMPUTING, DROPPED),
     (ACTIVE, PENDING_RESET),
+    (ACTIVE, ENDED),
     (RECOMPUTING, PENDING_RESET),
-    (OFFLOADED, DROPPED),
     (PENDING_RESET, DROPPED),
     (PENDING_RESET, ENDED),
     (DROPPED, RECOMPUTING),
     (RECOMPUTING, ACTIVE),
-    (ACTIVE, ENDED),
     (PENDING_RESET, PENDING_RESET),
+    (OFFLOADED, OFFLOADED),
 )
 
 

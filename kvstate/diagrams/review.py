@@ -4,7 +4,8 @@ Drawn from the same `Diagram` as the lifecycle view (same nodes, same bundling) 
 event's `origin` as the spec states it (a scheduler decision, an executor report, an environment event) instead
 of by what it does to the KV, and labelled with the scheduler-output list it feeds and that list's production
 name. Two places a reviewer of a preemption change looks for are called out on their edges, derived from the
-spec's structure, never from names: the promotion gate (a scheduler decision that drops a host copy) and the
+spec's structure, never from names: the promotion gate (a scheduler decision that drops the KV of a state whose
+residency lets it sit in the host tier: a suspended request's held blocks, on either tier) and the
 consensus point (the edges out of a state that keeps its KV after a preemption decision).
 
 Invariants kept: every text from the spec goes through `kvstate.diagrams.escape` (via `render_dot`); the output
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from kvstate.diagrams.dot import LegendRow, View, common_legend_rows, render_dot
 from kvstate.diagrams.ir import Diagram, DrawnEdge, EdgeKind
+from kvstate.spec import RESIDENCY_TIERS
 
 ORIGIN_STYLES = {  # origin -> (colour, DOT style, legend sample, meaning)
     "scheduler": ("#1565c0", "bold", "——— blue, bold", "scheduler decision: a policy choice in a scheduling pass"),
@@ -39,9 +41,10 @@ CONSENSUS_POINT = "consensus point"
 
 
 def callouts(diagram: Diagram) -> dict[DrawnEdge, tuple[str, ...]]:
-    """Per drawn edge: `PROMOTION_GATE` on a scheduler decision that drops a host copy; `CONSENSUS_POINT` on an
-    edge (not a self-loop) leaving a state that keeps its KV after a preemption decision."""
-    host = {node.name for node in diagram.nodes if node.residency == "host"}
+    """Per drawn edge: `PROMOTION_GATE` on a scheduler decision that drops the KV of a state whose residency reaches
+    the host tier (held); `CONSENSUS_POINT` on an edge (not a self-loop) leaving a state that keeps its KV after a
+    preemption decision."""
+    host = {node.name for node in diagram.nodes if "host" in RESIDENCY_TIERS.get(node.residency, ())}
     holders = {e.dest for e in diagram.edges if e.kind is EdgeKind.HOLD}
     marks: dict[DrawnEdge, tuple[str, ...]] = {}
     for edge in diagram.drawn_edges:
@@ -95,7 +98,9 @@ def review_legend_rows(diagram: Diagram) -> list[LegendRow]:
             f"{FEEDS_MARK}list (production name)",
             "the scheduler-output list a request taking the edge is listed in, and the production engine's name for it",
         ),
-        LegendRow(f"[{PROMOTION_GATE}]", "a suspended request's host copy given up to make room for a victim"),
+        LegendRow(
+            f"[{PROMOTION_GATE}]", "a suspended request's held KV (GPU or host) given up to make room for a victim"
+        ),
         LegendRow(
             f"[{CONSENSUS_POINT}]", "the deferred reset of a multi-stage recompute-pause, once every stage agrees"
         ),

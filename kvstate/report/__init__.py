@@ -52,7 +52,7 @@ def write_report(
 
     spec = spec or default_spec()
     say = progress or (lambda _: None)
-    summary = summarize(counted(load_lines(trace), say), loop=loop)
+    summary = summarize(counted(load_lines(trace), say), loop=loop, spec=spec)
     unknown = sorted(set(summary.edge_counts) - {(t.event, t.source, t.dest) for t in spec.transitions})
     if unknown:
         raise TraceError(

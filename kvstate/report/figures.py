@@ -4,29 +4,46 @@ tier occupancy. Each is saved as PNG and SVG.
 Invariants kept: state names are drawn through `kvstate.diagrams.escape.mpl_text` (literally, no mathtext);
 block and iteration axes have integer ticks only; the occupancy chart draws at most `MAX_COLUMNS` columns, each
 the peak of `bin_size` consecutive iterations (one column per iteration when they fit), so no column is
-narrower than a few pixels and nothing aliases into stripes; the timeline draws one collection per state however
-many requests the trace has (linear in spans: no artist per request, no autoscaling per span), and the time
-spent queued (the `queued` role) in a light tint, so the states that hold KV stand out; both figures are
+narrower than a few pixels and nothing aliases into stripes; the timeline draws one collection per state (per
+state and placement for a held state: on the GPU, split, offloaded) however many requests the trace has (linear in
+spans: no artist per request, no autoscaling per span), and the time spent queued (the `queued` role) in a light
+tint, so the states that hold KV stand out; the GPU tier's occupancy shows the blocks suspended requests hold
+there apart from those computing requests lock; both figures are
 `FIGURE_WIDTH` wide with their axes at the same `AXES_LEFT`/`AXES_RIGHT`, and are saved without cropping, so at
 the same display width their iteration axes line up.
 """
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from kvstate.diagrams.escape import mpl_text
 from kvstate.pool import ceil_div
-from kvstate.report.colors import COLOR_KEY, DESTRUCTIVE_HATCH_COLOR, hatched, state_colors
+from kvstate.report.colors import (
+    COLOR_KEY,
+    DESTRUCTIVE_HATCH_COLOR,
+    PLACEMENT_WORDS,
+    PLACEMENTS,
+    SHADES,
+    hatched,
+    placement_color,
+    state_colors,
+)
 from kvstate.report.model import TraceSummary
 from kvstate.roles import QUEUED
 from kvstate.spec import Spec
+
+HELD_COLOR = SHADES["held"][0]  # the held residency's hue: blocks suspended requests hold
+LOCKED_COLOR = SHADES["gpu"][0]  # the GPU residency's hue: blocks computing requests lock
+FENCED_COLOR = "#ffb300"
 
 MAX_LABELLED_ROWS = 60  # beyond this, every k-th request id is labelled
 MAX_COLUMNS = 250  # occupancy columns drawn at most (about 4 px each at the saved size)
 HATCH = "///"
 FIGURE_WIDTH = 12.0  # inches, both figures
 AXES_LEFT, AXES_RIGHT = 0.09, 0.80  # the axes' edges as fractions of the figure width, both figures
+KEY_WIDTH = 150  # characters of the colour key on one line below the timeline (the figure holds about 180)
 QUEUED_COLOR = "#f0f0f0"  # time spent queued: a light tint, not a bar as heavy as the states that hold KV
 
 
@@ -51,8 +68,8 @@ def save(fig, out_dir: Path, stem: str) -> list[Path]:
 
 
 def timeline(summary: TraceSummary, spec: Spec):
-    """One row per request (first appearance at the top), coloured by lifecycle state over iterations: one
-    collection of rectangles per state."""
+    """One row per request (first appearance at the top), coloured by lifecycle state over iterations (a held
+    state's shade by where its KV is): one collection of rectangles per state and placement."""
     from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch
 
@@ -65,18 +82,18 @@ def timeline(summary: TraceSummary, spec: Spec):
     height = min(max(3.0, 0.22 * n + 1.6), 24.0)
     fig = plt.figure(figsize=(FIGURE_WIDTH, height))
     ax = fig.add_axes((AXES_LEFT, 0.9 / height, AXES_RIGHT - AXES_LEFT, 1 - 1.5 / height))
-    boxes: dict[str, list] = {}
+    boxes: dict[tuple[str, str], list] = {}
     for row, rid in enumerate(summary.requests):
         for span in summary.spans[rid]:
             top, bottom = row - 0.4, row + 0.4
-            boxes.setdefault(span.state, []).append(
+            boxes.setdefault((span.state, span.placement), []).append(
                 ((span.start, top), (span.end, top), (span.end, bottom), (span.start, bottom))
             )
-    for state, rectangles in boxes.items():
+    for (state, where), rectangles in boxes.items():
         ax.add_collection(
             PolyCollection(
                 rectangles,
-                facecolors=colors.get(state, "white"),
+                facecolors=placement_color(colors[state], where) if state in colors else "white",
                 linewidths=0,
                 hatch=HATCH if hatched(spec, state) else None,
                 edgecolors=DESTRUCTIVE_HATCH_COLOR if hatched(spec, state) else "none",
@@ -94,18 +111,21 @@ def timeline(summary: TraceSummary, spec: Spec):
     ax.set_title(f"Request lifecycle over iterations ({n} requests, {summary.lines} transitions)")
     ax.grid(axis="x", alpha=0.3)
     integer_ticks(ax.xaxis)
+    said = {"": "", **{where: f" ({words})" for where, words in PLACEMENT_WORDS.items()}}
     handles = [
         Patch(
-            facecolor=c,
-            label=mpl_text(s + (" (light: queued)" if s == queued else "")),
+            facecolor=placement_color(c, where),
+            label=mpl_text(s + (" (light: queued)" if s == queued else said[where])),
             hatch=HATCH if hatched(spec, s) else None,
             edgecolor=DESTRUCTIVE_HATCH_COLOR if hatched(spec, s) else "#bdbdbd" if s == queued else c,
         )
         for s, c in colors.items()
-        if s in boxes
+        for where in ("", *PLACEMENTS)
+        if (s, where) in boxes
     ]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, title="state", frameon=False)
-    fig.text(0.01, 0.005, f"{COLOR_KEY}; blank: not yet traced, or done", fontsize=8, color="#555555")
+    key = textwrap.fill(f"{COLOR_KEY}; blank: not yet traced, or done", KEY_WIDTH)
+    fig.text(0.01, 0.005, key, fontsize=8, color="#555555")
     return fig
 
 
@@ -143,18 +163,24 @@ def bin_size(iterations: int) -> int:
 
 
 def binned_peaks(rows: list[dict[str, int]], tier: str, k: int) -> tuple[list[int], list[int], list[int]]:
-    """(first iteration, peak held, peak held + fenced) of each run of `k` rows."""
-    starts, held, total = [], [], []
+    """(first iteration, peak owned, peak owned + fenced) of each run of `k` rows."""
+    starts, owned = binned(rows, k, lambda r: r[f"{tier}_owned"])
+    return starts, owned, binned(rows, k, lambda r: r[f"{tier}_owned"] + r[f"{tier}_fenced"])[1]
+
+
+def binned(rows: list[dict[str, int]], k: int, value) -> tuple[list[int], list[int]]:
+    """(first iteration, peak of `value(row)`) of each run of `k` rows."""
+    starts, peaks = [], []
     for i in range(0, len(rows), k):
         chunk = rows[i : i + k]
         starts.append(chunk[0]["iteration"])
-        held.append(max(r[f"{tier}_held"] for r in chunk))
-        total.append(max(r[f"{tier}_held"] + r[f"{tier}_fenced"] for r in chunk))
-    return starts, held, total
+        peaks.append(max(value(r) for r in chunk))
+    return starts, peaks
 
 
 def occupancy(summary: TraceSummary):
-    """GPU- and host-tier blocks held, fenced (copy in flight) and free after each iteration."""
+    """GPU- and host-tier blocks owned by requests (on the GPU: locked by computing requests, held by suspended
+    ones), fenced (copy in flight) and free after each iteration."""
     plt = _pyplot()
     rows = summary.occupancy
     has_host = any(r["host_capacity"] for r in rows)
@@ -162,23 +188,19 @@ def occupancy(summary: TraceSummary):
     fig, axes = plt.subplots(2 if has_host else 1, 1, figsize=(FIGURE_WIDTH, height), sharex=True, squeeze=False)
     fig.subplots_adjust(left=AXES_LEFT, right=AXES_RIGHT, bottom=0.6 / height, top=1 - 0.45 / height)
     k = bin_size(len(rows))
-    palette = {"gpu": ("#2e7d32", "#ffb300"), "host": ("#1565c0", "#ffb300")}
     for ax, tier in zip(axes[:, 0], ("gpu", "host") if has_host else ("gpu",), strict=True):
-        starts, held, total = binned_peaks(rows, tier, k)
+        starts, owned, total = binned_peaks(rows, tier, k)
         capacity = max(r[f"{tier}_capacity"] for r in rows)
         edges = [*starts, starts[-1] + k]  # one step polygon per series: no seams between columns
-        ax.fill_between(
-            edges, held + held[-1:], step="post", color=palette[tier][0], linewidth=0, label="held by requests"
-        )
-        ax.fill_between(
-            edges,
-            held + held[-1:],
-            total + total[-1:],
-            step="post",
-            color=palette[tier][1],
-            linewidth=0,
-            label="fenced (copy in flight)",
-        )
+        if tier == "gpu":  # locked by computing requests at the bottom, held by suspended ones above them
+            locked = binned(rows, k, lambda r: r["gpu_owned"] - r["gpu_held"])[1]
+            layers = [([0] * len(owned), locked, LOCKED_COLOR, "locked (computing)")]
+            layers.append((locked, owned, placement_color(HELD_COLOR, "gpu"), "held (suspended)"))
+        else:
+            layers = [([0] * len(owned), owned, HELD_COLOR, "held (suspended)")]
+        layers.append((owned, total, FENCED_COLOR, "fenced (copy in flight)"))
+        for low, high, color, label in layers:
+            ax.fill_between(edges, low + low[-1:], high + high[-1:], step="post", color=color, linewidth=0, label=label)
         ax.axhline(capacity, color="black", linewidth=1, linestyle="--", label=f"capacity {capacity}")
         ax.set_ylim(0, capacity * 1.08 if capacity else 1)
         ax.set_ylabel(f"{'GPU' if tier == 'gpu' else 'host'} tier blocks")

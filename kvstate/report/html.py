@@ -111,15 +111,16 @@ def render_html(
     note: str = "",
 ) -> str:
     """The page. `svgs` holds the drawings "lifecycle" (annotated with counts) and "review" (None: skipped)."""
-    peak_gpu = max(r["gpu_held"] + r["gpu_fenced"] for r in summary.occupancy)
-    peak_host = max(r["host_held"] + r["host_fenced"] for r in summary.occupancy)
+    peak_gpu = max(r["gpu_owned"] + r["gpu_fenced"] for r in summary.occupancy)
+    peak_held = max(r["gpu_held"] for r in summary.occupancy)
+    peak_host = max(r["host_owned"] + r["host_fenced"] for r in summary.occupancy)
     last = summary.occupancy[-1]
     overview = [
         ("trace", trace_name),
         ("requests", len(summary.requests)),
         ("transitions", summary.lines),
         ("iterations", f"{summary.first_iteration}–{summary.last_iteration}"),
-        ("GPU tier", f"{last['gpu_capacity']} blocks, peak in use {peak_gpu}"),
+        ("GPU tier", f"{last['gpu_capacity']} blocks, peak in use {peak_gpu}, by suspended requests {peak_held}"),
         ("host tier", f"{last['host_capacity']} blocks, peak in use {peak_host}" if last["host_capacity"] else "none"),
     ]
     overview += [(f"done: {reason}", n) for reason, n in sorted(summary.done_reasons.items())]

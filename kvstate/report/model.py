@@ -2,9 +2,13 @@
 
 * `state_spans`: per request, the states it was in and the iterations each lasted (half-open
   ``[start, end)``; a transition fired within the iteration it happened in; a state entered and left in the
-  same iteration has no width and is kept only in the edge counts);
-* `occupancy`: per iteration, each tier's held, fenced and free blocks after the last transition of that
-  iteration (iterations without a transition carry the previous value). When the trace spans more than
+  same iteration has no width and is kept only in the edge counts); a span of a held state (suspended) also says
+  where the request's KV was (`placement`: on the GPU, split, or offloaded to the host), and an offload starts a
+  new span;
+* `occupancy`: per iteration, each tier's owned (by requests), fenced and free blocks after the last transition
+  of that iteration, and the GPU blocks held by requests in held states (owned, not locked: a suspended request
+  keeps its GPU blocks until they are offloaded); a held request's count is exact, since every change of it is a
+  line of its own (iterations without a transition carry the previous value). When the trace spans more than
   `MAX_OCCUPANCY_ROWS` iterations, only the iterations with a transition get a row (each holds until the next
   row: the same step plot), so memory is bounded by the trace's lines, not by its iteration numbers;
 * `edge_counts`: how often each spec edge ``(event, from, to)`` fired.
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstate.checker.trace import TraceError
+from kvstate.spec import Spec, default_spec
 from kvstate.trace import read_trace
 
 MAX_OCCUPANCY_ROWS = 10_000
@@ -29,9 +34,20 @@ MAX_OCCUPANCY_ROWS = 10_000
 
 @dataclass(frozen=True, slots=True)
 class Span:
+    """A request in `state` over iterations ``[start, end)``; `placement` says where a held state's KV was ("gpu",
+    "split" or "host"; `placement`), "" for every other state."""
+
     state: str
     start: int
     end: int
+    placement: str = ""
+
+
+def placement(line: dict) -> str:
+    """Where the KV of a request in a held state is after `line`: "gpu", "split" or "host"."""
+    if not line["host_blocks"]:
+        return "gpu"
+    return "split" if line["gpu_blocks"] else "host"
 
 
 @dataclass
@@ -60,13 +76,17 @@ def load_lines(path: str | Path) -> Iterator[dict]:
         raise TraceError("the trace has no lines; run an engine with a trace_path first", path=path)
 
 
-def summarize(lines: Iterable[dict], *, loop: tuple[int, int] | None = None) -> TraceSummary:
-    """Spans, occupancy and edge counts of the trace lines (in file order; read once, so a generator will do).
+def summarize(lines: Iterable[dict], *, loop: tuple[int, int] | None = None, spec: Spec | None = None) -> TraceSummary:
+    """Spans, occupancy and edge counts of the trace lines (in file order; read once, so a generator will do), with
+    `spec`'s residencies (default: the packaged spec's).
 
     `loop` marks iterations of a counterexample that repeat forever; the summary then reaches at least to its last
     one (a loop of scheduler steps may take no transition at all)."""
     s = TraceSummary(loop=loop)
-    current: dict[Hashable, tuple[str, int]] = {}
+    held_states = (spec or default_spec()).states_holding("host")  # the held residency: KV on either tier
+    current: dict[Hashable, tuple[str, int, str]] = {}
+    held: dict[Hashable, int] = {}  # request in a held state -> its GPU blocks (exact: every change is a line)
+    held_total = 0
     by_iteration: dict[int, dict[str, int]] = {}
     ended: set[Hashable] = set()
     for line in lines:
@@ -84,23 +104,27 @@ def summarize(lines: Iterable[dict], *, loop: tuple[int, int] | None = None) -> 
         if rid not in current:
             s.requests.append(rid)
             s.spans[rid] = []
-            current[rid] = (line["from"], s.first_iteration)
-        state, since = current[rid]
+            current[rid] = (line["from"], s.first_iteration, "")
+        state, since, where = current[rid]
         if it > since:
-            s.spans[rid].append(Span(state, since, it))
-        current[rid] = (line["to"], max(it, since))
+            s.spans[rid].append(Span(state, since, it, where))
+        holding = line["to"] in held_states
+        current[rid] = (line["to"], max(it, since), placement(line) if holding else "")
+        held_total += (line["gpu_blocks"] if holding else 0) - held.pop(rid, 0)
+        if holding:
+            held[rid] = line["gpu_blocks"]
         s.edge_counts[(line["event"], line["from"], line["to"])] += 1
         if line.get("done_reason"):  # written only on entering the terminal state (spec/TRACE.md)
             s.done_reasons[line["done_reason"]] += 1
             ended.add(rid)
-        by_iteration[it] = _occupancy(line)
+        by_iteration[it] = _occupancy(line, held_total)
     if not s.lines:
         raise TraceError("the trace has no lines; nothing to summarize")
     _reach_loop(s, by_iteration)
     end = s.last_iteration + 1
-    for rid, (state, since) in current.items():
+    for rid, (state, since, where) in current.items():
         if rid not in ended and end > since:
-            s.spans[rid].append(Span(state, since, end))  # still active when the trace ends
+            s.spans[rid].append(Span(state, since, end, where))  # still active when the trace ends
     dense = s.last_iteration - s.first_iteration < MAX_OCCUPANCY_ROWS
     previous = by_iteration[s.first_iteration]  # the first line's iteration: every later one carries a value
     for it in range(s.first_iteration, s.last_iteration + 1) if dense else sorted(by_iteration):
@@ -121,7 +145,9 @@ def _reach_loop(s: TraceSummary, by_iteration: dict[int, dict[str, int]]) -> Non
         s.last_iteration = last
 
 
-def _occupancy(line: dict) -> dict[str, int]:
+def _occupancy(line: dict, gpu_held: int) -> dict[str, int]:
+    """The tiers after `line`: capacity, free, fenced and owned blocks of each, and `gpu_held` GPU blocks held by
+    requests in held states (part of `gpu_owned`)."""
     out = {}
     for tier in ("gpu", "host"):
         capacity, free, fenced = line[f"{tier}_capacity"], line[f"{tier}_free"], line[f"{tier}_fenced"]
@@ -130,7 +156,8 @@ def _occupancy(line: dict) -> dict[str, int]:
                 f"{tier}_capacity": capacity,
                 f"{tier}_free": free,
                 f"{tier}_fenced": fenced,
-                f"{tier}_held": capacity - free - fenced,
+                f"{tier}_owned": capacity - free - fenced,
             }
         )
+    out["gpu_held"] = gpu_held
     return out

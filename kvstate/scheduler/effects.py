@@ -56,7 +56,9 @@ class SchedulerEffects:
 
     def offload_held_blocks(self, request: Request, transition: Transition) -> None:
         migrations = self._migrations()  # before the pool changes: a refusal changes nothing
-        plan = self.s.pool.offload(request.request_id, offload_blocks(request, self.pass_.view(self.s.pool, self.s.config)))
+        plan = self.s.pool.offload(
+            request.request_id, offload_blocks(request, self.pass_.view(self.s.pool, self.s.config))
+        )
         migrations.append(plan)
         request.copy_in_flight = True
         request.num_gpu_blocks -= plan.num_blocks

@@ -25,7 +25,8 @@ __all__ = [
     "contract_gaps",
 ]
 
-# Keys every `block_usage()` mapping must have.
+# Keys every `block_usage()` mapping must have (`*_held`: blocks owned by requests, whether locked by a computing
+# request or held by a suspended one).
 USAGE_KEYS = (
     "gpu_capacity",
     "gpu_free",
@@ -75,16 +76,18 @@ class SchedulerAdapter(Protocol):
 
     def block_usage(self) -> Mapping[str, int]:
         """Block counts per tier, with at least the keys of `USAGE_KEYS` (host_capacity 0 = no host tier).
-        `*_held` counts blocks owned by requests, `*_fenced` those reserved by copies in flight. A request holds
-        at most ceil((prompt + max_new_tokens) / block_size) blocks, and only in the tier its state's residency
-        names; held blocks beyond that bound are reported as leaked (RES-STATE)."""
+        `*_held` counts blocks owned by requests (locked by computing ones, held by suspended ones), `*_fenced`
+        those reserved by copies in flight. A request holds at most ceil((prompt + max_new_tokens) / block_size)
+        blocks, and only in the tiers its state's residency allows (`kvstate.spec.RESIDENCY_TIERS`: a suspended
+        request on the GPU, the host or both, no other on the host); held blocks beyond that bound are reported as
+        leaked (RES-STATE), host blocks without a host tier as NO-HOST-NO-OFFLOAD."""
 
     def check_invariants(self) -> None:
         """Optional deep self-check (raise on a violation); may do nothing."""
 
     def set_host_capacity(self, blocks: int) -> bool:
         """Make the host tier disappear (0) or reappear (`blocks` > 0); return False if not supported.
-        Suspended requests lose their host copies when it disappears."""
+        Suspended requests lose their host copies when it disappears (those held wholly on the GPU may stay)."""
 
     def reference(self, prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int]) -> list[int]:
         """The output of this request run alone with unlimited memory. Must be a pure function of its arguments

@@ -85,7 +85,14 @@ class KVStateAdapter:
         return {rid: list(r.generated) for table in (s.finished, s.requests) for rid, r in table.items()}
 
     def block_usage(self) -> dict[str, int]:
-        return self.scheduler.pool.usage()
+        """The pool's usage in the kit's terms (`USAGE_KEYS`): `*_held` is what the pool calls owned."""
+        usage = self.scheduler.pool.usage()
+        return {
+            **{key: usage[key] for key in ("gpu_capacity", "gpu_free", "gpu_fenced")},
+            "gpu_held": usage["gpu_owned"],
+            **{key: usage[key] for key in ("host_capacity", "host_free", "host_fenced")},
+            "host_held": usage["host_owned"],
+        }
 
     def check_invariants(self) -> None:
         if self.deep_checks:

@@ -10,7 +10,9 @@ after every rule (and after every step inside a rule) it checks, with ids taken 
 * GEN-APPEND (outputs only grow), OUT-EQUIV (every output is a prefix of the unpressured reference output,
   and equals it once the request is done without having been cancelled);
 * CONS-GPU / CONS-HOST (free + held + fenced = capacity), RES-STATE (blocks held in a tier never exceed what
-  the requests in states resident in that tier can hold: leaked blocks are caught), NO-HOST-NO-SUSPEND;
+  the requests in states whose residency allows that tier can hold: a suspended request may hold GPU blocks, host
+  blocks only a held state's requests; leaked blocks are caught), NO-HOST-NO-OFFLOAD (no host blocks without a
+  host tier);
 * LIVE-REFUSE (an invalid or never-fitting submission is refused with a `ValueError` and changes nothing);
 * the adapter's own `check_invariants()`;
 * for an adapter that reports its passes, every pass against the policy it declares (`kvstate.policy.check_pass`);
@@ -428,8 +430,9 @@ class ConformanceMachine(RuleBasedStateMachine):
         statement = {i: self.model.invariants[i].statement for i in RESET_INVARIANTS if i in self.model.invariants}
         departs = next((i for i, (a, b) in enumerate(zip(out, expected, strict=False)) if a != b), None)
         if not pauses:
-            resumed = any(s in self.model.host_states for s, _ in visits)
-            where = "it was suspended and resumed, so the KV it read back from the host tier" if resumed else "the KV"
+            resumed = any(s in self.model.held_states for s, _ in visits)
+            kept = "it was suspended and resumed, so the KV it held (on the GPU, or offloaded and read back)"
+            where = kept if resumed else "the KV"
             return f"it was never recompute-paused or replayed, so no RESET rule applies: {where} was wrong"
         told = f"it was recompute-paused after {', '.join(map(str, pauses))} generated token(s) and replayed"
         if departs is None:
@@ -448,28 +451,29 @@ class ConformanceMachine(RuleBasedStateMachine):
         )
 
     def check_blocks(self, states: dict[Hashable, str], usage: Mapping[str, int]) -> None:
-        """CONS-GPU, CONS-HOST, RES-STATE and NO-HOST-NO-SUSPEND on one observation."""
+        """NO-HOST-NO-OFFLOAD, CONS-GPU, CONS-HOST and RES-STATE on one observation."""
         model, block_size = self.model, self.probed.block_size
-        for tier, inv, resident in (("gpu", "CONS-GPU", model.gpu_states), ("host", "CONS-HOST", model.host_states)):
+        if int(usage["host_capacity"]) == 0 and (int(usage["host_held"]) or int(usage["host_fenced"])):
+            raise model.violation(
+                "NO-HOST-NO-OFFLOAD",
+                f"the host tier is gone (host_capacity 0), yet {usage['host_held']} host blocks are held and "
+                f"{usage['host_fenced']} fenced; without a host tier held blocks stay on the GPU, and a tier that "
+                "goes away first drops the host copies",
+            )
+        for tier, inv in (("gpu", "CONS-GPU"), ("host", "CONS-HOST")):
             cap, free, held, fenced = (int(usage[f"{tier}_{k}"]) for k in ("capacity", "free", "held", "fenced"))
             if min(cap, free, held, fenced) < 0 or free + held + fenced != cap:
                 raise model.violation(
                     inv, f"{tier} tier: free {free} + held {held} + fenced {fenced} != capacity {cap}"
                 )
-            holders = [rid for rid, s in states.items() if s in resident]
+            holders = [rid for rid, s in states.items() if s in model.holding[tier]]
             bound = sum(ceil_div(self.submitted[rid].num_tokens, block_size) for rid in holders)
             if held > bound:
                 raise model.violation(
                     "RES-STATE",
-                    f"{tier} tier holds {held} blocks, but the {len(holders)} "
-                    f"request(s) in {tier}-resident states can hold at most {bound}; blocks "
-                    f"are leaked by requests in other states (states {states})",
-                )
-        if int(usage["host_capacity"]) == 0:
-            suspended = sorted((repr(rid) for rid, s in states.items() if s in model.host_states))
-            if suspended:
-                raise model.violation(
-                    "NO-HOST-NO-SUSPEND", f"the host tier is gone, yet requests {suspended} are in host-resident states"
+                    f"{tier} tier holds {held} blocks, but the {len(holders)} request(s) in states whose "
+                    f"residency allows that tier ({', '.join(sorted(model.holding[tier]))}) can hold at most "
+                    f"{bound}; blocks are leaked by requests in other states (states {states})",
                 )
 
 

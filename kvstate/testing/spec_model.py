@@ -18,7 +18,7 @@ CHECKED_INVARIANTS = (
     "CONS-GPU",
     "CONS-HOST",
     "RES-STATE",
-    "NO-HOST-NO-SUSPEND",
+    "NO-HOST-NO-OFFLOAD",
     "GEN-APPEND",
     "OUT-EQUIV",
     "LIVE-DONE",
@@ -30,6 +30,8 @@ POLICY_INVARIANTS = (
     "VICTIM-ONCE",
     "VICTIM-NOT-FINAL",
     "PROMOTE-GATE",
+    "SUSPEND-ROOM",
+    "OFFLOAD-DEMAND",
     "ADMIT-ORDER",
     "ADMIT-HOLD",
     "WORK-CONSERVE",
@@ -39,8 +41,9 @@ RESET_INVARIANTS = ("RESET-PROMPT", "RESET-BUDGET", "RESET-CLEARED")
 
 
 class SpecModel:
-    """What the machine derives from the spec: states, the reachability closure of its edges, residencies,
-    the destinations of the cancel event, and the invariants it checks.
+    """What the machine derives from the spec: states, the reachability closure of its edges, residencies (per
+    tier, the states whose residency lets a request hold blocks there: `holding`), the destinations of the cancel
+    event, and the invariants it checks.
 
     Every name it holds is the spec's. The spec it holds has a terminal state, the cancel event and every invariant
     of `CHECKED_INVARIANTS`; any other spec is refused with a `ValueError` that names what it lacks.
@@ -57,8 +60,9 @@ class SpecModel:
         self.reach = {s: spec.reachable_from(s) for s in self.states}
         self.initial_reach = self.reach[spec.initial]
         self.successors = {s: sorted(spec.successors.get(s, ())) for s in self.states}
-        self.gpu_states = frozenset(spec.states_with_residency("gpu"))
-        self.host_states = frozenset(spec.states_with_residency("host"))
+        self.gpu_states = frozenset(spec.states_with_residency("gpu"))  # KV locked on the GPU
+        self.held_states = frozenset(spec.states_with_residency("held"))  # KV held: on the GPU, the host, or both
+        self.holding = {tier: spec.states_holding(tier) for tier in ("gpu", "host")}
         if cancel_event not in spec.event_by_name:
             raise ValueError(
                 f"spec {spec.name!r} has no event {cancel_event!r}; pass cancel_event= naming the "

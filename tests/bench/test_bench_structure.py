@@ -45,11 +45,12 @@ def test_row_ratio_and_json_of_a_zero_baseline():
 
 
 def test_layout_plans_come_from_the_pool():
-    suspend, resume, gpu = layout_plans("contiguous", 8)
-    assert len(suspend.runs()) == len(resume.runs()) == 1 and gpu == 8
-    suspend, resume, gpu = layout_plans("alternating", 8)
-    assert len(suspend.runs()) == 8 and gpu == 16
-    assert [d for _, d in resume.pairs] == [s for s, _ in suspend.pairs]  # resumed onto the same fragmented ids
+    offload, resume, gpu = layout_plans("contiguous", 8)
+    assert len(offload.runs()) == len(resume.runs()) == 1 and gpu == 8
+    assert (offload.direction, resume.direction) == ("to_host", "to_gpu") and offload.num_blocks == 8
+    offload, resume, gpu = layout_plans("alternating", 8)
+    assert len(offload.runs()) == 8 and gpu == 16
+    assert [d for _, d in resume.pairs] == [s for s, _ in offload.pairs]  # resumed onto the same fragmented ids
     assert layout_plans("random", 32, seed=1)[0] == layout_plans("random", 32, seed=1)[0]
     assert 1 < len(layout_plans("random", 32, seed=1)[0].runs()) < 32
 
@@ -143,7 +144,7 @@ def test_bench_command_writes_json_and_plots(tmp_path, capsys):
             assert row["ratio"] is not None and row["ratio"] > 0 and math.isfinite(row["value"])
     migration = doc["sections"][0]
     assert {(s["op"], s["layout"]) for s in migration["data"]["series"]} == {
-        (op, layout) for op in ("suspend", "resume") for layout in ("contiguous", "alternating", "random")
+        (op, layout) for op in ("offload", "resume") for layout in ("contiguous", "alternating", "random")
     }
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["migration.png", "scheduler.png"]
     assert doc["meta"]["vllm"] and doc["meta"]["transformers"]  # a version or "not installed"

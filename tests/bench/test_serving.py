@@ -9,11 +9,13 @@ from hypothesis import strategies as st
 
 from executor.bench.serving import (
     HOST_TIERS,
+    PRESSURE_RUNS,
     Request,
     ServingShape,
     _engine_run,
     fewest_steps,
     needed_blocks,
+    pressure_run,
     workload_section,
     workloads,
 )
@@ -44,7 +46,16 @@ def test_every_variant_runs_and_every_output_is_compared() -> None:
     finally:
         torch.set_num_threads(threads)
     names = [row.name for row in section.rows]
-    assert len(names) == 4 + len(HOST_TIERS)
+    assert len(names) == 4 + len(PRESSURE_RUNS)
+    # every host tier runs under both offload policies, but none: without a host tier nothing is offloaded
+    assert PRESSURE_RUNS == (
+        ("none", None),
+        ("a quarter", "on_demand"),
+        ("a quarter", "eager"),
+        ("full", "on_demand"),
+        ("full", "eager"),
+    )
+    assert {tier for tier, _ in PRESSURE_RUNS} == set(HOST_TIERS)
     need = needed_blocks(workloads(TINY, 512, 0)["best case"])
     assert section.data["gpu_blocks_needed"] == need
     for row in section.rows[:4]:
@@ -59,16 +70,25 @@ def test_every_variant_runs_and_every_output_is_compared() -> None:
     best = workloads(TINY, 512, 0)["best case"]
     assert steps["best case engine"] == fewest_steps(best, need) == TINY.new_tokens  # unpressured: one step a token
     assert fewest == fewest_steps(best, need // 2)
-    for row, tier in zip(section.rows[4:], HOST_TIERS, strict=True):
-        assert f"GPU tier {need // 2} of {need} blocks, host tier {tier}" in row.name
+    copies = section.data["engine_copies"]
+    for row, (tier, offload) in zip(section.rows[4:], PRESSURE_RUNS, strict=True):
+        policy = "" if offload is None else f", offload {offload}"
+        assert row.name.endswith(f"GPU tier {need // 2} of {need} blocks, host tier {tier}{policy}")
         assert row.note.startswith("outputs equal to unpressured for 2/2, to generate for 2;")
         assert (row.met is not None) == (tier == "full")
-        taken = steps[f"pressure, host tier {tier} engine"]
+        run = pressure_run(tier, offload)
+        taken, copied = steps[run], copies[run]
         assert taken >= fewest
+        assert 0 <= copied["resumed_without_copy"] <= copied["resumes"]
+        if offload is None:
+            assert copied["blocks_offloaded"] == copied["blocks_migrated"] == 0
+            assert "; no host tier: nothing is offloaded under either policy" in row.note
         assert (
             f"; {taken} engine steps (unpressured {TINY.new_tokens}; no schedule in {need // 2} GPU blocks takes "
-            f"fewer than {fewest}); per-round ratios {row.ratio:.2f} to {row.ratio:.2f} over 1 rounds"
+            f"fewer than {fewest}); {copied['blocks_offloaded']} blocks offloaded, "
+            f"{copied['resumed_without_copy']} of {copied['resumes']} resumes without a copy"
         ) in row.note
+        assert row.note.endswith(f"; per-round ratios {row.ratio:.2f} to {row.ratio:.2f} over 1 rounds")
 
 
 _REQUESTS = st.lists(

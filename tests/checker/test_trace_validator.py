@@ -16,12 +16,29 @@ import pytest
 from kvstate import Scheduler, SchedulerConfig, SimExecutor, load_spec
 from kvstate.checker import trace as vt
 from kvstate.checker.trace import TRACE_FIELDS, TraceError, validate_trace
+from kvstate.checker.trace_effects import EFFECT_RULES, BlocksBefore
 from kvstate.cli import main
-from kvstate.trace import trace_record
+from kvstate.semantics import EFFECTS, EffectHooks
+from kvstate.spec import RESIDENCY_TIERS
+from kvstate.trace import parse_line, trace_record
 
 SPEC = load_spec()
 EDGES = {(t.event, t.source, t.dest) for t in SPEC.transitions}
 TERMINAL = set(SPEC.terminal_states)
+HELD = set(SPEC.states_holding("host"))  # the states whose requests may hold host blocks (residency held)
+EFFECT_OF = {(t.event, t.source, t.dest): t.effect for t in SPEC.transitions}
+OFFLOAD, RESUME = EffectHooks.offload_held_blocks.__name__, EffectHooks.lock_and_onboard.__name__
+HOLD = EffectHooks.hold_blocks.__name__
+
+
+def effect(record: dict) -> str | None:
+    """The effect the spec runs on the line's edge."""
+    return EFFECT_OF[(record["event"], record["from"], record["to"])]
+
+
+def allows(state: str, tier: str) -> bool:
+    """Whether a request in `state` may hold blocks in `tier` (its residency's tiers)."""
+    return tier in RESIDENCY_TIERS[SPEC.residency(state)]
 
 
 def sim_trace(host_blocks: int, pipeline_stages: int = 1, seed: int = 0) -> list[dict]:
@@ -56,12 +73,26 @@ def dumps(records: list[dict]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pressured() -> list[dict]:
-    """Host tier present: suspends, resumes, recompute-pauses, replays, a cancel."""
+    """Host tier present: suspends, offloads, resumes (of requests held on the GPU, on the host, split across both),
+    recompute-pauses, replays, a cancel."""
     records = sim_trace(host_blocks=6)
     events = {r["event"] for r in records}
-    hosts = set(SPEC.states_with_residency("host"))
-    assert any(r["to"] in hosts for r in records) and {r["event"] for r in records if r["to"] in hosts} < events
+    assert any(r["to"] in HELD for r in records) and {r["event"] for r in records if r["to"] in HELD} < events
+    assert {OFFLOAD, RESUME, HOLD} <= {effect(r) for r in records}
+    assert {"gpu", "host", "split"} <= set(resumed_from(records)), "resumes of every residency split"
     return records
+
+
+def resumed_from(records: list[dict]) -> list[str]:
+    """Where each resumed request's blocks were just before its resume: "gpu", "host" or "split"."""
+    last: dict = {}
+    where = []
+    for r in records:
+        gpu, host = last.get(r["request_id"], (0, 0))
+        if effect(r) == RESUME:
+            where.append("split" if gpu and host else "host" if host else "gpu")
+        last[r["request_id"]] = (r["gpu_blocks"], r["host_blocks"])
+    return where
 
 
 # ---------------------------------------------------------------------------------------- valid traces
@@ -81,11 +112,12 @@ def test_sim_traces_validate_and_counts_match(host_blocks, stages):
 def test_declared_self_loops_are_accepted_and_undeclared_stutters_rejected():
     loops = [t for t in SPEC.transitions if t.source == t.dest]
     assert loops, "the spec declares deferred terminations as self-loops"
-    loop = loops[0]
-    path = [*_path_to(loop.source), loop, *_path_to_terminal(loop.source)]
-    report = validate_trace(dumps(_walk(path)))
-    assert report.ok, report.divergence.describe()
-    assert report.transitions[loop.event] >= 1
+    assert OFFLOAD in {t.effect for t in loops}, "and the offload of held blocks"
+    for loop in loops:
+        path = [*_path_to(loop.source), loop, *_path_to_terminal(loop.source)]
+        report = validate_trace(dumps(_walk(path)))
+        assert report.ok, report.divergence.describe()
+        assert report.transitions[loop.event] >= 1
 
     first = _walk(path)
     first[0]["to"] = first[0]["from"]  # e.g. admit waiting -> waiting: no such self-loop
@@ -95,6 +127,13 @@ def test_declared_self_loops_are_accepted_and_undeclared_stutters_rejected():
 
 def test_the_validator_reports_only_invariant_ids_the_spec_declares():
     assert set(vt.INVARIANT_IDS) <= {inv.id for inv in SPEC.invariants}
+
+
+def test_every_effect_of_the_semantics_has_a_block_rule():
+    """A new effect makes this fail until the validator says what it does to a line's blocks (or that the
+    residency of its destination says it all)."""
+    assert set(EFFECT_RULES) == EFFECTS
+    assert {t.effect for t in SPEC.transitions if t.effect} <= set(EFFECT_RULES)
 
 
 def test_empty_trace_is_valid_and_blank_lines_are_skipped_but_keep_line_numbers(pressured):
@@ -160,33 +199,127 @@ def test_edge_not_in_spec_is_rejected(pressured):
     assert d.observed == (wrong, r["from"], r["to"])
 
 
-def test_suspend_without_host_tier_is_rejected(pressured):
-    hosts = set(SPEC.states_with_residency("host"))
-    i = first(pressured, lambda r: r["to"] in hosts)
+def test_an_offload_without_host_tier_is_rejected(pressured):
+    i = first(pressured, lambda r: effect(r) == OFFLOAD, 0)
+    assert not any(r["host_blocks"] for r in pressured[:i]), "the run's first host blocks"
     corrupted = [dict(r) for r in pressured]
     corrupted[i].update(host_capacity=0, host_free=0)
-    assert_rejected(corrupted, i + 1, vt.NO_HOST, "NO-HOST-NO-SUSPEND")
+    assert_rejected(corrupted, i + 1, vt.NO_HOST, "NO-HOST-NO-OFFLOAD", field="host_capacity")
 
 
-def test_host_tier_gone_while_a_request_stays_suspended_is_rejected(pressured):
-    hosts = set(SPEC.states_with_residency("host"))
-    i = first(pressured, lambda r: r["to"] in hosts)
-    j = first(pressured, lambda r: r["request_id"] != pressured[i]["request_id"] and r["to"] not in hosts, i + 1)
-    assert all(r["request_id"] != pressured[i]["request_id"] for r in pressured[i + 1 : j]), "still suspended at j"
+def test_host_tier_gone_while_a_request_holds_host_blocks_is_rejected(pressured):
+    i = first(pressured, lambda r: r["host_blocks"] > 0)
+    holder = pressured[i]["request_id"]
+    j = first(pressured, lambda r: r["request_id"] != holder, i + 1)
+    last = {r["request_id"]: r["host_blocks"] for r in pressured[:j]}
+    assert last[holder] > 0, "still holding host blocks at j"
     corrupted = [dict(r) for r in pressured]
     corrupted[j].update(host_capacity=0, host_free=0, host_fenced=0)
-    d = assert_rejected(corrupted, j + 1, vt.NO_HOST, "NO-HOST-NO-SUSPEND")
-    state_at_j = {r["request_id"]: r["to"] for r in pressured[: j + 1]}
-    named = [rid for rid, state in state_at_j.items() if state in hosts and repr(rid) in d.message]
+    d = assert_rejected(corrupted, j + 1, vt.NO_HOST, "NO-HOST-NO-OFFLOAD")
+    named = [rid for rid, host in last.items() if host and repr(rid) in d.message]
     assert named, d.message
+
+
+def test_suspension_without_a_host_tier_is_valid():
+    """Suspension is lazy: without a host tier a suspended request keeps its blocks on the GPU, held, and resumes
+    with no copy (the lifecycle allows it; the shipped policy's SUSPEND-ROOM rule does not do it)."""
+    suspend = next(t for t in SPEC.transitions if t.effect == HOLD)
+    resume = next(t for t in SPEC.transitions if t.effect == RESUME and t.source == suspend.dest)
+    path = [*_path_to(suspend.source), suspend, resume, *_path_to_terminal(resume.dest)]
+    lines = [dict(r, host_capacity=0, host_free=0) for r in _walk(path)]
+    assert lines[1]["to"] == suspend.dest and lines[1]["gpu_blocks"] == 1
+    report = validate_trace(dumps(lines))
+    assert report.ok, report.divergence.describe()
 
 
 @pytest.mark.parametrize("tier", ["gpu", "host"])
 def test_blocks_outside_the_state_residency_are_rejected(pressured, tier):
-    i = first(pressured, lambda r: SPEC.residency(r["to"]) != tier)
+    i = first(pressured, lambda r: not allows(r["to"], tier))
     corrupted = [dict(r) for r in pressured]
     corrupted[i][f"{tier}_blocks"] = 1
     assert_rejected(corrupted, i + 1, vt.RESIDENCY, "RES-STATE", field=f"{tier}_blocks")
+
+
+def blocks_before(records: list[dict], i: int) -> tuple[int, int]:
+    """The (GPU, host) blocks of line i's request as of its previous line."""
+    rid = records[i]["request_id"]
+    return next(((r["gpu_blocks"], r["host_blocks"]) for r in reversed(records[:i]) if r["request_id"] == rid), (0, 0))
+
+
+def test_a_suspend_that_copies_its_blocks_down_is_rejected(pressured):
+    """The eager suspend line of the old spec (every block on the host at once) breaks the lazy hold."""
+    i = first(pressured, lambda r: effect(r) == HOLD and r["host_free"] >= r["gpu_blocks"] > 0)
+    n = pressured[i]["gpu_blocks"]
+    corrupted = [dict(r) for r in pressured]
+    corrupted[i].update(gpu_blocks=0, host_blocks=n, gpu_fenced=corrupted[i]["gpu_fenced"] + n)
+    corrupted[i]["host_free"] -= n
+    d = assert_rejected(corrupted, i + 1, vt.EFFECT, field="host_blocks")
+    assert "'hold_blocks'" in d.message and "moves no block" in d.message
+
+
+OFFLOAD_CORRUPTIONS = {  # what an offload line claims instead: (field the validator names, invariant)
+    "moved nothing": ("gpu_blocks", None),
+    "lost a block on the way": ("host_blocks", None),
+    "left a source unfenced": ("gpu_fenced", "FENCE"),
+}
+
+
+@pytest.mark.parametrize("corruption", OFFLOAD_CORRUPTIONS)
+def test_an_offload_that_does_not_move_its_blocks_is_rejected(pressured, corruption):
+    field, invariant = OFFLOAD_CORRUPTIONS[corruption]
+    i = first(pressured, lambda r: effect(r) == OFFLOAD)
+    gpu, host = blocks_before(pressured, i)
+    line = dict(pressured[i])
+    moved = gpu - line["gpu_blocks"]
+    if corruption == "moved nothing":
+        line.update(gpu_blocks=gpu, host_blocks=host, host_free=line["host_free"] + moved)
+    elif corruption == "lost a block on the way":
+        line.update(host_blocks=line["host_blocks"] - 1, host_free=line["host_free"] + 1)
+    else:
+        line.update(gpu_fenced=moved - 1, gpu_free=line["gpu_free"] + line["gpu_fenced"] - moved + 1)
+    corrupted = [*pressured[:i], line, *pressured[i + 1 :]]
+    d = assert_rejected(corrupted, i + 1, vt.EFFECT, invariant, field=field)
+    assert "'offload_held_blocks'" in d.message
+
+
+RESUME_CORRUPTIONS = {  # where the resumed request's blocks were before, and what its resume line claims
+    "copied its GPU-resident blocks too": ("gpu_blocks", "RESUME-COPY"),
+    "lost its GPU-resident blocks": ("gpu_blocks", "RESUME-COPY"),
+    "left its host sources unfenced": ("host_fenced", "FENCE"),
+}
+
+
+@pytest.mark.parametrize("corruption", RESUME_CORRUPTIONS)
+def test_a_resume_that_copies_other_than_its_host_blocks_is_rejected(pressured, corruption):
+    field, invariant = RESUME_CORRUPTIONS[corruption]
+    tier = 1 if corruption == "left its host sources unfenced" else 0  # the tier it must have held blocks in
+    i = next(i for i, r in enumerate(pressured) if effect(r) == RESUME and blocks_before(pressured, i)[tier])
+    gpu, host = blocks_before(pressured, i)
+    line = dict(pressured[i])
+    if corruption == "copied its GPU-resident blocks too":
+        line.update(gpu_blocks=line["gpu_blocks"] + gpu, gpu_free=max(0, line["gpu_free"] - gpu))
+    elif corruption == "lost its GPU-resident blocks":
+        line.update(gpu_blocks=host, gpu_free=line["gpu_free"] + gpu)
+    else:
+        line.update(host_fenced=host - 1, host_free=line["host_free"] + line["host_fenced"] - host + 1)
+    corrupted = [*pressured[:i], line, *pressured[i + 1 :]]
+    d = assert_rejected(corrupted, i + 1, vt.EFFECT, invariant, field=field)
+    assert "'lock_and_onboard'" in d.message
+
+
+def test_the_effect_rules_hold_on_the_trace_format_example():
+    """spec/TRACE.md's example lines (a suspend, an offload, a resume of one request) follow the effect rules."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "spec" / "TRACE.md").read_text(encoding="utf-8")
+    block = text.split("```json\n", 1)[1].split("```", 1)[0]
+    lines = [parse_line(raw, n) for n, raw in enumerate(block.splitlines(), 1)]
+    assert [effect(r) for r in lines] == [HOLD, OFFLOAD, RESUME]
+    gpu, host = lines[0]["gpu_blocks"], 0
+    for r in lines[1:]:
+        rule = EFFECT_RULES[effect(r)]
+        assert rule is not None and rule(BlocksBefore(gpu, host, exact=True), r) is None, r
+        gpu, host = r["gpu_blocks"], r["host_blocks"]
 
 
 @pytest.mark.parametrize("tier, invariant", [("gpu", "CONS-GPU"), ("host", "CONS-HOST")])
@@ -320,7 +453,7 @@ def test_cli_exit_codes_and_output(pressured, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "VALID" in out and f"{len(pressured)} lines" in out and "suspend" in out
 
-    i = first(pressured, lambda r: SPEC.residency(r["to"]) != "gpu")
+    i = first(pressured, lambda r: not allows(r["to"], "gpu"))
     corrupted = [dict(r) for r in pressured]
     corrupted[i]["gpu_blocks"] = 2
     bad = tmp_path / "bad.ndjson"
@@ -402,11 +535,23 @@ def _path_to_terminal(state: str) -> list:
 
 
 def _walk(path: list, request_id: int = 7) -> list[dict]:
-    """Trace lines for one request taking `path`, with block counts consistent with each state's residency."""
-    records, generated = [], 0
+    """Trace lines for one request taking `path`, its blocks as each edge's effect leaves them (one GPU block once
+    admitted; an offload moves it to the host tier, a resume brings it back); copies complete before the next line."""
+    records, generated, gpu, host = [], 0, 0, 0
     for n, t in enumerate(path):
         residency = SPEC.residency(t.dest)
         generated += residency == "gpu"
+        gpu_fenced = host_fenced = 0
+        if t.effect == OFFLOAD:
+            gpu, host, gpu_fenced = gpu - 1, host + 1, 1
+        elif t.effect == RESUME:
+            gpu, host, host_fenced = gpu + host, 0, host
+        elif not allows(t.dest, "gpu"):
+            gpu = 0
+        elif not gpu:
+            gpu = 1  # a first chunk's block
+        if not allows(t.dest, "host"):
+            host = 0
         records.append(
             {
                 "iteration": n,
@@ -414,12 +559,12 @@ def _walk(path: list, request_id: int = 7) -> list[dict]:
                 "event": t.event,
                 "from": t.source,
                 "to": t.dest,
-                "gpu_blocks": int(residency == "gpu"),
-                "host_blocks": int(residency == "host"),
-                "gpu_free": 4 - (residency == "gpu"),
-                "host_free": 4 - (residency == "host"),
-                "gpu_fenced": 0,
-                "host_fenced": 0,
+                "gpu_blocks": gpu,
+                "host_blocks": host,
+                "gpu_free": 4 - gpu - gpu_fenced,
+                "host_free": 4 - host - host_fenced,
+                "gpu_fenced": gpu_fenced,
+                "host_fenced": host_fenced,
                 "gpu_capacity": 4,
                 "host_capacity": 4,
                 "generated": generated,
@@ -460,11 +605,26 @@ def test_host_conservation_is_exact_on_real_traces(pressured):
 
 @pytest.mark.parametrize("delta", [-1, +1])
 def test_a_host_block_count_off_by_one_is_rejected_at_its_line(pressured, delta):
+    """An offload line claiming one block more or less in the host tier, its GPU side agreeing (so that its effect
+    looks whole): only the host law over all requests sees it."""
     totals = held_by_all(pressured, "host")
-    # a line whose request holds host blocks, where the per-line bound still has room for the corruption
-    i = next(i for i, r in enumerate(pressured) if r["host_blocks"] > 0 and totals[i] - r["host_blocks"] >= delta)
+
+    def fits(i: int, r: dict) -> bool:
+        """Line i is an offload that, corrupted, still moves >= 1 block, keeps its GPU count >= 0 and passes the old
+        per-line host bound (other requests hold at least `delta` host blocks)."""
+        moved = blocks_before(pressured, i)[0] - r["gpu_blocks"]
+        return (
+            effect(r) == OFFLOAD
+            and moved + delta >= 1
+            and r["gpu_blocks"] - delta >= 0
+            and totals[i] - r["host_blocks"] >= delta
+        )
+
+    i = next(i for i, r in enumerate(pressured) if r["host_blocks"] > 0 and fits(i, r))
     corrupted = [dict(r) for r in pressured]
     corrupted[i]["host_blocks"] += delta
+    corrupted[i]["gpu_blocks"] -= delta
+    corrupted[i]["gpu_fenced"] += delta
     assert per_line_bound_holds(corrupted[i], "host"), "the old per-line bound would have missed it"
     d = assert_rejected(corrupted, i + 1, vt.CONSERVATION, "CONS-HOST")
     assert f"capacity {pressured[i]['host_capacity']}" in d.message and "!=" in d.message

@@ -15,10 +15,10 @@ import pytest
 
 from kvstate.diagrams import DOT_FILE, MERMAID_FILE, TABLE_FILE, TEXT_FILES, build_diagram, render_sources
 from kvstate.diagrams.dot import DESTRUCTIVE_STYLE, INITIAL_NODE, KIND_KEYS, kind_meanings
-from kvstate.diagrams.ir import ANY_STATE, EdgeKind
+from kvstate.diagrams.ir import ANY_STATE, EdgeKind, ends_requests
 from kvstate.diagrams.mermaid import DESTRUCTIVE_MARK, KIND_MARKS, LOOP_JOIN
 from kvstate.diagrams.table import NONE_MARK
-from kvstate.spec import Spec, load_spec
+from kvstate.spec import RESIDENCY_TIERS, Spec, load_spec
 
 DIAGRAMS = Path(__file__).parents[2] / "diagrams"
 
@@ -182,7 +182,9 @@ def test_edge_kinds_follow_residency_and_the_legend_names_each_kind_drawn(spec: 
         if edge.kind is EdgeKind.HOLD:
             assert edge.destructive and dest.residency != "none", "a hold keeps its KV"
         assert (edge.kind is EdgeKind.TERMINATE) == (dest.terminal and edge.source != edge.dest)
-        assert (edge.kind is EdgeKind.DEFER) == (edge.source == edge.dest)
+        assert (edge.kind is EdgeKind.DEFER) == (edge.source == edge.dest and ends_requests(spec, edge.event))
+    loops = [e for e in diagram.edges if e.source == e.dest and not ends_requests(spec, e.event)]
+    assert loops and all(e.kind is EdgeKind.KEEP for e in loops), "an offload moves the KV it keeps between tiers"
     kinds = {arrow.kind for arrow in diagram.drawn_edges}
     assert kinds == set(EdgeKind), "the packaged spec draws every kind"
     dot = sources[DOT_FILE]
@@ -249,7 +251,7 @@ def test_review_view_styles_edges_by_origin_and_names_what_they_feed(spec: Spec,
                 assert production in line.replace("\\n", " "), "production names are wrapped at spaces only"
     assert {spec.event_by_name[e].origin for e in spec.event_by_name} <= set(ORIGIN_STYLES)
     gates = [line for line in lines if PROMOTION_GATE in line]
-    assert len(gates) == 1 and spec.residency(DOT_EDGE.match(gates[0])["source"]) == "host"
+    assert len(gates) == 1 and "host" in RESIDENCY_TIERS[spec.residency(DOT_EDGE.match(gates[0])["source"])]
     assert sum(CONSENSUS_POINT in line for line in lines) >= 1
     table = sources[TABLE_FILE].split("## Events for reviewers", 1)[1]
     for event in spec.events:

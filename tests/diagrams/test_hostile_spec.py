@@ -31,7 +31,7 @@ from kvstate.diagrams.escape import (
 )
 from kvstate.diagrams.ir import Diagram
 from kvstate.errors import KVStateError
-from kvstate.spec import Spec, load_spec
+from kvstate.spec import RESIDENCIES, Spec, load_spec
 
 MERMAID_CLICK = 'done\n click done "javascript:alert(1)"'
 SCRIPT = "<script>alert(1)</script>"
@@ -89,7 +89,7 @@ DOT_STATEMENT = re.compile(
     r'|  bb="[\d.,]+";|  fontname="Helvetica"; fontsize=\d+;|  lp="[\d.,]+";'
     r"|  (rankdir|newrank|nodesep|ranksep|fontname|labelloc|label)=.*;"
     r"|  (node|edge) \[.*\];"
-    r"|  subgraph cluster_(gpu|host|none) \{|  \}"
+    rf"|  subgraph cluster_({'|'.join(RESIDENCIES)}) \{{|  \}}"
     r'|    label=".*";|    fontsize=1\d; bb="[\d.,]+"; lp="[\d.,]+";|    style=.*;'
     r'|\s+"(?:[^"\\]|\\.)*" \[.*\];'  # a node
     r'|  "(?:[^"\\]|\\.)*" -> "(?:[^"\\]|\\.)*"( \[.*\])?;'  # an edge

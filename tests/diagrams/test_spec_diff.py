@@ -27,7 +27,7 @@ def event(data: dict, name: str) -> dict:
 
 
 def tighten_admit(data: dict) -> None:
-    event(data, "admit")["transitions"][0]["guard"] = "gpu_room_for_all_blocks"
+    event(data, "admit")["transitions"][0]["guard"] = "gpu_room_for_offloaded_blocks"
 
 
 def add_edge(data: dict) -> None:
@@ -52,7 +52,7 @@ def test_a_guard_tightened_an_edge_added_and_a_policy_rule_changed_are_named(tmp
         dot, summary = render_diff_dot(old, new, diff), summary_markdown(old, new, diff)
         assert f"[{expected}]" in dot and f"| {expected} |" in summary
     tightened = diff_specs(old, load_spec(changed(tmp_path, "t2", tighten_admit)))
-    assert tightened.edges[0].details == ("guard gpu_room_for_first_chunk → gpu_room_for_all_blocks",)
+    assert tightened.edges[0].details == ("guard gpu_room_for_first_chunk → gpu_room_for_offloaded_blocks",)
     policy = diff_specs(old, load_spec(changed(tmp_path, "policy", drop_exclusion)))
     assert [rule for rule, _, _ in policy.policy] == ["victim_exclusions"] and not policy.edges
     assert diff_specs(old, old).empty and "No transition" in summary_markdown(old, old)

@@ -142,7 +142,7 @@ class _RecordingFence:
 
 
 def test_only_resume_fences_order_the_forward(make_engine, monkeypatch):
-    """The forward waits for copies into the GPU tier only; suspends (device to host) are waited for after it."""
+    """The forward waits for copies into the GPU tier only; offloads (device to host) are waited for after it."""
     engine = make_engine(gpu_blocks=10, host_blocks=12, block_size=4, max_num_tokens=64, prefill_chunk_size=16)
     log: list[str] = []
     execute = engine.cache.execute
@@ -230,16 +230,37 @@ def _load_gpu_check():
 def test_gpu_check_pieces_import():
     module = _load_gpu_check()
     assert set(module.CHECKS) >= {"pytest -m cuda", "host syncs per decode step"}
+    assert {
+        "kvstate demo --device cuda, each offload policy",
+        "copy stream delayed; control without offload fences, each policy",
+    } <= set(module.CHECKS)
     assert module.DTYPES == ("float64", "float32", "bfloat16", "float16")
+    assert module.OFFLOADS == ("on_demand", "eager")
     assert callable(module.pressured_run) and callable(module.count_syncs)
     import kvstate.cli  # noqa: F401 - what its subprocesses run
 
 
 def test_gpu_check_pressured_run_works_on_the_cpu():
-    """The ordering check's workload, on the CPU (copies are synchronous there, so even the control passes): it
-    resumes requests and every output satisfies the rule; on CUDA the control must fail instead."""
-    bad, resumes, compared = _load_gpu_check().pressured_run(delay_cycles=0, fence_resumes=False, device="cpu")
-    assert bad == 0 and resumes > 0 and compared == 24
+    """The ordering checks' workload, on the CPU (copies are synchronous there, so even the controls pass): it
+    offloads and resumes requests under each offload policy and every output satisfies the rule; on CUDA the
+    controls must fail instead."""
+    module = _load_gpu_check()
+    run = module.pressured_run(delay_cycles=0, fence_resumes=False, device="cpu")
+    assert run.bad == 0 and run.resumes > 0 and run.compared == 24
+    for offload in module.OFFLOADS:
+        control = module.pressured_run(delay_cycles=0, fence_offloads=False, offload=offload, device="cpu")
+        assert control.bad == 0 and control.offloads > 0 and control.blocks_offloaded >= control.offloads
+
+
+def test_gpu_check_reads_the_demo_summary_rows(capsys):
+    """The offload check reads what each policy copied from the demo's printed summary (`summary_rows`)."""
+    from kvstate.cli import main
+
+    module = _load_gpu_check()
+    assert main(["demo", "--device", "cpu", "--requests", "8", "--offload", "eager"]) == 0
+    rows = module.summary_rows(capsys.readouterr().out)
+    assert rows["offload policy"] == "eager" and set(module.COPY_ROWS) <= set(rows)
+    assert rows["resumes without a copy"].startswith("0 of ")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

@@ -40,6 +40,36 @@ def test_demo_runs_and_passes(tmp_path, capsys):
     assert lines and all(json.loads(line)["event"] for line in lines)
 
 
+def _summary(out: str) -> dict[str, str]:
+    """The demo's summary rows, metric -> value, read back from its printed table."""
+    rows = {}
+    for line in out.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("│").split("│")]
+        if len(cells) == 2 and all(cells):
+            rows[cells[0]] = cells[1]
+    return rows
+
+
+@pytest.mark.parametrize("offload", ["on_demand", "eager"])
+def test_demo_prints_what_each_offload_policy_copied(offload, capsys):
+    argv = ["demo", "--gpu-blocks", "16", "--block-size", "4", "--requests", "8", "--host-blocks", "32"]
+    argv += ["--device", "cpu", "--seed", "1"]
+    code = main([*argv, "--offload", offload])
+    out = capsys.readouterr().out
+    assert code == 0 and "OUTPUT EQUIVALENCE: PASS" in out, out
+    rows = _summary(out)
+    assert rows["offload policy"] == offload and f"offload {offload}" in out
+    offloaded, onboarded = int(rows["blocks offloaded (GPU -> host)"]), int(rows["blocks onboarded (host -> GPU)"])
+    assert offloaded > 0 and int(rows["offloads"]) > 0
+    assert offloaded + onboarded == int(rows["blocks migrated"])
+    without, of = rows["resumes without a copy"].split(" of ")
+    assert int(of) == int(rows["resumes"]) > 0
+    if offload == "eager":  # a host tier with room for every victim: each one's blocks were all copied down
+        assert int(without) == int(rows["blocks re-locked without a copy"]) == 0
+    else:
+        assert int(rows["blocks re-locked without a copy"]) > 0
+
+
 def test_demo_without_host_tier(tmp_path, capsys):
     code = main(
         [
@@ -105,6 +135,7 @@ def test_demo_on_two_pipeline_stages(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "pipeline stages" in out and "OUTPUT EQUIVALENCE: PASS" in out
+    assert "blocks offloaded (GPU -> host)" in out and "resumes without a copy" in out
     assert trace.exists() and (tmp_path / "pp.rank1.ndjson").exists()
 
 

@@ -1,10 +1,10 @@
 """The engine survives its own exceptions, refuses re-entrant and concurrent misuse, forgets what it handed over,
 and refuses configurations it cannot run.
 
-* one transient exception injected at every point of a pressured step (suspends, resumes, recompute-pauses): the
-  step is settled (nothing in flight, the scheduler's invariants hold) and the run then finishes with every
-  output equal to its reference and no block held — or, where the step cannot be undone, the engine is cleanly
-  broken: every later driving call raises the same `EngineBroken`;
+* one transient exception injected at every point of a pressured step (suspends, offloads, resumes,
+  recompute-pauses): the step is settled (nothing in flight, the scheduler's invariants hold) and the run then
+  finishes with every output equal to its reference and no block held — or, where the step cannot be undone, the
+  engine is cleanly broken: every later driving call raises the same `EngineBroken`;
 * calls from inside the `on_transition` hook or a `stream()` consumer raise `EngineBusy` and change nothing;
 * two threads on one engine are serialized: outputs equal the references and the trace follows the spec;
 * `take_finished` leaves no record of the requests it handed over; `close()` drains the copy stream;
@@ -194,6 +194,10 @@ POINTS = {
         _raising_hook("suspend"),
         "settled",
     ),
+    "schedule (mid-pass, after an offload)": (
+        _raising_hook("offload"),
+        "settled",
+    ),
     "schedule (mid-pass, after a resume)": (
         _raising_hook("resume"),
         "settled",
@@ -211,7 +215,7 @@ POINTS = {
     ),
     "sampling": (lambda e, m: _patch(e, m, engine_module, "sample_batch", when=in_flight(e)), "settled"),
     "wait on a fence": (_flaky_fences, "settled"),
-    "record a suspend": (lambda e, m: _patch(e, m, e._host_tier, "after_suspend"), "settled"),
+    "record an offload": (lambda e, m: _patch(e, m, e._host_tier, "after_offload"), "settled"),
     "complete_migrations": (
         lambda e, m: _patch(e, m, e.scheduler, "complete_migrations", when=in_flight(e)),
         "settled",
@@ -231,7 +235,7 @@ POINTS = {
             m,
             TraceWriter,
             "write",
-            when=lambda: e.scheduler.iteration >= 6,
+            when=lambda: e.scheduler.iteration >= 6 and bool(e.scheduler.finished),
             exc=OSError(errno.ENOSPC, "No space left on device"),
         ),
         "broken",
@@ -255,7 +259,8 @@ def test_one_exception_at_any_point_of_a_step_is_settled_or_breaks_cleanly(
         assert not isinstance(info.value, EngineBroken), info.value
         assert any("was settled" in note for note in getattr(info.value, "__notes__", []))
         assert_finishes_like_the_references(engine, references)
-        assert engine.totals.suspensions > 0 and engine.totals.events["resume"] > 0  # the workload is pressured
+        totals = engine.totals
+        assert totals.suspensions > 0 and totals.events["offload"] > 0 and totals.events["resume"] > 0  # pressured
         assert_trace_follows_the_spec(engine)
         return
     assert isinstance(info.value, EngineBroken)

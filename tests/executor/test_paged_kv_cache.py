@@ -151,14 +151,14 @@ def test_cuda_fragmented_plans_are_staged_with_one_transfer_per_direction(layout
     exactly, also with the copy stream held back."""
     from executor.bench.migration import layout_plans
 
-    suspend, resume, gpu_blocks = layout_plans(layout, 16, seed=3)
+    offload, resume, gpu_blocks = layout_plans(layout, 16, seed=3)
     cache = _cache(gpu=gpu_blocks, host=16, device="cuda", dtype=torch.float32)
     cache.copy_delay_cycles = DELAY
     cache.device_cache.normal_()
-    ids = [src for src, _ in suspend.pairs]
+    ids = [src for src, _ in offload.pairs]
     original = cache.device_cache[ids].clone()
-    cache.execute(suspend).wait()
-    assert cache.num_transfers == 1 and cache.num_copies == len(suspend.runs()) > 1
+    cache.execute(offload).wait()
+    assert cache.num_transfers == 1 and cache.num_copies == len(offload.runs()) > 1
     cache.device_cache.zero_()
     fence = cache.execute(resume)
     fence.order_before(torch.cuda.current_stream())
@@ -210,4 +210,57 @@ def test_cuda_engine_without_resume_fences_garbles_outputs(monkeypatch):
             outputs = engine.run()
         engine.cache.copy_delay_cycles = 0
         assert engine.totals.events["resume"] > 0
+        assert mismatches(engine, outputs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("offload", ["on_demand", "eager"])
+def test_cuda_engine_under_each_offload_policy_with_the_copy_stream_held_back(offload):
+    """Both offload policies on CUDA, the copy stream held back: an offload's GPU sources are reused only after
+    its copy down completed, so every output still equals its reference."""
+    from executor import Engine, EngineConfig, offload_spec
+    from executor.checks import leaked_blocks, mismatches, random_workload, submit_all
+
+    config = EngineConfig(
+        device="cuda",
+        dtype="float32",
+        scheduler=SchedulerConfig(gpu_blocks=16, host_blocks=8, block_size=4),
+        check_invariants=True,
+        spec=offload_spec(offload),
+    )
+    with Engine(config) as engine:
+        engine.cache.copy_delay_cycles = DELAY // 10
+        submit_all(engine, random_workload(12, 1, (4, 30), (4, 24)))
+        outputs = engine.run()
+        assert engine.totals.events["offload"] > 0 and engine.totals.events["resume"] > 0
+        assert not mismatches(engine, outputs)
+        assert leaked_blocks(engine) == 0
+
+
+@pytest.mark.cuda
+def test_cuda_engine_reusing_offload_sources_before_their_copy_garbles_outputs(monkeypatch):
+    """The control of the test above: with the copy stream held back and an offload's fence treated as complete at
+    once (its GPU sources given back before the copy down read them), later steps overwrite those blocks first and
+    outputs differ from their references, so passing with the fences is not luck."""
+    from executor import Engine, EngineConfig
+    from executor.checks import mismatches, random_workload, submit_all
+    from executor.host_tier import HostTier
+
+    wait = HostTier.wait
+
+    def unfenced(self, plan, fence, iteration):
+        wait(self, plan, CompletedFence() if plan.direction == TO_HOST else fence, iteration)
+
+    config = EngineConfig(
+        device="cuda", dtype="float32", scheduler=SchedulerConfig(gpu_blocks=16, host_blocks=8, block_size=4)
+    )
+    with Engine(config) as engine:
+        engine.cache.copy_delay_cycles = DELAY
+        submit_all(engine, random_workload(12, 1, (4, 30), (4, 24)))
+        with monkeypatch.context() as patch:
+            patch.setattr(HostTier, "wait", unfenced)
+            outputs = engine.run()
+            engine.cache.drain()
+        engine.cache.copy_delay_cycles = 0
+        assert engine.totals.events["offload"] > 0 and engine.totals.events["resume"] > 0
         assert mismatches(engine, outputs)

@@ -231,7 +231,7 @@ def test_fail_migration_refuses_a_request_that_ended_since_the_pass():
     out, plan = _schedule_until(sched, ex, TO_GPU)
     sched.cancel(plan.request_id)
     before = _snapshot(sched)
-    with pytest.raises(PoolError, match="only a suspend or resume of the current iteration can fail"):
+    with pytest.raises(PoolError, match="only an offload or resume whose request still waits for the copy can fail"):
         sched.fail_migration(out, plan)
     assert _snapshot(sched) == before
     sched.complete_migrations(out)  # the copy still completes normally and frees its fenced blocks
@@ -323,33 +323,36 @@ def test_host_tier_allocation_fault_falls_back_to_gpu_only(make_engine):
     _assert_served(engine, outputs)
 
 
-def _first_iteration_with_suspended(make_engine) -> int:
+def _first_iteration_with_offloaded(make_engine) -> int:
     probe = make_engine(gpu_blocks=16, host_blocks=8, block_size=4)
     submit_all(probe, random_workload(14, 1, (4, 30), (4, 24)))
     while probe.scheduler.has_unfinished:
         probe.step()
-        if len(probe.scheduler.suspended) >= 2:
+        if sum(1 for r in probe.scheduler.suspended if r.num_host_blocks) >= 2:
             return probe.scheduler.iteration
-    raise AssertionError("the workload never had two suspended requests at once")
+    raise AssertionError("the workload never had two suspended requests with host blocks at once")
 
 
-def test_losing_the_host_tier_mid_run_replays_every_suspended_request(make_engine):
-    k = _first_iteration_with_suspended(make_engine)
+def test_losing_the_host_tier_mid_run_replays_every_suspended_request_with_host_blocks(make_engine):
+    k = _first_iteration_with_offloaded(make_engine)
     engine = make_engine(gpu_blocks=16, host_blocks=8, block_size=4, faults=FaultPlan.of(0, host_loss=[k + 1]))
     submit_all(engine, random_workload(14, 1, (4, 30), (4, 24)))
     for _ in range(k):
         engine.step()
-    suspended = [r.request_id for r in engine.scheduler.suspended]
-    assert len(suspended) >= 2  # deterministic: the same state as the probe
-    with pytest.warns(HostTierFallbackWarning, match=f"{len(suspended)} suspended requests will be replayed"):
+    offloaded = [r.request_id for r in engine.scheduler.suspended if r.num_host_blocks]
+    assert len(offloaded) >= 2  # deterministic: the same state as the probe
+    with pytest.warns(
+        HostTierFallbackWarning, match=f"{len(offloaded)} suspended requests with host blocks will be replayed"
+    ):
         engine.step()
     assert engine.totals.faults["host_loss"] == 1 and engine.totals.host_tier_losses == 1
-    assert engine.totals.events["lose_host_copy"] == len(suspended)
+    assert engine.totals.events["lose_host_copy"] == len(offloaded)
     assert engine.cache.host_cache is None and not engine.scheduler.pool.has_host_tier
     assert engine.stats().host_tier_fallback
-    suspensions = engine.totals.suspensions
+    suspensions, offloads = engine.totals.suspensions, engine.totals.events["offload"]
     outputs = engine.run()
-    assert engine.totals.suspensions == suspensions  # GPU-only from then on (NO-HOST-NO-SUSPEND)
+    assert engine.totals.suspensions == suspensions  # GPU-only from then on (SUSPEND-ROOM: no host tier)
+    assert engine.totals.events["offload"] == offloads  # NO-HOST-NO-OFFLOAD
     _assert_served(engine, outputs)
 
 
@@ -358,12 +361,34 @@ def test_lose_host_tier_by_hand_between_steps(make_engine):
     submit_all(engine, random_workload(14, 1, (4, 30), (4, 24)))
     while not engine.scheduler.suspended:
         engine.step()
-    expected = sorted(map(str, (r.request_id for r in engine.scheduler.suspended)))
+    expected = sorted(map(str, (r.request_id for r in engine.scheduler.suspended if r.num_host_blocks)))
     with pytest.warns(HostTierFallbackWarning):
         lost = engine.lose_host_tier("operator removed the host tier")
     assert sorted(map(str, lost)) == expected
     assert engine.lose_host_tier() == []  # already gone: nothing more to lose
     _assert_served(engine, engine.run())
+
+
+def test_a_lost_host_tier_leaves_requests_held_on_the_gpu_suspended(make_engine):
+    """Only a host copy can be lost: a suspended request whose blocks are all still on the GPU stays suspended
+    when the host tier goes, and resumes later without a copy."""
+    engine = make_engine(gpu_blocks=16, host_blocks=8, block_size=4, verify_host_checksums=True)
+    submit_all(engine, random_workload(14, 1, (4, 30), (4, 24)))
+    while not any(r.num_host_blocks == 0 for r in engine.scheduler.suspended):
+        assert engine.scheduler.has_unfinished, "the workload never held a suspended request wholly on the GPU"
+        engine.step()
+    on_gpu = {r.request_id: r.num_gpu_blocks for r in engine.scheduler.suspended if not r.num_host_blocks}
+    offloaded = {r.request_id for r in engine.scheduler.suspended if r.num_host_blocks}
+    relocked, without = engine.totals.blocks_relocked, engine.totals.resumed_without_copy
+    with pytest.warns(HostTierFallbackWarning):
+        lost = engine.lose_host_tier("operator removed the host tier")
+    assert set(lost) == offloaded and not engine._host_tier.checksums
+    suspended = engine.scheduler.spec.role("offloaded")
+    assert all(engine.scheduler.get(rid).state == suspended for rid in on_gpu)
+    assert all(engine.scheduler.pool.gpu_blocks(rid) and not engine.scheduler.pool.host_blocks(rid) for rid in on_gpu)
+    _assert_served(engine, engine.run())
+    assert engine.totals.resumed_without_copy >= without + len(on_gpu)
+    assert engine.totals.blocks_relocked >= relocked + sum(on_gpu.values())
 
 
 def test_every_fault_at_once_with_cancellations(make_engine):

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kvstate import SchedulerConfig, load_spec
+from kvstate.checker.trace import validate_trace
 from kvstate.cli import main
 from kvstate.diagrams.dot import CLUSTER_COLORS
 from kvstate.report import TraceError, summarize, write_report
@@ -15,15 +16,15 @@ from kvstate.report.diagram import annotated_diagram
 from kvstate.report.model import Span
 
 
-def _line(it, rid, event, src, dst, gpu_free=6, gpu_fenced=0, host_free=4, host_fenced=0, reason=None):
+def _line(it, rid, event, src, dst, gpu_free=6, gpu_fenced=0, host_free=4, host_fenced=0, reason=None, gpu=0, host=0):
     return {
         "iteration": it,
         "request_id": rid,
         "event": event,
         "from": src,
         "to": dst,
-        "gpu_blocks": 0,
-        "host_blocks": 0,
+        "gpu_blocks": gpu,
+        "host_blocks": host,
         "gpu_free": gpu_free,
         "host_free": host_free,
         "gpu_fenced": gpu_fenced,
@@ -36,12 +37,13 @@ def _line(it, rid, event, src, dst, gpu_free=6, gpu_fenced=0, host_free=4, host_
     }
 
 
-LINES = [
-    _line(1, "a", "admit", "waiting", "running", gpu_free=6),
-    _line(1, "b", "admit", "waiting", "running", gpu_free=4),
-    _line(3, "a", "suspend", "running", "suspended", gpu_free=4, gpu_fenced=2, host_free=2),
-    _line(5, "a", "resume", "suspended", "running", gpu_free=2, host_free=4),
-    _line(6, "b", "finish", "running", "done", gpu_free=4, reason="finished"),
+LINES = [  # a is suspended (held on the GPU), offloaded (its copy done by iteration 5) and resumed (copied up)
+    _line(1, "a", "admit", "waiting", "running", gpu_free=6, gpu=2),
+    _line(1, "b", "admit", "waiting", "running", gpu_free=4, gpu=2),
+    _line(3, "a", "suspend", "running", "suspended", gpu_free=4, gpu=2),
+    _line(4, "a", "offload", "suspended", "suspended", gpu_free=4, gpu_fenced=2, host_free=2, host=2),
+    _line(5, "a", "resume", "suspended", "running", gpu_free=4, host_free=2, host_fenced=2, gpu=2),
+    _line(6, "b", "finish", "running", "done", gpu_free=6, reason="finished"),
     _line(8, "a", "finish", "running", "done", gpu_free=8, reason="finished"),
 ]
 
@@ -51,16 +53,24 @@ def _write(path, lines):
     return path
 
 
+def test_the_summarized_trace_is_valid():
+    assert validate_trace([json.dumps(line) for line in LINES]).ok
+
+
 def test_summary_spans_occupancy_and_counts():
     s = summarize(LINES)
     assert s.requests == ["a", "b"]
-    assert s.spans["a"] == [Span("running", 1, 3), Span("suspended", 3, 5), Span("running", 5, 8)]
+    held, offloaded = Span("suspended", 3, 4, "gpu"), Span("suspended", 4, 5, "host")  # an offload starts a span
+    assert s.spans["a"] == [Span("running", 1, 3), held, offloaded, Span("running", 5, 8)]
     assert s.spans["b"] == [Span("running", 1, 6)]  # waiting had no width: admitted in the first iteration
     assert s.edge_counts[("admit", "waiting", "running")] == 2 and s.done_reasons["finished"] == 2
     assert [r["iteration"] for r in s.occupancy] == list(range(1, 9))
-    assert s.occupancy[2]["gpu_fenced"] == 2 and s.occupancy[2]["gpu_held"] == 2  # iteration 3
-    assert s.occupancy[3] == {**s.occupancy[2], "iteration": 4}  # carried over an iteration without lines
-    assert s.occupancy[-1]["gpu_held"] == 0
+    at = {r["iteration"]: r for r in s.occupancy}
+    assert at[3]["gpu_owned"] == 4 and at[3]["gpu_held"] == 2 and at[3]["gpu_fenced"] == 0  # held: nothing copied
+    assert at[4]["gpu_fenced"] == 2 and at[4]["gpu_owned"] == 2 and at[4]["host_owned"] == 2  # the offload
+    assert at[4]["gpu_held"] == 0 and at[5]["host_fenced"] == 2 and at[5]["gpu_held"] == 0
+    assert at[7] == {**at[6], "iteration": 7}  # carried over an iteration without lines
+    assert s.occupancy[-1]["gpu_owned"] == 0
 
 
 def test_unfinished_request_runs_to_the_end_of_the_trace():
@@ -75,9 +85,31 @@ def test_state_colours_follow_the_diagram_residency_colours():
     for state in spec.states:
         if not state.terminal:
             assert colors[state.name] in SHADES[state.residency]
-    assert colors["running"] == CLUSTER_COLORS["gpu"][1] and colors["suspended"] == CLUSTER_COLORS["host"][1]
+    assert colors["running"] == CLUSTER_COLORS["gpu"][1] and colors["suspended"] == CLUSTER_COLORS["held"][1]
     gpu_states = [s.name for s in spec.states if s.residency == "gpu"]
     assert len({colors[s] for s in gpu_states}) == len(gpu_states)  # distinct shades within a residency
+
+
+def test_held_kv_is_drawn_by_where_it_is_and_apart_from_locked_blocks():
+    """The timeline shades a suspended request by where its KV is; the GPU occupancy shows held blocks apart."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.colors import to_hex
+
+    from kvstate.report.colors import PLACEMENT_WORDS, placement_color
+    from kvstate.report.figures import occupancy, timeline
+
+    spec = load_spec()
+    summary = summarize(LINES)
+    ax = timeline(summary, spec).axes[0]
+    labels = {text.get_text() for text in ax.get_legend().get_texts()}
+    assert {f"suspended ({PLACEMENT_WORDS['gpu']})", f"suspended ({PLACEMENT_WORDS['host']})"} <= labels
+    base = state_colors(spec)["suspended"]
+    faces = {to_hex(c.get_facecolor()[0]) for c in ax.collections}
+    assert {placement_color(base, "gpu"), placement_color(base, "host")} <= faces
+    assert placement_color(base, "gpu") != placement_color(base, "host") == base
+    gpu_axes = occupancy(summary).axes[0]
+    legend = [text.get_text() for text in gpu_axes.get_legend().get_texts()]
+    assert "locked (computing)" in legend and "held (suspended)" in legend
 
 
 def test_annotated_diagram_counts_every_edge():
@@ -85,7 +117,7 @@ def test_annotated_diagram_counts_every_edge():
     counts = summarize(LINES).edge_counts
     diagram, dot = annotated_diagram(spec, counts)
     assert len(diagram.edges) == len(spec.transitions)
-    assert "admit ×2" in dot and "suspend ×1" in dot and "cancel ×0" in dot
+    assert "admit ×2" in dot and "suspend ×1" in dot and "offload ×1" in dot and "cancel ×0" in dot
     assert dot.count("penwidth=") == len(counts)
 
 

@@ -81,7 +81,7 @@ def test_header_colour_key_matches_the_colours_drawn(small_report) -> None:
     assert "grey hatched red" in COLOR_KEY and DESTRUCTIVE_HATCH_COLOR.startswith("#c")
     for state, color in colors.items():
         red, green, blue = (int(color[i : i + 2], 16) for i in (1, 3, 5))
-        hue = {"gpu": green > max(red, blue), "host": blue > max(red, green), "none": red == green == blue}
+        hue = {"gpu": green > max(red, blue), "held": blue > max(red, green), "none": red == green == blue}
         assert hue[spec.state_by_name[state].residency], f"{state} is drawn {color}, not its residency's hue"
     assert COLOR_KEY in small_report.html.read_text().replace("&#x27;", "'")
 
@@ -95,10 +95,11 @@ def test_occupancy_has_integer_ticks_and_bins_long_runs():
     rows = [
         {
             "iteration": i,
-            "gpu_held": i % 5,
+            "gpu_owned": i % 5,
+            "gpu_held": (i % 5) // 2,
             "gpu_fenced": 3 if i == 6 else 0,
             "gpu_capacity": 7,
-            "host_held": 0,
+            "host_owned": 0,
             "host_fenced": 0,
             "host_capacity": 3,
         }

@@ -1,6 +1,6 @@
 """`kvstate report` and `kvstate validate` are linear in the trace (issue 32, item 15): the timeline draws one
-collection per state however many requests there are (no artist per span), and the validator never copies its
-set of requests in host states per line. Algorithmic properties, not wall times."""
+collection per state however many requests there are (no artist per span), and the validator never walks or copies
+its per-tier maps of the requests' blocks per line. Algorithmic properties, not wall times."""
 
 from __future__ import annotations
 
@@ -15,19 +15,27 @@ from kvstate.roles import ACTIVE, ENDED, OFFLOADED, QUEUED
 
 
 def trace_lines(requests: int) -> list[dict]:
-    """A valid trace: every request admitted, then every one suspended, resumed and finished (events by role)."""
+    """A valid trace: every request admitted, then every one suspended (held on the GPU), offloaded, resumed and
+    finished (edges by role); each copy completes before the next line."""
     spec = load_spec()
     role = spec.role
     edge = {(t.source, t.dest): t for t in spec.transitions}
-    steps = [(role(QUEUED), role(ACTIVE)), (role(ACTIVE), role(OFFLOADED)), (role(OFFLOADED), role(ACTIVE))]
-    steps.append((role(ACTIVE), role(ENDED)))
-    lines, gpu_free, host_free = [], requests, requests
-    for phase, (source, dest) in enumerate(steps):
+    active, held = role(ACTIVE), role(OFFLOADED)
+    # (source, dest, the request's (GPU, host) blocks after the edge, the blocks its copy fences on the line)
+    steps = [
+        (role(QUEUED), active, (1, 0), (0, 0)),
+        (active, held, (1, 0), (0, 0)),
+        (held, held, (0, 1), (1, 0)),
+        (held, active, (1, 0), (0, 1)),
+        (active, role(ENDED), (0, 0), (0, 0)),
+    ]
+    lines, owned, blocks = [], [0, 0], {}
+    for phase, (source, dest, after, fenced) in enumerate(steps):
         t = edge[(source, dest)]
         for rid in range(requests):
-            gpu_free += {0: -1, 1: 1, 2: -1, 3: 1}[phase]
-            host_free += {1: -1, 2: 1}.get(phase, 0)
-            on_host = spec.residency(dest) == "host"
+            before = blocks.get(rid, (0, 0))
+            owned = [owned[k] + after[k] - before[k] for k in (0, 1)]
+            blocks[rid] = after
             lines.append(
                 {
                     "iteration": 1 + phase * requests + rid,
@@ -35,12 +43,12 @@ def trace_lines(requests: int) -> list[dict]:
                     "event": t.event,
                     "from": source,
                     "to": dest,
-                    "gpu_blocks": 0 if on_host or spec.residency(dest) == "none" else 1,
-                    "host_blocks": 1 if on_host else 0,
-                    "gpu_free": gpu_free,
-                    "host_free": host_free,
-                    "gpu_fenced": 0,
-                    "host_fenced": 0,
+                    "gpu_blocks": after[0],
+                    "host_blocks": after[1],
+                    "gpu_free": requests - owned[0] - fenced[0],
+                    "host_free": requests - owned[1] - fenced[1],
+                    "gpu_fenced": fenced[0],
+                    "host_fenced": fenced[1],
                     "gpu_capacity": requests,
                     "host_capacity": requests,
                     "generated": phase,
@@ -53,40 +61,52 @@ def trace_lines(requests: int) -> list[dict]:
     return lines
 
 
-class CountingSet(set):
-    """A set that counts the whole-set copies made of it."""
+class CountingDict(dict):
+    """A dict that counts the walks over it and the copies made of it."""
 
-    copies = 0
+    walks = 0
 
     def _count(self):
-        CountingSet.copies += 1
+        CountingDict.walks += 1
 
-    def __or__(self, other):
+    def __iter__(self):
         self._count()
-        return CountingSet(set.__or__(self, other))
+        return super().__iter__()
 
-    def __sub__(self, other):
+    def keys(self):
         self._count()
-        return CountingSet(set.__sub__(self, other))
+        return super().keys()
+
+    def values(self):
+        self._count()
+        return super().values()
+
+    def items(self):
+        self._count()
+        return super().items()
 
     def copy(self):
         self._count()
-        return CountingSet(self)
+        return CountingDict(self)
+
+    def __or__(self, other):
+        self._count()
+        return CountingDict(dict.__or__(self, other))
 
 
-def test_validation_never_copies_the_requests_in_host_states(monkeypatch) -> None:
+def test_validation_never_walks_the_requests_holding_blocks(monkeypatch) -> None:
     original = validator._Validator.__init__
 
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        self.host_held = CountingSet()
+        self.blocks = {tier: CountingDict() for tier in self.blocks}
 
     monkeypatch.setattr(validator._Validator, "__init__", init)
-    CountingSet.copies = 0
+    CountingDict.walks = 0
     lines = [json.dumps(line) for line in trace_lines(300)]
     report = validate_trace(lines)
     assert report.ok, report.divergence and report.divergence.describe()
-    assert report.lines == 1200 and CountingSet.copies == 0, "a copy per line makes reading quadratic"
+    assert report.lines == 1500 and CountingDict.walks == 0, "a walk per line makes reading quadratic"
 
 
 def test_the_timeline_draws_one_collection_per_state_not_per_request(tmp_path) -> None:

@@ -38,6 +38,15 @@ def test_ci_soak_with_a_host_tier_and_every_copy_fault():
     assert report.failed_copies == report.faults["copy_to_host"] + report.faults["copy_to_gpu"]
     assert report.host_tier_losses == 1 and report.host_tier_fallback
     assert report.events.get("lose_host_copy", 0) >= report.faults["copy_to_host"]
+    assert report.offload == "on_demand" and report.events["offload"] > 0 and report.blocks_offloaded > 0
+
+
+@pytest.mark.parametrize("offload", ["on_demand", "eager"])
+def test_ci_soak_under_each_offload_policy(offload):
+    report = run_soak(SoakSettings(**CI, offload=offload))
+    _assert_clean(report)
+    assert report.offload == offload and report.suspensions > 0 and report.blocks_offloaded > 0
+    assert report.resumed_without_copy <= report.resumes
 
 
 def test_ci_soak_without_a_host_tier():
@@ -68,6 +77,9 @@ def test_soak_command_prints_a_summary_and_passes(capsys, tmp_path):
         "leaked blocks 0",
         "faults injected",
         "suspensions",
+        "offloads",
+        "blocks offloaded (GPU - host)",
+        "resumes without a copy",
         "recompute-pauses",
         "SOAK: PASS",
     ):
@@ -86,6 +98,8 @@ def test_soak_settings_are_validated():
         SoakSettings(gpu_blocks=0)
     with pytest.raises(SoakError, match="prompt_len"):
         SoakSettings(prompt_len=(5, 2))
+    with pytest.raises(SoakError, match="--offload must be one of"):
+        SoakSettings(offload="lazily")
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvstate import EFFECTS, GUARDS, Spec, SpecError, load_spec, packaged_spec_path
-from kvstate.spec import INVARIANT_SCOPES, RESIDENCIES, parse_spec
+from kvstate.spec import INVARIANT_SCOPES, RESIDENCIES, RESIDENCY_TIERS, parse_spec
 
 PACKAGED_TEXT = packaged_spec_path().read_text(encoding="utf-8")
 PACKAGED_DATA = tomllib.loads(PACKAGED_TEXT)
@@ -46,6 +46,16 @@ def test_packaged_spec_loads_and_is_what_the_file_says() -> None:
     assert spec.terminal_states, "the lifecycle needs at least one terminal state"
     assert {s.residency for s in spec.states} <= set(RESIDENCIES)
     assert {i.scope for i in spec.invariants} <= set(INVARIANT_SCOPES)
+
+
+def test_every_residency_names_the_tiers_it_allows() -> None:
+    """Each residency lets a request hold blocks in a subset of the two tiers; a held state in both."""
+    assert tuple(RESIDENCY_TIERS) == RESIDENCIES
+    assert all(set(tiers) <= {"gpu", "host"} for tiers in RESIDENCY_TIERS.values())
+    spec = load_spec()
+    for tier in ("gpu", "host"):
+        assert spec.states_holding(tier) == {s.name for s in spec.states if tier in RESIDENCY_TIERS[s.residency]}
+    assert spec.states_holding("host") == set(spec.states_with_residency("held")) < spec.states_holding("gpu")
 
 
 def test_packaged_spec_names_are_unique() -> None:

@@ -113,7 +113,7 @@ def ambiguous_guards(data: dict) -> list[list[str]]:
         {
             "source": first["source"],
             "dest": "recompute_paused",
-            "guard": "same_pass_promotion",
+            "guard": "promotion_gate",
             "effect": "release_kv_and_reset",
         }
     )
@@ -122,7 +122,7 @@ def ambiguous_guards(data: dict) -> list[list[str]]:
         [
             f"event 'resume' from state {source!r} has two transitions",
             f"to {first['dest']!r} guarded by {first['guard']}",
-            "to 'recompute_paused' guarded by same_pass_promotion",
+            "to 'recompute_paused' guarded by promotion_gate",
             "are not declared mutually exclusive",
         ]
     ]

@@ -8,6 +8,8 @@ prints the step list; it replays as plain Python after `from tests.stateful.test
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import settings
 
@@ -43,12 +45,19 @@ TIGHT = SchedulerConfig(
     pipeline_stages=2,
 )
 
+# the packaged spec with the `eager` offload policy: every block of a victim moves down in the pass that suspends it
+EAGER_OFFLOAD = load_spec()
+EAGER_OFFLOAD = dataclasses.replace(EAGER_OFFLOAD, policy=dataclasses.replace(EAGER_OFFLOAD.policy, offload="eager"))
+
 DefaultMachine = conformance_machine(lambda: KVStateAdapter(DEFAULT), name="DefaultMachine")
 NoHostMachine = conformance_machine(lambda: KVStateAdapter(NO_HOST), name="NoHostMachine")
 BlockSize1Machine = conformance_machine(lambda: KVStateAdapter(BLOCK_SIZE_1), name="BlockSize1Machine")
 Pipeline2Machine = conformance_machine(lambda: KVStateAdapter(PIPELINE_2), name="Pipeline2Machine")
 NoEvictMachine = conformance_machine(lambda: KVStateAdapter(NO_EVICT), name="NoEvictMachine")
 TightMachine = conformance_machine(lambda: KVStateAdapter(TIGHT), name="TightMachine")
+EagerOffloadMachine = conformance_machine(
+    lambda: KVStateAdapter(DEFAULT, spec=EAGER_OFFLOAD), spec=EAGER_OFFLOAD, name="EagerOffloadMachine"
+)
 
 TestDefault = DefaultMachine.TestCase
 TestNoHost = NoHostMachine.TestCase
@@ -56,7 +65,8 @@ TestBlockSize1 = BlockSize1Machine.TestCase
 TestPipeline2 = Pipeline2Machine.TestCase
 TestNoEvict = NoEvictMachine.TestCase
 TestTight = TightMachine.TestCase
-for _case in (TestDefault, TestNoHost, TestBlockSize1, TestPipeline2, TestNoEvict, TestTight):
+TestEagerOffload = EagerOffloadMachine.TestCase
+for _case in (TestDefault, TestNoHost, TestBlockSize1, TestPipeline2, TestNoEvict, TestTight, TestEagerOffload):
     _case.settings = STEPS
 del _case
 

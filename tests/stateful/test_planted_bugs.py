@@ -12,6 +12,7 @@ import dataclasses
 
 from kvstate import load_spec
 from kvstate.config import RequestRejected, SchedulerConfig
+from kvstate.pool import MigrationPlan
 from kvstate.scheduler import Scheduler, SchedulerEffects
 from kvstate.sim import SimExecutor
 from kvstate.testing import KVStateAdapter, LifecycleViolation, conformance_machine
@@ -84,6 +85,120 @@ def test_blocks_kept_after_finish_are_caught_as_a_leak(find_failure) -> None:
     assert find_failure(machine).invariant_id == "RES-STATE"
 
 
+# ------------------------------------------------------------------------- broken held blocks (lazy suspension)
+def replaced_last_plan(effects: SchedulerEffects, pairs) -> None:
+    """The pass's last migration plan, its copies replaced by `pairs` (the pool's fences are left as they are)."""
+    plans = effects.pass_.output.migrations
+    plan = plans[-1]
+    plans[-1] = MigrationPlan(plan.plan_id, plan.request_id, plan.direction, tuple(pairs))
+
+
+class OffloadForgetsABlock(SchedulerEffects):
+    """An offload of two or more held blocks copies its first block twice and its last one never: the host block it
+    took for the last holds stale KV."""
+
+    def offload_held_blocks(self, request, transition) -> None:
+        super().offload_held_blocks(request, transition)
+        pairs = self.pass_.output.migrations[-1].pairs
+        if len(pairs) > 1:
+            replaced_last_plan(self, (*pairs[:-1], (pairs[0][0], pairs[-1][1])))
+
+
+def test_an_offload_that_forgets_a_block_breaks_output_equivalence(find_failure) -> None:
+    machine = conformance_machine(
+        adapter_with(WITH_HOST, scheduler_factory=scheduler_with_effects(OffloadForgetsABlock)), name="LossyOffload"
+    )
+    assert find_failure(machine).invariant_id == "OUT-EQUIV"
+
+
+def onboarded(effects: SchedulerEffects, request, transition) -> int:
+    """Run the real `lock_and_onboard`; the number of host blocks it copied up (0: nothing, no plan)."""
+    plans = effects.pass_.output.migrations
+    before = len(plans)
+    SchedulerEffects.lock_and_onboard(effects, request, transition)
+    return plans[-1].num_blocks if len(plans) > before else 0
+
+
+class ResumeCopiesHeldBlocksToo(SchedulerEffects):
+    """A resume of a request split across the tiers also copies over its blocks still on the GPU (from one of its host
+    blocks), as if they had been offloaded too: RESUME-COPY copies only the host blocks."""
+
+    def lock_and_onboard(self, request, transition) -> None:
+        copied = onboarded(self, request, transition)
+        if copied:
+            pairs = self.pass_.output.migrations[-1].pairs
+            resident = self.s.pool.gpu_blocks(request.request_id)[copied:]
+            replaced_last_plan(self, (*pairs, *((pairs[0][0], block) for block in resident)))
+
+
+def test_a_resume_that_copies_its_gpu_resident_blocks_too_breaks_output_equivalence(find_failure) -> None:
+    machine = conformance_machine(
+        adapter_with(WITH_HOST, scheduler_factory=scheduler_with_effects(ResumeCopiesHeldBlocksToo)),
+        name="OverCopyingResume",
+    )
+    assert find_failure(machine).invariant_id == "OUT-EQUIV"
+
+
+class ResumeLosesHeldBlocks(SchedulerEffects):
+    """A resume gives the request fresh GPU blocks in place of those it held on the GPU, whose KV it loses."""
+
+    def lock_and_onboard(self, request, transition) -> None:
+        copied = onboarded(self, request, transition)
+        tier, rid = self.s.pool.gpu, request.request_id
+        table = tier.held(rid)
+        resident = table[copied:]
+        if resident and tier.num_free >= len(resident):
+            fresh = tier.take(rid, len(resident))
+            tier.blocks_of[rid] = (*table[:copied], *fresh)
+            for block in resident:
+                del tier.owner_of[block]
+            tier.give_back(resident)
+
+
+def test_a_resume_that_loses_its_gpu_resident_blocks_breaks_output_equivalence(find_failure) -> None:
+    machine = conformance_machine(
+        adapter_with(WITH_HOST, scheduler_factory=scheduler_with_effects(ResumeLosesHeldBlocks)), name="LossyResume"
+    )
+    assert find_failure(machine).invariant_id == "OUT-EQUIV"
+
+
+class ResumeKeepsItsHostBlocks(SchedulerEffects):
+    """A resume copies the host blocks up but keeps owning them, unfenced: a running request holds host blocks."""
+
+    def lock_and_onboard(self, request, transition) -> None:
+        if onboarded(self, request, transition):
+            tier, rid = self.s.pool.host, request.request_id
+            sources = [src for src, _ in self.pass_.output.migrations[-1].pairs]
+            for block in sources:
+                del tier.fenced[block]
+                tier.owner_of[block] = rid
+            tier.blocks_of[rid] = (*tier.held(rid), *sources)
+
+
+def test_host_blocks_kept_by_a_resumed_request_are_caught_as_a_leak(find_failure) -> None:
+    machine = conformance_machine(
+        adapter_with(WITH_HOST, scheduler_factory=scheduler_with_effects(ResumeKeepsItsHostBlocks)),
+        name="HostKeepingResume",
+    )
+    assert find_failure(machine).invariant_id == "RES-STATE"
+
+
+class HoldForgetsToHold(SchedulerEffects):
+    """A suspension that never marks the victim's blocks held: they can never be offloaded, so it frees nothing."""
+
+    def hold_blocks(self, request, transition) -> None:
+        request.num_suspensions += 1
+        request.suspended_in_pass = self.pass_.number
+
+
+def test_a_suspension_whose_blocks_can_never_move_breaks_liveness(find_failure) -> None:
+    config = dataclasses.replace(WITH_HOST, no_progress_limit=1_000_000)  # the machine, not the watchdog, sees it
+    machine = conformance_machine(
+        adapter_with(config, scheduler_factory=scheduler_with_effects(HoldForgetsToHold)), name="StuckSuspension"
+    )
+    assert find_failure(machine).invariant_id == "LIVE-DONE"
+
+
 class NeverReplays(Scheduler):
     """Recompute-paused requests are never readmitted (starvation of a preempted request)."""
 
@@ -145,6 +260,25 @@ class LaxConfig(SchedulerConfig):
     def check_submission(self, prompt, max_new_tokens, stop_token_ids) -> None:
         if not prompt:
             raise RequestRejected("prompt is empty")
+
+
+class ForgetsHostCopies(KVStateAdapter):
+    """Reports the host tier gone without dropping the host copies in it (nor stopping the offloads)."""
+
+    gone = False
+
+    def set_host_capacity(self, blocks: int) -> bool:
+        self.gone = blocks == 0
+        return True
+
+    def block_usage(self) -> dict[str, int]:
+        usage = super().block_usage()
+        return {**usage, "host_capacity": 0, "host_free": 0} if self.gone else usage
+
+
+def test_host_blocks_without_a_host_tier_break_no_host_no_offload(find_failure) -> None:
+    machine = conformance_machine(lambda: ForgetsHostCopies(WITH_HOST, deep_checks=False), name="HostCopiesKept")
+    assert find_failure(machine).invariant_id == "NO-HOST-NO-OFFLOAD"
 
 
 def test_accepting_a_request_that_can_never_fit_breaks_refusal(find_failure) -> None:
