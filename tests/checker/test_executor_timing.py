@@ -85,13 +85,6 @@ def offload_freeing_sources(self, owner, count):
     return plan
 
 
-def old_release_of_held(self, owner):
-    """`old_release` on the pool of lazy suspension, which also keeps the order of held owners: the released owner
-    leaves it, as every release does, so what is planted is only the old release's fencing."""
-    self._held.pop(owner, None)
-    return old_release(self, owner)
-
-
 class CopiesWithinTheStep(SimExecutor):
     """The executor timing the refinement explored before issue 25: every copy moves its slots when issued and is
     reported complete before the forward pass."""
@@ -115,7 +108,7 @@ class CopiesWithinTheStep(SimExecutor):
 
 
 PLANTS = {
-    "double release": (pool_module.TieredBlockPool, "release", old_release_of_held),
+    "double release": (pool_module.TieredBlockPool, "release", old_release),
     "scheduled while its copy is in flight": (Scheduler, "not_ready", schedules_while_copying),
     "failed copy not undone": (Scheduler, "fail_migration", fails_without_undoing),
     "offload frees its sources": (pool_module.TieredBlockPool, "offload", offload_freeing_sources),
