@@ -14,7 +14,8 @@ effect the spec uses without one. A guard's (and a helper's) TLA+ reads the same
 `Unbounded`). An effect's TLA+ is its meaning on the abstract state the model checker explores (block counts, as
 `kvstate.checker.effects.AbstractEffects` implements it): `request` is the abstract request record (state, computed,
 generated, gpu, host, deferred, prefill, in_flight, fenced_gpu, fenced_host, incoming, stopped, prompt_len,
-max_new_tokens: `kvstate.tla.abstract`), `pool` the pool counts (gpu_free, host_free, gpu_fenced, host_fenced) and
+max_new_tokens: `kvstate.tla.abstract`), `pool` the pool counts (gpu_free, host_free, gpu_fenced, host_fenced,
+offload_limit) and
 `transition` the edge taken (event, source, dest, done_reason); its value is the record `[request |-> ..., pool |->
 ...]` after the effect. `kvstate check --engine tlc` runs TLC on the exported module beside our checker: a TLA+
 meaning that differs from its Python meaning shows as different state counts.

@@ -6,7 +6,7 @@ Exit codes:
   2  unusable input: a bad option, an unreadable or invalid spec or bounds file, an unknown bound
   3  incomplete: a search was cut short by --max-states or --time-limit (never reported as 'holds')
 
-Both limits have defaults, so a bounds file far larger than the packaged one (whose largest search has about 26,000
+Both limits have defaults, so a bounds file far larger than the packaged one (whose largest search has about 51,000
 states) ends as 'incomplete' instead of filling the memory or running for days: 1,000,000 states per search and
 3,600 s per bound. Pass larger values to search further.
 """
