@@ -112,7 +112,8 @@ def test_a_host_tier_fallback_is_one_warning_line_of_its_own(tmp_path, capsys, m
     out, err = capsys.readouterr()
     assert code == 0 and "OUTPUT EQUIVALENCE: PASS" in out
     assert err.splitlines() == [
-        "kvstate demo: warning: injected fault host_loss at iteration 1; 0 suspended requests will be replayed and "
+        "kvstate demo: warning: injected fault host_loss at iteration 1; 0 suspended requests with host blocks will "
+        + "be replayed and "
         + "the engine runs GPU-only from now on (every eviction is a recompute-pause)"
     ]
     assert not list(tmp_path.iterdir())  # and the demo wrote nothing it was not asked to
