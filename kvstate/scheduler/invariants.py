@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from kvstate.errors import InvariantViolation
 from kvstate.output import SchedulerOutput, check_output
+from kvstate.spec import RESIDENCY_TIERS
 
 if TYPE_CHECKING:
     from kvstate.scheduler.core import SchedulerCore
@@ -25,14 +26,14 @@ def check_scheduler(scheduler: SchedulerCore, output: SchedulerOutput | None = N
             )
         gpu = len(scheduler.pool.gpu_blocks(request.request_id))
         host = len(scheduler.pool.host_blocks(request.request_id))
-        residency = scheduler.spec.residency(request.state)
+        tiers = RESIDENCY_TIERS[scheduler.spec.residency(request.state)]  # where its state lets it hold blocks
         if (gpu, host) != (request.num_gpu_blocks, request.num_host_blocks):
             raise InvariantViolation(
                 "RES-STATE",
                 f"request {request.request_id!r} records {request.num_gpu_blocks}"
                 f"/{request.num_host_blocks} blocks, the pool says {gpu}/{host}",
             )
-        if (residency == "none" and gpu) or (residency != "held" and host):
+        if (gpu and "gpu" not in tiers) or (host and "host" not in tiers):
             raise InvariantViolation(
                 "RES-STATE",
                 f"request {request.request_id!r} in {request.state} holds {gpu} GPU and {host} host blocks",
@@ -41,7 +42,8 @@ def check_scheduler(scheduler: SchedulerCore, output: SchedulerOutput | None = N
             raise InvariantViolation(
                 "NO-HOST-NO-OFFLOAD", f"request {request.request_id!r} holds {host} host blocks without a host tier"
             )
-        if scheduler.pool.is_held(request.request_id) != (residency == "held" and gpu > 0):
+        offloadable = "host" in tiers  # its GPU blocks are held: the pool may offload them
+        if scheduler.pool.is_held(request.request_id) != (offloadable and gpu > 0):
             raise InvariantViolation(
                 "RES-STATE",
                 f"request {request.request_id!r} in {request.state} with {gpu} GPU blocks is "
