@@ -379,8 +379,8 @@ def test_gpu_only_never_suspends_and_recompute_pauses_under_pressure(seed: int) 
 
 @pytest.mark.parametrize("lifecycle", ["machine", "compiled"])
 def test_without_host_tier_no_victim_is_offered_to_suspend(lifecycle: str) -> None:
-    """A victim goes straight to recompute-pause: the lifecycle is never asked to suspend it (its guard could only
-    refuse, NO-HOST-NO-SUSPEND), while with a host tier every victim is offered to suspend first."""
+    """A victim goes straight to recompute-pause: the lifecycle is never asked to suspend it (the suspension would
+    free nothing: SUSPEND-ROOM), while with a host tier a victim is offered to suspend first."""
     for host_blocks in (0, 4):
         sched = make(12, host_blocks=host_blocks, block_size=2, lifecycle=lifecycle)
         asked: list[str] = []
