@@ -1,4 +1,4 @@
-"""The scheduler refinement explores what executors may do (issue 25): copies completing late or failing,
+"""The scheduler refinement explores what executors may do: copies completing late or failing,
 micro-batches in flight, and the two bugs that exploration found, fixed.
 
 Planted bugs are monkeypatched into the library (never by editing its files); "removing an exploration" is a
@@ -79,14 +79,14 @@ ORIGINAL_OFFLOAD = pool_module.TieredBlockPool.offload
 
 
 def offload_freeing_sources(self, owner, count):
-    """The fence bug of issue 25: an offload's GPU source blocks are freed at once instead of staying fenced."""
+    """The fence bug: an offload's GPU source blocks are freed at once instead of staying fenced."""
     plan = ORIGINAL_OFFLOAD(self, owner, count)
     self.gpu.unfence(self.gpu.fenced_by(plan.plan_id))
     return plan
 
 
 class CopiesWithinTheStep(SimExecutor):
-    """The executor timing the refinement explored before issue 25: every copy moves its slots when issued and is
+    """The executor timing the refinement once explored: every copy moves its slots when issued and is
     reported complete before the forward pass."""
 
     def step(self, fail=()):
@@ -155,7 +155,7 @@ def test_micro_batches_in_flight_catch_the_policy_before_p1(tmp_path):
 
 
 def test_the_planted_fence_bug_is_caught_on_a_default_bound_and_passed_the_timing_of_before(monkeypatch):
-    """Issue 25: a suspend's GPU sources freed at once passed `kvstate check --bound default`, whose executor copied
+    """A suspend's GPU sources freed at once passed `kvstate check --bound default`, whose executor copied
     every block when issued and completed it before the forward pass. Since suspension is lazy the copy is an
     offload's, and on `blocks2` (a block freed early is taken by the next allocation of the pass) copies that move
     their slots when they complete (after the forward pass) catch it; with the timing of before it still passes."""

@@ -1,6 +1,6 @@
-"""Liveness as SPEC.md states it (issue 25): weak fairness of every non-environment action, checked by a fair-cycle
+"""Liveness as SPEC.md states it: weak fairness of every non-environment action, checked by a fair-cycle
 search that finds lassos a weakly fair run really follows; the no-trap check named for what it computes; and what
-`kvstate check` prints about it (issue 32, item 7: information reads as information)."""
+`kvstate check` prints about it (information reads as information)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_no_output_calls_the_no_trap_check_strong_fairness(capsys, tmp_path):
 
 
 def test_information_is_printed_as_information_and_the_lists_only_with_verbose(capsys, tmp_path):
-    """Issue 32, item 7: without --verbose no per-bound list of never-enabled transitions and no SCC count; with it,
+    """Without --verbose no per-bound list of never-enabled transitions and no SCC count; with it,
     both, each saying it is information, and the weakly fair lasso's steps."""
     assert main(["check", "--bound", "no_host", "--counterexample-dir", str(tmp_path)]) == 0
     plain = capsys.readouterr().out

@@ -169,7 +169,7 @@ def test_bound_budgets_must_be_positive_integers(name, value):
 
 
 def test_pipeline_livelock_bound_holds():
-    """Issue 11: with two pipeline stages, batch 3 and 10 tokens per pass, requests 0, 3 and 4 of this bound cycled
+    """With two pipeline stages, batch 3 and 10 tokens per pass, requests 0, 3 and 4 of this bound cycled
     replay -> recompute-pause -> consensus forever on the scheduler of 8a505f5 (`kvstate check --bound
     pipeline_livelock`: LIVE-DONE, a 5-step loop). The refinement explores every arrival order."""
     (bound,) = select_bounds(["pipeline_livelock"])

@@ -1,4 +1,4 @@
-"""One test per mutant of the checker (and of the scheduler) that the suite used to let through (issue 25).
+"""One test per mutant of the checker (and of the scheduler) that the suite used to let through.
 
 Each mutant is a one-line change; each test fails with it applied (monkeypatched, or shown against the rule it
 would break) and passes without it.
@@ -147,8 +147,8 @@ def test_a_deferred_finish_stays_finished_when_a_cancel_follows(monkeypatch):
 # ------------------------------------------------- the spec: about_to_finish out of the victim exclusions
 def test_removing_about_to_finish_from_the_victim_exclusions_is_caught_by_a_default_bound(monkeypatch):
     """Mutant: the scheduler's `about_to_finish` exclusion dropped while the spec's policy declares it; the default
-    set catches it (VICTIM-NOT-FINAL), as no default bound did before issue 25. (The mutant was first planted in a
-    spec copy; since the policy is a declared parameter (issue 27), a spec copy without the exclusion declares a
+    set catches it (VICTIM-NOT-FINAL), as no default bound did before. (The mutant was first planted in a
+    spec copy; since the policy is a declared parameter, a spec copy without the exclusion declares a
     policy that allows such victims, so the mutant is planted in the scheduler that departs from its spec.)"""
     assert "about_to_finish" in load_spec().policy.victim_exclusions
     monkeypatch.setitem(policy.VICTIM_EXCLUSIONS, "about_to_finish", lambda s, candidate, pass_: False)

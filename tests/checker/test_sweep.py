@@ -1,4 +1,4 @@
-"""Swept bounds (`kvstate check --sweep NAME`, issue 25): every configuration of a sweep is enumerated once and
+"""Swept bounds (`kvstate check --sweep NAME`): every configuration of a sweep is enumerated once and
 checked, the summary table counts configurations x verdicts, and every counterexample is written as a regression
 test. The packaged `ci` sweep runs in CI (`.ci/run`); the `wide` ones run with the slow tests."""
 
@@ -85,7 +85,7 @@ def test_every_counterexample_of_a_sweep_is_written_as_a_regression_test(bounds_
     violated = [o for o in report.outcomes if o.verdict == "violated"]
     assert violated and all(o.invariant == "LIVE-DONE" for o in violated)
     stems = sorted(f"kvstate-counterexample-{o.bound.name.replace('-', '_')}" for o in violated)
-    assert sorted(p.name for p in out.iterdir()) == sorted(  # each as a regression test and as a trace (issue 29)
+    assert sorted(p.name for p in out.iterdir()) == sorted(  # each as a regression test and as a trace
         [f"{stem}.py" for stem in stems] + [f"{stem}.ndjson" for stem in stems]
     )
     assert any(o.bound.name in line and "regression test" in line for o in violated for line in report.lines())

@@ -575,7 +575,7 @@ def _walk(path: list, request_id: int = 7) -> list[dict]:
     return records
 
 
-# ------------------------------------------------------------------------- exact conservation (issue 11 item 6)
+# --------------------------------------------------------------------------------------- exact conservation
 
 
 def held_by_all(records: list[dict], tier: str) -> list[int]:
@@ -656,7 +656,7 @@ def test_gpu_blocks_counted_over_all_requests_catch_what_the_per_line_bound_miss
     assert_rejected(corrupted, i + 1, vt.CONSERVATION, "CONS-GPU")
 
 
-# ---------------------------------------------------------- issue 32: reused ids (item 20), torn lines (item 21)
+# ----------------------------------------------------------------------------------- reused ids, torn lines
 def test_an_id_reused_after_its_request_ended_starts_a_new_request(pressured):
     from tests.conftest import two_line_trace
 

@@ -59,7 +59,7 @@ def test_check_counts_missing_files_as_differing(tmp_path: Path, capsys: pytest.
 def test_unreadable_spec_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "absent.toml"
     assert main(["diagram", "--spec", str(missing), "--out", str(tmp_path / "out")]) == 2
-    assert f"--spec {missing} does not exist" in capsys.readouterr().err  # checked before any work (issue 15)
+    assert f"--spec {missing} does not exist" in capsys.readouterr().err  # checked before any work
     assert not (tmp_path / "out").exists()
 
 

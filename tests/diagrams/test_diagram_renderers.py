@@ -163,7 +163,7 @@ def test_every_transition_is_exactly_one_table_row(spec: Spec, sources: dict[str
 
 def test_only_kv_dropping_edges_carry_the_destructive_style(spec: Spec, all_sources: dict[str, str]) -> None:
     """Red dashed means "drops the KV, must be replayed": not a destructive decision that keeps the KV until the
-    pipeline agrees, nor one that terminates the request (issue 15)."""
+    pipeline agrees, nor one that terminates the request."""
     destructive_lines = [line for line in all_sources[DOT_FILE].splitlines() if DESTRUCTIVE_STYLE in line]
     mermaid_marked = [line for line in all_sources[MERMAID_FILE].splitlines() if f": {DESTRUCTIVE_MARK}" in line]
     expected = sum(drops_kv(spec, t) for t in spec.transitions)
@@ -200,7 +200,7 @@ def test_edge_kinds_follow_residency_and_the_legend_names_each_kind_drawn(spec: 
 
 def test_dot_clusters_states_by_residency(spec: Spec, sources: dict[str, str]) -> None:
     """Each tier that holds KV is a titled cluster of exactly its states; the states without KV (the story spreads
-    them from left to right) are in no cluster and are filled with the no-KV colour (issue 29)."""
+    them from left to right) are in no cluster and are filled with the no-KV colour."""
     from kvstate.diagrams.dot import CLUSTER_COLORS
 
     dot = sources[DOT_FILE]

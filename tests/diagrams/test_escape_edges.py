@@ -1,4 +1,4 @@
-"""Escapes at their edges (issue 32, item 23): each test kills a mutant the suite let through."""
+"""Escapes at their edges: each test kills a mutant the suite let through."""
 
 from __future__ import annotations
 

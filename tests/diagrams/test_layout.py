@@ -1,6 +1,6 @@
 """The diagrams are laid out along the lifecycle's story, by roles, and Graphviz draws them without overlaps.
 
-The story (issue 29): the spine queued -> active -> ended left to right, the host tier below the active state,
+The story: the spine queued -> active -> ended left to right, the host tier below the active state,
 the recompute loop above it, the pending reset beside the pause edge, the terminal state rightmost. The overlap
 test reads the SVG Graphviz draws (not the layout's own numbers): every text of an edge label, measured in DejaVu
 Sans (wider than the Helvetica the layout counts with), must keep clear of every edge (curves and arrowheads),

@@ -1,4 +1,4 @@
-"""The README's Mermaid diagram as Mermaid 11 draws it, in headless Chromium (issue 29).
+"""The README's Mermaid diagram as Mermaid 11 draws it, in headless Chromium.
 
 Needs Debian's `chromium` and a pinned Mermaid from npm (`.ci/run` installs both: `npm pack mermaid@11.17.2`, then
 KVSTATE_MERMAID_JS names its `package/dist/mermaid.min.js`); without them the render test is skipped, saying why.

@@ -1,4 +1,4 @@
-"""`kvstate diagram --diff` and `kvstate check --diff` on real spec changes (issue 29): a guard tightened, an edge
+"""`kvstate diagram --diff` and `kvstate check --diff` on real spec changes: a guard tightened, an edge
 added, a policy rule changed; and a counterexample written as a trace that `kvstate report` draws."""
 
 from __future__ import annotations

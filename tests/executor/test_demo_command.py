@@ -101,7 +101,7 @@ def test_demo_writes_a_report_of_its_trace(tmp_path, capsys):
             "--device",
             "cpu",
             "--trace",
-            str(tmp_path / "[x] t.ndjson"),  # paths that read as Rich markup are printed as typed (issue 32)
+            str(tmp_path / "[x] t.ndjson"),  # paths that read as Rich markup are printed as typed
             "--report",
             str(tmp_path / "[link=https:x]report"),
         ]

@@ -143,7 +143,7 @@ def test_load_a_checkpoint_written_by_transformers(tmp_path, tied):
     torch.testing.assert_close(ours.forward_dense(tokens), expected, rtol=1e-4, atol=1e-4)
 
 
-# ------------------------------------------------------------------------ hostile checkpoints (issue 14)
+# ------------------------------------------------------------------------ hostile checkpoints
 def saved(tmp_path, **config_changes) -> tuple:
     """A saved tiny checkpoint in tmp_path/ckpt, with `config_changes` written into its config.json."""
     path = tmp_path / "ckpt"

@@ -1,4 +1,4 @@
-"""Hostile Hugging Face checkpoints (issue 32, items 14 and 19): a safetensors header that claims what the config
+"""Hostile Hugging Face checkpoints: a safetensors header that claims what the config
 never names, or too much, is refused from the header before any tensor data is read; a FIFO in place of a
 checkpoint file is refused without waiting on it; tokenizer.json is read bounded; a pre-tokenizer regex that
 makes the Rust tokenizer panic is one error line."""

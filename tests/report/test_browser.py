@@ -1,5 +1,5 @@
 """report.html in a real headless browser (Chromium), where one is installed: it renders, logs no console message,
-opens every diagram fitted to the width of a 1280 px window (issue 29) with its edge labels still at >= 11 CSS px,
+opens every diagram fitted to the width of a 1280 px window with its edge labels still at >= 11 CSS px,
 and its zoom buttons work.
 
 A copy of the page gets a probe script appended that measures in the browser and reports through the console
@@ -23,7 +23,7 @@ BROWSER = next(
 pytestmark = pytest.mark.skipif(
     BROWSER is None or shutil.which("dot") is None, reason="needs Chromium and Graphviz `dot` installed"
 )
-WINDOW = "1280,2000"  # the default page width of issue 15
+WINDOW = "1280,2000"  # the default page width
 CONSOLE = re.compile(r":CONSOLE(?::\d+|\(\d+\))\] \"(?P<message>.*)\", source: (?P<source>.*)")
 
 PROBE = """<script>

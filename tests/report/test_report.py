@@ -166,7 +166,7 @@ def test_report_command_on_a_real_engine_trace(tmp_path, capsys):
     from executor import Engine, EngineConfig
     from executor.checks import random_workload, submit_all
 
-    trace = tmp_path / "[x] t.ndjson"  # a path that reads as Rich markup is printed as typed (issue 32)
+    trace = tmp_path / "[x] t.ndjson"  # a path that reads as Rich markup is printed as typed
     with Engine(
         EngineConfig(
             device="cpu", scheduler=SchedulerConfig(gpu_blocks=16, host_blocks=6, block_size=4), trace_path=trace

@@ -1,4 +1,4 @@
-"""The report's pictures are readable (issue 15): diagrams at natural size, bundled edges with summed counts, a
+"""The report's pictures are readable: diagrams at natural size, bundled edges with summed counts, a
 legend and a colour key that match what is drawn, occupancy without aliasing and with integer ticks."""
 
 from __future__ import annotations

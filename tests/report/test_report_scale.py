@@ -1,4 +1,4 @@
-"""`kvstate report` and `kvstate validate` are linear in the trace (issue 32, item 15): the timeline draws one
+"""`kvstate report` and `kvstate validate` are linear in the trace: the timeline draws one
 collection per state however many requests there are (no artist per span), and the validator never walks or copies
 its per-tier maps of the requests' blocks per line. Algorithmic properties, not wall times."""
 

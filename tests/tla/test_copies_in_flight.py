@@ -1,4 +1,4 @@
-"""The TLA+ export follows the abstract model of issue 25: a copy in flight per request (a release leaves its
+"""The TLA+ export follows the abstract model: a copy in flight per request (a release leaves its
 destinations fenced, `Complete(r)` ends its fences), a decode step landing on a suspended request, stop tokens. Both
 engines count the same states on bounds that exercise each; a planted difference in the new release meaning is
 caught by the comparison; a bound whose abstract model cuts chunks (a token budget per pass) is refused, naming the
@@ -24,7 +24,8 @@ LANDING = Bound("landing", ((1, 2), (2, 2)), gpu_blocks=4, host_blocks=3, block_
 # stop tokens: any produced token may end its request
 STOPS = Bound("stops", ((2, 3), (1, 2)), gpu_blocks=5, host_blocks=0, block_size=1, chunk_size=2, stop_at=(1, -1))
 
-# the release before issue 25: every block freed at once, also the destinations a copy in flight still writes
+# the release before copies in flight were modelled: every block freed at once, the destinations
+# a copy in flight still writes included
 OLD_RELEASE = (
     "[request |-> [request EXCEPT !.gpu = 0, !.host = 0, !.in_flight = 0],"
     " pool |-> [pool EXCEPT !.gpu_free = @ + request.gpu, !.host_free = @ + request.host]]"

@@ -61,7 +61,7 @@ def test_a_planted_spec_bug_is_found_by_both_engines_with_counterexamples_of_equ
 
 def test_a_planted_difference_between_a_guards_tla_and_python_meanings_fails_the_count_comparison(tlc_tools, capsys):
     # admission's guard: the same plant in resume's guard (gpu_room_for_offloaded_blocks) changes no state count of
-    # this bound since the model of issue 25 (a resume waits for its host copy to complete)
+    # this bound since the model (a resume waits for its host copy to complete)
     name = "gpu_room_for_first_chunk"
     differs = {**TLA, name: TLA[name]._replace(body=TLA[name].body.replace(">=", ">"))}
     assert differs[name].body != TLA[name].body
