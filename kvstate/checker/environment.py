@@ -67,6 +67,12 @@ class Environment:
             out += [("lose_host_copy", r.request_id) for r in s.suspended if r.num_host_blocks]
         return out
 
+    @staticmethod
+    def may_refuse(action: tuple) -> bool:
+        """True when `act` may refuse `action` with `NotEnabled` after it changed the world (a step whose k-th copy
+        fails, when the pass issues fewer copies): such an action is taken on a copy of the world."""
+        return action[:2] == ("step", "fail")
+
     def act(self, world: World, action: tuple) -> None:
         """Carry out `action` on `world` (in place); a scheduler error is the violation it stands for."""
         s, sim, kind = world.scheduler, world.sim, action[0]

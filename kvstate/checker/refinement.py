@@ -154,12 +154,12 @@ class Refinement:
                 except InvariantViolation as err:
                     result.edges += 1
                     result.violation_id, result.message = err.invariant_id, str(err)
-                    result.path = [*graph.path_to(i), (action, self._log(nxt))]
+                    result.path = [*graph.path_to(i), (action, self.fired(nxt))]
                     if err.invariant_id == "LIVE-DONE":
-                        result.loop_start = self._loop_start(result.path)
+                        result.loop_start = self.stall_loop_start(result.path)
                     return done(VIOLATED)
                 result.edges += 1
-                key, fired = fingerprint(nxt), self._log(nxt)
+                key, fired = fingerprint(nxt), self.fired(nxt)
                 j = index.get(key)
                 if j is None:
                     j = index[key] = graph.add(i, action, fired, not nxt.scheduler.has_unfinished)
@@ -193,7 +193,7 @@ class Refinement:
         result.path = [*prefix, *loop]
         result.loop_start = len(prefix)
 
-    def _loop_start(self, path: list[tuple[tuple, list[str]]]) -> int | None:
+    def stall_loop_start(self, path: list[tuple[tuple, list[str]]]) -> int | None:
         """Where the path to a stall (the no-progress detector fired: LIVE-DONE) first comes back to a world it
         passed, counting worlds equal but for the detector's counter: the steps from there repeat until the detector
         stops them. None when the path has no such repeat."""
@@ -211,5 +211,6 @@ class Refinement:
         return None
 
     @staticmethod
-    def _log(world: World) -> list[str]:
+    def fired(world: World) -> list[str]:
+        """The transitions the last action on `world` fired, as a counterexample lists them."""
         return [f"{rid}: {source} -{event}-> {dest}" for rid, source, event, dest in world.scheduler.transition_log]
