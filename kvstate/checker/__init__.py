@@ -11,6 +11,8 @@
   (the checks on every transition and action) and `world_graph` (the worlds found, and the livelock search);
 * `stepmatch`: step refinement, each scheduler action as a sequence of abstract actions;
 * `runner`: the `kvstate check` code path, reports and counterexample regression tests;
+* `simulate`: `kvstate check --simulate N`, seeded random walks over the refinement's actions, each checked as the
+  exhaustive search checks it, with shrunk counterexamples (bounds too large to exhaust);
 * `replay`: replaying a counterexample, as the generated regression tests do;
 * `sweep`: swept bounds (`kvstate check --sweep NAME`) and their summary table;
 * `bounds`: named bounds from `spec/bounds.toml`;
@@ -28,6 +30,7 @@ from kvstate.checker.records import AbstractRequest, AbstractState, Action, Edge
 from kvstate.checker.refinement import Refinement
 from kvstate.checker.replay import replay_abstract, replay_refinement
 from kvstate.checker.runner import EXIT_CODES, BoundReport, check_bound, run_check
+from kvstate.checker.simulate import SimulationResult, SimulationScope, Simulator, run_simulation, simulate_bound
 from kvstate.checker.stepmatch import StepMatcher
 from kvstate.checker.sweep import Sweep, SweepReport, load_sweeps, run_sweep, select_sweep
 from kvstate.checker.trace import Divergence, TraceError, TraceReport, validate_trace
@@ -53,6 +56,9 @@ __all__ = [
     "ModelResult",
     "ObservedScheduler",
     "Refinement",
+    "SimulationResult",
+    "SimulationScope",
+    "Simulator",
     "StepMatcher",
     "Sweep",
     "SweepReport",
@@ -66,8 +72,10 @@ __all__ = [
     "replay_abstract",
     "replay_refinement",
     "run_check",
+    "run_simulation",
     "run_sweep",
     "select_bounds",
     "select_sweep",
+    "simulate_bound",
     "validate_trace",
 ]

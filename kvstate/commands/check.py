@@ -6,6 +6,10 @@ Exit codes:
   2  unusable input: a bad option, an unreadable or invalid spec or bounds file, an unknown bound
   3  incomplete: a search was cut short by --max-states or --time-limit (never reported as 'holds')
 
+`--simulate N` takes N seeded random walks per bound over the scheduler refinement's actions instead (bounds too
+large to exhaust): 0 then means no walk of that scope violated a check (the scope is printed), 1 a violation (shrunk,
+and written as above), 3 that --time-limit stopped the walks first.
+
 Both limits have defaults, so a bounds file far larger than the packaged one (whose largest search has about 51,000
 states) ends as 'incomplete' instead of filling the memory or running for days: 1,000,000 states per search and
 3,600 s per bound. Pass larger values to search further.
@@ -20,11 +24,13 @@ import sys
 
 from kvstate.commands import check_tlc
 from kvstate.commands.args import (
+    MAX_SEED,
     MAX_STATES,
     UsageError,
     add_mkdir_option,
     add_spec_option,
     input_file,
+    non_negative_int,
     output_dir,
     positive_float,
     positive_int,
@@ -34,6 +40,11 @@ from kvstate.terminal import inert
 DEFAULT_MAX_STATES = 1_000_000  # states of one search: what bounds its memory
 DEFAULT_TIME_LIMIT_S = 3600.0  # seconds per bound
 MAX_WORKERS = 256  # processes of one sweep
+MAX_WALKS = 10**9  # walks of one simulation per bound
+MAX_DEPTH = 10**7  # actions of one walk
+DEFAULT_SEED = 0  # kvstate.checker.simulate.DEFAULT_SEED (not imported here: the checker loads after the checks)
+DEFAULT_DEPTH = 2000  # kvstate.checker.simulate.DEFAULT_DEPTH
+PROGRESS_EVERY_S = 5.0  # a simulation's progress line on stderr, at most this often
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -88,6 +99,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help=f"processes a sweep runs on, at most {MAX_WORKERS} (default: the CPUs this process may use)",
     )
+    parser.add_argument(
+        "--simulate",
+        metavar="N",
+        type=positive_int(maximum=MAX_WALKS),
+        default=None,
+        help="instead of the exhaustive search, take N seeded random walks per bound over the scheduler "
+        "refinement's actions, each action checked as the search checks it (for bounds too large to exhaust); "
+        "a violation is shrunk and written as the search writes its counterexamples",
+    )
+    parser.add_argument(
+        "--seed",
+        metavar="S",
+        type=non_negative_int(maximum=MAX_SEED),
+        default=None,
+        help=f"with --simulate: the seed every walk's seed is derived from (default {DEFAULT_SEED})",
+    )
+    parser.add_argument(
+        "--depth",
+        metavar="D",
+        type=positive_int(maximum=MAX_DEPTH),
+        default=None,
+        help=f"with --simulate: actions per walk, at most (default {DEFAULT_DEPTH})",
+    )
     parser.add_argument("--no-refinement", action="store_true", help="check the abstract model only")
     check_tlc.register_options(parser)
     parser.add_argument(
@@ -107,6 +141,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_simulation_options(args)
+    if args.simulate is not None:
+        return _simulate(args)
     if args.engine == "tlc" and args.sweep is not None:
         raise UsageError("--sweep does not apply to --engine tlc: TLC cross-checks the abstract model of bounds")
     if args.engine == "tlc":  # the cross-check with TLC: kvstate.commands.check_tlc
@@ -161,6 +198,83 @@ def run(args: argparse.Namespace) -> int:
         for line in verdict_lines(changed_verdicts(old_reports, old, reports, spec), str(old_path)):
             console.print(inert(line))
     return code
+
+
+def refuse_simulation_options(args: argparse.Namespace) -> None:
+    """--seed and --depth need --simulate; --simulate takes no option of the exhaustive search (one line, exit 2)."""
+    if args.simulate is None:
+        for option, value in (("--seed", args.seed), ("--depth", args.depth)):
+            if value is not None:
+                raise UsageError(f"{option} applies to --simulate only; add --simulate N or drop it")
+        return
+    refused = (
+        ("--engine tlc", args.engine == "tlc"),
+        ("--sweep", args.sweep is not None),
+        ("--diff", args.diff is not None),
+        ("--no-refinement", args.no_refinement),
+        ("--max-states", args.max_states != DEFAULT_MAX_STATES),
+        ("--verbose", args.verbose),
+    )
+    for option, given in refused:
+        if given:
+            raise UsageError(
+                f"{option} does not apply to --simulate (random walks over the scheduler refinement, bounded by "
+                "--simulate N, --depth and --time-limit); drop it"
+            )
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    """`kvstate check --simulate N`: random walks over each bound's refinement (kvstate.checker.simulate)."""
+    spec_path = input_file(args.spec, "--spec") if args.spec is not None else None
+    bounds_path = input_file(args.bounds_file, "--bounds-file") if args.bounds_file is not None else None
+    counterexample_dir = output_dir(args.counterexample_dir, "--counterexample-dir", mkdir=args.mkdir)
+
+    from kvstate.checker.bounds import select_bounds
+    from kvstate.checker.simulate import SimulationScope, run_simulation
+    from kvstate.spec import load_spec
+    from kvstate.terminal import console as make_console
+    from kvstate.terminal import say
+
+    bounds = select_bounds(args.bound, bounds_path)
+    spec = load_spec(spec_path)
+    console = make_console()
+    scope = SimulationScope(
+        args.simulate,
+        depth=args.depth if args.depth is not None else DEFAULT_DEPTH,
+        seed=args.seed if args.seed is not None else DEFAULT_SEED,
+    )
+    code, results = run_simulation(
+        bounds,
+        scope,
+        spec=spec,
+        time_limit=args.time_limit,
+        counterexample_dir=counterexample_dir,
+        say=lambda text: say(console, text),
+        progress=_progress_printer(),
+    )
+    draw_counterexamples(results, spec, console)
+    return code
+
+
+def _progress_printer():
+    """A simulation's progress callback: one line on stderr at most every `PROGRESS_EVERY_S` seconds per bound
+    (walks done, actions, distinct worlds, rate), and one when a walk violates a check."""
+    import time
+
+    last: dict[str, float] = {}
+
+    def show(result) -> None:
+        now, name = time.monotonic(), result.bound.name
+        if result.seconds_to_violation is None and now - last.setdefault(name, now) < PROGRESS_EVERY_S:
+            return
+        last[name] = now
+        line = (
+            f"kvstate check --simulate: bound {name}: {result.walks}/{result.scope.walks} walks, {result.steps} "
+            f"actions, {result.distinct} distinct worlds, {result.seconds:.0f} s ({result.rate:.0f} actions/s)"
+        )
+        print(inert(line), file=sys.stderr, flush=True)
+
+    return show
 
 
 def draw_counterexamples(reports, spec, console) -> None:
