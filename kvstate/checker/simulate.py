@@ -396,8 +396,9 @@ def simulation_lines(result: SimulationResult) -> list[str]:
     scope, bound = result.scope, result.bound
     lines = [
         f"bound {bound.name}: {describe_bound(bound)}",
-        f"  simulation: {result.walks} walk(s) ({result.final_walks} reached a final world, the others stopped at "
-        f"depth {scope.depth}), {result.steps} actions, {result.distinct} distinct worlds, {result.seconds:.2f} s "
+        f"  simulation: {result.walks} walk(s) ({result.final_walks} reached a final world, "
+        f"{result.walks - result.final_walks} stopped at depth {scope.depth}), {result.steps} actions, "
+        f"{result.distinct} distinct worlds, {result.seconds:.2f} s "
         f"({result.rate:.0f} actions/s): {result.verdict}" + (f" ({result.stop_reason})" if result.stop_reason else ""),
     ]
     if result.verdict == HOLDS:
