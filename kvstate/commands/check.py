@@ -225,6 +225,7 @@ def refuse_simulation_options(args: argparse.Namespace) -> None:
 
 def _simulate(args: argparse.Namespace) -> int:
     """`kvstate check --simulate N`: random walks over each bound's refinement (kvstate.checker.simulate)."""
+    check_tlc.refuse_tlc_options(args)
     spec_path = input_file(args.spec, "--spec") if args.spec is not None else None
     bounds_path = input_file(args.bounds_file, "--bounds-file") if args.bounds_file is not None else None
     counterexample_dir = output_dir(args.counterexample_dir, "--counterexample-dir", mkdir=args.mkdir)

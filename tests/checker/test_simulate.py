@@ -103,6 +103,8 @@ def test_shrinking_reduces_the_counterexample_and_it_still_violates(cap_livelock
         (["--simulate", "0"], "--simulate: must be"),
         (["--simulate", "3", "--sweep", "ci"], "--sweep does not apply to --simulate"),
         (["--simulate", "3", "--max-states", "10"], "--max-states does not apply to --simulate"),
+        (["--simulate", "3", "--engine", "tlc"], "--engine tlc does not apply to --simulate"),
+        (["--simulate", "3", "--liveness"], "--liveness applies to --engine tlc only"),
         (["--seed", "3"], "--seed applies to --simulate only"),
         (["--depth", "3"], "--depth applies to --simulate only"),
         (["--simulate", "3", "--bound", "no_such_bound"], "unknown bound(s) ['no_such_bound']"),
