@@ -87,7 +87,8 @@ class SimulationResult:
     scope: SimulationScope
     verdict: str = HOLDS
     walks: int = 0
-    final_walks: int = 0  # walks that reached a final world (the others stopped at the depth)
+    final_walks: int = 0  # walks that reached a final world
+    cut_walks: int = 0  # walks stopped at the depth (the others reached a final world or violated a check)
     steps: int = 0
     distinct: int = 0
     seconds: float = 0.0
@@ -336,6 +337,7 @@ class Simulator:
             return None
         result.walks += 1
         result.final_walks += int(final)
+        result.cut_walks += int(not final)
         return None
 
     def _report(self, result: SimulationResult, found: WalkViolation, deadline: float) -> None:
@@ -397,7 +399,7 @@ def simulation_lines(result: SimulationResult) -> list[str]:
     lines = [
         f"bound {bound.name}: {describe_bound(bound)}",
         f"  simulation: {result.walks} walk(s) ({result.final_walks} reached a final world, "
-        f"{result.walks - result.final_walks} stopped at depth {scope.depth}), {result.steps} actions, "
+        f"{result.cut_walks} stopped at depth {scope.depth}), {result.steps} actions, "
         f"{result.distinct} distinct worlds, {result.seconds:.2f} s "
         f"({result.rate:.0f} actions/s): {result.verdict}" + (f" ({result.stop_reason})" if result.stop_reason else ""),
     ]

@@ -60,9 +60,10 @@ def test_the_same_seed_gives_the_same_walks_and_verdict():
     first, again = (simulate_bound(no_cancel, SimulationScope(15, depth=300, seed=11)) for _ in range(2))
     other = simulate_bound(no_cancel, SimulationScope(15, depth=300, seed=12))
     assert first.verdict == again.verdict == HOLDS
-    summary = lambda r: (r.walks, r.final_walks, r.steps, r.distinct)  # noqa: E731
+    summary = lambda r: (r.walks, r.final_walks, r.cut_walks, r.steps, r.distinct)  # noqa: E731
     assert summary(first) == summary(again)
-    assert first.walks == 15 and first.steps > 15 and first.distinct > 15
+    assert first.walks == 15 == first.final_walks + first.cut_walks
+    assert first.steps > 15 and first.distinct > 15
     assert other.verdict == HOLDS and other.walks == 15
 
 
