@@ -12,7 +12,7 @@ fraction of a second, and the tests compare the two.
 
 Refused, naming the metadata key: another tokenizer model (SentencePiece files need scores and byte fallback),
 a pre-tokenizer not in `PRE_TOKENIZERS`, a vocabulary with duplicate or non-text tokens, a merge that is not two
-tokens, special token ids outside the vocabulary.
+tokens or names a token (or makes one) the vocabulary lacks, special token ids outside the vocabulary.
 """
 
 from __future__ import annotations
@@ -67,6 +67,13 @@ def gguf_tokenizer(header: GGUFHeader) -> CheckpointTokenizer:
         parts = tuple(merge.split(" "))
         if len(parts) != 2 or not all(parts):
             raise meta.fail(f"tokenizer.ggml.merges[{i}]", f"is {shown(merge)}, not two tokens joined by a space")
+        missing = next((t for t in (*parts, "".join(parts)) if t not in vocab), None)
+        if missing is not None:
+            raise meta.fail(
+                f"tokenizer.ggml.merges[{i}]",
+                f"is {shown(merge)}: {shown(missing)} is not in the vocabulary (tokenizer.ggml.tokens); a merge "
+                "joins two tokens of it into a third",
+            )
         merges.append(parts)
     types = meta.get("tokenizer.ggml.token_type", [])
     if not isinstance(types, list) or len(types) not in (0, len(tokens)):

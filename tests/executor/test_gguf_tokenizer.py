@@ -1,0 +1,47 @@
+"""The tokenizer a GGUF header describes: metadata that no BPE can be built from is one error naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from executor import CheckpointError
+from executor.gguf_file import GGUFHeader
+from executor.gguf_tokenizer import gguf_tokenizer
+from tests.executor.gguf_files import tokenizer_fields
+
+FIELDS = tokenizer_fields()
+
+
+def header(changes: dict[str, object] | None = None) -> GGUFHeader:
+    """The header of a file holding the test tokenizer, with `changes` to its metadata."""
+    metadata = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "smollm",
+        "tokenizer.ggml.tokens": FIELDS["tokens"],
+        "tokenizer.ggml.merges": FIELDS["merges"],
+        "tokenizer.ggml.token_type": FIELDS["types"],
+        "tokenizer.ggml.eos_token_id": 2,
+    }
+    metadata.update(changes or {})
+    return GGUFHeader(Path("model.gguf"), 3, metadata, ())
+
+
+def test_the_test_tokenizer_builds() -> None:
+    tokenizer = gguf_tokenizer(header())
+    assert tokenizer.decode(tokenizer.encode("the lazy dog")) == "the lazy dog"
+
+
+@pytest.mark.parametrize(
+    ("merge", "missing"),
+    [("zz qq", "'zz'"), ("t qq", "'qq'"), ("Ġ Ġ", "'ĠĠ'")],
+    ids=["both-unknown", "second-unknown", "result-unknown"],
+)
+def test_a_merge_naming_a_token_not_in_the_vocabulary_is_refused(merge: str, missing: str) -> None:
+    merges = [*FIELDS["merges"], merge]
+    with pytest.raises(CheckpointError) as info:
+        gguf_tokenizer(header({"tokenizer.ggml.merges": merges}))
+    message = str(info.value)
+    assert message.startswith(f"model.gguf: field 'tokenizer.ggml.merges[{len(merges) - 1}]': is {merge!r}: ")
+    assert f"{missing} is not in the vocabulary" in message and "\n" not in message
