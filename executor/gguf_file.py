@@ -9,7 +9,8 @@ The element types and their block sizes, and the dequantization of each block ty
 (`gguf.GGMLQuantizationType`, `gguf.GGML_QUANT_SIZES`, `gguf.quants.dequantize`); `gguf` is imported only when
 a file is read (the ``smollm2`` extra installs it).
 
-Invariants kept (every refusal is a `CheckpointError` naming the file and the field or tensor):
+Invariants kept (every refusal is a `CheckpointError` naming the file and the field or tensor, a name read from the
+file always escaped and cut short as `kvstate.untrusted.shown` writes it: no name can start a line of its own):
 * only a regular file is opened (a FIFO or a device is refused without blocking), and no read goes past
   `GGUFLimits.max_header_bytes` while parsing the header, nor past the end of the file;
 * counts are bounded before anything is allocated for them (tensors, metadata entries, array items, string
@@ -249,7 +250,7 @@ def _place(
     ordered = sorted(tensors, key=lambda t: t.offset)
     for before, after in itertools.pairwise(ordered):
         if before.offset + before.nbytes > after.offset:
-            raise header.fail(f"tensor {after.name}", f"overlaps the bytes of tensor {before.name}")
+            raise header.fail(f"tensor {after.name}", f"overlaps the bytes of tensor {shown(before.name)}")
     return tuple(tensors)
 
 
@@ -261,12 +262,12 @@ def read_tensor(header: GGUFHeader, info: TensorInfo) -> np.ndarray:
         handle.seek(info.offset)
         buffer = bytearray(info.nbytes)
         if handle.readinto(buffer) != info.nbytes:
-            raise CheckpointError(f"the file ended inside tensor {info.name}; copy it again", path=header.path)
+            raise CheckpointError(f"the file ended inside tensor {shown(info.name)}; copy it again", path=header.path)
     rows = np.frombuffer(buffer, dtype=np.uint8).reshape(math.prod(info.shape[:-1]), -1)
     values = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[info.kind]).astype(np.float32, copy=False)
     values = values.reshape(info.shape)
     if not np.isfinite(values).all():
         raise CheckpointError(
-            f"tensor {info.name} holds NaN or infinite values; the checkpoint is corrupt", path=header.path
+            f"tensor {shown(info.name)} holds NaN or infinite values; the checkpoint is corrupt", path=header.path
         )
     return values

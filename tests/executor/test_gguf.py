@@ -260,3 +260,16 @@ def test_the_memory_check_counts_every_weight_in_float32_and_the_run_dtype(tmp_p
     check_load_memory(header, torch.float64, available=needed)  # exactly enough
     with pytest.raises(CheckpointError, match=r"takes at least .* GiB of memory, but this machine has 1\.00 GiB"):
         check_load_memory(header, torch.float64, available=1 << 30)
+
+
+def test_a_tensor_name_holding_a_newline_cannot_forge_a_line(tmp_path, model):
+    """Names read from the file are escaped in every message: an error stays one line whatever a name holds."""
+    first, second = "a\nkvstate generate: ok, forged", "b\rforged\x1b[2K"
+    path = write_gguf(tmp_path / "m.gguf", model, extra_tensors={first: np.zeros(8), second: np.zeros(8)})
+    at = tensor_entry(path, second) + 4 + 8 + 4  # one dimension, then the type: its offset follows
+    patch(path, at, "<Q", int.from_bytes(path.read_bytes()[at : at + 8], "little") - 32)  # onto the first one
+    with pytest.raises(CheckpointError) as info:
+        read_gguf_header(path)
+    message = str(info.value)
+    assert "overlaps the bytes of tensor 'a\\nkvstate generate: ok, forged'" in message
+    assert not any(c in message for c in "\n\r\x1b"), message
