@@ -20,8 +20,8 @@ RESIDENCIES = ("gpu", "held", "none")
 RESIDENCY_TIERS = MappingProxyType({"gpu": ("gpu",), "held": ("gpu", "host"), "none": ()})
 INVARIANT_SCOPES = ("state", "step", "pass", "run", "liveness")
 CONTAINERS = ("waiting", "resident", "suspended", "paused", "finished")
-MAX_NAME_CHARS = 64  # a name (state, event, guard, effect, list, role, rule, invariant id) is at most this long
-MAX_LABEL_CHARS = 80  # an event's diagram label is at most this long
+MAX_NAME_CHARS = 80  # a name (state, event, guard, effect, list, role, rule, invariant id) is at most this long
+MAX_LABEL_CHARS = 120  # an event's diagram label is at most this long
 ORIGINS = ("scheduler", "executor", "environment")
 
 
