@@ -205,3 +205,20 @@ def test_request_ids_are_drawn_escaped_and_cut_short(tmp_path):
     write_report(_write(tmp_path / "t.ndjson", [{**line, "request_id": odd} for line in LINES[:1]]), tmp_path / "o")
     label = id_label(odd)
     assert len(label) <= MAX_ID_LABEL and label.startswith("a\\x1b[31m") and label.endswith("…")
+
+
+@pytest.mark.parametrize(
+    ("span", "needle"),
+    [
+        ("0:100000000000000000000", "FIRST <= LAST <= 1000000000000000000"),
+        ("0:" + "9" * 5000, "(5002 characters)"),
+        ("\u0663:\u0665", "ASCII digits"),  # Arabic-Indic 3:5
+        ("5:3", "FIRST <= LAST"),
+    ],
+    ids=["1e20", "5000-digits", "arabic-indic-digits", "reversed"],
+)
+def test_a_loop_out_of_bounds_or_in_other_digits_is_a_usage_error(tmp_path, capsys, span, needle):
+    trace = _write(tmp_path / "t.ndjson", LINES)
+    assert main(["report", str(trace), "--out", str(tmp_path / "out"), "--loop", span]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err) < 400 and not (tmp_path / "out").exists()
