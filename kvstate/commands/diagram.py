@@ -24,6 +24,7 @@ from kvstate.commands.args import add_mkdir_option, add_spec_option, input_file,
 from kvstate.diagrams import DOT_MISSING, DOT_TIMEOUT_S, SVG_FILES, render_sources, render_svg
 from kvstate.diagrams.layout import LayoutTooLarge
 from kvstate.errors import KVStateError
+from kvstate.output_files import write_whole
 from kvstate.spec import load_spec
 from kvstate.terminal import inert
 
@@ -137,11 +138,12 @@ def write(sources: dict[str, str], out: Path, dot_timeout: float = DOT_TIMEOUT_S
 
 
 def write_file(path: Path, content: bytes) -> None:
+    """Write `content` to `path` whole or not at all (`kvstate.output_files.write_whole`)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(content)
     except OSError as err:
         raise KVStateError(f"cannot write {path}: {err.strerror}; pass a writable directory with --out") from err
+    write_whole(path, content)
     print(inert(f"wrote {path}"))
 
 

@@ -19,6 +19,7 @@ import textwrap
 from pathlib import Path
 
 from kvstate.diagrams.escape import mpl_text
+from kvstate.output_files import whole_file
 from kvstate.pool import ceil_div
 from kvstate.report.colors import (
     COLOR_KEY,
@@ -66,13 +67,17 @@ def _pyplot():
 
 
 def save(fig, out_dir: Path, stem: str) -> list[Path]:
+    """`fig` written as `stem`.png and `stem`.svg, each whole or not at all (`whole_file`), then closed."""
     plt = _pyplot()
     paths = []
-    for ext, extra in (("png", {"dpi": 110}), ("svg", {})):
-        path = out_dir / f"{stem}.{ext}"
-        fig.savefig(path, metadata={"Date": None} if ext == "svg" else {}, **extra)  # uncropped: axes line up
-        paths.append(path)
-    plt.close(fig)
+    try:
+        for ext, extra in (("png", {"dpi": 110}), ("svg", {})):
+            path = out_dir / f"{stem}.{ext}"
+            with whole_file(path) as temporary:  # uncropped: axes line up
+                fig.savefig(temporary, format=ext, metadata={"Date": None} if ext == "svg" else {}, **extra)
+            paths.append(path)
+    finally:
+        plt.close(fig)
     return paths
 
 
