@@ -12,7 +12,9 @@ fraction of a second, and the tests compare the two.
 
 Refused, naming the metadata key: another tokenizer model (SentencePiece files need scores and byte fallback),
 a pre-tokenizer not in `PRE_TOKENIZERS`, a vocabulary with duplicate or non-text tokens, a merge that is not two
-tokens or names a token (or makes one) the vocabulary lacks, special token ids outside the vocabulary.
+tokens or names a token (or makes one) the vocabulary lacks, special token ids outside the vocabulary, a
+vocabulary larger than the model's (its embedding rows, which the header states) or with more than
+`MAX_SPECIAL_TOKENS` special tokens — all before the tokenizer is built.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from executor.tokenizer import CheckpointTokenizer
 from kvstate.untrusted import Fields, shown
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types of special tokens and of added plain tokens
+MAX_SPECIAL_TOKENS = 1 << 14  # control and user-defined tokens (a few hundred in public models)
+EMBEDDING = "token_embd.weight"  # the tensor whose rows are the model's vocabulary
 # End-of-generation ids: the end of sequence, and the end of a turn where the file names one.
 STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
@@ -78,6 +82,7 @@ def gguf_tokenizer(header: GGUFHeader) -> CheckpointTokenizer:
     types = meta.get("tokenizer.ggml.token_type", [])
     if not isinstance(types, list) or len(types) not in (0, len(tokens)):
         raise meta.fail("tokenizer.ggml.token_type", f"must be one type per token, got {shown(types)}")
+    _check_sizes(header, meta, tokens, types)
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
     tokenizer.decoder = decoders.ByteLevel()
@@ -108,6 +113,23 @@ def gguf_tokenizer(header: GGUFHeader) -> CheckpointTokenizer:
         bos_token="" if bos is None else tokens[bos],
         eos_token=tokens[stops[0]] if stops else "",
     )
+
+
+def _check_sizes(header: GGUFHeader, meta: Fields, tokens: list[str], types: list) -> None:
+    """Refuse, before anything is built, a vocabulary the model cannot embed or too many special tokens."""
+    embedding = header.tensor(EMBEDDING)
+    if embedding is not None and len(tokens) > embedding.shape[0]:
+        raise meta.fail(
+            "tokenizer.ggml.tokens",
+            f"holds {len(tokens)} tokens but the model embeds {embedding.shape[0]} ({EMBEDDING}); pair the "
+            "checkpoint with the tokenizer it was trained with",
+        )
+    special = sum(1 for kind in types if kind in (CONTROL, USER_DEFINED))
+    if special > MAX_SPECIAL_TOKENS:
+        raise meta.fail(
+            "tokenizer.ggml.token_type",
+            f"marks {special} tokens as control or user-defined, more than the {MAX_SPECIAL_TOKENS} read here",
+        )
 
 
 def _strings(meta: Fields, key: str) -> list[str]:

@@ -5,6 +5,7 @@ can tell is refused from the header, naming the field or tensor."""
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import replace
 
 import numpy as np
@@ -273,3 +274,21 @@ def test_a_tensor_name_holding_a_newline_cannot_forge_a_line(tmp_path, model):
     message = str(info.value)
     assert "overlaps the bytes of tensor 'a\\nkvstate generate: ok, forged'" in message
     assert not any(c in message for c in "\n\r\x1b"), message
+
+
+def test_arrays_past_the_headers_total_are_refused_before_they_are_read(tmp_path):
+    """Fifteen arrays of two million uint16 each: every one within the per-array limit, together 30 million
+    Python objects. Refused at the array that passes the header's total, before its items are read."""
+    from executor.gguf_file import GGUF_LIMITS
+
+    items = 2_000_000
+    path = tmp_path / "arrays.gguf"
+    with path.open("wb") as out:
+        out.write(b"GGUF" + struct.pack("<IQQ", 3, 0, 15))
+        for i in range(15):
+            key = f"general.array{i}".encode()
+            out.write(struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 2, items) + bytes(2 * items))
+    with pytest.raises(CheckpointError) as info:
+        read_gguf_header(path)
+    message = str(info.value)
+    assert f"at most {GGUF_LIMITS.max_total_items} in all" in message and "general.array1" in message

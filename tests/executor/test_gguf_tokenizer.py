@@ -45,3 +45,26 @@ def test_a_merge_naming_a_token_not_in_the_vocabulary_is_refused(merge: str, mis
     message = str(info.value)
     assert message.startswith(f"model.gguf: field 'tokenizer.ggml.merges[{len(merges) - 1}]': is {merge!r}: ")
     assert f"{missing} is not in the vocabulary" in message and "\n" not in message
+
+
+def test_a_vocabulary_larger_than_the_model_embeds_is_refused_before_it_is_built() -> None:
+    from executor.gguf_file import TensorInfo
+
+    rows = len(FIELDS["tokens"]) - 1
+    embedding = TensorInfo("token_embd.weight", (rows, 64), "F32", 0, rows * 64 * 4)
+    plain = header()
+    with pytest.raises(CheckpointError) as info:
+        gguf_tokenizer(GGUFHeader(plain.path, plain.version, plain.metadata, (embedding,)))
+    assert f"holds {len(FIELDS['tokens'])} tokens but the model embeds {rows}" in str(info.value)
+    assert "field 'tokenizer.ggml.tokens'" in str(info.value)
+
+
+def test_more_special_tokens_than_are_read_are_refused_before_the_tokenizer_is_built() -> None:
+    from executor.gguf_tokenizer import CONTROL, MAX_SPECIAL_TOKENS
+
+    extra = [f"<|reserved_{i}|>" for i in range(MAX_SPECIAL_TOKENS)]
+    tokens = [*FIELDS["tokens"], *extra]
+    types = [*FIELDS["types"], *[CONTROL] * len(extra)]
+    with pytest.raises(CheckpointError, match=f"more than the {MAX_SPECIAL_TOKENS} read here") as info:
+        gguf_tokenizer(header({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types}))
+    assert "field 'tokenizer.ggml.token_type'" in str(info.value)
