@@ -12,12 +12,15 @@ fraction of a second, and the tests compare the two.
 
 Refused, naming the metadata key: another tokenizer model (SentencePiece files need scores and byte fallback),
 a pre-tokenizer not in `PRE_TOKENIZERS`, a vocabulary with duplicate or non-text tokens, a merge that is not two
-tokens or names a token (or makes one) the vocabulary lacks, special token ids outside the vocabulary, a
+tokens or names a token (or makes one) the vocabulary lacks, token types that are not integers, special token
+ids outside the vocabulary, a beginning-of-sequence token that cannot be prepended as one piece, a
 vocabulary larger than the model's (its embedding rows, which the header states) or with more than
 `MAX_SPECIAL_TOKENS` special tokens — all before the tokenizer is built.
 """
 
 from __future__ import annotations
+
+import re
 
 from executor.checkpoint_files import CheckpointError
 from executor.gguf_file import GGUFHeader
@@ -27,6 +30,9 @@ from kvstate.untrusted import Fields, shown
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types of special tokens and of added plain tokens
 MAX_SPECIAL_TOKENS = 1 << 14  # control and user-defined tokens (a few hundred in public models)
 EMBEDDING = "token_embd.weight"  # the tensor whose rows are the model's vocabulary
+# A token that `tokenizers`' TemplateProcessing takes as one special-token piece: no whitespace (pieces are split
+# on it), no colon (it introduces a type id), not starting with $ (a sequence: $A, $B, $0...).
+_TEMPLATE_TOKEN = re.compile(r"[^\s:$][^\s:]*")
 # End-of-generation ids: the end of sequence, and the end of a turn where the file names one.
 STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
@@ -82,7 +88,7 @@ def gguf_tokenizer(header: GGUFHeader) -> CheckpointTokenizer:
     types = meta.get("tokenizer.ggml.token_type", [])
     if not isinstance(types, list) or len(types) not in (0, len(tokens)):
         raise meta.fail("tokenizer.ggml.token_type", f"must be one type per token, got {shown(types)}")
-    _check_sizes(header, meta, tokens, types)
+    _check_vocabulary(header, meta, tokens, types)
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
     tokenizer.decoder = decoders.ByteLevel()
@@ -98,6 +104,12 @@ def gguf_tokenizer(header: GGUFHeader) -> CheckpointTokenizer:
 
     bos = token_id("tokenizer.ggml.bos_token_id")
     if meta.boolean("tokenizer.ggml.add_bos_token", default=False) and bos is not None:
+        if not _TEMPLATE_TOKEN.fullmatch(tokens[bos]):
+            raise meta.fail(
+                "tokenizer.ggml.bos_token_id",
+                f"names token {shown(tokens[bos])}, which cannot be prepended as a special token (it holds a "
+                "space or a colon, or starts with $); a beginning-of-sequence token is one plain word",
+            )
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)]
         )
@@ -115,8 +127,12 @@ def gguf_tokenizer(header: GGUFHeader) -> CheckpointTokenizer:
     )
 
 
-def _check_sizes(header: GGUFHeader, meta: Fields, tokens: list[str], types: list) -> None:
-    """Refuse, before anything is built, a vocabulary the model cannot embed or too many special tokens."""
+def _check_vocabulary(header: GGUFHeader, meta: Fields, tokens: list[str], types: list) -> None:
+    """Refuse, before anything is built, token types that are not integers, a vocabulary the model cannot embed
+    or too many special tokens."""
+    wrong = next((i for i, kind in enumerate(types) if isinstance(kind, bool) or not isinstance(kind, int)), None)
+    if wrong is not None:
+        raise meta.fail(f"tokenizer.ggml.token_type[{wrong}]", f"is {shown(types[wrong])}; a token type is an integer")
     embedding = header.tensor(EMBEDDING)
     if embedding is not None and len(tokens) > embedding.shape[0]:
         raise meta.fail(

@@ -68,3 +68,29 @@ def test_more_special_tokens_than_are_read_are_refused_before_the_tokenizer_is_b
     with pytest.raises(CheckpointError, match=f"more than the {MAX_SPECIAL_TOKENS} read here") as info:
         gguf_tokenizer(header({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types}))
     assert "field 'tokenizer.ggml.token_type'" in str(info.value)
+
+
+@pytest.mark.parametrize("bos", ["<s> x", "$B", "a:1"], ids=["space", "sequence", "colon"])
+def test_a_bos_token_that_cannot_be_prepended_is_refused_naming_the_field(bos: str) -> None:
+    tokens = [*FIELDS["tokens"], bos]
+    changes = {
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [*FIELDS["types"], 3],
+        "tokenizer.ggml.bos_token_id": len(tokens) - 1,
+        "tokenizer.ggml.add_bos_token": True,
+    }
+    with pytest.raises(CheckpointError) as info:
+        gguf_tokenizer(header(changes)).encode("the fox")
+    message = str(info.value)
+    assert message.startswith("model.gguf: field 'tokenizer.ggml.bos_token_id': ") and repr(bos) in message
+
+
+def test_a_plain_bos_token_is_prepended() -> None:
+    changes = {"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.add_bos_token": True}
+    assert gguf_tokenizer(header(changes)).encode("the fox")[0] == 1
+
+
+def test_token_types_that_are_not_integers_are_refused() -> None:
+    types = [*FIELDS["types"][:-1], "3"]
+    with pytest.raises(CheckpointError, match=r"token_type\[\d+\]': is '3'; a token type is an integer"):
+        gguf_tokenizer(header({"tokenizer.ggml.token_type": types}))
