@@ -53,7 +53,12 @@ def write_report(
 
     spec = spec or default_spec()
     say = progress or (lambda _: None)
-    summary = summarize(counted(load_lines(trace), say), loop=loop, spec=spec)
+    try:
+        summary = summarize(counted(load_lines(trace), say), loop=loop, spec=spec)
+    except TraceError as err:  # one found while summarizing: named with the trace it is in
+        if err.path is not None:
+            raise
+        raise TraceError(err.detail, path=trace) from None
     unknown = sorted(set(summary.edge_counts) - {(t.event, t.source, t.dest) for t in spec.transitions})
     if unknown:
         raise TraceError(

@@ -222,3 +222,19 @@ def test_a_loop_out_of_bounds_or_in_other_digits_is_a_usage_error(tmp_path, caps
     assert main(["report", str(trace), "--out", str(tmp_path / "out"), "--loop", span]) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err) < 400 and not (tmp_path / "out").exists()
+
+
+def test_a_trace_of_more_requests_than_a_report_draws_is_refused_naming_the_file(tmp_path, capsys):
+    from kvstate.report.model import MAX_REPORT_REQUESTS
+
+    admit = LINES[0]
+    trace = tmp_path / "many.ndjson"
+    with trace.open("w") as out:  # one admission per request: the request past the bound is on the last line
+        for rid in range(MAX_REPORT_REQUESTS + 1):
+            out.write(json.dumps({**admit, "request_id": rid}) + "\n")
+    with pytest.raises(TraceError) as info:
+        write_report(trace, tmp_path / "out")
+    message = str(info.value)
+    assert message.startswith(f"{trace}: transition {MAX_REPORT_REQUESTS + 1}: request {MAX_REPORT_REQUESTS} ")
+    assert f"a report draws at most {MAX_REPORT_REQUESTS}" in message and "\n" not in message
+    assert not (tmp_path / "out").exists()
