@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("jinja2")  # an optional dependency (the smollm2 extra)
+
 from executor.chat import render_chat
 from executor.chat_sandbox import MAX_ITEMS, MAX_TEXT_CHARS, BoundedSandbox, TemplateRefused, budget
 from executor.checkpoint_files import CheckpointError
