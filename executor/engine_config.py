@@ -56,6 +56,19 @@ def _physical_memory() -> int | None:
         return None
 
 
+def available_memory() -> int | None:
+    """Bytes of memory this machine can give a process now without swapping (Linux ``MemAvailable``), else its
+    physical memory, or None where neither can be read."""
+    try:
+        with open("/proc/meminfo", "rb") as handle:
+            for line in handle.read(1 << 16).splitlines():
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return _physical_memory()
+
+
 def check_memory(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
     """Refuse (`ConfigError`) pool sizes that cannot fit: the device tier against the CUDA device's free memory
     (or, on the CPU, both tiers against physical memory), the host tier against physical memory."""

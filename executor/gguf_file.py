@@ -9,11 +9,13 @@ The element types and their block sizes, and the dequantization of each block ty
 (`gguf.GGMLQuantizationType`, `gguf.GGML_QUANT_SIZES`, `gguf.quants.dequantize`); `gguf` is imported only when
 a file is read (the ``smollm2`` extra installs it).
 
-Invariants kept (every refusal is a `CheckpointError` naming the file and the field or tensor):
+Invariants kept (every refusal is a `CheckpointError` naming the file and the field or tensor, a name read from the
+file always escaped and cut short as `kvstate.untrusted.shown` writes it: no name can start a line of its own):
 * only a regular file is opened (a FIFO or a device is refused without blocking), and no read goes past
   `GGUFLimits.max_header_bytes` while parsing the header, nor past the end of the file;
 * counts are bounded before anything is allocated for them (tensors, metadata entries, array items, string
-  bytes, dimensions), and an array of arrays is refused;
+  bytes, dimensions), and so is the sum of every array's items (each becomes a Python object, many times the
+  bytes it takes in the file); an array of arrays is refused;
 * every tensor has a unique name, 1 to 4 positive dimensions, a type of `SUPPORTED_TYPES` whose block divides
   its rows, an aligned offset, and a byte range inside the file that overlaps no other tensor's;
 * `read_tensor` returns float32 values that are all finite, read from exactly the tensor's byte range.
@@ -57,6 +59,7 @@ class GGUFLimits:
     max_tensors: int = 1 << 16
     max_metadata: int = 1 << 12
     max_array_items: int = 1 << 22  # a vocabulary or a merge table
+    max_total_items: int = 1 << 21  # array items of the whole header: each becomes a Python object
     max_string_bytes: int = 1 << 20  # a chat template is a few KiB; a token, bytes
     max_name_bytes: int = 1 << 10  # a tensor name (GGUF's own limit is 64)
 
@@ -108,6 +111,7 @@ class _Header:
         self.handle, self.path, self.limits = handle, path, limits
         self.end = min(size, limits.max_header_bytes)
         self.pos = 0
+        self.items = 0  # array items read so far
 
     def fail(self, field: str, message: str) -> CheckpointError:
         return CheckpointError(message, path=self.path, field=field)
@@ -153,6 +157,13 @@ class _Header:
         if kind == _ARRAY and not in_array:
             item = self.scalar("<I", field)
             n = self.count(field, self.limits.max_array_items, "array items")
+            self.items += n
+            if self.items > self.limits.max_total_items:
+                raise self.fail(
+                    field,
+                    f"takes the header's arrays to {self.items} items; a header holds at most "
+                    f"{self.limits.max_total_items} in all (GGUFLimits)",
+                )
             if item in _SCALARS:  # read in one go: a token-type table has one item per token
                 fmt = _SCALARS[item]
                 values = list(struct.unpack(f"<{n}{fmt[1]}", self.take(n * struct.calcsize(fmt), field)))
@@ -249,7 +260,7 @@ def _place(
     ordered = sorted(tensors, key=lambda t: t.offset)
     for before, after in itertools.pairwise(ordered):
         if before.offset + before.nbytes > after.offset:
-            raise header.fail(f"tensor {after.name}", f"overlaps the bytes of tensor {before.name}")
+            raise header.fail(f"tensor {after.name}", f"overlaps the bytes of tensor {shown(before.name)}")
     return tuple(tensors)
 
 
@@ -261,12 +272,12 @@ def read_tensor(header: GGUFHeader, info: TensorInfo) -> np.ndarray:
         handle.seek(info.offset)
         buffer = bytearray(info.nbytes)
         if handle.readinto(buffer) != info.nbytes:
-            raise CheckpointError(f"the file ended inside tensor {info.name}; copy it again", path=header.path)
+            raise CheckpointError(f"the file ended inside tensor {shown(info.name)}; copy it again", path=header.path)
     rows = np.frombuffer(buffer, dtype=np.uint8).reshape(math.prod(info.shape[:-1]), -1)
     values = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[info.kind]).astype(np.float32, copy=False)
     values = values.reshape(info.shape)
     if not np.isfinite(values).all():
         raise CheckpointError(
-            f"tensor {info.name} holds NaN or infinite values; the checkpoint is corrupt", path=header.path
+            f"tensor {shown(info.name)} holds NaN or infinite values; the checkpoint is corrupt", path=header.path
         )
     return values

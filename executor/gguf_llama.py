@@ -13,18 +13,21 @@ witness in the tests rather than as the loader.
 
 Invariants kept: the architecture is ``llama`` with plain RoPE over whole heads, no biases and no experts; every
 tensor the file holds is a weight of the model its metadata describes, with that weight's shape, and every weight
-is there (``output.weight`` absent means tied embeddings) — all checked from the header, before any tensor data
-is read or any memory is allocated for the model. Refusals are `CheckpointError`s naming the file and the
-metadata key or tensor.
+is there (``output.weight`` absent means tied embeddings); the memory loading takes (every weight as float32 and
+in the model's dtype) fits what the machine has available — all checked from the header, before any tensor data
+is read or any memory is allocated for the model (a file whose weights are a sparse hole is refused unread).
+Refusals are `CheckpointError`s naming the file and the metadata key or tensor.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 
 from executor.checkpoint_files import CheckpointError
+from executor.engine_config import available_memory
 from executor.gguf_file import GGUFHeader, import_gguf, read_gguf_header, read_tensor
 from executor.hf import SIZE_LIMITS, expected_shapes, model_from_state
 from executor.model import LlamaModel, ModelConfig
@@ -124,6 +127,29 @@ def check_tensors(header: GGUFHeader, config: ModelConfig) -> dict[str, str]:
     return names
 
 
+def load_memory(header: GGUFHeader, dtype: torch.dtype) -> int:
+    """Bytes loading the file takes at its peak, at least: every weight dequantized to float32, the model built in
+    float32 and cast to `dtype`, and the raw bytes of the largest tensor."""
+    values = sum(math.prod(info.shape) for info in header.tensors)
+    largest = max((info.nbytes for info in header.tensors), default=0)
+    return values * (4 + 4 + dtype.itemsize) + largest
+
+
+def check_load_memory(header: GGUFHeader, dtype: torch.dtype, available: int | None = None) -> None:
+    """Refuse a file whose weights cannot be loaded in `available` bytes (by default what the machine has free)."""
+    available = available_memory() if available is None else available
+    needed = load_memory(header, dtype)
+    if available is not None and needed > available:
+        gib = 1024**3
+        raise CheckpointError(
+            f"loading its {len(header.tensors)} tensors as {str(dtype).removeprefix('torch.')} takes at least "
+            f"{needed / gib:.2f} GiB of memory, but this machine has {available / gib:.2f} GiB available; use a "
+            "smaller model or a machine with more memory",
+            path=header.path,
+            field="tensors",
+        )
+
+
 def unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's row order of a query or key projection: per head it stores rows (i, half) for the
     Hugging Face order (half, i) (rotary halves interleaved); `heads` is the projection's head count."""
@@ -142,6 +168,7 @@ def load_gguf_llama(
     header = header or read_gguf_header(path)
     config = gguf_llama_config(header)
     names = check_tensors(header, config)
+    check_load_memory(header, dtype)
     permuted = {"self_attn.q_proj.weight": config.num_heads, "self_attn.k_proj.weight": config.num_kv_heads}
     state = {}
     for info in header.tensors:

@@ -12,10 +12,15 @@ fraction of a second, and the tests compare the two.
 
 Refused, naming the metadata key: another tokenizer model (SentencePiece files need scores and byte fallback),
 a pre-tokenizer not in `PRE_TOKENIZERS`, a vocabulary with duplicate or non-text tokens, a merge that is not two
-tokens, special token ids outside the vocabulary.
+tokens or names a token (or makes one) the vocabulary lacks, token types that are not integers, special token
+ids outside the vocabulary, a beginning-of-sequence token that cannot be prepended as one piece, a
+vocabulary larger than the model's (its embedding rows, which the header states) or with more than
+`MAX_SPECIAL_TOKENS` special tokens — all before the tokenizer is built.
 """
 
 from __future__ import annotations
+
+import re
 
 from executor.checkpoint_files import CheckpointError
 from executor.gguf_file import GGUFHeader
@@ -23,6 +28,11 @@ from executor.tokenizer import CheckpointTokenizer
 from kvstate.untrusted import Fields, shown
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types of special tokens and of added plain tokens
+MAX_SPECIAL_TOKENS = 1 << 14  # control and user-defined tokens (a few hundred in public models)
+EMBEDDING = "token_embd.weight"  # the tensor whose rows are the model's vocabulary
+# A token that `tokenizers`' TemplateProcessing takes as one special-token piece: no whitespace (pieces are split
+# on it), no colon (it introduces a type id), not starting with $ (a sequence: $A, $B, $0...).
+_TEMPLATE_TOKEN = re.compile(r"[^\s:$][^\s:]*")
 # End-of-generation ids: the end of sequence, and the end of a turn where the file names one.
 STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
@@ -67,10 +77,18 @@ def gguf_tokenizer(header: GGUFHeader) -> CheckpointTokenizer:
         parts = tuple(merge.split(" "))
         if len(parts) != 2 or not all(parts):
             raise meta.fail(f"tokenizer.ggml.merges[{i}]", f"is {shown(merge)}, not two tokens joined by a space")
+        missing = next((t for t in (*parts, "".join(parts)) if t not in vocab), None)
+        if missing is not None:
+            raise meta.fail(
+                f"tokenizer.ggml.merges[{i}]",
+                f"is {shown(merge)}: {shown(missing)} is not in the vocabulary (tokenizer.ggml.tokens); a merge "
+                "joins two tokens of it into a third",
+            )
         merges.append(parts)
     types = meta.get("tokenizer.ggml.token_type", [])
     if not isinstance(types, list) or len(types) not in (0, len(tokens)):
         raise meta.fail("tokenizer.ggml.token_type", f"must be one type per token, got {shown(types)}")
+    _check_vocabulary(header, meta, tokens, types)
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
     tokenizer.decoder = decoders.ByteLevel()
@@ -86,6 +104,12 @@ def gguf_tokenizer(header: GGUFHeader) -> CheckpointTokenizer:
 
     bos = token_id("tokenizer.ggml.bos_token_id")
     if meta.boolean("tokenizer.ggml.add_bos_token", default=False) and bos is not None:
+        if not _TEMPLATE_TOKEN.fullmatch(tokens[bos]):
+            raise meta.fail(
+                "tokenizer.ggml.bos_token_id",
+                f"names token {shown(tokens[bos])}, which cannot be prepended as a special token (it holds a "
+                "space or a colon, or starts with $); a beginning-of-sequence token is one plain word",
+            )
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)]
         )
@@ -101,6 +125,27 @@ def gguf_tokenizer(header: GGUFHeader) -> CheckpointTokenizer:
         bos_token="" if bos is None else tokens[bos],
         eos_token=tokens[stops[0]] if stops else "",
     )
+
+
+def _check_vocabulary(header: GGUFHeader, meta: Fields, tokens: list[str], types: list) -> None:
+    """Refuse, before anything is built, token types that are not integers, a vocabulary the model cannot embed
+    or too many special tokens."""
+    wrong = next((i for i, kind in enumerate(types) if isinstance(kind, bool) or not isinstance(kind, int)), None)
+    if wrong is not None:
+        raise meta.fail(f"tokenizer.ggml.token_type[{wrong}]", f"is {shown(types[wrong])}; a token type is an integer")
+    embedding = header.tensor(EMBEDDING)
+    if embedding is not None and len(tokens) > embedding.shape[0]:
+        raise meta.fail(
+            "tokenizer.ggml.tokens",
+            f"holds {len(tokens)} tokens but the model embeds {embedding.shape[0]} ({EMBEDDING}); pair the "
+            "checkpoint with the tokenizer it was trained with",
+        )
+    special = sum(1 for kind in types if kind in (CONTROL, USER_DEFINED))
+    if special > MAX_SPECIAL_TOKENS:
+        raise meta.fail(
+            "tokenizer.ggml.token_type",
+            f"marks {special} tokens as control or user-defined, more than the {MAX_SPECIAL_TOKENS} read here",
+        )
 
 
 def _strings(meta: Fields, key: str) -> list[str]:

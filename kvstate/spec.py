@@ -20,6 +20,8 @@ RESIDENCIES = ("gpu", "held", "none")
 RESIDENCY_TIERS = MappingProxyType({"gpu": ("gpu",), "held": ("gpu", "host"), "none": ()})
 INVARIANT_SCOPES = ("state", "step", "pass", "run", "liveness")
 CONTAINERS = ("waiting", "resident", "suspended", "paused", "finished")
+MAX_NAME_CHARS = 80  # a name (state, event, guard, effect, list, role, rule, invariant id) is at most this long
+MAX_LABEL_CHARS = 120  # an event's diagram label is at most this long
 ORIGINS = ("scheduler", "executor", "environment")
 
 
@@ -267,7 +269,7 @@ def parse_spec(data: dict, *, source: str = "<memory>") -> Spec:
     events = tuple(reader.event(entry, i) for i, entry in enumerate(reader.array(data, "events")))
     groups = tuple(
         ExclusiveGuards(
-            name=reader.string(entry, "name", f"exclusive_guards[{i}]"),
+            name=reader.name(entry, "name", f"exclusive_guards[{i}]"),
             guards=frozenset(reader.strings(entry, "guards", f"exclusive_guards[{i}]")),
         )
         for i, entry in enumerate(reader.array(data, "exclusive_guards", required=False))
@@ -275,9 +277,9 @@ def parse_spec(data: dict, *, source: str = "<memory>") -> Spec:
     invariants = tuple(reader.invariant(entry, i) for i, entry in enumerate(reader.array(data, "invariants")))
     output_lists = tuple(reader.output_list(entry, i) for i, entry in enumerate(reader.array(data, "output_lists")))
     return Spec(
-        name=reader.string(header, "name", "[spec]"),
+        name=reader.name(header, "name", "[spec]"),
         version=reader.integer(header, "version", "[spec]"),
-        initial=reader.string(header, "initial", "[spec]"),
+        initial=reader.name(header, "initial", "[spec]"),
         states=states,
         events=events,
         exclusive_guards=groups,
@@ -285,6 +287,15 @@ def parse_spec(data: dict, *, source: str = "<memory>") -> Spec:
         output_lists=output_lists,
         policy=reader.policy(reader.table(data, "policy", "[policy]")),
         source=source,
+    )
+
+
+def _entry(kind: str, index: int, name: object) -> str:
+    """``states[3] (running)``: an entry of an array of tables, with its name when that is a short string."""
+    return (
+        f"{kind}[{index}] ({bare(name)})"
+        if isinstance(name, str) and 0 < len(name) <= MAX_NAME_CHARS
+        else (f"{kind}[{index}]")
     )
 
 
@@ -316,20 +327,52 @@ class _Reader:
             raise self.fail(where, f"'{key}' must be a non-empty string, got {shown(value)}")
         return value
 
+    def name(self, entry: dict, key: str, where: str, *, most: int = MAX_NAME_CHARS) -> str:
+        """`string`, refused when longer than `most` characters (what is derived from a name, such as a diagram's
+        layout, grows with its length)."""
+        return self.short(self.string(entry, key, where), key, where, most)
+
+    def short(self, value: str, key: str, where: str, most: int = MAX_NAME_CHARS) -> str:
+        if len(value) > most:
+            line = self.line_of(value)
+            place = f"{self.source}:{line}" if line is not None else self.source
+            raise SpecError(
+                f"{place}: {where}: field {key!r} is {len(value)} characters long ({shown(value, 24)}); it may have "
+                f"at most {most}: shorten it"
+            )
+        return value
+
+    def line_of(self, value: str) -> int | None:
+        """The line of the spec file where `value` first appears (None when the file cannot be searched)."""
+        try:
+            with open(self.source, "rb") as handle:
+                text = handle.read(1 << 20).decode("utf-8", errors="replace")
+        except OSError:
+            return None
+        at = text.find(value[: MAX_NAME_CHARS + 1])
+        return None if at < 0 else text.count("\n", 0, at) + 1
+
     def optional_string(self, entry: dict, key: str, where: str) -> str | None:
         """`string`, or None when the entry leaves `key` out."""
         return None if entry.get(key) is None else self.string(entry, key, where)
 
+    def optional_name(self, entry: dict, key: str, where: str) -> str | None:
+        """`name`, or None when the entry leaves `key` out."""
+        return None if entry.get(key) is None else self.name(entry, key, where)
+
     def strings(self, entry: dict, key: str, where: str) -> list[str]:
+        """A non-empty list of names (one name alone stands for a list of it), each at most `MAX_NAME_CHARS` long."""
         value = entry.get(key)
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
             raise self.fail(where, f"'{key}' must be a non-empty list of names, got {shown(value)}")
+        for item in value:
+            self.short(item, key, where)
         return value
 
     def choice(self, entry: dict, key: str, where: str, allowed: tuple[str, ...]) -> str:
-        value = self.string(entry, key, where)
+        value = self.name(entry, key, where)
         if value not in allowed:
             raise self.fail(where, f"{key} {shown(value)} is not one of {', '.join(allowed)}")
         return value
@@ -347,7 +390,7 @@ class _Reader:
         return value
 
     def state(self, entry: dict, index: int) -> State:
-        where = f"states[{index}] ({bare(entry.get('name', '?'))})"
+        where = _entry("states", index, entry.get("name"))
         residency = self.string(entry, "residency", where)
         if residency not in RESIDENCIES:
             raise self.fail(where, f"residency {shown(residency)} is not one of {', '.join(RESIDENCIES)}")
@@ -356,12 +399,15 @@ class _Reader:
             raise self.fail(
                 where, f"'chunk_lists' must be a table {{ prefill = LIST, decode = LIST }}, got {shown(lists)}"
             )
+        for kind, list_name in lists.items():
+            self.short(kind, "chunk_lists", where)
+            self.short(list_name, f"chunk_lists.{kind}", where)
         return State(
-            name=self.string(entry, "name", where),
+            name=self.name(entry, "name", where),
             residency=residency,
             meaning=self.string(entry, "meaning", where),
             terminal=self.boolean(entry, "terminal", where, False),
-            role=self.optional_string(entry, "role", where) or "",
+            role=self.optional_name(entry, "role", where) or "",
             computing=self.boolean(entry, "computing", where, False),
             victim=self.boolean(entry, "victim", where, False),
             container=(
@@ -375,10 +421,10 @@ class _Reader:
         )
 
     def event(self, entry: dict, index: int) -> Event:
-        name = self.string(entry, "name", f"events[{index}]")
+        name = self.name(entry, "name", f"events[{index}]")
         where = f"event {shown(name)}"
         destructive = self.boolean(entry, "destructive", where, False)
-        done_reason = self.optional_string(entry, "done_reason", where)
+        done_reason = self.optional_name(entry, "done_reason", where)
         edges = entry.get("transitions")
         if not isinstance(edges, list) or not edges or not all(isinstance(e, dict) for e in edges):
             raise self.fail(where, "'transitions' must be a non-empty list of {source, dest, guard, effect} tables")
@@ -386,9 +432,9 @@ class _Reader:
             Transition(
                 event=name,
                 source=source,
-                dest=self.string(edge, "dest", f"{where} transition {i}"),
-                guard=self.optional_string(edge, "guard", f"{where} transition {i}"),
-                effect=self.optional_string(edge, "effect", f"{where} transition {i}"),
+                dest=self.name(edge, "dest", f"{where} transition {i}"),
+                guard=self.optional_name(edge, "guard", f"{where} transition {i}"),
+                effect=self.optional_name(edge, "effect", f"{where} transition {i}"),
                 destructive=destructive,
                 done_reason=done_reason,
             )
@@ -397,19 +443,19 @@ class _Reader:
         )
         return Event(
             name=name,
-            label=self.string(entry, "label", where),
+            label=self.name(entry, "label", where, most=MAX_LABEL_CHARS),
             destructive=destructive,
             transitions=transitions,
             done_reason=done_reason,
             origin=self.choice(entry, "origin", where, ORIGINS) if "origin" in entry else "scheduler",
-            feeds=self.optional_string(entry, "feeds", where),
+            feeds=self.optional_name(entry, "feeds", where),
             production_name=self.optional_string(entry, "production_name", where) or "",
         )
 
     def output_list(self, entry: dict, index: int) -> OutputList:
-        where = f"output_lists[{index}] ({bare(entry.get('name', '?'))})"
+        where = _entry("output_lists", index, entry.get("name"))
         return OutputList(
-            name=self.string(entry, "name", where),
+            name=self.name(entry, "name", where),
             states=tuple(self.strings(entry, "states", where)),
             meaning=self.string(entry, "meaning", where),
             production_name=self.optional_string(entry, "production_name", where) or "",
@@ -418,31 +464,31 @@ class _Reader:
     def policy(self, entry: dict) -> Policy:
         where = "[policy]"
         return Policy(
-            victim_order=self.string(entry, "victim_order", where),
+            victim_order=self.name(entry, "victim_order", where),
             victim_exclusions=tuple(self.strings(entry, "victim_exclusions", where)),
-            no_eligible_victim=self.string(entry, "no_eligible_victim", where),
-            promotion_candidates=self.string(entry, "promotion_candidates", where),
-            promotion_order=self.string(entry, "promotion_order", where),
-            promotion_worth=self.string(entry, "promotion_worth", where),
+            no_eligible_victim=self.name(entry, "no_eligible_victim", where),
+            promotion_candidates=self.name(entry, "promotion_candidates", where),
+            promotion_order=self.name(entry, "promotion_order", where),
+            promotion_worth=self.name(entry, "promotion_worth", where),
             admission_classes=tuple(self.strings(entry, "admission_classes", where)),
             admission_rules=tuple(self.strings(entry, "admission_rules", where)),
-            room_on_its_way=self.string(entry, "room_on_its_way", where),
+            room_on_its_way=self.name(entry, "room_on_its_way", where),
             work_conservation=self.boolean(entry, "work_conservation", where, True),
             readmissions_keeping_admission=(
                 tuple(self.strings(entry, "readmissions_keeping_admission", where))
                 if entry.get("readmissions_keeping_admission")
                 else ()
             ),
-            progress=self.string(entry, "progress", where),
-            suspend_rule=self.optional_string(entry, "suspend_rule", where) or "host_takes_every_held_block",
-            offload=self.optional_string(entry, "offload", where) or "on_demand",
+            progress=self.name(entry, "progress", where),
+            suspend_rule=self.optional_name(entry, "suspend_rule", where) or "host_takes_every_held_block",
+            offload=self.optional_name(entry, "offload", where) or "on_demand",
         )
 
     def invariant(self, entry: dict, index: int) -> Invariant:
-        where = f"invariants[{index}] ({bare(entry.get('id', '?'))})"
+        where = _entry("invariants", index, entry.get("id"))
         scope = self.string(entry, "scope", where)
         if scope not in INVARIANT_SCOPES:
             raise self.fail(where, f"scope {shown(scope)} is not one of {', '.join(INVARIANT_SCOPES)}")
         return Invariant(
-            id=self.string(entry, "id", where), scope=scope, statement=self.string(entry, "statement", where)
+            id=self.name(entry, "id", where), scope=scope, statement=self.string(entry, "statement", where)
         )

@@ -11,7 +11,8 @@ Invariants kept:
 * block counts are read from the pool at that moment, so for every line
   ``gpu_free + gpu_fenced + (blocks held by all requests) == gpu_capacity`` (and likewise for the host tier);
 * every line is within `TRACE_LIMITS`: a request id the format cannot carry (`request_id_problem`: an integer of
-  more than 19 digits, a string longer than `MAX_ID_BYTES` as JSON) is refused when the request is submitted.
+  more than 19 digits, a string longer than `MAX_ID_BYTES` as JSON or one that is not Unicode text, such as a
+  lone surrogate) is refused when the request is submitted, and again when a trace line holding one is read.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ MAX_ID_BYTES = 1 << 12  # a request id as JSON (quotes and escapes included): fa
 
 def request_id_problem(request_id: object) -> str | None:
     """Why a trace line cannot carry `request_id` (None when it can): ids are integers of at most
-    ``TRACE_LIMITS.max_int_digits`` digits and strings of at most `MAX_ID_BYTES` bytes as JSON."""
+    ``TRACE_LIMITS.max_int_digits`` digits and Unicode strings of at most `MAX_ID_BYTES` bytes as JSON."""
     if isinstance(request_id, bool) or not isinstance(request_id, (int, str)):
         return f"request ids are integers or strings, got {type(request_id).__name__}"
     if isinstance(request_id, int):
@@ -65,11 +66,27 @@ def request_id_problem(request_id: object) -> str | None:
                 "trace line carries; use a smaller integer or a string"
             )
         return None
+    return _string_id_problem(request_id)
+
+
+def _string_id_problem(request_id: str) -> str | None:
+    if len(request_id) > MAX_ID_BYTES:  # at least as many bytes as JSON: refused before it is encoded
+        return (
+            f"request id {shown(request_id, 40)} has {len(request_id)} characters, more than the {MAX_ID_BYTES} "
+            "bytes an id may take in a trace line; use a shorter id"
+        )
     size = len(json.dumps(request_id))
     if size > MAX_ID_BYTES:
         return (
-            f"request id {shown(request_id)} takes {size} bytes in a trace line (JSON), more than the "
+            f"request id {shown(request_id, 40)} takes {size} bytes in a trace line (JSON), more than the "
             f"{MAX_ID_BYTES} an id may; use a shorter id"
+        )
+    try:
+        request_id.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return (
+            f"request id {shown(request_id, 40)} is not Unicode text (a lone surrogate at character {err.start}), "
+            "which no UTF-8 trace or report can show; use text"
         )
     return None
 
@@ -222,6 +239,9 @@ def parse_line(raw: str | bytes, number: int, *, path: str | Path | None = None,
             bad = True
         if bad:
             raise refuse(f"is {shown(value)}; it must be {what}", field)
+    problem = request_id_problem(line["request_id"])
+    if problem is not None:
+        raise refuse(problem, "request_id")
     return line
 
 

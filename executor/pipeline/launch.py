@@ -23,7 +23,9 @@ Invariants kept:
   every other rank is killed before they are raised;
 * the launcher's temporary directory (``kvstate-pp-*``, where the ranks leave their results) is removed however
   the run ends, also when the launcher is sent SIGTERM (`run_pipeline` turns it into `SystemExit` while the ranks
-  run, so that they are killed and the directory removed on the way out). A SIGKILL leaves it behind.
+  run, so that they are killed and the directory removed on the way out). A SIGKILL leaves it behind;
+* so are the files torch's spawn gives each rank to report its exception in (``pytorch-errorfile-*.pickle`` in
+  the temporary directory of this process, which torch leaves behind), once the run has read them.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -302,11 +304,20 @@ def run_pipeline(
                 if process.is_alive():
                     process.kill()
                     process.join(5)
+            _remove_error_files(context.error_files)
         ranks = []
         for rank in range(world_size):
             with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as f:
                 ranks.append(pickle.load(f))
     return PipelineResult(outputs=ranks[0].outputs, ranks=tuple(ranks))
+
+
+def _remove_error_files(paths: Sequence[str | None]) -> None:
+    """Remove the files torch's spawn named for the ranks to write their exceptions to (where a rank wrote one)."""
+    for path in paths:
+        if path is not None:
+            with suppress(OSError):
+                os.unlink(path)
 
 
 def torchrun_main(config: PipelineConfig, requests: Sequence[PipelineRequest | tuple]) -> RankResult:

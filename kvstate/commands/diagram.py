@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import argparse
 import difflib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from kvstate.commands.args import add_mkdir_option, add_spec_option, input_file, output_dir, seconds
 from kvstate.diagrams import DOT_MISSING, DOT_TIMEOUT_S, SVG_FILES, render_sources, render_svg
+from kvstate.diagrams.layout import LayoutTooLarge
 from kvstate.errors import KVStateError
+from kvstate.output_files import write_whole
 from kvstate.spec import load_spec
 from kvstate.terminal import inert
 
@@ -79,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
     spec_path = input_file(args.spec, "--spec") if args.spec is not None else None
     if not args.check:
         output_dir(args.out, "--out", mkdir=args.mkdir)
-    sources = render_sources(load_spec(spec_path), all_edges=args.all_edges)
+    spec = load_spec(spec_path)
+    with naming_the_spec(spec.source):
+        sources = render_sources(spec, all_edges=args.all_edges)
     if args.check:
         return check(sources, args.out)
     write(sources, args.out, args.dot_timeout)
@@ -97,7 +103,8 @@ def run_diff(args: argparse.Namespace) -> int:
     old, new = load_spec(old_path), load_spec(new_path)
     diff = diff_specs(old, new)
     summary = summary_markdown(old, new, diff)
-    dot = render_diff_dot(old, new, diff)
+    with naming_the_spec(f"{old.source} -> {new.source}"):
+        dot = render_diff_dot(old, new, diff)
     write_file(out / DIFF_MD, summary.encode("utf-8"))
     write_file(out / DIFF_DOT, dot.encode("utf-8"))
     svg = render_svg(dot, timeout=args.dot_timeout)
@@ -107,6 +114,15 @@ def run_diff(args: argparse.Namespace) -> int:
         write_file(out / DIFF_SVG, svg)
     print(inert(summary, keep="\n"), end="")
     return 0
+
+
+@contextmanager
+def naming_the_spec(source: str) -> Iterator[None]:
+    """Prefix a `LayoutTooLarge` raised inside with the spec file it was drawn from."""
+    try:
+        yield
+    except LayoutTooLarge as err:
+        raise LayoutTooLarge(f"{source}: cannot draw the diagram: {err}") from None
 
 
 def write(sources: dict[str, str], out: Path, dot_timeout: float = DOT_TIMEOUT_S) -> None:
@@ -122,11 +138,12 @@ def write(sources: dict[str, str], out: Path, dot_timeout: float = DOT_TIMEOUT_S
 
 
 def write_file(path: Path, content: bytes) -> None:
+    """Write `content` to `path` whole or not at all (`kvstate.output_files.write_whole`)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(content)
     except OSError as err:
         raise KVStateError(f"cannot write {path}: {err.strerror}; pass a writable directory with --out") from err
+    write_whole(path, content)
     print(inert(f"wrote {path}"))
 
 

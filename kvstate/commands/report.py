@@ -7,9 +7,11 @@ is installed) and one self-contained HTML page. matplotlib is imported inside `_
 from __future__ import annotations
 
 import argparse
+import re
 
 from kvstate.commands.args import add_mkdir_option, add_spec_option, input_file, output_dir
 from kvstate.terminal import console, inert
+from kvstate.untrusted import shown
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -41,12 +43,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run)
 
 
+MAX_LOOP_ITERATION = 10**18  # a loop's last iteration at most (an iteration the figures can draw)
+_ITERATION = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit also takes other scripts' digits
+
+
 def iteration_span(text: str) -> tuple[int, int]:
-    """`FIRST:LAST`, two iterations with FIRST <= LAST."""
+    """`FIRST:LAST`, two iterations (ASCII digits) with FIRST <= LAST <= `MAX_LOOP_ITERATION`."""
     first, sep, last = text.partition(":")
-    if not sep or not first.isdigit() or not last.isdigit() or int(first) > int(last):
-        raise argparse.ArgumentTypeError(f"{text!r} is not FIRST:LAST, two iteration numbers with FIRST <= LAST")
-    return int(first), int(last)
+    if not sep or not _ITERATION.fullmatch(first) or not _ITERATION.fullmatch(last):
+        raise argparse.ArgumentTypeError(
+            f"{shown(text, 40)} is not FIRST:LAST, two iteration numbers in ASCII digits (0-9)"
+        )
+    span = (MAX_LOOP_ITERATION + 1,) * 2 if max(len(first), len(last)) > 19 else (int(first), int(last))
+    if span[0] > span[1] or span[1] > MAX_LOOP_ITERATION:
+        raise argparse.ArgumentTypeError(
+            f"{shown(text, 40)} is not FIRST:LAST with FIRST <= LAST <= {MAX_LOOP_ITERATION}"
+        )
+    return span
 
 
 def _run(args: argparse.Namespace) -> int:

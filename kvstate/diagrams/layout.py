@@ -14,13 +14,17 @@ without KV are in no cluster, because the story spreads them out. The edges are 
 Invariants kept: the layout is a pure function of the diagram, its labels and the size of the legend; every
 node, label and title box is disjoint from every other; no curve passes through a label other than its own, a
 node other than its ends, or a cluster title, unless no candidate allowed it (then `Layout.compromised` names the
-edges); laying out n states and edges costs O(n) (`kvstate.diagrams.geometry.Obstacles`).
+edges); laying out n states and edges costs O(n) (`kvstate.diagrams.geometry.Obstacles`); the work is bounded
+whatever the diagram holds: at most `MAX_PLACED` nodes and edges, no node or label box larger than `MAX_BOX_POINTS`
+on a side and no layout spanning more than `MAX_GRID_CELLS` cells of the obstacle grid, else `LayoutTooLarge`
+before any edge is routed.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -28,7 +32,9 @@ from kvstate.diagrams.geometry import Box, Curve, Obstacles, Point, curve_throug
 from kvstate.diagrams.ir import ANY_STATE, Diagram, DrawnEdge
 from kvstate.diagrams.metrics import FALLBACK_FONT_SLACK, text_size
 from kvstate.diagrams.routing import CLEARANCE, Route, Router, twins
+from kvstate.errors import KVStateError
 from kvstate.roles import ACTIVE, DROPPED, ENDED, OFFLOADED, PENDING_RESET, QUEUED, RECOMPUTING
+from kvstate.untrusted import shown
 
 STORY_CELLS = {  # role -> (column, row); row 0 is the spine, negative rows are above it
     QUEUED: (0, 0),
@@ -55,6 +61,14 @@ COLUMN_SHARE = (0.8, 0.2)  # ... the widest label of those crossing it times a, 
 ROW_LABELS = 3.4  # labels one over the other a row gap holds at most
 ROW_SHARE = (1.4, 0.35)  # ... the tallest label of those crossing it times a, plus b per edge crossing it
 ORDER_TRIES = 4  # orders of labelling tried while some label finds no free place
+MAX_PLACED = 2_000  # nodes and drawn edges one layout places
+MAX_BOX_POINTS = 4_000.0  # the longest side of a node's or a label's box
+MAX_GRID_CELLS = 250_000  # cells of the obstacle grid the whole layout spans
+GRID_CELL = 160.0  # the side of one cell of the obstacle grid, in points
+
+
+class LayoutTooLarge(KVStateError, ValueError):
+    """A diagram has more to place, or larger boxes, than a layout takes; the message names the limit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +152,10 @@ def lay_out(diagram: Diagram, labels: tuple[tuple[str, ...], ...], legend_size: 
     finals = {node.name for node in diagram.final_nodes}
     sizes = {name: node_box_size(node_lines(diagram, name), name in finals) for name in cells}
     label_sizes = [label_box_size(parts) for parts in labels]
+    check_sizes(cells, sizes, drawn, label_sizes)
     xs = column_positions(drawn, cells, sizes, label_sizes)
     ys = row_positions(drawn, cells, sizes, label_sizes)
+    check_extent(xs, ys)
     nodes = {
         name: PlacedNode(
             name,
@@ -161,7 +177,7 @@ def lay_out(diagram: Diagram, labels: tuple[tuple[str, ...], ...], legend_size: 
 
     def fresh() -> Obstacles:
         """What edges must keep clear of before any is drawn: nodes, the initial edge, cluster titles."""
-        obstacles = Obstacles()
+        obstacles = Obstacles(GRID_CELL)
         for box in grown.values():
             obstacles.add_box(box)
         if initial is not None:
@@ -190,6 +206,45 @@ def lay_out(diagram: Diagram, labels: tuple[tuple[str, ...], ...], legend_size: 
     legend = Box(everything.left + legend_size[0] / 2, everything.bottom + 24.0 + legend_size[1] / 2, *legend_size)
     bounds = union([everything, legend]).grown(8.0)
     return Layout(nodes, initial, routes, clusters, legend, bounds, tuple(compromised))
+
+
+def check_sizes(
+    cells: Mapping[str, tuple[int, int]],
+    sizes: Mapping[str, tuple[float, float]],
+    drawn: Sequence[DrawnEdge],
+    label_sizes: Sequence[tuple[float, float]],
+) -> None:
+    """Raise `LayoutTooLarge` when there are more than `MAX_PLACED` nodes and edges, or a node's or a label's
+    box is longer than `MAX_BOX_POINTS` on a side."""
+    if len(cells) + len(drawn) > MAX_PLACED:
+        raise LayoutTooLarge(
+            f"the diagram has {len(cells)} nodes and {len(drawn)} edges, more than the {MAX_PLACED} a layout places"
+        )
+    for name, size in sizes.items():
+        if max(size) > MAX_BOX_POINTS:
+            raise LayoutTooLarge(
+                f"state {shown(name, 24)} ({len(name)} characters) needs a box of {max(size):.0f} points, more than "
+                f"the {MAX_BOX_POINTS:.0f} a layout places; shorten its name"
+            )
+    for edge, size in zip(drawn, label_sizes, strict=True):
+        if max(size) > MAX_BOX_POINTS:
+            raise LayoutTooLarge(
+                f"the label of event {shown(edge.members[0].event, 24)} needs a box of {max(size):.0f} points, "
+                f"more than the {MAX_BOX_POINTS:.0f} a layout places; shorten its label, guard or effect"
+            )
+
+
+def check_extent(xs: Mapping[int, float], ys: Mapping[int, float]) -> None:
+    """Raise `LayoutTooLarge` when the columns and rows span more than `MAX_GRID_CELLS` cells of the obstacle grid
+    (a curve across the whole layout is looked up in every cell it spans)."""
+    width = max(xs.values()) - min(xs.values()) + 2 * MAX_BOX_POINTS
+    height = max(ys.values()) - min(ys.values()) + 2 * MAX_BOX_POINTS
+    spanned = math.ceil(width / GRID_CELL) * math.ceil(height / GRID_CELL)
+    if spanned > MAX_GRID_CELLS:
+        raise LayoutTooLarge(
+            f"the layout spans {width:.0f} by {height:.0f} points ({spanned} grid cells), more than the "
+            f"{MAX_GRID_CELLS} a layout routes edges across; draw fewer states or shorter labels"
+        )
 
 
 def column_positions(

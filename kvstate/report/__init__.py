@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstate.diagrams import DOT_MISSING
+from kvstate.output_files import write_whole
 from kvstate.report.model import TraceError, TraceSummary, load_lines, summarize
 from kvstate.spec import Spec, default_spec
 
@@ -45,14 +46,19 @@ def write_report(
     `all_edges` draws every transition as its own arrow (default: broadcast events bundled); `loop` (first, last
     iteration) marks the part of a counterexample that repeats forever (`kvstate check` writes such traces);
     `progress` is told what is being done, stage by stage (reading the trace every `PROGRESS_LINES` lines). Every
-    stage is linear in the trace's lines."""
+    stage is linear in the trace's lines. Each file is written whole or not at all (`kvstate.output_files`)."""
     from kvstate.report.diagram import annotated_diagram, render, review_dot
     from kvstate.report.figures import write_figures
     from kvstate.report.html import render_html
 
     spec = spec or default_spec()
     say = progress or (lambda _: None)
-    summary = summarize(counted(load_lines(trace), say), loop=loop, spec=spec)
+    try:
+        summary = summarize(counted(load_lines(trace), say), loop=loop, spec=spec)
+    except TraceError as err:  # one found while summarizing: named with the trace it is in
+        if err.path is not None:
+            raise
+        raise TraceError(err.detail, path=trace) from None
     unknown = sorted(set(summary.edge_counts) - {(t.event, t.source, t.dest) for t in spec.transitions})
     if unknown:
         raise TraceError(
@@ -68,8 +74,7 @@ def write_report(
     diagram, dot = annotated_diagram(spec, summary.edge_counts, all_edges=all_edges)
     review = review_dot(spec, all_edges=all_edges)
     for name, text in (("lifecycle.dot", dot), ("lifecycle-review.dot", review)):
-        (out / name).write_text(text, encoding="utf-8")
-        files.append(out / name)
+        files.append(write_whole(out / name, text))
     svg = render(dot, "svg")  # None: no Graphviz, and every image below is skipped
     images = {
         "lifecycle.svg": svg,
@@ -78,15 +83,14 @@ def write_report(
     }
     for name, data in images.items():
         if data is not None:
-            (out / name).write_bytes(data)
-            files.append(out / name)
+            files.append(write_whole(out / name, data))
     note = "" if svg is not None else f"lifecycle diagram images skipped: {DOT_MISSING}"
     pngs = {name: paths[0] for name, paths in figures.items()}
     page = render_html(
         summary, Path(trace).name, pngs, {"lifecycle": svg, "review": images["lifecycle-review.svg"]}, diagram, note
     )
     html = out / "report.html"
-    html.write_text(page, encoding="utf-8")
+    write_whole(html, page)
     say(f"wrote {html}")
     return ReportFiles(out, (*files, html), html, summary, note)
 

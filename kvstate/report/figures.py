@@ -19,6 +19,7 @@ import textwrap
 from pathlib import Path
 
 from kvstate.diagrams.escape import mpl_text
+from kvstate.output_files import whole_file
 from kvstate.pool import ceil_div
 from kvstate.report.colors import (
     COLOR_KEY,
@@ -33,18 +34,27 @@ from kvstate.report.colors import (
 from kvstate.report.model import TraceSummary
 from kvstate.roles import QUEUED
 from kvstate.spec import Spec
+from kvstate.terminal import inert
 
 HELD_COLOR = SHADES["held"][0]  # the held residency's hue: blocks suspended requests hold
 LOCKED_COLOR = SHADES["gpu"][0]  # the GPU residency's hue: blocks computing requests lock
 FENCED_COLOR = "#ffb300"
 
 MAX_LABELLED_ROWS = 60  # beyond this, every k-th request id is labelled
+MAX_ID_LABEL = 32  # characters of a request id drawn as a row label
 MAX_COLUMNS = 250  # occupancy columns drawn at most (about 4 px each at the saved size)
 HATCH = "///"
 FIGURE_WIDTH = 12.0  # inches, both figures
 AXES_LEFT, AXES_RIGHT = 0.09, 0.80  # the axes' edges as fractions of the figure width, both figures
 KEY_WIDTH = 150  # characters of the colour key on one line below the timeline (the figure holds about 180)
 QUEUED_COLOR = "#f0f0f0"  # time spent queued: a light tint, not a bar as heavy as the states that hold KV
+
+
+def id_label(request_id: object) -> str:
+    """A request id as a row label: control characters and lone surrogates escaped (as `inert` writes them; a
+    font cannot draw a surrogate), cut to `MAX_ID_LABEL` characters, drawn literally (`mpl_text`)."""
+    text = inert(str(request_id))
+    return mpl_text(text if len(text) <= MAX_ID_LABEL else text[: MAX_ID_LABEL - 1] + "…")
 
 
 def _pyplot():
@@ -57,13 +67,17 @@ def _pyplot():
 
 
 def save(fig, out_dir: Path, stem: str) -> list[Path]:
+    """`fig` written as `stem`.png and `stem`.svg, each whole or not at all (`whole_file`), then closed."""
     plt = _pyplot()
     paths = []
-    for ext, extra in (("png", {"dpi": 110}), ("svg", {})):
-        path = out_dir / f"{stem}.{ext}"
-        fig.savefig(path, metadata={"Date": None} if ext == "svg" else {}, **extra)  # uncropped: axes line up
-        paths.append(path)
-    plt.close(fig)
+    try:
+        for ext, extra in (("png", {"dpi": 110}), ("svg", {})):
+            path = out_dir / f"{stem}.{ext}"
+            with whole_file(path) as temporary:  # uncropped: axes line up
+                fig.savefig(temporary, format=ext, metadata={"Date": None} if ext == "svg" else {}, **extra)
+            paths.append(path)
+    finally:
+        plt.close(fig)
     return paths
 
 
@@ -101,7 +115,7 @@ def timeline(summary: TraceSummary, spec: Spec):
         )
     step = max(1, ceil_div(n, MAX_LABELLED_ROWS))
     ax.set_yticks(
-        range(0, n, step), [mpl_text(str(summary.requests[i])) for i in range(0, n, step)], fontsize=8 if n > 30 else 9
+        range(0, n, step), [id_label(summary.requests[i]) for i in range(0, n, step)], fontsize=8 if n > 30 else 9
     )
     ax.set_ylim(n - 0.5, -0.5)
     ax.set_xlim(summary.first_iteration, summary.last_iteration + 1)

@@ -12,6 +12,8 @@
   `MAX_OCCUPANCY_ROWS` iterations, only the iterations with a transition get a row (each holds until the next
   row: the same step plot), so memory is bounded by the trace's lines, not by its iteration numbers;
 * `edge_counts`: how often each spec edge ``(event, from, to)`` fired.
+A trace of more than `MAX_REPORT_REQUESTS` requests is refused when the first request past it appears, so the
+memory a report takes is bounded whatever the trace holds (`kvstate validate` checks a trace of any size).
 A trace records transitions only, not submissions, so a request's first span (normally `waiting`) is drawn
 from the trace's first iteration. Lines are read one at a time by the trace validator's bounded reader
 (`kvstate.checker.trace`: line and file size limits, every field of its documented type), so a hostile trace is a
@@ -28,8 +30,10 @@ from pathlib import Path
 from kvstate.checker.trace import TraceError
 from kvstate.spec import Spec, default_spec
 from kvstate.trace import read_trace
+from kvstate.untrusted import shown
 
 MAX_OCCUPANCY_ROWS = 10_000
+MAX_REPORT_REQUESTS = 20_000  # requests one report draws (a timeline row each): bounds its memory and time
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +106,12 @@ def summarize(lines: Iterable[dict], *, loop: tuple[int, int] | None = None, spe
         s.lines += 1
         s.last_iteration = it
         if rid not in current:
+            if len(s.requests) == MAX_REPORT_REQUESTS:
+                raise TraceError(
+                    f"transition {s.lines}: request {shown(rid, 40)} is the trace's request number "
+                    f"{MAX_REPORT_REQUESTS + 1}; a report draws at most {MAX_REPORT_REQUESTS} (a timeline row "
+                    "each): report a part of the trace, or check it all with `kvstate validate`"
+                )
             s.requests.append(rid)
             s.spans[rid] = []
             current[rid] = (line["from"], s.first_iteration, "")

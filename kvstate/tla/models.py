@@ -22,6 +22,7 @@ from pathlib import Path
 
 from kvstate.checker.bounds import Bound
 from kvstate.errors import KVStateError
+from kvstate.output_files import write_whole
 from kvstate.semantics import TLA, TlaMeaning
 from kvstate.spec import Spec
 from kvstate.tla import invariants
@@ -147,12 +148,11 @@ def export(
     models = [model_files(b, spec, symmetry=symmetry) for b in bounds if b.abstract_model]
     try:
         out.mkdir(parents=True, exist_ok=True)
-        path = out / f"{MODULE_NAME}.tla"
-        path.write_text(module, encoding="utf-8")
-        for m in models:
-            (out / f"{m.name}.tla").write_text(m.tla, encoding="utf-8")
-            (out / f"{m.name}.cfg").write_text(m.cfg, encoding="utf-8")
-            (out / f"{m.name}_liveness.cfg").write_text(m.liveness_cfg, encoding="utf-8")
     except OSError as err:
         raise KVStateError(f"cannot write the TLA+ files into {out}: {err.strerror}; pass a writable --out") from err
+    path = write_whole(out / f"{MODULE_NAME}.tla", module)  # each file whole or not at all
+    for m in models:
+        write_whole(out / f"{m.name}.tla", m.tla)
+        write_whole(out / f"{m.name}.cfg", m.cfg)
+        write_whole(out / f"{m.name}_liveness.cfg", m.liveness_cfg)
     return path, models

@@ -105,3 +105,19 @@ def test_bad_dot_timeout_is_a_usage_error(value: str, tmp_path: Path, capsys: py
     assert main(["diagram", "--dot-timeout", value, "--out", str(tmp_path)]) == 2
     assert "--dot-timeout" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("diff", [False, True], ids=["diagram", "diff"])
+def test_a_spec_with_a_huge_state_name_is_one_line_exit_2(
+    diff: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = packaged_spec_path().read_text(encoding="utf-8")
+    terminal = load_spec().terminal_states[0]
+    spec = tmp_path / "long.toml"
+    spec.write_text(text.replace(f'"{terminal}"', f'"{"d" * 1_000}"'), encoding="utf-8")
+    out = tmp_path / "out"
+    args = ["--diff", str(packaged_spec_path()), str(spec)] if diff else ["--spec", str(spec)]
+    assert main(["diagram", *args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{spec}:" in err and "field 'name' is 1000 characters long" in err
+    assert not any(out.glob("*.dot")), "nothing is drawn"

@@ -286,3 +286,47 @@ def test_the_overlap_check_sees_an_overlap() -> None:
 def test_the_bundle_pseudo_node_and_every_state_are_placed() -> None:
     layout = dict(layouts())["lifecycle"]
     assert set(layout.nodes) == {s.name for s in SPEC.states} | {ANY_STATE, INITIAL}
+
+
+# --------------------------------------------------------------------------------------------- bounded work
+
+
+def renamed(diagram, old: str, new: str):
+    """`diagram` with node `old` renamed to `new` in its nodes and edges (no spec check runs on a diagram)."""
+    name = {old: new}.get
+    return replace(
+        diagram,
+        initial=name(diagram.initial, diagram.initial),
+        nodes=tuple(replace(n, name=name(n.name, n.name)) for n in diagram.nodes),
+        edges=tuple(replace(e, source=name(e.source, e.source), dest=name(e.dest, e.dest)) for e in diagram.edges),
+    )
+
+
+def test_a_huge_state_name_is_refused_before_any_edge_is_routed() -> None:
+    """A name that passed no loader (a `Spec` built in code) still cannot make the layout's work explode."""
+    from kvstate.diagrams.layout import MAX_BOX_POINTS, LayoutTooLarge
+
+    base = build_diagram(SPEC)
+    terminal = base.final_nodes[0].name
+    with pytest.raises(LayoutTooLarge) as info:
+        render_dot(renamed(base, terminal, "d" * 1_000))
+    message = str(info.value)
+    assert "1000 characters" in message and f"the {MAX_BOX_POINTS:.0f} a layout places" in message
+    assert len(message) < 300 and "\n" not in message
+
+
+def test_a_huge_label_is_refused_before_any_edge_is_routed() -> None:
+    from kvstate.diagrams.layout import LayoutTooLarge
+
+    base = build_diagram(SPEC)
+    long_label = replace(base, edges=tuple(replace(e, event_label="x" * 1_000) for e in base.edges))
+    with pytest.raises(LayoutTooLarge, match="shorten its label"):
+        render_dot(long_label)
+
+
+def test_more_nodes_than_a_layout_places_are_refused(chain) -> None:
+    from kvstate.diagrams.layout import MAX_PLACED, LayoutTooLarge
+
+    render_dot(chain(MAX_PLACED // 4))  # well within: laid out
+    with pytest.raises(LayoutTooLarge, match=f"more than the {MAX_PLACED} a layout places"):
+        render_dot(chain(MAX_PLACED))

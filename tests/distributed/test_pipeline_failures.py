@@ -180,3 +180,15 @@ def test_sigterm_to_the_launcher_stops_the_ranks_and_removes_its_temporary_direc
     assert launcher.wait(60) == 128 + signal.SIGTERM
     assert not list(temp.glob("kvstate-pp-*"))
     assert [process_state(pid) for pid in ranks if process_state(pid) not in (None, "Z")] == [], "a rank outlived it"
+
+
+def test_a_failed_run_leaves_no_file_in_the_temporary_directory(tmp_path, monkeypatch):
+    """torch's spawn leaves each failed rank's exception in a ``pytorch-errorfile-*.pickle`` of the temporary
+    directory; the launcher removes them, and its own directory, once the run has read them."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where tempfile (and so torch) creates them
+    config = PipelineConfig(engine=pressured(), timeout_s=30.0, max_iterations=3)
+    with pytest.raises(RankFailed, match="max_iterations"):
+        run_pipeline(config, workload(4), world_size=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from executor import LlamaModel, ModelConfig
+from executor.hf import expected_shapes
 
 gguf = pytest.importorskip("gguf")
 
@@ -140,3 +141,39 @@ def tensor_entry(path: Path, name: str) -> int:
     encoded = name.encode()
     needle = struct.pack("<Q", len(encoded)) + encoded
     return path.read_bytes().index(needle) + len(needle)
+
+
+def write_sparse_gguf(path: Path, config: ModelConfig, kind: str = "F16") -> Path:
+    """A GGUF file of `config`'s model whose header is consistent (every tensor inside the file, none
+    overlapping) but whose tensor data is a hole: the file is extended, never written, so it takes a few KiB of
+    disk however large it claims to be."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(config.num_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_heads)
+    writer.add_head_count_kv(config.num_kv_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_vocab_size(config.vocab_size)
+    raw = gguf.GGMLQuantizationType[kind]
+    block, block_bytes = gguf.GGML_QUANT_SIZES[raw]
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_layers)
+    data = 0
+    for name, shape in expected_shapes(config).items():
+        base, suffix = name.rsplit(".", 1)
+        gguf_name = f"{table.get_name(base if base == 'lm_head' else f'model.{base}')}.{suffix}"
+        here, size = (raw, block_bytes / block) if len(shape) == 2 else (gguf.GGMLQuantizationType.F32, 4)
+        nbytes = int(np.prod(shape) * size)
+        writer.add_tensor_info(gguf_name, shape, np.dtype(np.float32), nbytes, raw_dtype=here)
+        data += -(-nbytes // 32) * 32
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    header_bytes = path.stat().st_size
+    with path.open("r+b") as handle:
+        handle.truncate(-(-header_bytes // 32) * 32 + data)
+    return path

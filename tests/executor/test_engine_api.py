@@ -173,3 +173,18 @@ def test_default_engine_builds_its_own_seeded_model():
         assert torch.equal(a.model.embed_tokens.weight, b.model.embed_tokens.weight)
         assert a.model is not b.model
     assert isinstance(a.model, LlamaModel)
+
+
+@pytest.mark.parametrize(
+    ("request_id", "needle"),
+    [("\ud800", "not Unicode text"), ("x" * 65_000, "65000 characters"), (10**19, "more than 19 digits")],
+    ids=["lone-surrogate", "long-string", "long-integer"],
+)
+def test_an_id_no_trace_could_carry_is_refused_at_submission(make_engine, request_id, needle):
+    """The engine refuses an id its trace (UTF-8, bounded lines) could not carry, rather than a report failing
+    on it later."""
+    engine = make_engine(gpu_blocks=8)
+    with pytest.raises(RequestRejected, match=needle) as info:
+        engine.add_request([1, 2], 2, request_id=request_id)
+    assert "\n" not in str(info.value) and len(str(info.value)) < 400
+    assert not engine.scheduler.has_unfinished

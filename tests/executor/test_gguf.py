@@ -5,6 +5,7 @@ can tell is refused from the header, naming the field or tensor."""
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import replace
 
 import numpy as np
@@ -13,11 +14,19 @@ import torch
 
 from executor import CheckpointError, Engine, EngineConfig, LlamaModel, ModelConfig, load_checkpoint
 from executor.gguf_file import SUPPORTED_TYPES, read_gguf_header
-from executor.gguf_llama import load_gguf_llama
+from executor.gguf_llama import check_load_memory, load_gguf_llama, load_memory
+from executor.hf import expected_shapes
 from executor.text import load_tokenizer
 from kvstate.config import SchedulerConfig
 from tests.executor.fifos import refused_without_blocking
-from tests.executor.gguf_files import expected, patch, tensor_entry, tokenizer_fields, write_gguf
+from tests.executor.gguf_files import (
+    expected,
+    patch,
+    tensor_entry,
+    tokenizer_fields,
+    write_gguf,
+    write_sparse_gguf,
+)
 
 pytest.importorskip("tokenizers")
 
@@ -213,3 +222,73 @@ def test_kvstate_generate_takes_a_gguf_file_and_refuses_another_file(file, tmp_p
     other.write_text("not a checkpoint")
     assert main(["generate", "--checkpoint", str(other), "hi"]) == 2
     assert "is not a directory, nor a GGUF file" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- memory
+LARGE = ModelConfig(
+    vocab_size=32000,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_layers=2,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=128,
+)  # about 1.8 billion weights: 3.4 GB as F16
+
+
+def test_a_sparse_file_larger_than_any_machine_is_refused_before_reading(tmp_path):
+    """A consistent header whose tensor data is a hole in the file: refused from the header, naming the memory
+    loading takes and what the machine has, before a byte of tensor data is read."""
+    huge = replace(LARGE, hidden_size=16384, intermediate_size=65536, num_layers=64, num_heads=128)
+    path = write_sparse_gguf(tmp_path / "sparse.gguf", huge, "Q4_0")
+    assert os.stat(path).st_blocks * 512 < 1 << 20 < path.stat().st_size  # a hole: no data on disk
+    header = read_gguf_header(path)
+    assert load_memory(header, torch.float32) > 1 << 41  # more than 2 TiB: more than this machine has
+    with pytest.raises(CheckpointError) as info:
+        load_gguf_llama(path, dtype=torch.float32)
+    message = str(info.value)
+    assert message.startswith(f"{path}: field 'tensors': loading its {len(header.tensors)} tensors as float32")
+    assert "GiB available" in message and "\n" not in message
+
+
+def test_the_memory_check_counts_every_weight_in_float32_and_the_run_dtype(tmp_path):
+    path = write_sparse_gguf(tmp_path / "sparse.gguf", LARGE)  # the F16 file of 3.4 GB, 4 KiB on disk
+    header = read_gguf_header(path)
+    weights = sum(int(np.prod(info.shape)) for info in header.tensors)
+    assert weights == sum(int(np.prod(shape)) for shape in expected_shapes(LARGE).values())
+    needed = load_memory(header, torch.float64)
+    assert needed >= weights * (4 + 8) and needed > load_memory(header, torch.float32)
+    check_load_memory(header, torch.float64, available=needed)  # exactly enough
+    with pytest.raises(CheckpointError, match=r"takes at least .* GiB of memory, but this machine has 1\.00 GiB"):
+        check_load_memory(header, torch.float64, available=1 << 30)
+
+
+def test_a_tensor_name_holding_a_newline_cannot_forge_a_line(tmp_path, model):
+    """Names read from the file are escaped in every message: an error stays one line whatever a name holds."""
+    first, second = "a\nkvstate generate: ok, forged", "b\rforged\x1b[2K"
+    path = write_gguf(tmp_path / "m.gguf", model, extra_tensors={first: np.zeros(8), second: np.zeros(8)})
+    at = tensor_entry(path, second) + 4 + 8 + 4  # one dimension, then the type: its offset follows
+    patch(path, at, "<Q", int.from_bytes(path.read_bytes()[at : at + 8], "little") - 32)  # onto the first one
+    with pytest.raises(CheckpointError) as info:
+        read_gguf_header(path)
+    message = str(info.value)
+    assert "overlaps the bytes of tensor 'a\\nkvstate generate: ok, forged'" in message
+    assert not any(c in message for c in "\n\r\x1b"), message
+
+
+def test_arrays_past_the_headers_total_are_refused_before_they_are_read(tmp_path):
+    """Fifteen arrays of two million uint16 each: every one within the per-array limit, together 30 million
+    Python objects. Refused at the array that passes the header's total, before its items are read."""
+    from executor.gguf_file import GGUF_LIMITS
+
+    items = 2_000_000
+    path = tmp_path / "arrays.gguf"
+    with path.open("wb") as out:
+        out.write(b"GGUF" + struct.pack("<IQQ", 3, 0, 15))
+        for i in range(15):
+            key = f"general.array{i}".encode()
+            out.write(struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 2, items) + bytes(2 * items))
+    with pytest.raises(CheckpointError) as info:
+        read_gguf_header(path)
+    message = str(info.value)
+    assert f"at most {GGUF_LIMITS.max_total_items} in all" in message and "general.array1" in message

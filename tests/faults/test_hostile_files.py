@@ -141,11 +141,11 @@ def test_nan_and_repeated_keys_are_refused(payload):
 
 
 def test_a_huge_request_id_is_not_echoed(tmp_path, capsys):
-    rid = "i" * 60_000  # under the line limit, so the line parses; the edge is wrong so the CLI reports it
+    rid = "i" * 60_000  # under the line limit, so the line parses, but over the id's (spec/TRACE.md): unusable
     lines = [record(1, rid, ADMIT)]
     lines[0]["event"] = "x" * 1000
     code, out, _err = cli(capsys, str(write_lines(tmp_path / "t.ndjson", lines)))
-    assert code == 1 and "INVALID" in out
+    assert code == 2 and "UNUSABLE" in out
     assert len(out) < 2000 and "60000 characters" in out
 
 

@@ -180,3 +180,61 @@ def test_report_command_on_a_real_engine_trace(tmp_path, capsys):
     assert "10 requests" in out and f"open {tmp_path / 'rep[' / 'x]' / 'report.html'}" in out
     assert main(["report", str(tmp_path / "missing"), "--out", str(tmp_path / "rep")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("request_id", "needle"),
+    [("\ud800", "is not Unicode text (a lone surrogate at character 0)"), ("x" * 65_000, "has 65000 characters")],
+    ids=["lone-surrogate", "65000-characters"],
+)
+def test_a_trace_id_no_report_can_draw_is_refused_naming_line_and_field(tmp_path, capsys, request_id, needle):
+    trace = _write(tmp_path / "t.ndjson", [LINES[0], {**LINES[1], "request_id": request_id}])
+    with pytest.raises(TraceError) as info:
+        write_report(trace, tmp_path / "out")
+    assert str(info.value).startswith(f"{trace}:2: field 'request_id': ") and needle in str(info.value)
+    assert main(["report", str(trace), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err
+
+
+def test_request_ids_are_drawn_escaped_and_cut_short(tmp_path):
+    pytest.importorskip("matplotlib")
+    from kvstate.report.figures import MAX_ID_LABEL, id_label
+
+    odd = "a\x1b[31m" + "y" * 4000
+    write_report(_write(tmp_path / "t.ndjson", [{**line, "request_id": odd} for line in LINES[:1]]), tmp_path / "o")
+    label = id_label(odd)
+    assert len(label) <= MAX_ID_LABEL and label.startswith("a\\x1b[31m") and label.endswith("…")
+
+
+@pytest.mark.parametrize(
+    ("span", "needle"),
+    [
+        ("0:100000000000000000000", "FIRST <= LAST <= 1000000000000000000"),
+        ("0:" + "9" * 5000, "(5002 characters)"),
+        ("\u0663:\u0665", "ASCII digits"),  # Arabic-Indic 3:5
+        ("5:3", "FIRST <= LAST"),
+    ],
+    ids=["1e20", "5000-digits", "arabic-indic-digits", "reversed"],
+)
+def test_a_loop_out_of_bounds_or_in_other_digits_is_a_usage_error(tmp_path, capsys, span, needle):
+    trace = _write(tmp_path / "t.ndjson", LINES)
+    assert main(["report", str(trace), "--out", str(tmp_path / "out"), "--loop", span]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err) < 400 and not (tmp_path / "out").exists()
+
+
+def test_a_trace_of_more_requests_than_a_report_draws_is_refused_naming_the_file(tmp_path, capsys):
+    from kvstate.report.model import MAX_REPORT_REQUESTS
+
+    admit = LINES[0]
+    trace = tmp_path / "many.ndjson"
+    with trace.open("w") as out:  # one admission per request: the request past the bound is on the last line
+        for rid in range(MAX_REPORT_REQUESTS + 1):
+            out.write(json.dumps({**admit, "request_id": rid}) + "\n")
+    with pytest.raises(TraceError) as info:
+        write_report(trace, tmp_path / "out")
+    message = str(info.value)
+    assert message.startswith(f"{trace}: transition {MAX_REPORT_REQUESTS + 1}: request {MAX_REPORT_REQUESTS} ")
+    assert f"a report draws at most {MAX_REPORT_REQUESTS}" in message and "\n" not in message
+    assert not (tmp_path / "out").exists()

@@ -368,3 +368,38 @@ def _to_toml(data: dict) -> str:
 
 def _quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+# ------------------------------------------------------------------------------------------ name lengths
+LONG = "d" * 20_000
+
+
+@pytest.mark.parametrize(
+    ("anchor", "field"),
+    [('name = "done"', "name"), ('guard = "', "guard"), ('effect = "', "effect"), ('label = "', "label")],
+    ids=["state", "guard", "effect", "label"],
+)
+def test_a_long_name_is_refused_naming_file_line_and_field(anchor: str, field: str, tmp_path: Path) -> None:
+    """A name (or label) far longer than any spec needs is refused by the loader, before anything is derived."""
+    value_start = PACKAGED_TEXT.index(anchor) + anchor.index('"') + 1  # the first such value is replaced
+    end = PACKAGED_TEXT.index('"', value_start)
+    text = PACKAGED_TEXT[:value_start] + LONG + PACKAGED_TEXT[end:]
+    path = tmp_path / "long.toml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    message = str(info.value)
+    line = text[:value_start].count("\n") + 1
+    assert message.startswith(f"{path}:{line}: "), message
+    assert f"field {field!r} is {len(LONG)} characters long" in message
+    assert len(message) < 300 and "\n" not in message
+
+
+def test_every_packaged_name_is_within_the_limit() -> None:
+    from kvstate.spec import MAX_LABEL_CHARS, MAX_NAME_CHARS
+
+    spec = load_spec()
+    names = [s.name for s in spec.states] + [e.name for e in spec.events] + [i.id for i in spec.invariants]
+    names += list(spec.guard_names | spec.effect_names)
+    assert max(map(len, names)) <= MAX_NAME_CHARS
+    assert max(len(e.label) for e in spec.events) <= MAX_LABEL_CHARS
