@@ -44,6 +44,8 @@ class Preemption(HeldBlocks):
     def _make_room(self, request: Request, need: int, pass_: SchedulingPass) -> bool:
         """Free `need` GPU blocks for `request`: True when they are free now; False when it preempted itself or
         waits for room on its way (which it then reserves: WORK-CONSERVE)."""
+        if self.config.max_preemptions_per_request is not None:
+            self.head_of_pass(pass_)  # the cap spares the head's victims: find it before any victim changes state
         while self.pool.gpu_free_blocks < need:
             short = need - self.pool.gpu_free_blocks
             if pass_.pending_free < short:  # held blocks move down first: their sources free once copied
