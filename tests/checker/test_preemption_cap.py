@@ -1,6 +1,7 @@
 """The preemption cap (A3) on the shipped bounds: with its exception for the head of the pass (VICTIM-CAP) LIVE-DONE
 holds where the cap without it livelocks (`mb2_cap`), the cap still protects capped requests from every other
-requester (`preemption_cap`).
+requester (`preemption_cap`); with recompute-pause off LIVE-DONE holds on one bound and, as SPEC.md section 6 states,
+not on another (`no_recompute_pause_stall`).
 Rules are disabled in a copy of the spec (the checker must then find the livelock) or planted into the scheduler by
 monkeypatching (its step simulation must then name VICTIM-CAP); never by editing library files."""
 
@@ -30,14 +31,14 @@ def cap_without_its_exception():
     return dataclasses.replace(spec, policy=dataclasses.replace(spec.policy, victim_exclusions=exclusions))
 
 
-@pytest.mark.parametrize("name", ["mb2_cap", "cap_three", "preemption_cap"])
-def test_the_cap_bounds_hold(name: str) -> None:
+@pytest.mark.parametrize("name", ["mb2_cap", "cap_three", "preemption_cap", "no_recompute_pause"])
+def test_the_cap_and_recompute_pause_bounds_hold(name: str) -> None:
     assert check_bound(bound(name)).verdict == HOLDS
 
 
 def test_the_cap_bounds_are_in_the_default_set() -> None:
     names = {b.name for b in select_bounds(None)}
-    assert {"mb2_cap", "cap_three", "preemption_cap"} <= names
+    assert {"mb2_cap", "cap_three", "preemption_cap", "no_recompute_pause"} <= names
 
 
 def test_without_the_exception_for_the_head_mb2_cap_livelocks() -> None:
@@ -65,3 +66,13 @@ def test_the_preemption_cap_bound_exercises_the_cap(monkeypatch: pytest.MonkeyPa
     report = check_bound(bound("preemption_cap"))
     assert report.verdict == VIOLATED and report.violated_invariant == "VICTIM-CAP", report.counterexample
     assert "not the head of the pass" in report.counterexample[0]
+
+
+def test_without_recompute_pause_a_host_tier_too_small_for_any_victim_stalls() -> None:
+    """LIVE-DONE's stated exception (SPEC.md section 6), on the configuration that shows it: two requests of four
+    one-token blocks, a host tier of one block and no recompute-pause; no victim can be suspended, so both stall."""
+    stall = bound("no_recompute_pause_stall")
+    assert not stall.recompute_pause and stall.name not in {b.name for b in select_bounds(None)}
+    report = check_bound(stall)
+    assert report.verdict == VIOLATED and report.violated_invariant == "LIVE-DONE", report.counterexample
+    assert "no request made progress" in report.counterexample[0]

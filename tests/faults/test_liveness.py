@@ -169,6 +169,36 @@ def test_without_recompute_pause_a_full_host_tier_stalls_and_the_detector_says_s
     assert sched.suspended and sched.has_unfinished
 
 
+def test_without_recompute_pause_a_host_tier_smaller_than_the_victims_stalls_at_once():
+    """LIVE-DONE's exception (SPEC.md section 6): each request needs 4 blocks, the host tier holds 1, so no victim can
+    be suspended and neither request can be evicted; the configuration is accepted and the detector reports it."""
+    config = SchedulerConfig(
+        gpu_blocks=4, host_blocks=1, block_size=1, prefill_chunk_size=2, enable_recompute_pause=False
+    )
+    sched = Scheduler(config)
+    sched.submit([1, 2], 2)
+    sched.submit([3, 4], 2)
+    with pytest.raises(SchedulerStalled, match=r"0:running, 1:running.*'host_free': 1"):
+        SimExecutor(sched).run(500)
+    assert sched.iteration == config.no_progress_limit + 1 and not sched.suspended
+
+
+def test_without_recompute_pause_even_a_host_tier_as_large_as_the_gpu_tier_may_stall():
+    """No host size rules the exception out: requests suspended earlier fill the host tier (each request here fits it
+    whole), and then no victim can be suspended."""
+    sched = Scheduler(
+        SchedulerConfig(gpu_blocks=8, host_blocks=8, block_size=2, enable_recompute_pause=False, no_progress_limit=8)
+    )
+    rng = random.Random(13)
+    for _ in range(8):
+        prompt = rng.randint(1, 6)
+        sched.submit([rng.randrange(1000) for _ in range(prompt)], rng.randint(1, 16 - prompt))
+    assert all(len(r.prompt) + r.max_new_tokens <= 16 for r in sched.requests.values())  # each fits the host tier
+    with pytest.raises(SchedulerStalled, match="enable recompute-pause"):
+        SimExecutor(sched).run(2_000)
+    assert sched.suspended and sched.has_unfinished
+
+
 def test_removing_the_host_tier_is_refused_without_recompute_pause_and_changes_nothing():
     sched = Scheduler(SchedulerConfig(gpu_blocks=12, host_blocks=64, block_size=2, enable_recompute_pause=False))
     rng = random.Random(0)
