@@ -3,7 +3,8 @@
 Invariants kept (ids from the spec; the policy's rules are the spec's `[policy]`, given meaning in `kvstate.policy`):
 * victims are taken tail-first by admission order among requests not yet scheduled in the pass, never twice in a
   pass, never one about to produce its final token, never one awaiting consensus, never one past the preemption cap
-  (VICTIM-TAIL, VICTIM-ONCE, VICTIM-NOT-FINAL, PP-HOLD): the exclusions the spec's policy names;
+  unless the requester is the head of the pass, the request it serves first (VICTIM-TAIL, VICTIM-ONCE,
+  VICTIM-NOT-FINAL, VICTIM-CAP, PP-HOLD): the exclusions the spec's policy names;
 * suspension copies nothing: a suspended request's GPU blocks are held, and GPU room comes from the offload of held
   blocks to the host tier, which an allocation asks for when it needs room, exactly as many blocks as it needs,
   least recently held first (OFFLOAD-DEMAND; with the policy's `eager` offload, all of a victim's blocks at its
