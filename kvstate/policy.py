@@ -29,6 +29,8 @@ if TYPE_CHECKING:  # annotations only: kvstate.spec validates what it loads with
 
 # the rule names the scheduler and the pass check read by name (each is a key of VOCABULARY below)
 CHUNK_IN_FLIGHT = "chunk_in_flight"
+PREEMPTION_CAP_REACHED = "preemption_cap_reached"
+CAP_SPARES_HEAD = "preemption_cap_reached_except_for_head"
 WAIT_FOR_CHUNK_IN_FLIGHT = "wait_for_chunk_in_flight"
 STOP_AT_FIRST_MISFIT = "stop_at_first_misfit"
 NO_READMISSION_OF_VICTIMS = "no_readmission_of_victims"
@@ -59,7 +61,16 @@ VOCABULARY: Mapping[str, Mapping[str, str]] = {
         ),
         "victim_this_pass": "a request already chosen in the pass (VICTIM-ONCE)",
         "about_to_finish": "a request whose next decode step produces its final token (VICTIM-NOT-FINAL)",
-        "preemption_cap_reached": "a request preempted max_preemptions_per_request times (A3)",
+        PREEMPTION_CAP_REACHED: (
+            "a request preempted max_preemptions_per_request times (A3), whoever asks; once every request that "
+            "holds blocks is capped, each requester preempts itself, and two such requests can pause each other "
+            "forever"
+        ),
+        CAP_SPARES_HEAD: (
+            "a request preempted max_preemptions_per_request times (A3), unless the requester is the head of the "
+            "pass, the first request it serves (SPEC.md 7.2), which may take it (VICTIM-CAP): the request the "
+            "progress argument rests on sees the victims it would see without a cap"
+        ),
         CHUNK_IN_FLIGHT: (
             "a request whose prefill or replay chunk is still in the pipeline (several micro-batches "
             "in flight); one whose decode step is in flight may be a victim: its token lands while it "
@@ -132,8 +143,12 @@ VICTIM_EXCLUSIONS: Mapping[str, Callable[[SchedulerCore, Request, SchedulingPass
     "waiting_this_pass": lambda s, candidate, pass_: id(candidate) in pass_.waiting,
     "victim_this_pass": lambda s, candidate, pass_: id(candidate) in pass_.victims,
     "about_to_finish": lambda s, candidate, pass_: candidate.about_to_finish,
-    "preemption_cap_reached": lambda s, candidate, pass_: preemption_capped(
+    PREEMPTION_CAP_REACHED: lambda s, candidate, pass_: preemption_capped(
         candidate, s.config.max_preemptions_per_request
+    ),
+    CAP_SPARES_HEAD: lambda s, candidate, pass_: (
+        preemption_capped(candidate, s.config.max_preemptions_per_request)
+        and pass_.requester is not s.head_of_pass(pass_)
     ),
     CHUNK_IN_FLIGHT: lambda s, candidate, pass_: candidate.request_id in s.in_flight and candidate.is_prefilling,
     "ahead_of_requester": lambda s, candidate, pass_: (
@@ -362,9 +377,22 @@ class _PassCheck:
             and r.request_id not in scheduled
             and not ("victim_this_pass" in excluded and r.request_id in chosen)
             and not ("about_to_finish" in excluded and r.about_to_finish)
-            and not ("preemption_cap_reached" in excluded and r.capped)
+            and not (r.capped and self.cap_protects_from(requester, excluded))
             and not (CHUNK_IN_FLIGHT in excluded and r.in_flight and r.prefilling)
         ]
+
+    @property
+    def head(self) -> Hashable | None:
+        """The request the pass serves first (SPEC.md 7.2), if any."""
+        return self.order[0] if self.order else None
+
+    def cap_protects_from(self, requester: Hashable, excluded: set[str] | frozenset[str]) -> bool:
+        """A request past the preemption cap is no eligible victim of `requester` under the exclusions `excluded`:
+        `preemption_cap_reached` protects it from everyone, `preemption_cap_reached_except_for_head` from everyone
+        but the head of the pass (VICTIM-CAP)."""
+        if PREEMPTION_CAP_REACHED in excluded:
+            return True
+        return CAP_SPARES_HEAD in excluded and requester != self.head
 
     def check_victims(self) -> None:
         chosen: set[Hashable] = set()
@@ -377,6 +405,7 @@ class _PassCheck:
             if d.victim in chosen:
                 self.fail("VICTIM-ONCE", f"request {d.victim!r} was chosen as a victim twice in one pass")
             eligible = self.eligible(d.requester, chosen, waiting)
+            self.check_cap(d, eligible)
             if d.victim == d.requester:
                 others = [r.request_id for r in eligible if r.request_id != d.requester]
                 if others:
@@ -418,6 +447,33 @@ class _PassCheck:
                 f"{VOCABULARY['victim_order'][order]}",
             )
 
+    def check_cap(self, d: Victim, eligible: list[RequestSnapshot]) -> None:
+        """VICTIM-CAP: a request past the preemption cap is taken by no requester but the head of the pass, and the
+        head neither preempts itself nor skips such a request while it is the eligible victim its order names."""
+        if CAP_SPARES_HEAD not in self.policy.victim_exclusions:
+            return
+        victim = self.by_id.get(d.victim)
+        if d.requester != self.head:
+            if d.victim != d.requester and victim is not None and victim.capped:
+                self.fail(
+                    "VICTIM-CAP",
+                    f"request {d.victim!r}, preempted as often as the preemption cap allows, was taken by "
+                    f"{d.requester!r}, which is not the head of the pass ({self.head!r}): only the head may take it",
+                )
+            return
+        capped = [r for r in eligible if r.capped and r.request_id != d.requester]
+        if not capped:
+            return
+        tail = max(eligible, key=_VICTIM_RANK[self.policy.victim_order])
+        if d.victim == d.requester or (tail.capped and tail.request_id != d.victim):
+            given = "preempted itself" if d.victim == d.requester else f"took {d.victim!r}"
+            self.fail(
+                "VICTIM-CAP",
+                f"the head of the pass {d.requester!r} {given} although {[r.request_id for r in capped]!r}, past "
+                "the preemption cap, could give way: the cap never protects a request from the head of the pass "
+                "(else requests past the cap preempt themselves in turn, forever)",
+            )
+
     def check_self_preemption(self, requester: Hashable, chosen: set[Hashable], waiting: set[Hashable]) -> None:
         """VICTIM-SELF: under `wait_for_chunk_in_flight`, a requester preempts itself only when no request that
         `chunk_in_flight` alone excludes could give up its blocks once its chunk lands."""
@@ -425,6 +481,14 @@ class _PassCheck:
             return
         eligible = self.eligible(requester, chosen, waiting, ignoring=frozenset({CHUNK_IN_FLIGHT}))
         landing = [r for r in eligible if r.request_id != requester]
+        if landing and all(r.capped for r in landing) and self.head == requester:
+            self.fail(
+                "VICTIM-CAP",
+                f"the head of the pass {requester!r} preempted itself although {[r.request_id for r in landing]!r}, "
+                "past the preemption cap and excluded only because a chunk of theirs is in flight, could give up "
+                "blocks once it lands: the cap never protects a request from the head of the pass, which waits for "
+                "that chunk (wait_for_chunk_in_flight)",
+            )
         if landing:
             self.fail(
                 "VICTIM-SELF",

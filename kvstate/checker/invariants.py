@@ -340,6 +340,7 @@ REFINEMENT_CHECKS: dict[str, str] = {
     "VICTIM-TAIL": "step simulation: each victim is the latest-admitted eligible request at its choice",
     "VICTIM-NOT-FINAL": "step simulation: no victim was about to produce its final token",
     "VICTIM-SELF": "step simulation: no self-preemption while a request only chunk_in_flight excludes could give way",
+    "VICTIM-CAP": "step simulation: a capped victim only of the pass's head; the head takes one before itself",
     "PROMOTE-GATE": (
         "every promotion the scheduler takes: in a pass, and one of the pass's own suspensions only with a host "
         "tier; step simulation: promotions only of this pass's suspensions, most recent first, worth less"

@@ -19,7 +19,7 @@ Invariants kept:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 from typing import Any
 
 from kvstate.config import SchedulerConfig
@@ -27,7 +27,7 @@ from kvstate.errors import KVStateError, UnknownRequestId
 from kvstate.lifecycle import STATE_ATTRIBUTE, make_lifecycle
 from kvstate.output import SchedulerOutput
 from kvstate.policy import CHUNK_IN_FLIGHT, VICTIM_EXCLUSIONS, WAIT_FOR_CHUNK_IN_FLIGHT
-from kvstate.pool import MigrationPlan, TieredBlockPool
+from kvstate.pool import TO_HOST, MigrationPlan, TieredBlockPool
 from kvstate.request import Request
 from kvstate.roles import ACTIVE, DROPPED, ENDED, OFFLOADED, PENDING_RESET, RECOMPUTING
 from kvstate.scheduler.decode_run import DecodeRun
@@ -119,6 +119,26 @@ class SchedulerCore:
         self._idle_iterations = 0
         self._last_figures: tuple[SchedulerOutput, dict[str, Any]] | None = None  # of the last iteration
         self._last_stats: IterationStats | None = None  # built from them by the first `stats()` call since
+
+    def not_ready(self) -> Collection[Hashable]:
+        """Ids of the resident requests this pass may not schedule: those whose step of an earlier pass is still in
+        the pipeline (`in_flight`) and those whose resume copy is still in flight (the forward would read KV not
+        written yet). Empty, and built from nothing, in the steady state."""
+        copying = [p.request_id for p in self.pool.in_flight.values() if p.direction != TO_HOST]
+        if not copying:
+            return self.in_flight
+        return {*self.in_flight, *copying}
+
+    def head_of_pass(self, pass_: SchedulingPass) -> Request | None:
+        """The request `pass_` serves first (SPEC.md 7.2: decode steps before prompt and replay chunks, each in
+        arrival order, requests not ready skipped), found once per pass: at the first question, before any computing
+        request of the pass changed state."""
+        if not pass_.head_known:
+            not_ready = self.not_ready()
+            ready = [r for r in self.resident if r.state in self._computing and r.request_id not in not_ready]
+            pass_.head = min(ready, key=lambda r: r.is_prefilling, default=None)  # stable: the first by arrival
+            pass_.head_known = True
+        return pass_.head
 
     def _queue_of(self, event: str) -> list[Request]:
         """The queue of the one state the admission class `event` leaves."""

@@ -3,7 +3,8 @@
 Invariants kept (ids from the spec; the policy's rules are the spec's `[policy]`, given meaning in `kvstate.policy`):
 * victims are taken tail-first by admission order among requests not yet scheduled in the pass, never twice in a
   pass, never one about to produce its final token, never one awaiting consensus, never one past the preemption cap
-  (VICTIM-TAIL, VICTIM-ONCE, VICTIM-NOT-FINAL, PP-HOLD): the exclusions the spec's policy names;
+  unless the requester is the head of the pass, the request it serves first (VICTIM-TAIL, VICTIM-ONCE,
+  VICTIM-NOT-FINAL, VICTIM-CAP, PP-HOLD): the exclusions the spec's policy names;
 * suspension copies nothing: a suspended request's GPU blocks are held, and GPU room comes from the offload of held
   blocks to the host tier, which an allocation asks for when it needs room, exactly as many blocks as it needs,
   least recently held first (OFFLOAD-DEMAND; with the policy's `eager` offload, all of a victim's blocks at its
@@ -44,6 +45,8 @@ class Preemption(HeldBlocks):
     def _make_room(self, request: Request, need: int, pass_: SchedulingPass) -> bool:
         """Free `need` GPU blocks for `request`: True when they are free now; False when it preempted itself or
         waits for room on its way (which it then reserves: WORK-CONSERVE)."""
+        if self.config.max_preemptions_per_request is not None:
+            self.head_of_pass(pass_)  # the cap spares the head's victims: find it before any victim changes state
         while self.pool.gpu_free_blocks < need:
             short = need - self.pool.gpu_free_blocks
             if pass_.pending_free < short:  # held blocks move down first: their sources free once copied

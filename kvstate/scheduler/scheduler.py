@@ -17,12 +17,12 @@ Invariants kept (ids from the spec; the policy's rules are the spec's `[policy]`
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 from kvstate.config import RequestRejected, normalize_stop_token_ids
 from kvstate.errors import SchedulerStalled, UnknownRequestId
 from kvstate.output import SchedulerOutput
-from kvstate.pool import TO_HOST, ceil_div
+from kvstate.pool import ceil_div
 from kvstate.request import Request, new_request
 from kvstate.scheduler.admission import Admission
 from kvstate.scheduler.copies import CopyReports
@@ -161,15 +161,6 @@ class Scheduler(Preemption, Admission, StepLanding, CopyReports):
     def _room_on_its_way(self) -> int:
         """GPU blocks that free without further preemption: fenced by copies, or held awaiting consensus."""
         return len(self.pool.gpu.fenced) + self.tally.gpu_blocks[self._pending_reset]
-
-    def not_ready(self) -> Collection[Hashable]:
-        """Ids of the resident requests this pass may not schedule: those whose step of an earlier pass is still in
-        the pipeline (`in_flight`) and those whose resume copy is still in flight (the forward would read KV not
-        written yet). Empty, and built from nothing, in the steady state."""
-        copying = [p.request_id for p in self.pool.in_flight.values() if p.direction != TO_HOST]
-        if not copying:
-            return self.in_flight
-        return {*self.in_flight, *copying}
 
     def _schedule_decoding(self, pass_: SchedulingPass) -> list[Request]:
         """Decode steps of the resident requests in arrival order, in one walk that also returns the resident

@@ -22,7 +22,9 @@ class SchedulingPass:
     Invariants: `tokens_left` and `slots_left` never go negative; `pending_free` is the room on its way that no
     requester of this pass has reserved yet; `record` lists victims, promotions and waits in decision order;
     every victim but `unmoved_victims` of them left its state when it was taken (suspended or paused), so a walk
-    over the resident requests that skips those not active needs the victims only while some are unmoved.
+    over the resident requests that skips those not active needs the victims only while some are unmoved; `head`,
+    once known, is the request the pass serves first, as it was when the pass began (nothing computing changes
+    state before the first requester asks for room).
     """
 
     def __init__(self, config: SchedulerConfig, number: int | None) -> None:
@@ -39,6 +41,9 @@ class SchedulingPass:
         self.waited = False
         self.promotion_worth = 0
         self.requester: Request | None = None  # the request the pass is making room for
+        # the first request the pass serves (SPEC.md 7.2), found when a requester first asks for room (`head_known`)
+        self.head: Request | None = None
+        self.head_known = False
         self.chunk_blocks: dict[Hashable, int] = {}  # blocks allocated for a resident request's chunk of this pass
         self.offload_limit = 0  # held blocks the allocation under way needs from an offload (its guard reads it)
         self.record = PassRecord()
