@@ -1,7 +1,9 @@
 """One test per mutant of the checker (and of the scheduler) that the suite used to let through.
 
 Each mutant is a one-line change; each test fails with it applied (monkeypatched, or shown against the rule it
-would break) and passes without it.
+would break) and passes without it. The mutation table applies each scheduler mutant in turn and asserts that a bound
+of the default set, the set `kvstate check` runs, reports it by the invariant it breaks; the same bounds hold on the
+unmutated scheduler.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvstate import policy
-from kvstate.checker import VIOLATED, check_bound, select_bounds
+from kvstate.checker import HOLDS, VIOLATED, check_bound, select_bounds
 from kvstate.checker.observed import ObservedScheduler
 from kvstate.checker.world import prompt_of
 from kvstate.config import SchedulerConfig
@@ -29,6 +31,9 @@ from kvstate.validate import validate_spec
 
 SPEC = load_spec()
 EXPLORE = import_module("kvstate.checker.explore")
+PREEMPTION = import_module("kvstate.scheduler.preemption")
+SEMANTICS = import_module("kvstate.semantics")
+REFINEMENT_CHECKS = import_module("kvstate.checker.refinement_checks")
 RUNNING, WAITING, SUSPENDED = SPEC.role("active"), SPEC.role("queued"), SPEC.role("offloaded")
 
 
@@ -156,3 +161,110 @@ def test_removing_about_to_finish_from_the_victim_exclusions_is_caught_by_a_defa
     assert "pipeline2_no_cancel" in [b.name for b in select_bounds(None)]
     report = check_bound(bound, counterexample_dir=None)
     assert report.violated_invariant == "VICTIM-NOT-FINAL", report.counterexample
+
+
+# ------------------------------------------------ the mutation table: one-line scheduler mutants, shipped bounds
+def promotes_equal_worth(promoted_kv_tokens: float, victim_kv_tokens: float) -> bool:
+    """`promotion_saves_kv` with `<` -> `<=`."""
+    return promoted_kv_tokens <= victim_kv_tokens
+
+
+def holds_new_only_after_a_victim(self, pass_) -> None:
+    """Scheduler._admit with `(pass_.preempted or pass_.waited)` -> `pass_.preempted`."""
+    rules = self.policy.admission_rules
+    hold_new = policy.HOLD_NEW_AFTER_PREEMPTION_OR_WAIT in rules and pass_.preempted
+    for event, queue in self._admission_queues:
+        if event == "admit" and hold_new:
+            return
+        if not queue:
+            continue
+        if not self._admit_class(event, queue, pass_) and policy.STOP_AT_FIRST_MISFIT in rules:
+            return
+
+
+def head_first(self, pass_):
+    """Scheduler._pick_victim with `reversed(self.admitted)` -> `self.admitted`."""
+    return next((c for c in self.admitted if self._victim_eligible(c, pass_)), None)
+
+
+def capped_one_late(request, cap) -> bool:
+    """`preemption_capped` with `>= cap` -> `> cap`."""
+    return cap is not None and request.num_suspensions + request.num_recompute_pauses > cap
+
+
+def plant_promotion_worth(monkeypatch) -> None:
+    monkeypatch.setattr(PREEMPTION, "promotion_saves_kv", promotes_equal_worth)
+    monkeypatch.setattr(SEMANTICS, "promotion_saves_kv", promotes_equal_worth)  # the promotion gate's guard
+
+
+def plant_cap(monkeypatch) -> None:
+    monkeypatch.setattr(PREEMPTION, "preemption_capped", capped_one_late)
+    monkeypatch.setattr(policy, "preemption_capped", capped_one_late)  # the victim exclusion's
+
+
+# (mutant, how it is planted, the shipped bound that kills it, the invariant `kvstate check` reports)
+MUTATION_TABLE = [
+    ("promotion worth `<` -> `<=`", plant_promotion_worth, "promotion_worth", "PROMOTE-GATE"),
+    (
+        "promotion oldest suspension first",
+        lambda mp: mp.setattr(Scheduler, "_promote_for", oldest_first),
+        "promotion_order",
+        "PROMOTE-GATE",
+    ),
+    (
+        "A1 hold ignoring a waiting requester",
+        lambda mp: mp.setattr(Scheduler, "_admit", holds_new_only_after_a_victim),
+        "hold_after_wait",
+        "ADMIT-HOLD",
+    ),
+    ("head-first victims", lambda mp: mp.setattr(Scheduler, "_pick_victim", head_first), "promotion", "VICTIM-TAIL"),
+    (
+        "no final-token protection",
+        lambda mp: mp.setitem(policy.VICTIM_EXCLUSIONS, "about_to_finish", lambda s, candidate, pass_: False),
+        "gpu_only_ladder",
+        "VICTIM-NOT-FINAL",
+    ),
+    ("preemption cap off by one", plant_cap, "preemption_cap", "VICTIM-CAP"),
+]
+KILLING_BOUNDS = sorted({row[2] for row in MUTATION_TABLE})
+
+
+@pytest.mark.parametrize(("mutant", "plant", "bound", "invariant"), MUTATION_TABLE, ids=[r[0] for r in MUTATION_TABLE])
+def test_a_shipped_bound_kills_the_mutant(monkeypatch, mutant, plant, bound, invariant):
+    (shipped,) = select_bounds([bound])
+    assert bound in [b.name for b in select_bounds(None)]  # `kvstate check` runs it by default
+    plant(monkeypatch)
+    report = check_bound(shipped, counterexample_dir=None)
+    assert report.verdict == VIOLATED, f"{mutant}: not killed by {bound}"
+    assert report.violated_invariant == invariant, report.counterexample
+
+
+@pytest.mark.parametrize("bound", KILLING_BOUNDS)
+def test_the_unmutated_scheduler_holds_on_the_killing_bound(bound):
+    (shipped,) = select_bounds([bound])
+    report = check_bound(shipped, counterexample_dir=None)
+    assert report.verdict == HOLDS, report.counterexample
+
+
+# ------------------------------------------- the refinement: the abstraction's state predicates are evaluated
+def releases_while_awaiting_consensus(self, request, transition) -> None:
+    """A planted bug: `hold_for_consensus` frees the request's GPU blocks (they must stay until consensus)."""
+    self.s.pool.release(request.request_id)
+    request.num_gpu_blocks = 0
+
+
+def test_a_bug_only_the_state_predicates_name_is_reported_by_them(monkeypatch):
+    """Mutant: the refinement's loop over the state predicates skipped. A request awaiting consensus that gave up
+    its GPU blocks passes the scheduler's own checks (its pool and its records agree, and its state may hold any
+    number of GPU blocks); the first check to see it is RES-STATE of the abstraction (tokens computed without blocks
+    to hold them). With the loop skipped, the same run is reported as another violation (REFINES: a state the spec
+    does not reach). A correct scheduler satisfies every state predicate, so no verdict of `kvstate check` shows
+    this mutant: a planted bug does."""
+    (bound,) = select_bounds(["pipeline2_no_cancel"])
+    monkeypatch.setattr(SchedulerEffects, "hold_for_consensus", releases_while_awaiting_consensus)
+    report = check_bound(bound, counterexample_dir=None)
+    assert report.violated_invariant == "RES-STATE", report.counterexample
+    assert report.refinement is not None and "abstraction of the scheduler state" in report.refinement.message
+    monkeypatch.setattr(REFINEMENT_CHECKS, "STATE_PREDICATES", {})
+    skipped = check_bound(bound, counterexample_dir=None)
+    assert skipped.verdict == VIOLATED and skipped.violated_invariant != "RES-STATE", skipped.counterexample
