@@ -13,6 +13,7 @@
 * `runner`: the `kvstate check` code path, reports and counterexample regression tests;
 * `replay`: replaying a counterexample, as the generated regression tests do;
 * `sweep`: swept bounds (`kvstate check --sweep NAME`) and their summary table;
+* `sweep_runners`: where a sweep's configurations run (this process, a local Dask cluster, a Dask cluster);
 * `bounds`: named bounds from `spec/bounds.toml`;
 * `search`: what both searches share: their limits and shortest-path reconstruction;
 * `trace`: `kvstate validate`, checking an engine's NDJSON trace (spec/TRACE.md) against the spec.
