@@ -258,7 +258,8 @@ def run_sweep(
 ) -> SweepReport:
     """Check every configuration of `sweep` on `runner` (default: this process for one worker, a local Dask cluster
     of `workers` processes for more); `progress(done, total)` after each. Counterexample files are written here,
-    into `counterexample_dir`, whichever machine checked the configuration."""
+    into `counterexample_dir`, whichever machine checked the configuration. Dask spawns its worker processes: a
+    script that calls this with `workers > 1` needs the `if __name__ == "__main__":` guard."""
     if runner is None and workers > 1:
         with local_dask_runner(workers) as local:
             return run_sweep(
