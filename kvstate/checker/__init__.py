@@ -15,6 +15,7 @@
   exhaustive search checks it, with shrunk counterexamples (bounds too large to exhaust);
 * `replay`: replaying a counterexample, as the generated regression tests do;
 * `sweep`: swept bounds (`kvstate check --sweep NAME`) and their summary table;
+* `sweep_runners`: where a sweep's configurations run (this process, a local Dask cluster, a Dask cluster);
 * `bounds`: named bounds from `spec/bounds.toml`;
 * `search`: what both searches share: their limits and shortest-path reconstruction;
 * `trace`: `kvstate validate`, checking an engine's NDJSON trace (spec/TRACE.md) against the spec.

@@ -10,6 +10,10 @@ configuration gets. Each configuration is a `Bound` checked by
 `check_bound` (the abstract model too, unless `abstract_model = false`: the refinement's step refinement then checks
 REFINES action by action); a violation writes its counterexample as a regression test.
 
+The configurations run on a `SweepRunner` (`kvstate.checker.sweep_runners`): this process, a local Dask cluster or
+a Dask cluster at an address. Whichever ran them, the report and the counterexample files are the same: a worker
+returns its files' texts and they are written here.
+
 Invariants: `Sweep.bounds()` lists each configuration once, in a fixed order, and every one is a valid `Bound`
 (every request fits the GPU tier alone); `SweepReport` has one `Outcome` per configuration, in that order.
 """
@@ -17,16 +21,18 @@ Invariants: `Sweep.bounds()` lists each configuration once, in a fixed order, an
 from __future__ import annotations
 
 import itertools
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvstate.checker.bounds import Bound, BoundsError, packaged_bounds_path
 from kvstate.checker.explore import HOLDS, INCOMPLETE, VIOLATED
 from kvstate.checker.runner import check_bound
+from kvstate.checker.sweep_runners import InProcessRunner, Lost, SweepRunner, local_dask_runner
+from kvstate.errors import KVStateError
 from kvstate.policy import VOCABULARY
 from kvstate.pool import ceil_div
 from kvstate.spec import Spec, load_spec
@@ -169,6 +175,7 @@ class Outcome:
     states: int
     seconds: float
     counterexample_file: str | None
+    lost: str | None = None  # why no worker returned a verdict (the verdict is then incomplete)
 
 
 @dataclass
@@ -176,7 +183,7 @@ class SweepReport:
     sweep: Sweep
     outcomes: list[Outcome] = field(default_factory=list)
     seconds: float = 0.0
-    workers: int = 1
+    where: str = "this process"  # the runner's description
 
     @property
     def verdict(self) -> str:
@@ -215,7 +222,7 @@ class SweepReport:
         counts = Counter(o.verdict for o in self.outcomes)
         out = [
             f"sweep {self.sweep.name}: {len(self.outcomes)} configurations, {sum(o.states for o in self.outcomes)} "
-            f"scheduler states, {self.seconds:.1f} s on {self.workers} worker(s): "
+            f"scheduler states, {self.seconds:.1f} s on {self.where}: "
             + ", ".join(f"{counts[v]} {v}" for v in (HOLDS, VIOLATED, INCOMPLETE)),
             *self.table(),
         ]
@@ -224,6 +231,7 @@ class SweepReport:
                 out.append(
                     f"  {o.bound.name} ({o.verdict}{', ' + o.invariant if o.invariant else ''}): "
                     f"{o.bound.to_dict()}"
+                    + (f"; not checked: {o.lost}" if o.lost else "")
                     + (f"; regression test {o.counterexample_file}" if o.counterexample_file else "")
                 )
         return out
@@ -243,49 +251,81 @@ def run_sweep(
     *,
     spec_path: str | None = None,
     workers: int = 1,
+    runner: SweepRunner | None = None,
     max_states: int | None = None,
     counterexample_dir: Path | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> SweepReport:
-    """Check every configuration of `sweep` (on `workers` processes); `progress(done, total)` after each."""
+    """Check every configuration of `sweep` on `runner` (default: this process for one worker, a local Dask cluster
+    of `workers` processes for more); `progress(done, total)` after each. Counterexample files are written here,
+    into `counterexample_dir`, whichever machine checked the configuration. Dask spawns its worker processes: a
+    script that calls this with `workers > 1` needs the `if __name__ == "__main__":` guard."""
+    if runner is None and workers > 1:
+        with local_dask_runner(workers) as local:
+            return run_sweep(
+                sweep,
+                spec_path=spec_path,
+                runner=local,
+                max_states=max_states,
+                counterexample_dir=counterexample_dir,
+                progress=progress,
+            )
+    runner = runner or InProcessRunner()
+    spec = load_spec(spec_path)
     bounds = sweep.bounds()
     start = time.perf_counter()
-    report = SweepReport(sweep, workers=workers)
-    jobs = [(b, spec_path, max_states, counterexample_dir) for b in bounds]
-    if workers > 1:
-        with ProcessPoolExecutor(max_workers=workers, initializer=_load, initargs=(spec_path,)) as pool:
-            results: Iterator[Outcome] = pool.map(_check, jobs, chunksize=8)
-            for n, outcome in enumerate(results, 1):
-                report.outcomes.append(outcome)
-                if progress is not None:
-                    progress(n, len(jobs))
-    else:
-        _load(spec_path)
-        for n, job in enumerate(jobs, 1):
-            report.outcomes.append(_check(job))
-            if progress is not None:
-                progress(n, len(jobs))
+    report = SweepReport(sweep, where=runner.description)
+    jobs = [(bound, max_states, counterexample_dir is not None) for bound in bounds]
+    outcomes: dict[int, Outcome] = {}
+    for index, result in runner.run(check_configuration, spec, jobs):  # in the order they finish
+        outcomes[index] = _keep(bounds[index], result, counterexample_dir)  # its files written at once
+        if progress is not None:
+            progress(len(outcomes), len(bounds))
+    report.outcomes = [outcomes[index] for index in range(len(bounds))]
     report.seconds = time.perf_counter() - start
     return report
 
 
-_SPEC: Spec | None = None  # each worker loads the spec once
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """One configuration's outcome as a worker returns it, with its counterexample files (name, text): a worker
+    on another machine cannot write into the directory they belong in."""
+
+    outcome: Outcome
+    files: tuple[tuple[str, str], ...] = ()
 
 
-def _load(spec_path: str | None) -> None:
-    global _SPEC  # noqa: PLW0603 - one spec per worker process, loaded by its initializer
-    _SPEC = load_spec(spec_path)
-
-
-def _check(job: tuple[Bound, str | None, int | None, Path | None]) -> Outcome:
-    bound, _, max_states, counterexample_dir = job
-    report = check_bound(bound, spec=_SPEC, max_states=max_states, counterexample_dir=counterexample_dir)
+def check_configuration(spec: Spec, job: tuple[Bound, int | None, bool]) -> Checked:
+    """Check one configuration (a runner's task: it runs wherever the runner puts it)."""
+    bound, max_states, write_counterexample = job
+    with tempfile.TemporaryDirectory(prefix="kvstate-sweep-") as scratch:
+        directory = Path(scratch) if write_counterexample else None
+        report = check_bound(bound, spec=spec, max_states=max_states, counterexample_dir=directory)
+        files = tuple((p.name, p.read_text(encoding="utf-8")) for p in sorted(Path(scratch).iterdir()))
     refinement = report.refinement
-    return Outcome(
+    outcome = Outcome(
         bound,
         report.verdict,
         report.violated_invariant,
         (refinement.states if refinement else 0) + report.abstract.states,
         (refinement.seconds if refinement else 0.0) + report.abstract.seconds,
-        str(report.counterexample_file) if report.counterexample_file else None,
+        report.counterexample_file.name if report.counterexample_file else None,
     )
+    return Checked(outcome, files)
+
+
+def _keep(bound: Bound, result: Checked | Lost, counterexample_dir: Path | None) -> Outcome:
+    """The outcome of one configuration, its counterexample files written into `counterexample_dir`."""
+    if isinstance(result, Lost):
+        return Outcome(bound, INCOMPLETE, None, 0, 0.0, None, lost=result.reason)
+    outcome = result.outcome
+    if counterexample_dir is None or not result.files:
+        return outcome
+    for name, text in result.files:
+        path = counterexample_dir / name
+        try:
+            path.write_text(text, encoding="utf-8")
+        except OSError as err:
+            raise KVStateError(f"cannot write {path}: {err.strerror}; pass a writable --counterexample-dir") from err
+    written = str(counterexample_dir / outcome.counterexample_file) if outcome.counterexample_file else None
+    return replace(outcome, counterexample_file=written)

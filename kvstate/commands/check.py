@@ -21,6 +21,9 @@ import argparse
 import io
 import os
 import sys
+import time
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
 
 from kvstate.commands import check_tlc
 from kvstate.commands.args import (
@@ -36,6 +39,9 @@ from kvstate.commands.args import (
     positive_int,
 )
 from kvstate.terminal import inert
+
+if TYPE_CHECKING:  # rich is imported only where a bar is drawn
+    from rich.progress import Progress, TaskID
 
 DEFAULT_MAX_STATES = 1_000_000  # states of one search: what bounds its memory
 DEFAULT_TIME_LIMIT_S = 3600.0  # seconds per bound
@@ -97,7 +103,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         type=positive_int(maximum=MAX_WORKERS),
         default=None,
-        help=f"processes a sweep runs on, at most {MAX_WORKERS} (default: the CPUs this process may use)",
+        help=f"processes of a local Dask cluster a sweep runs on, at most {MAX_WORKERS}; 1 runs it in this process "
+        "(default: the CPUs this process may use; in this process where Dask is not installed)",
+    )
+    parser.add_argument(
+        "--cluster",
+        metavar="ADDRESS",
+        default=None,
+        help="run a sweep's configurations on the running Dask cluster whose scheduler is at tcp://HOST:PORT "
+        "(its workers need this kvstate installed); excludes --workers",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        metavar="S",
+        type=positive_float,
+        default=None,
+        help="seconds --cluster waits for the scheduler to answer and for a first worker (default 10)",
     )
     parser.add_argument(
         "--simulate",
@@ -156,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             "--sweep excludes --bound and --diff: a sweep names its own bounds and checks one spec; give one of them"
         )
+    _refuse_runner_options(args)
 
     from kvstate.checker.bounds import select_bounds
     from kvstate.checker.runner import run_check
@@ -295,37 +317,106 @@ def draw_counterexamples(reports, spec, console) -> None:
         console.print(inert(f"  counterexample drawn: {drawn.html.resolve().as_uri()}"))
 
 
+def _refuse_runner_options(args: argparse.Namespace) -> None:
+    """--cluster and --connect-timeout apply to a sweep, without --workers; each needs Dask where it needs it."""
+    from kvstate.checker.sweep_runners import CLUSTER_EXTRA, dask_available
+
+    if args.sweep is None and (args.cluster is not None or args.connect_timeout is not None):
+        raise UsageError("--cluster and --connect-timeout apply to --sweep NAME only")
+    if args.connect_timeout is not None and args.cluster is None:
+        raise UsageError("--connect-timeout applies to --cluster only")
+    if args.cluster is not None and args.workers is not None:
+        raise UsageError("--cluster excludes --workers: the cluster's own workers check the configurations")
+    needs_dask = (
+        "--cluster" if args.cluster is not None else f"--workers {args.workers}" if (args.workers or 1) > 1 else None
+    )
+    if args.sweep is not None and needs_dask and not dask_available():
+        raise UsageError(f"{needs_dask} needs Dask, which is not installed: {CLUSTER_EXTRA} (or pass --workers 1)")
+
+
+def _runner(args: argparse.Namespace, say) -> AbstractContextManager:
+    """Where the sweep runs: the cluster at --cluster; a local Dask cluster of --workers processes; this process
+    for one worker, or by default where Dask is not installed."""
+    from kvstate.checker.sweep_runners import (
+        CLUSTER_EXTRA,
+        DEFAULT_CONNECT_TIMEOUT_S,
+        InProcessRunner,
+        cluster_runner,
+        dask_available,
+        local_dask_runner,
+    )
+
+    if args.cluster is not None:
+        return cluster_runner(args.cluster, args.connect_timeout or DEFAULT_CONNECT_TIMEOUT_S)
+    workers = args.workers or min(MAX_WORKERS, max(1, len(os.sched_getaffinity(0))))
+    if workers > 1 and args.workers is None and not dask_available():
+        say(f"kvstate check: Dask is not installed ({CLUSTER_EXTRA}): the sweep runs in this process")
+        workers = 1
+    return nullcontext(InProcessRunner()) if workers == 1 else local_dask_runner(workers)
+
+
 def _sweep(args: argparse.Namespace, spec_path, bounds_path, counterexample_dir, console) -> int:
     """`kvstate check --sweep NAME`: every configuration of the sweep, then its summary table."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
     from kvstate.checker.runner import EXIT_CODES
     from kvstate.checker.sweep import run_sweep, select_sweep
 
     sweep = select_sweep(args.sweep, bounds_path)
-    workers = args.workers or min(MAX_WORKERS, max(1, len(os.sched_getaffinity(0))))
     total = len(sweep.bounds())
     say = lambda text: console.print(inert(text))  # noqa: E731 - inert: names from the bounds file are plain text
     say(f"kvstate check: sweep {sweep.name} of {bounds_path or 'the packaged bounds'}: {total} configurations")
-    with Progress(
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=not sys.stderr.isatty(),
-    ) as bar:
-        task = bar.add_task("configurations", total=total)
+    with _runner(args, say) as runner, SweepProgress(total) as progress:
         report = run_sweep(
             sweep,
             spec_path=None if spec_path is None else str(spec_path),
-            workers=workers,
+            runner=runner,
             max_states=args.max_states,
             counterexample_dir=counterexample_dir,
-            progress=lambda done, _: bar.update(task, completed=done),
+            progress=progress.update,
         )
     for line in report.lines():
         say(line)
     code = EXIT_CODES[report.verdict]
     say(f"verdict: {report.verdict} ({len(report.outcomes)} configurations, exit {code})")
     return code
+
+
+class SweepProgress:
+    """A sweep's progress on stderr: configurations done of all, and the rate. On a terminal, a bar; otherwise a
+    line at each tenth done, so a log shows it without a line per configuration."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.start = time.monotonic()
+        self.tenths = 0  # tenths of the sweep already reported
+        self.bar: Progress | None = None
+        self.task: TaskID | None = None
+
+    def __enter__(self) -> SweepProgress:
+        if sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            from kvstate.terminal import console
+
+            self.bar = Progress(
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("configurations, {task.fields[rate]}"),
+                TimeElapsedColumn(),
+                console=console(stderr=True),
+                transient=True,
+            )
+            self.bar.__enter__()
+            self.task = self.bar.add_task("configurations", total=self.total, rate="")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def update(self, done: int, total: int) -> None:
+        rate = f"{done / max(time.monotonic() - self.start, 1e-9):.1f}/s"
+        if self.bar is not None and self.task is not None:
+            self.bar.update(self.task, completed=done, rate=rate)
+        elif done * 10 // total > self.tenths:
+            self.tenths = done * 10 // total
+            print(f"kvstate check: {done}/{total} configurations, {rate}", file=sys.stderr, flush=True)

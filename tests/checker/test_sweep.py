@@ -4,6 +4,9 @@ test. The packaged `ci` sweep runs in CI (`.ci/run`); the `wide` ones run with t
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
 from kvstate.checker.bounds import BoundsError
@@ -140,3 +143,20 @@ def test_the_packaged_sweeps_span_the_dimensions_the_issue_names():
 def test_the_wide_sweeps_hold(name):
     report = run_sweep(select_sweep(name), workers=2)
     assert report.verdict == "holds", "\n".join(report.lines())
+
+
+def test_without_dask_a_sweep_runs_in_this_process_unless_workers_ask_for_more(
+    bounds_file, tmp_path, monkeypatch, capsys
+):
+    """`import distributed` fails as it does where the cluster extra is not installed."""
+    monkeypatch.setitem(sys.modules, "distributed", None)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1})  # two CPUs: the default asks for two workers
+    args = ["check", "--bounds-file", str(bounds_file), "--counterexample-dir", str(tmp_path), "--sweep", "tiny"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Dask is not installed (pip install 'kvstate[cluster]'): the sweep runs in this process" in out
+    assert "s on this process: 18 holds" in out
+    for extra in (["--workers", "2"], ["--cluster", "tcp://127.0.0.1:9"]):
+        assert main([*args, *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"{extra[0]} " in err and "needs Dask, which is not installed: pip install 'kvstate[cluster]'" in err
