@@ -4,12 +4,24 @@ still do, with the fingerprint that identifies worlds.
 The refinement submits request `i` of a bound with id `i` (`bound_index`) and the concrete prompt `prompt_of(i, ...)`;
 `BoundRequests` holds those prompts, their stop tokens and what each request generates alone with unlimited memory.
 
-Two worlds with the same `fingerprint` behave alike from then on: it holds the request states, token lists, block
-tables, free lists, KV contents of owned blocks, copies in flight and how long they may still take, outputs in
-flight, the admission order, the order in which held blocks are offloaded (least recently held first), what the
-no-progress detector (A4) and the preemption cap (A3) read and the environment budgets left; it leaves out iteration
-numbers (a suspension's pass number among them: the promotion gate compares it only with the pass under way), plan
-ids and statistics counters, which no later decision reads.
+Two worlds with the same `fingerprint` behave alike from then on, but for when the no-progress detector (A4) stops
+them: it holds the request states, token lists, block tables, free lists, KV contents of owned blocks, copies in
+flight and how long they may still take, outputs in flight, the admission order, the order in which held blocks are
+offloaded (least recently held first), what decides whether a pass makes progress and how many passes the detector
+allows (A4), what the preemption cap (A3) reads and the environment budgets left; it leaves out iteration numbers (a
+suspension's pass number among them: the promotion gate compares it only with the pass under way), plan ids and
+statistics counters, which no later decision reads.
+
+The detector's counter (`Scheduler.idle_iterations`, passes since the last progress) is left out: the search
+identifies worlds modulo it, so a loop of passes without progress closes a cycle of worlds, a lasso. The quotient
+is sound because the counter is read only to raise `SchedulerStalled`, and the raise is monotone in it (a pass
+raises when the counter reaches the limit plus an allowance the fingerprint determines): worlds equal but for the
+counter take the same actions to the same successors, except that the one with the larger counter may stall
+sooner. So the search keeps, per world, the largest counter it was reached with (and expands a world again when a
+larger one reaches it: `kvstate.checker.world_graph.NoProgressCounts`); a stall is then reachable in the search
+exactly when it is reachable with the counter in the fingerprint. A cycle of worlds through an unfinished request
+is reported as a livelock: on the scheduler, its passes either make no progress, and the detector stops it, or
+never end it, which LIVE-DONE forbids either way.
 """
 
 from __future__ import annotations
@@ -125,7 +137,7 @@ def fingerprint(world: World) -> tuple:
                 gpu,
                 host,
                 r.termination_reason,
-                r.replay_high_water,  # what the no-progress detector (A4) reads, with idle_iterations below
+                r.replay_high_water,  # whether a replay chunk is progress (A4)
                 r.num_recompute_pauses > 0,  # the detector's allowance for replays reads it too
                 min(preempted, cap) if cap is not None else 0,  # the preemption cap (A3): whether it is reached
                 tuple(tuple(sim.gpu[b]) for b in gpu),
@@ -162,10 +174,4 @@ def fingerprint(world: World) -> tuple:
         pipeline,
         tuple(sorted(s.in_flight.items())),
         due,
-        s.idle_iterations,  # what the no-progress detector (A4) reads; last: `shape` leaves it out
     )
-
-
-def shape(world: World) -> tuple:
-    """A world's fingerprint without the no-progress counter: worlds equal but for that counter share a shape."""
-    return fingerprint(world)[:-1]
