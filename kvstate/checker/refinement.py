@@ -66,8 +66,8 @@ class Refinement:
 
     Invariants kept: a world is found once per fingerprint, in breadth-first order, so the path reported to a
     violation other than a stall is a shortest one (a world is expanded again only when a larger no-progress count
-    reaches it, which changes no successor but a stall); the objects every world shares (the spec, the tables, the checks) are never copied
-    with a world.
+    reaches it, which changes no successor but a stall); the objects every world shares (the spec, the tables, the
+    checks) are never copied with a world.
     """
 
     def __init__(
