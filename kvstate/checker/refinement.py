@@ -7,8 +7,10 @@ world, and checks it (`kvstate.checker.refinement_checks`); worlds are identifie
 (`kvstate.checker.world.fingerprint`).
 
 Liveness (LIVE-DONE): a cycle through a world with an unfinished request is a livelock
-(`kvstate.checker.world_graph`), and a stall of the no-progress detector (A4) reports one it would otherwise loop
-in: there must be neither.
+(`kvstate.checker.world_graph`), reported as a lasso at its loop; worlds are identified without the no-progress
+detector's counter (A4), so a loop of passes without progress is such a cycle. The detector's stall is a verdict of
+its own: each world is expanded again when a larger count reaches it, so a stall is found exactly when a run of the
+scheduler reaches it (a stall that a loop of worlds leads to is reported as that loop). There must be neither.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import copy
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,9 +29,9 @@ from kvstate.checker.model import AbstractModel
 from kvstate.checker.observed import ObservedScheduler
 from kvstate.checker.refinement_checks import RefinementChecks
 from kvstate.checker.search import SearchBudget
-from kvstate.checker.world import BoundRequests, World, bound_spec, fingerprint, scheduler_config, shape
-from kvstate.checker.world_graph import WorldGraph
-from kvstate.errors import InvariantViolation
+from kvstate.checker.world import BoundRequests, World, bound_spec, fingerprint, scheduler_config
+from kvstate.checker.world_graph import NoProgressCounts, WorldGraph
+from kvstate.errors import InvariantViolation, SchedulerStalled
 from kvstate.lifecycle import TransitionTable
 from kvstate.semantics import GUARDS
 from kvstate.sim import SimExecutor
@@ -61,9 +64,10 @@ class Refinement:
     """Explores the scheduler worlds of one bound: every world reachable from the initial one by the environment's
     choices, each checked as it is reached.
 
-    Invariants kept: a world is explored once per fingerprint, in breadth-first order, so the path reported to a
-    violation is a shortest one; the objects every world shares (the spec, the tables, the checks) are never copied
-    with a world.
+    Invariants kept: a world is found once per fingerprint, in breadth-first order, so the path reported to a
+    violation other than a stall is a shortest one (a world is expanded again only when a larger no-progress count
+    reaches it, which changes no successor but a stall); the objects every world shares (the spec, the tables, the
+    checks) are never copied with a world.
     """
 
     def __init__(
@@ -121,64 +125,20 @@ class Refinement:
         progress: Callable[[int, int], None] | None = None,
     ) -> RefinementResult:
         start = time.perf_counter()
-        budget = SearchBudget(max_states, time_limit, check_every=32)
         result = RefinementResult(self.bound, HOLDS, abstract_checked=self.checks.reachable is not None)
-        graph = WorldGraph()
-
-        def done(verdict: str) -> RefinementResult:
-            result.verdict, result.states, result.seconds = verdict, graph.size, time.perf_counter() - start
-            return result
-
+        search = _Search(self, result, SearchBudget(max_states, time_limit, check_every=32))
         try:
             self.checks.refusal()
         except InvariantViolation as err:
             result.violation_id, result.message = err.invariant_id, str(err)
-            return done(VIOLATED)
-        first = self.initial()
-        index = {fingerprint(first): 0}
-        worlds: dict[int, World] = {0: first}
-        i = 0
-        while i < graph.size:
-            if progress is not None and i & 31 == 0:
-                progress(graph.size, result.edges)
-            if (reason := budget.stop_reason(graph.size)) is not None:
-                result.stop_reason = reason
-                return done(INCOMPLETE)
-            world = worlds.pop(i)
-            for action in self.environment.actions(world):
-                nxt = self.clone(world)
-                try:
-                    self.apply(nxt, action)
-                except NotEnabled:
-                    continue
-                except InvariantViolation as err:
-                    result.edges += 1
-                    result.violation_id, result.message = err.invariant_id, str(err)
-                    result.path = [*graph.path_to(i), (action, self.fired(nxt))]
-                    if err.invariant_id == "LIVE-DONE":
-                        result.loop_start = self.stall_loop_start(result.path)
-                    return done(VIOLATED)
-                result.edges += 1
-                key, fired = fingerprint(nxt), self.fired(nxt)
-                j = index.get(key)
-                if j is None:
-                    j = index[key] = graph.add(i, action, fired, not nxt.scheduler.has_unfinished)
-                    worlds[j] = nxt
-                if action[0] not in BUDGETED:
-                    graph.link(i, j, action, fired)
-            i += 1
-        if progress is not None:
-            progress(graph.size, result.edges)
-        cycle = graph.livelock()
-        if cycle is not None:
-            self._report_livelock(result, graph, cycle)
-            return done(VIOLATED)
-        return done(HOLDS)
+            result.verdict = VIOLATED
+        else:
+            result.verdict = search.run(progress)
+        result.states, result.seconds = search.graph.size, time.perf_counter() - start
+        return result
 
     @staticmethod
-    def _report_livelock(
-        result: RefinementResult, graph: WorldGraph, cycle: list[tuple[tuple, list[str], int]]
-    ) -> None:
+    def report_livelock(result: RefinementResult, graph: WorldGraph, cycle: list[tuple[tuple, list[str], int]]) -> None:
         """LIVE-DONE violated by a cycle through an unfinished world: the path to it, then the cycle."""
         steps = sum(1 for action, _, _ in cycle if action[0] == "step")
         result.violation_id = "LIVE-DONE"
@@ -193,18 +153,24 @@ class Refinement:
         result.path = [*prefix, *loop]
         result.loop_start = len(prefix)
 
+    def report_stall(self, result: RefinementResult, err: InvariantViolation, path: list) -> None:
+        """LIVE-DONE violated by the no-progress detector (A4) at the end of `path` (no loop of worlds leads there:
+        a run without progress longer than the detector's limit)."""
+        result.violation_id, result.message, result.path = "LIVE-DONE", str(err), path
+        result.loop_start = self.stall_loop_start(path)
+
     def stall_loop_start(self, path: list[tuple[tuple, list[str]]]) -> int | None:
         """Where the path to a stall (the no-progress detector fired: LIVE-DONE) first comes back to a world it
-        passed, counting worlds equal but for the detector's counter: the steps from there repeat until the detector
-        stops them. None when the path has no such repeat."""
+        passed (worlds are identified without the detector's counter): the steps from there repeat until the
+        detector stops them. None when the path has no such repeat."""
         world = self.initial()
-        seen = {shape(world): 0}
+        seen = {fingerprint(world): 0}
         for n, (action, _) in enumerate(path[:-1], 1):
             try:
                 self.apply(world, action)
             except (InvariantViolation, NotEnabled):
                 return None
-            key = shape(world)
+            key = fingerprint(world)
             if key in seen:
                 return seen[key]
             seen[key] = n
@@ -214,3 +180,101 @@ class Refinement:
     def fired(world: World) -> list[str]:
         """The transitions the last action on `world` fired, as a counterexample lists them."""
         return [f"{rid}: {source} -{event}-> {dest}" for rid, source, event, dest in world.scheduler.transition_log]
+
+
+class _Search:
+    """One breadth-first search of the worlds of a `Refinement`, stopped at the first violation.
+
+    Invariants: `graph` holds every world found, identified by its fingerprint (`index`), with the edges of its
+    first expansion; `counts` the largest no-progress count each world was reached with; `waiting[j]` is the visit
+    and the world object with which world `j` is still to be expanded (first, or again with a larger count), and
+    `queue` holds each waiting world once, in the order it was found or raised.
+    """
+
+    def __init__(self, refinement: Refinement, result: RefinementResult, budget: SearchBudget) -> None:
+        self.refinement, self.result, self.budget = refinement, result, budget
+        self.graph, self.counts = WorldGraph(), NoProgressCounts()
+        first = refinement.initial()
+        self.index = {fingerprint(first): 0}
+        self.waiting: dict[int, tuple[int, World]] = {0: (0, first)}
+        self.queue: deque[int] = deque([0])
+        self.expanded: set[int] = set()
+
+    def run(self, progress: Callable[[int, int], None] | None) -> str:
+        """Search to the end, a violation or the budget; the verdict (`result` holds the violation, if any)."""
+        graph, result, popped = self.graph, self.result, 0
+        while self.queue:
+            if progress is not None and popped & 31 == 0:
+                progress(graph.size, result.edges)
+            popped += 1
+            if (reason := self.budget.stop_reason(graph.size)) is not None:
+                result.stop_reason = reason
+                return INCOMPLETE
+            i = self.queue.popleft()
+            visit, world = self.waiting.pop(i)
+            if self.expand(i, visit, world):
+                return VIOLATED
+        if progress is not None:
+            progress(graph.size, result.edges)
+        return VIOLATED if self.livelock() else HOLDS
+
+    def expand(self, i: int, visit: int, world: World) -> bool:
+        """Take every action out of world `i` (reached by `visit`); True on a violation (`result` holds it)."""
+        r, graph, result = self.refinement, self.graph, self.result
+        first_time = i not in self.expanded
+        self.expanded.add(i)
+        for action in r.environment.actions(world):
+            nxt = r.clone(world)
+            try:
+                r.apply(nxt, action)
+            except NotEnabled:
+                continue
+            except InvariantViolation as err:
+                result.edges += int(first_time)
+                self.violation(i, visit, action, nxt, err)
+                return True
+            key, fired = fingerprint(nxt), r.fired(nxt)
+            count, closed = nxt.scheduler.idle_iterations, False
+            j = self.index.get(key)
+            if j is None:
+                j = self.index[key] = graph.add(i, action, fired, not nxt.scheduler.has_unfinished)
+                self.wait(j, self.counts.first(j, visit, action, fired, count), nxt)
+            elif (again := self.counts.raised(j, visit, action, fired, count)) is not None:
+                self.wait(j, again, nxt)
+                closed = j in self.counts.worlds_before(visit)  # the count rose around a loop of worlds
+            if first_time:
+                result.edges += 1
+                if action[0] not in BUDGETED:
+                    graph.link(i, j, action, fired)
+            if closed and self.livelock():
+                return True
+        return False
+
+    def wait(self, j: int, visit: int, world: World) -> None:
+        """Expand world `j` with `world` (reached by `visit`): in place of a waiting one, or queued."""
+        if j not in self.waiting:
+            self.queue.append(j)
+        self.waiting[j] = (visit, world)
+
+    def violation(self, i: int, visit: int, action: tuple, nxt: World, err: InvariantViolation) -> None:
+        """Record the violation `action` raised out of world `i`: a stall of the no-progress detector is reported
+        as the livelock it closes when the graph has one, else with the path that made it; any other violation with
+        the shortest path to it."""
+        r, result = self.refinement, self.result
+        step = (action, r.fired(nxt))
+        if isinstance(err.__cause__, SchedulerStalled):
+            if not self.livelock():
+                r.report_stall(result, err, [*self.counts.path_to(visit), step])
+            return
+        result.violation_id, result.message = err.invariant_id, str(err)
+        result.path = [*self.graph.path_to(i), step]
+        if err.invariant_id == "LIVE-DONE":
+            result.loop_start = r.stall_loop_start(result.path)
+
+    def livelock(self) -> bool:
+        """Record the livelock of the graph found so far, if it has one (its edges are real: the lasso is)."""
+        cycle = self.graph.livelock()
+        if cycle is None:
+            return False
+        Refinement.report_livelock(self.result, self.graph, cycle)
+        return True

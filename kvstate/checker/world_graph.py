@@ -5,6 +5,10 @@ so none lies on a cycle), only steps, early completions and early landings move 
 them is one an executor may follow under F1-F4 (copies are due within `copy_delay` passes, outputs land when they
 must, consensus follows the landing of the output that announced the pause). So a cycle through a world with an
 unfinished request is a livelock.
+
+The graph is a quotient: worlds are identified without the no-progress detector's counter (A4), which only decides
+when `schedule()` raises `SchedulerStalled` (`kvstate.checker.world`). `NoProgressCounts` keeps, per world, the
+largest count it was reached with, so a stall reachable in the worlds with their counters is reachable here too.
 """
 
 from __future__ import annotations
@@ -13,6 +17,55 @@ from collections import deque
 
 from kvstate.checker.explore import tarjan
 from kvstate.checker.search import path_indices
+
+
+class NoProgressCounts:
+    """The largest no-progress count (A4) each world of a `WorldGraph` was reached with, and the visits that reached
+    it: visit 0 is the initial world's; visit `v` reached world `world[v]` from visit `parent[v]` by `via[v]`,
+    firing `fired[v]`, with the detector's counter at `count[v]`.
+
+    Invariants: `best[j]` is the count of the last visit of world `j`, and counts of successive visits of a world
+    strictly increase; a visit's parent chain is a path the scheduler really took, with exactly that count.
+    """
+
+    def __init__(self) -> None:
+        self.best: list[int] = [0]
+        self.world: list[int] = [0]
+        self.parent: list[int] = [-1]
+        self.via: list[tuple] = [()]
+        self.fired: list[list[str]] = [[]]
+
+    def first(self, world: int, parent: int, action: tuple, fired: list[str], count: int) -> int:
+        """Record the visit that first reached `world` (a new world of the graph); the visit's index."""
+        self.best.append(count)
+        return self._visit(world, parent, action, fired)
+
+    def raised(self, world: int, parent: int, action: tuple, fired: list[str], count: int) -> int | None:
+        """Record a visit reaching `world` again with a larger count than any before (the world must be expanded
+        again: its stall may be nearer); None when the count is no larger."""
+        if count <= self.best[world]:
+            return None
+        self.best[world] = count
+        return self._visit(world, parent, action, fired)
+
+    def _visit(self, world: int, parent: int, action: tuple, fired: list[str]) -> int:
+        self.world.append(world)
+        self.parent.append(parent)
+        self.via.append(action)
+        self.fired.append(fired)
+        return len(self.world) - 1
+
+    def path_to(self, visit: int) -> list[tuple[tuple, list[str]]]:
+        """(action, transitions it fired) along the path that made `visit`."""
+        return [(self.via[v], self.fired[v]) for v in path_indices(self.parent, visit)]
+
+    def worlds_before(self, visit: int) -> set[int]:
+        """The worlds on the path that made `visit`, its own included."""
+        worlds = set()
+        while visit != -1:
+            worlds.add(self.world[visit])
+            visit = self.parent[visit]
+        return worlds
 
 
 class WorldGraph:
