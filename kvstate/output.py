@@ -18,6 +18,10 @@ from kvstate.roles import LIST_NAMES
 from kvstate.spec import Spec, default_spec
 from kvstate.untrusted import shown
 
+# The most block copies into one tier an output may carry when the tiers' capacities are not given to `from_dict`
+# (an output writes each destination block once, so a tier's capacity bounds them when it is given).
+MAX_MIGRATION_PAIRS = 1 << 16
+
 # The lists whose requests compute in the forward pass, in batch order (`SchedulerOutput.scheduled`).
 SCHEDULED_LISTS: tuple[str, ...] = ("context", "replay", "generation")
 
@@ -186,8 +190,10 @@ class SchedulerOutput:  # noqa: PLW1641
         request not scheduled or longer than the request can ever be (prompt + max_new_tokens), a
         `num_fitting_requests` above the requests scheduled, a migration without `pairs`, in an unknown direction,
         with a negative block id, a block id outside its tier's capacity (`capacities`: blocks per tier, "gpu"
-        and "host", when given), a destination block written twice or a repeated plan id) raises
-        `MalformedOutput` naming the key; values are echoed short.
+        and "host", when given), a destination block written twice, a repeated plan id, a second migration of one
+        request (one copy per request), or more copies into a tier than it has blocks (`MAX_MIGRATION_PAIRS`
+        without `capacities`), counted before a pair is read) raises `MalformedOutput` naming the key; values are
+        echoed short.
         """
         if not isinstance(d, Mapping):
             raise MalformedOutput(
@@ -234,11 +240,7 @@ class SchedulerOutput:  # noqa: PLW1641
             raise MalformedOutput(
                 f"scheduled request {shown(rid)} has no 'chunk_tokens' entry; each scheduled request has exactly one"
             )
-        migrations = [_migration(p, requests_by_id, capacities) for p in _sequence(d, "migrations")]
-        plan_ids = [p.plan_id for p in migrations]
-        if len(set(plan_ids)) != len(plan_ids):
-            raise MalformedOutput(f"'migrations' repeats a plan id ({shown(sorted(plan_ids))}); each plan id is unique")
-        _check_destinations(migrations)
+        migrations = _migrations(_sequence(d, "migrations"), requests_by_id, capacities)
         fitting = _count(
             d.get("num_fitting_requests", 0),
             "'num_fitting_requests'",
@@ -289,9 +291,40 @@ def _count(value: object, what: str, *, minimum: int, maximum: int | None = None
     return value
 
 
+def _migrations(
+    entries: list | tuple, requests_by_id: Mapping[Hashable, Request], capacities: Mapping[str, int] | None
+) -> list[MigrationPlan]:
+    """The plans of `entries`: at most one per request (one copy per request is in flight) and per plan id, and
+    no more copies into a tier than it has blocks, counted before a plan's pairs are read."""
+    if len(entries) > len(requests_by_id):
+        raise MalformedOutput(
+            f"'migrations' holds {len(entries)} plans for {len(requests_by_id)} active requests; a request has at "
+            "most one copy in flight"
+        )
+    room = {tier: MAX_MIGRATION_PAIRS if capacities is None else capacities[tier] for tier in ("gpu", "host")}
+    migrations: list[MigrationPlan] = []
+    plan_of: dict[Hashable, int] = {}  # request id -> its plan id
+    plan_ids: set[int] = set()
+    for entry in entries:
+        plan = _migration(entry, requests_by_id, capacities, room)
+        if plan.plan_id in plan_ids:
+            raise MalformedOutput(f"'migrations' repeats a plan id ({plan.plan_id}); each plan id is unique")
+        if plan.request_id in plan_of:
+            raise MalformedOutput(
+                f"'migrations': plans {plan_of[plan.request_id]} and {plan.plan_id} both copy request "
+                f"{shown(plan.request_id)}; a request has at most one copy in flight (one copy per request)"
+            )
+        plan_ids.add(plan.plan_id)
+        plan_of[plan.request_id] = plan.plan_id
+        migrations.append(plan)
+    _check_destinations(migrations)
+    return migrations
+
+
 def _migration(
-    p: object, requests_by_id: Mapping[Hashable, Request], capacities: Mapping[str, int] | None
+    p: object, requests_by_id: Mapping[Hashable, Request], capacities: Mapping[str, int] | None, room: dict[str, int]
 ) -> MigrationPlan:
+    """One plan; `room` (blocks per tier the output may still copy into) is reduced by its pairs."""
     if not isinstance(p, Mapping):
         raise MalformedOutput(f"'migrations' entries are mappings (MigrationPlan.to_dict()), got {shown(p)}")
     missing = [k for k in ("plan_id", "request_id", "direction", "pairs") if k not in p]
@@ -305,8 +338,21 @@ def _migration(
         )
     tiers = _TIERS[p["direction"]]  # (source tier, destination tier)
     sizes = [None if capacities is None else capacities[tier] for tier in tiers]
+    listed = _sequence(p, "pairs")
+    if len(listed) > room[tiers[1]]:
+        limit = (
+            f"its capacity of {capacities[tiers[1]]} blocks"
+            if capacities is not None
+            else f"MAX_MIGRATION_PAIRS = {MAX_MIGRATION_PAIRS} without capacities"
+        )
+        raise MalformedOutput(
+            f"migration plan {plan_id}: 'pairs' holds {len(listed)} copies into the {tiers[1]} tier, more than the "
+            f"{room[tiers[1]]} the output may still write there; an output writes each block of a tier at most "
+            f"once ({limit})"
+        )
+    room[tiers[1]] -= len(listed)
     pairs: list[tuple[int, int]] = []
-    for pair in _sequence(p, "pairs"):
+    for pair in listed:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise MalformedOutput(
                 f"migration plan {plan_id}: 'pairs' holds {shown(pair)}; each pair is [source block, destination block]"

@@ -97,6 +97,7 @@ def _checkpoint(args: argparse.Namespace) -> Path:
                 f"--checkpoint {path} is not a directory, nor a GGUF file (it does not start with GGUF); pass a "
                 "Hugging Face Llama directory or a .gguf file"
             )
+        _check_gguf_header(path)
         return path
     missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
     if missing:
@@ -105,6 +106,17 @@ def _checkpoint(args: argparse.Namespace) -> Path:
             "directory that also holds its tokenizer (tokenizer.json), or a GGUF file"
         )
     return path
+
+
+def _check_gguf_header(path: Path) -> None:
+    """Refuse a GGUF file whose header is truncated or lies, before torch is imported (the header reader is
+    torch-free; the loader reads the header again, checked the same way)."""
+    from executor.gguf_file import read_gguf_header
+
+    try:
+        read_gguf_header(path)
+    except CheckpointError as err:
+        raise UsageError(str(err)) from None
 
 
 def _run(args: argparse.Namespace) -> int:

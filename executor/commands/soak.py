@@ -10,9 +10,13 @@ What a soak checks (the run fails, exit status 1, on any breach):
 * no block of either tier is held and no copy is in flight at the end;
 * `Scheduler.check_invariants(output)` holds around every iteration (the engine's `check_invariants`).
 
-`run_soak(SoakSettings(...))` is the library entry (tests call it); torch and the engine are imported inside it,
-so building the command line imports no torch. Every random choice derives from `SoakSettings.seed`. As with
-`kvstate demo`, nothing is written unless asked (`--trace PATH`, `--report DIR`: `executor.commands.outputs`).
+The command runs the faults as a matrix (`executor.commands.soak_matrix.run_matrix`): a fault that ends the host
+tier runs in a mix of its own, and the summary counts every path and fault kind per mix against a floor. A mix
+other than the main one writes its trace next to `--trace`, its name before the suffix; `--report` draws the main
+mix's. `run_soak(SoakSettings(...))` runs one mix, the library entry (tests call it); torch and the engine are
+imported inside it, so building the command line imports no torch. Every random choice derives from
+`SoakSettings.seed`. As with `kvstate demo`, nothing is written unless asked (`--trace PATH`, `--report DIR`:
+`executor.commands.outputs`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from executor.commands.inject import check_fault_plan
 from executor.commands.outputs import add_output_options, check_outputs, prepare_outputs
+from executor.commands.soak_matrix import MatrixReport, fault_mixes, run_matrix, summary_columns
 from executor.commands.workload import add_offload_option, option_key
 from executor.run_totals import copy_rows
 from kvstate.commands.args import (
@@ -54,6 +59,9 @@ if TYPE_CHECKING:  # annotations only: importing this command imports no torch
     from executor import Engine, EngineConfig
 
 DEFAULT_FAULTS = ("copy_to_host:0.05", "copy_to_gpu:0.05", "corrupt_host:0.05")
+# The command's faults: the copy faults, and the faults that end the host tier, each in a mix of its own
+# (`executor.commands.soak_matrix`).
+DEFAULT_INJECT = (*DEFAULT_FAULTS, "host_loss", "host_alloc")
 
 
 class SoakError(KVStateError, ValueError):
@@ -335,7 +343,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Run a seeded soak on the real executor: random arrivals, lengths and cancellations, a GPU tier "
             "far smaller than the demand, injected faults (failed copies, corrupt host copies, ...), and "
             "the scheduler's invariants checked around every iteration. Then compare every output with its "
-            "unpressured reference. Exit status 1 on any mismatch, leaked block or unfinished request."
+            "unpressured reference. A fault that ends the host tier runs in a mix of its own; the summary "
+            "counts every path and fault kind per mix and names those that ran fewer times than their floor. "
+            "Exit status 1 on any mismatch, leaked block or unfinished request."
         ),
     )
     options = [
@@ -363,7 +373,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=(
             "inject a fault kind (host_alloc, copy_to_host, copy_to_gpu, corrupt_host, host_loss), with "
             "a probability or as KIND@ITERATION,...; repeat for several; 'none' for no faults "
-            f"(default: {' '.join(DEFAULT_FAULTS)})"
+            f"(default: {' '.join(DEFAULT_INJECT)}); host_loss and host_alloc each run in a mix of their own, "
+            "on a share of the requests, so that the host tier stays up for the rest"
         ),
     )
     p.add_argument(
@@ -384,7 +395,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> SoakSettings:
-    injected = DEFAULT_FAULTS if args.inject is None else tuple(i for i in args.inject if i != "none")
+    injected = DEFAULT_INJECT if args.inject is None else tuple(i for i in args.inject if i != "none")
     names = {f.name for f in fields(SoakSettings)}
     values = {k: v for k, v in vars(args).items() if k in names and k not in ("faults", "dtype")}
     return SoakSettings(**values, faults=injected, checksums=not args.no_checksums)
@@ -413,12 +424,23 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _soak(settings: SoakSettings, report_dir: str | None = None) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
-
-    from kvstate.terminal import cell, console, inert, say
+    from kvstate.terminal import console, inert
 
     out = console()
+    _say_settings(out, settings)
+    try:
+        matrix = _run_with_progress(out, settings)
+    except ValueError as err:
+        print(inert(f"kvstate soak: error: {err}"), file=sys.stderr)
+        return 2
+    _print_tables(out, matrix)
+    _say_traces(out, matrix, report_dir)
+    return _say_verdict(out, matrix)
+
+
+def _say_settings(out, settings: SoakSettings) -> None:
+    from kvstate.terminal import say
+
     host = f"{settings.host_blocks} blocks" if settings.host_blocks else "none"
     say(
         out,
@@ -427,6 +449,20 @@ def _soak(settings: SoakSettings, report_dir: str | None = None) -> int:
         f"{settings.block_size} tokens, host tier {host}, faults: {' '.join(settings.faults) or 'none'}, checksums "
         f"{'on' if settings.checksums else 'off'}, offload {settings.offload or default_spec().policy.offload}",
     )
+    mixes = fault_mixes(settings)
+    if len(mixes) > 1:
+        say(
+            out,
+            "mixes: "
+            + "; ".join(
+                f"{m.name}: {m.settings.requests} requests, {' '.join(m.settings.faults) or 'none'}" for m in mixes
+            ),
+        )
+
+
+def _run_with_progress(out, settings: SoakSettings) -> MatrixReport:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     columns = (
         TextColumn("requests done"),
         BarColumn(),
@@ -434,52 +470,82 @@ def _soak(settings: SoakSettings, report_dir: str | None = None) -> int:
         TimeElapsedColumn(),
         TextColumn("{task.fields[status]}"),
     )
+    mixes = fault_mixes(settings)
+    before = {m.name: sum(x.settings.requests for x in mixes[:i]) for i, m in enumerate(mixes)}  # requests run before
     with Progress(*columns, console=out) as progress:
         task = progress.add_task("soak", total=settings.requests, status="")
 
-        def update(done: int, total: int, stats: IterationStats | None) -> None:
+        def update(mix: str, done: int, total: int, stats: IterationStats | None) -> None:
             status = (
-                ""
+                f"mix {mix}"
                 if stats is None
-                else (
-                    f"iteration {stats.iteration}, suspended {stats.num_suspended}, paused {stats.num_recompute_paused}"
-                )
+                else f"mix {mix}, iteration {stats.iteration}, suspended {stats.num_suspended}, "
+                f"paused {stats.num_recompute_paused}"
             )
-            progress.update(task, completed=done, status=status)
+            progress.update(task, completed=before[mix] + done, status=status)
 
-        try:
-            report = run_soak(settings, update)
-        except ValueError as err:
-            print(inert(f"kvstate soak: error: {err}"), file=sys.stderr)
-            return 2
+        return run_matrix(settings, update)
+
+
+def _print_tables(out, matrix: MatrixReport) -> None:
+    from rich.table import Table
+
+    from kvstate.terminal import cell
+
+    heads, rows = summary_columns(matrix)
     table = Table(title="Soak summary")
     table.add_column("metric")
-    table.add_column("value", justify="right")
-    for name, value in report.rows():
-        table.add_row(cell(name), cell(value))
+    for head in heads if len(heads) > 1 else ["value"]:
+        table.add_column(cell(head), justify="right")
+    for name, values in rows:
+        table.add_row(cell(name), *map(cell, values))
     out.print(table)
-    if settings.trace is not None:
-        say(out, f"trace: {Path(settings.trace).resolve()} ({report.trace_lines} transitions)")
-        if report_dir is not None:
-            from kvstate.report import write_report
+    paths = Table(title="Paths exercised (floor: the fewest runs that count as exercised)")
+    paths.add_column("path or fault")
+    for head in heads:
+        paths.add_column(cell(head), justify="right")
+    for head in ("total", "floor", ""):
+        paths.add_column(head, justify="right")
+    for count in matrix.paths():
+        flag = "BARELY EXERCISED" if count.barely else ("ok" if count.floor else "not asked for")
+        paths.add_row(cell(count.path), *map(str, count.per_mix), str(count.total), str(count.floor), flag)
+    out.print(paths)
 
-            say(out, f"report: {write_report(settings.trace, report_dir).html.resolve()}")
-    if report.ok:
-        near = (
-            f" ({len(report.accepted)} diverge at a near-tie of the reference: accepted in {settings.dtype})"
-            if report.accepted
-            else ""
-        )
-        say(
-            out,
-            ("SOAK: PASS", "bold green"),
-            f" - {report.compared} outputs equal their references{near}, no block leaked",
-        )
+
+def _say_traces(out, matrix: MatrixReport, report_dir: str | None) -> None:
+    from kvstate.terminal import say
+
+    for mix, report in matrix.runs:
+        if mix.settings.trace is not None:
+            say(out, f"trace ({mix.name}): {Path(mix.settings.trace).resolve()} ({report.trace_lines} transitions)")
+    main = matrix.runs[0][0].settings.trace
+    if main is not None and report_dir is not None:
+        from kvstate.report import write_report
+
+        say(out, f"report: {write_report(main, report_dir).html.resolve()}")
+
+
+def _say_verdict(out, matrix: MatrixReport) -> int:
+    from kvstate.terminal import say
+
+    barely = matrix.barely_exercised()
+    if barely:
+        say(out, ("paths barely exercised", "bold yellow"), f" (below their floor): {', '.join(barely)}")
+    else:
+        say(out, "every path and fault asked for ran at least its floor")
+    reports = matrix.reports
+    compared = sum(r.compared for r in reports)
+    if matrix.ok:
+        accepted = sum(len(r.accepted) for r in reports)
+        dtype = matrix.settings.dtype
+        near = f" ({accepted} diverge at a near-tie of the reference: accepted in {dtype})" if accepted else ""
+        say(out, ("SOAK: PASS", "bold green"), f" - {compared} outputs equal their references{near}, no block leaked")
         return 0
+    mismatches = [rid for r in reports for rid in r.mismatches]
     say(
         out,
         ("SOAK: FAIL", "bold red"),
-        f" - {len(report.mismatches)} mismatches {list(report.mismatches[:10])}, {report.leaked_blocks} leaked "
-        f"blocks, {report.unfinished} unfinished, {report.aborted} aborted",
+        f" - {len(mismatches)} mismatches {mismatches[:10]}, {sum(r.leaked_blocks for r in reports)} leaked "
+        f"blocks, {sum(r.unfinished for r in reports)} unfinished, {sum(r.aborted for r in reports)} aborted",
     )
     return 1

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -222,6 +224,21 @@ def test_kvstate_generate_takes_a_gguf_file_and_refuses_another_file(file, tmp_p
     other.write_text("not a checkpoint")
     assert main(["generate", "--checkpoint", str(other), "hi"]) == 2
     assert "is not a directory, nor a GGUF file" in capsys.readouterr().err
+
+
+def test_kvstate_generate_refuses_a_truncated_gguf_file_before_importing_torch(file):
+    """The header is read and checked before torch is imported: a truncated file is one line, exit 2, and the
+    process never imported torch."""
+    _truncate(file)
+    code = (
+        "import sys; from kvstate.cli import main; "
+        f"status = main(['generate', '--checkpoint', {str(file)!r}, 'hi']); "
+        "print(status, 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert done.stdout.split() == ["2", "False"], (done.stdout, done.stderr)
+    error = done.stderr.strip()
+    assert "\n" not in error and str(file) in error and "past the end of the file" in error, error
 
 
 # ------------------------------------------------------------------------------------------- memory

@@ -276,3 +276,35 @@ def test_from_dict_refuses_more_fitting_requests_than_it_schedules() -> None:
     sched, d = wire(6)
     d["num_fitting_requests"] = 10**30
     refused_within(d, sched, "'num_fitting_requests' is", f"more than {len(d['chunk_tokens'])}")
+
+
+@pytest.mark.parametrize("direction", ["to_host", "to_gpu"])
+def test_from_dict_refuses_a_second_migration_of_one_request(direction) -> None:
+    """One copy per request: a request with two plans in one output (either direction) is refused."""
+    sched, d = wire(6)
+    first = d["migrations"][0]
+    d["migrations"].append(dict(first, plan_id=first["plan_id"] + 1, direction=direction, pairs=[[5, 5]]))
+    refused_within(d, sched, "'migrations'", f"both copy request {first['request_id']!r}", "one copy per request")
+
+
+@pytest.mark.parametrize("capacities", [CAPACITIES, None], ids=["capacities", "no-capacities"])
+def test_from_dict_counts_the_pairs_of_a_plan_before_reading_them(capacities) -> None:
+    """A million pairs are refused from their count: no pair is read (a pair that is not a pair goes unseen)."""
+    from kvstate.output import MAX_MIGRATION_PAIRS, MalformedOutput
+
+    sched, d = wire(6)
+    plan = d["migrations"][0]
+    plan["pairs"] = [None] * 10**6
+    tier = "host" if plan["direction"] == "to_host" else "gpu"
+    limit = f"capacity of {CAPACITIES[tier]} blocks" if capacities else f"MAX_MIGRATION_PAIRS = {MAX_MIGRATION_PAIRS}"
+    with pytest.raises(MalformedOutput) as info:
+        SchedulerOutput.from_dict(d, sched.requests, capacities=capacities)
+    message = str(info.value)
+    assert all(n in message for n in ("'pairs' holds 1000000 copies", f"the {tier} tier", limit)), message
+
+
+def test_from_dict_refuses_more_plans_than_active_requests() -> None:
+    sched, d = wire(6)
+    first = d["migrations"][0]
+    d["migrations"] = [dict(first, plan_id=i) for i in range(len(sched.requests) + 1)]
+    refused_within(d, sched, f"holds {len(sched.requests) + 1} plans", "at most one copy in flight")
