@@ -9,7 +9,9 @@ when any does, 0 when all match.
 `--diff OLD_SPEC NEW_SPEC` draws the review picture of a spec change into --out (default ./spec-diff): one
 diagram (`spec-diff.dot`, `.svg` where Graphviz is installed) with added transitions green, removed ones red
 dotted and changed guards, effects and destructive flags orange (old → new), the changed policy rules in its
-legend, and `spec-diff.md`, a Markdown summary for a pull request, which it also prints.
+legend, and `spec-diff.md`, a Markdown summary for a pull request, which it also prints. A broadcast event is drawn
+from "any state" only where it is broadcast in both specs and none of its edges changed, so a change to one state's
+edge is drawn on that edge alone; `--all-edges` draws every transition as its own arrow here too.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def run_diff(args: argparse.Namespace) -> int:
     diff = diff_specs(old, new)
     summary = summary_markdown(old, new, diff)
     with naming_the_spec(f"{old.source} -> {new.source}"):
-        dot = render_diff_dot(old, new, diff)
+        dot = render_diff_dot(old, new, diff, all_edges=args.all_edges)
     write_file(out / DIFF_MD, summary.encode("utf-8"))
     write_file(out / DIFF_DOT, dot.encode("utf-8"))
     svg = render_svg(dot, timeout=args.dot_timeout)

@@ -2,9 +2,11 @@
 
 `diff_specs` compares two specs: transitions by (event, source, dest) — added, removed, or changed (guard, effect,
 destructive flag) — policy rules by name, states and invariants by name. `diff_diagram` is the union of both
-(broadcast edges bundled, as the lifecycle view); `render_diff_dot` draws it laid out as the lifecycle (by
-roles), added edges green and bold, removed ones red and dotted, changed ones orange and bold with `old → new` in
-the label, the rest light grey. `summary_markdown` is the text a reviewer pastes into a pull request.
+(broadcast edges bundled, as the lifecycle view, where the event is broadcast in both specs and none of its edges
+changed; an arrow never bundles edges of different changes; `all_edges`: one arrow per transition);
+`render_diff_dot` draws it laid out as the lifecycle (by roles), added edges green and bold, removed ones red and
+dotted, changed ones orange and bold with `old → new` in the label, the rest light grey. `summary_markdown` is the
+text a reviewer pastes into a pull request.
 
 Invariants kept: the diff is a pure function of the two specs, in spec order (new spec first, then what only the old
 one has); every text from a spec is written through `kvstate.diagrams.escape`.
@@ -107,10 +109,15 @@ def _shown(value: object) -> str:
     return "none" if value is None else str(value)
 
 
-def diff_diagram(old: Spec, new: Spec) -> Diagram:
-    """Both specs on one diagram: the new spec's states and transitions, then what only the old one has."""
-    base = build_diagram(new)
-    gone = build_diagram(old)
+def diff_diagram(old: Spec, new: Spec, diff: SpecDiff | None = None, *, all_edges: bool = False) -> Diagram:
+    """Both specs on one diagram: the new spec's states and transitions, then what only the old one has.
+
+    An arrow bundles only transitions of one change (`Diagram.apart`), and only an event that is broadcast in both
+    specs and whose transitions none changed is drawn from "any state" (`Diagram.bundled`): a change to one
+    state's edge is drawn on that edge alone, and every other edge keeps its arrow."""
+    diff = diff if diff is not None else diff_specs(old, new)
+    base = build_diagram(new, all_edges=all_edges)
+    gone = build_diagram(old, all_edges=all_edges)
     keys = {e.key for e in base.edges}
     names = {n.name for n in base.nodes}
     return replace(
@@ -118,6 +125,8 @@ def diff_diagram(old: Spec, new: Spec) -> Diagram:
         title=f"{new.name}: changes from {old.name} v{old.version}",
         nodes=base.nodes + tuple(n for n in gone.nodes if n.name not in names),
         edges=base.edges + tuple(e for e in gone.edges if e.key not in keys),
+        apart={change.key: change.change for change in diff.edges},
+        bundled=tuple(event for event in base.broadcast_events if event in gone.broadcast_events),
     )
 
 
@@ -148,9 +157,10 @@ def diff_view(diff: SpecDiff) -> View:
     return View(": the spec change", labels, attributes, legend)
 
 
-def render_diff_dot(old: Spec, new: Spec, diff: SpecDiff | None = None) -> str:
+def render_diff_dot(old: Spec, new: Spec, diff: SpecDiff | None = None, *, all_edges: bool = False) -> str:
+    """The diff picture's DOT source; `all_edges` draws every transition as its own arrow."""
     diff = diff if diff is not None else diff_specs(old, new)
-    return render_dot(diff_diagram(old, new), diff_view(diff))
+    return render_dot(diff_diagram(old, new, diff, all_edges=all_edges), diff_view(diff))
 
 
 def summary_markdown(old: Spec, new: Spec, diff: SpecDiff | None = None) -> str:
