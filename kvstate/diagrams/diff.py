@@ -14,12 +14,15 @@ one has); every text from a spec is written through `kvstate.diagrams.escape`.
 
 from __future__ import annotations
 
+import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 from kvstate.diagrams.dot import LegendRow, View, common_legend_rows, render_dot
 from kvstate.diagrams.escape import md_code, md_text
 from kvstate.diagrams.ir import Diagram, DrawnEdge, build_diagram
 from kvstate.spec import Spec
+from kvstate.validate import MAX_PROBLEMS
 
 ADDED, REMOVED, CHANGED, SAME = "added", "removed", "changed", "unchanged"
 CHANGE_STYLES = {  # change -> (colour, DOT style, legend sample)
@@ -136,7 +139,35 @@ def change_of(diff: SpecDiff, edge: DrawnEdge) -> EdgeChange:
     return next((c for c in found if c is not None), EdgeChange(edge.members[0].key, SAME))
 
 
-def diff_view(diff: SpecDiff) -> View:
+PROBLEM_COLOR = CHANGE_STYLES[REMOVED][0]  # red: a proposal's validation problems
+PROBLEM_LINE = 110  # characters of a problem per legend line
+MAX_PROBLEM_CHARS = 400  # characters of one problem the picture keeps (the summary keeps every one whole)
+
+
+def problem_rows(problems: Sequence[str]) -> list[LegendRow]:
+    """The new spec's validation problems as legend rows, keys in red: a row saying the spec is not well formed,
+    then `problem N` and the problem, wrapped, at most `MAX_PROBLEMS` of them (and a row saying how many more)."""
+    if not problems:
+        return []
+    rows = [
+        LegendRow(
+            "NOT WELL FORMED",
+            f"the new spec has {len(problems)} validation problem(s); every command given it with --spec refuses it",
+            PROBLEM_COLOR,
+        )
+    ]
+    for number, problem in enumerate(problems[:MAX_PROBLEMS], 1):
+        text = problem if len(problem) <= MAX_PROBLEM_CHARS else problem[: MAX_PROBLEM_CHARS - 1] + "…"
+        for index, line in enumerate(textwrap.wrap(text, PROBLEM_LINE) or [""]):
+            rows.append(LegendRow(f"problem {number}" if index == 0 else "", line, PROBLEM_COLOR))
+    if len(problems) > MAX_PROBLEMS:
+        rows.append(LegendRow("", f"... and {len(problems) - MAX_PROBLEMS} more (spec-diff.md lists them all)"))
+    return rows
+
+
+def diff_view(diff: SpecDiff, problems: Sequence[str] = ()) -> View:
+    """The diff's edges by change; `problems`, the new spec's validation problems, head the legend in red."""
+
     def labels(diagram: Diagram, drawn: tuple[DrawnEdge, ...]) -> list[tuple[str, ...]]:
         out = []
         for edge in drawn:
@@ -150,26 +181,36 @@ def diff_view(diff: SpecDiff) -> View:
         return [f'color="{color}", fontcolor="{color}", style={style}']
 
     def legend(diagram: Diagram) -> list[LegendRow]:
-        rows = [LegendRow(CHANGE_STYLES[c][2], CHANGE_MEANINGS[c], CHANGE_STYLES[c][0]) for c in CHANGE_STYLES]
+        rows = problem_rows(problems)
+        rows += [LegendRow(CHANGE_STYLES[c][2], CHANGE_MEANINGS[c], CHANGE_STYLES[c][0]) for c in CHANGE_STYLES]
         rows += [LegendRow(f"policy {rule}", policy_change(was, now)) for rule, was, now in diff.policy]
         return rows + common_legend_rows(diagram)
 
     return View(": the spec change", labels, attributes, legend)
 
 
-def render_diff_dot(old: Spec, new: Spec, diff: SpecDiff | None = None, *, all_edges: bool = False) -> str:
-    """The diff picture's DOT source; `all_edges` draws every transition as its own arrow."""
+def render_diff_dot(
+    old: Spec, new: Spec, diff: SpecDiff | None = None, *, all_edges: bool = False, problems: Sequence[str] = ()
+) -> str:
+    """The diff picture's DOT source; `all_edges` draws every transition as its own arrow; `problems` (the new
+    spec's validation problems) are listed in red in its legend."""
     diff = diff if diff is not None else diff_specs(old, new)
-    return render_dot(diff_diagram(old, new, diff, all_edges=all_edges), diff_view(diff))
+    return render_dot(diff_diagram(old, new, diff, all_edges=all_edges), diff_view(diff, problems))
 
 
-def summary_markdown(old: Spec, new: Spec, diff: SpecDiff | None = None) -> str:
-    """The change as Markdown for a pull request: transitions, policy rules, states, invariants."""
+def summary_markdown(old: Spec, new: Spec, diff: SpecDiff | None = None, problems: Sequence[str] = ()) -> str:
+    """The change as Markdown for a pull request: the new spec's validation problems first (when it has any), then
+    transitions, policy rules, states, invariants."""
     diff = diff if diff is not None else diff_specs(old, new)
     lines = [
         f"### Spec change: {md_text(old.name)} v{old.version} → {md_text(new.name)} v{new.version}",
         "",
     ]
+    if problems:
+        refused = "every command given it with `--spec` refuses it"
+        lines += [f"**The new spec is not well formed** ({len(problems)} problem(s); {refused}):", ""]
+        lines += [f"* {md_text(problem)}" for problem in problems]
+        lines.append("")
     if diff.empty:
         return "\n".join([*lines, "No transition, policy rule, state or invariant changed.", ""])
     if diff.edges:
