@@ -5,8 +5,8 @@ destructive flag) — policy rules by name, states and invariants by name. `diff
 (broadcast edges bundled, as the lifecycle view, where the event is broadcast in both specs and none of its edges
 changed; an arrow never bundles edges of different changes; `all_edges`: one arrow per transition);
 `render_diff_dot` draws it laid out as the lifecycle (by roles), added edges green and bold, removed ones red and
-dotted, changed ones orange and bold with `old → new` in the label, the rest light grey. `summary_markdown` is the
-text a reviewer pastes into a pull request.
+dotted, changed ones orange and bold with `old → new` in the label, the rest light grey and labelled without their
+effects (context, not change). `summary_markdown` is the text a reviewer pastes into a pull request.
 
 Invariants kept: the diff is a pure function of the two specs, in spec order (new spec first, then what only the old
 one has); every text from a spec is written through `kvstate.diagrams.escape`.
@@ -35,7 +35,7 @@ CHANGE_MEANINGS = {
     ADDED: "transition only the new spec has",
     REMOVED: "transition only the old spec has",
     CHANGED: "transition in both whose guard, effect or destructive flag changed (old → new)",
-    SAME: "unchanged transition",
+    SAME: "unchanged transition, labelled event [guard] (its effect: kvstate diagram)",
 }
 
 
@@ -172,8 +172,10 @@ def diff_view(diff: SpecDiff, problems: Sequence[str] = ()) -> View:
         out = []
         for edge in drawn:
             change = change_of(diff, edge)
-            parts = edge.label_parts()
-            out.append((f"[{change.change}]", *parts, *change.details) if change.change != SAME else tuple(parts))
+            if change.change == SAME:  # context: event and guard; the effect would crowd the changes out
+                out.append(tuple(edge.head_parts()))
+            else:
+                out.append((f"[{change.change}]", *edge.label_parts(), *change.details))
         return out
 
     def attributes(diagram: Diagram, edge: DrawnEdge) -> list[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import tomli_w
 
 from kvstate.cli import main
-from kvstate.diagrams.diff import REMOVED, SAME, change_of, diff_diagram, diff_specs, render_diff_dot
+from kvstate.diagrams.diff import REMOVED, SAME, change_of, diff_diagram, diff_specs, diff_view, render_diff_dot
 from kvstate.diagrams.ir import ANY_STATE
 from kvstate.spec import load_spec, packaged_spec_path
 
@@ -83,3 +83,19 @@ def test_all_edges_works_with_diff(tmp_path: Path, capsys) -> None:
     assert ANY_STATE in outs[()] and ANY_STATE not in outs[("--all-edges",)]
     arrows = [line for line in outs[("--all-edges",)].splitlines() if " -> " in line and "initial" not in line]
     assert len(arrows) >= len(every.edges)
+
+
+def test_unchanged_edges_are_labelled_without_their_effects(tmp_path: Path) -> None:
+    """Context, not change: an unchanged arrow says its event and guard; a changed one keeps its effect."""
+    old = load_spec()
+    path, _ = one_source_removed(tmp_path)
+    new = load_spec(path)
+    diff = diff_specs(old, new)
+    view = diff_view(diff)
+    diagram = diff_diagram(old, new, diff)
+    labels = view.edge_labels(diagram, diagram.drawn_edges)
+    for drawn, parts in zip(diagram.drawn_edges, labels, strict=True):
+        if change_of(diff, drawn).change == SAME:
+            assert tuple(parts) == drawn.head_parts()
+        else:
+            assert drawn.effect is None or f"/ {drawn.effect}" in parts
