@@ -10,6 +10,9 @@ Invariants kept:
   the order the transitions happened; each line's (event, from, to) is an edge of spec/lifecycle.toml;
 * block counts are read from the pool at that moment, so for every line
   ``gpu_free + gpu_fenced + (blocks held by all requests) == gpu_capacity`` (and likewise for the host tier);
+* a counterexample trace (`kvstate check` writes it) starts with a header line naming the invariant it violates
+  and its violating step (`counterexample_header`, `read_header`); only that step's lines may carry block counts
+  below 0 (`read_trace`), and only in such a trace;
 * every line is within `TRACE_LIMITS`: a request id the format cannot carry (`request_id_problem`: an integer of
   more than 19 digits, a string longer than `MAX_ID_BYTES` as JSON or one that is not Unicode text, such as a
   lone surrogate) is refused when the request is submitted, and again when a trace line holding one is read.
@@ -307,9 +310,12 @@ def counterexample_header(invariant: str, step: int | None, message: str) -> dic
 
 def is_header(raw: str | bytes) -> bool:
     """Whether `raw` is meant as a header line: a JSON object whose first key is ``"trace"`` (a trace line's is
-    ``"iteration"``); `parse_header` then checks it."""
-    text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
-    return text.lstrip().startswith('{"trace"')
+    ``"iteration"``); `parse_header` then checks it. A line that is not JSON within `TRACE_LIMITS` is not one."""
+    try:
+        line = parse_json(raw, TRACE_LIMITS, "trace line", path=None, line=1, error=TraceError)
+    except TraceError:
+        return False
+    return isinstance(line, dict) and next(iter(line), None) == "trace"
 
 
 def parse_header(raw: str | bytes, number: int, *, path: str | Path | None = None) -> CounterexampleHeader:
