@@ -10,6 +10,9 @@ Invariants kept:
   the order the transitions happened; each line's (event, from, to) is an edge of spec/lifecycle.toml;
 * block counts are read from the pool at that moment, so for every line
   ``gpu_free + gpu_fenced + (blocks held by all requests) == gpu_capacity`` (and likewise for the host tier);
+* a counterexample trace (`kvstate check` writes it) starts with a header line naming the invariant it violates
+  and its violating step (`counterexample_header`, `read_header`); only that step's lines may carry block counts
+  below 0 (`read_trace`), and only in such a trace;
 * every line is within `TRACE_LIMITS`: a request id the format cannot carry (`request_id_problem`: an integer of
   more than 19 digits, a string longer than `MAX_ID_BYTES` as JSON or one that is not Unicode text, such as a
   lone surrogate) is refused when the request is submitted, and again when a trace line holding one is read.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, NamedTuple
 
@@ -189,14 +193,30 @@ def open_trace(path: str | Path):
 
 
 def trace_lines(handle, limits: Limits = TRACE_LIMITS, *, path: str | Path) -> Iterator[tuple[int, bytes]]:
-    """(line number, bytes) of each line of an open trace, within `limits` (else `TraceError` naming the line)."""
-    return iter_lines(handle, limits, "trace", path=path, error=TraceError)
+    """(line number, bytes) of each line of an open trace, within `limits` (else `TraceError` naming the line).
+
+    A counterexample trace's header (its first line, `parse_header`) is checked and left out; later lines keep
+    their numbers in the file."""
+    for number, raw in iter_lines(handle, limits, "trace", path=path, error=TraceError):
+        if number == 1 and is_header(raw):
+            parse_header(raw, number, path=path)
+            continue
+        yield number, raw
 
 
-def parse_line(raw: str | bytes, number: int, *, path: str | Path | None = None, limits: Limits = TRACE_LIMITS) -> dict:
+def parse_line(
+    raw: str | bytes,
+    number: int,
+    *,
+    path: str | Path | None = None,
+    limits: Limits = TRACE_LIMITS,
+    below_minimum: list[str] | None = None,
+) -> dict:
     """One trace line as an object with exactly the fields of spec/TRACE.md, in order, each of its type.
 
-    Raises `TraceError` naming the line and the field (with `record` set once the line parsed as an object).
+    Raises `TraceError` naming the line and the field (with `record` set once the line parsed as an object). With
+    a `below_minimum` list, a block count (`BLOCK_COUNT_FIELDS`) below 0 is appended to it instead of refused (a
+    counterexample's violating step: `read_trace`).
     """
     if len(raw) > limits.max_line_bytes:
         raise TraceError(
@@ -236,6 +256,9 @@ def parse_line(raw: str | bytes, number: int, *, path: str | Path | None = None,
         value = line[field]
         bad = isinstance(value, bool) or not isinstance(value, types)
         if not bad and minimum is not None and value < minimum:
+            if below_minimum is not None and field in BLOCK_COUNT_FIELDS:
+                below_minimum.append(field)
+                continue
             bad = True
         if bad:
             raise refuse(f"is {shown(value)}; it must be {what}", field)
@@ -259,10 +282,109 @@ _TYPES: dict[str, tuple[tuple[type, ...], str, int | None]] = {
 _COUNT = ((int,), "an integer >= 0", 0)
 
 
+# the counts a counterexample's violating step may carry out of range (below 0): the pool's and the request's blocks
+BLOCK_COUNT_FIELDS = ("gpu_blocks", "host_blocks", "gpu_free", "host_free", "gpu_fenced", "host_fenced")
+HEADER_FIELDS = ("trace", "invariant", "step", "message")  # a counterexample trace's first line, in this order
+COUNTEREXAMPLE = "counterexample"  # the header's `trace` value
+MAX_INVARIANT_CHARS = 64
+MAX_HEADER_MESSAGE = 2000  # characters of the violation's message a header keeps
+
+
+@dataclass(frozen=True, slots=True)
+class CounterexampleHeader:
+    """The first line of a counterexample trace (`kvstate check` writes it): the invariant violated, the iteration
+    of the step that violates it (None for a lasso: no step violates it, a loop repeats forever) and the checker's
+    message."""
+
+    invariant: str
+    step: int | None
+    message: str
+
+
+def counterexample_header(invariant: str, step: int | None, message: str) -> dict:
+    """The header object of a counterexample trace (`HEADER_FIELDS`, in order), its message cut to
+    `MAX_HEADER_MESSAGE` characters."""
+    cut = message if len(message) <= MAX_HEADER_MESSAGE else message[: MAX_HEADER_MESSAGE - 1] + "…"
+    return {"trace": COUNTEREXAMPLE, "invariant": invariant[:MAX_INVARIANT_CHARS], "step": step, "message": cut}
+
+
+def is_header(raw: str | bytes) -> bool:
+    """Whether `raw` is meant as a header line: a JSON object whose first key is ``"trace"`` (a trace line's is
+    ``"iteration"``); `parse_header` then checks it. A line that is not JSON within `TRACE_LIMITS` is not one."""
+    try:
+        line = parse_json(raw, TRACE_LIMITS, "trace line", path=None, line=1, error=TraceError)
+    except TraceError:
+        return False
+    return isinstance(line, dict) and next(iter(line), None) == "trace"
+
+
+def parse_header(raw: str | bytes, number: int, *, path: str | Path | None = None) -> CounterexampleHeader:
+    """A counterexample trace's header line; raises `TraceError` naming the line and field when it is not one."""
+    line = parse_json(raw, TRACE_LIMITS, "trace header", path=path, line=number, error=TraceError)
+    if not isinstance(line, dict) or tuple(line) != HEADER_FIELDS:
+        keys = ", ".join(map(str, line)) if isinstance(line, dict) else type(line).__name__
+        raise TraceError(
+            f"a header line has exactly the keys {', '.join(HEADER_FIELDS)}, in that order; this one has "
+            f"{shown(keys, 80)}",
+            path=path,
+            line=number,
+        )
+    step = line["step"]
+    problems = {
+        "trace": None if line["trace"] == COUNTEREXAMPLE else f'must be "{COUNTEREXAMPLE}"',
+        "invariant": None
+        if isinstance(line["invariant"], str) and 0 < len(line["invariant"]) <= MAX_INVARIANT_CHARS
+        else f"must be an invariant id, a string of 1 to {MAX_INVARIANT_CHARS} characters",
+        "step": None
+        if step is None or (isinstance(step, int) and not isinstance(step, bool) and step >= 0)
+        else "must be an iteration (an integer >= 0) or null",
+        "message": None
+        if isinstance(line["message"], str) and len(line["message"]) <= MAX_HEADER_MESSAGE
+        else f"must be a string of at most {MAX_HEADER_MESSAGE} characters",
+    }
+    for field, problem in problems.items():
+        if problem is not None:
+            raise TraceError(f"is {shown(line[field], 40)}; it {problem}", path=path, line=number, field=field)
+    return CounterexampleHeader(line["invariant"], step, line["message"])
+
+
+def read_header(path: str | Path) -> CounterexampleHeader | None:
+    """The header of a counterexample trace (its first line), or None for any other trace."""
+    with open_trace(path) as handle:
+        for number, raw in iter_lines(handle, TRACE_LIMITS, "trace", path=path, error=TraceError):
+            return parse_header(raw, number, path=path) if is_header(raw) else None
+    return None
+
+
 def read_trace(path: str | Path) -> Iterator[dict[str, Hashable]]:
     """The objects of a trace file, one per non-empty line, read within `TRACE_LIMITS` and checked
-    against the format above (raises `TraceError`, a `ValueError`, naming the line and field)."""
+    against the format above (raises `TraceError`, a `ValueError`, naming the line and field).
+
+    A counterexample trace's header (`read_header`) is not yielded. Its lines may carry block counts below 0 only
+    at the violating step the header names, and no line comes after that step; every other trace is read strictly.
+    """
+    header = read_header(path)
+    step = header.step if header is not None else None
     with open_trace(path) as handle:
         for number, raw in trace_lines(handle, path=path):
-            if raw.strip():
-                yield parse_line(raw, number, path=path)
+            if not raw.strip():
+                continue
+            low: list[str] | None = [] if step is not None else None
+            line = parse_line(raw, number, path=path, below_minimum=low)
+            if step is not None and line["iteration"] > step:
+                raise TraceError(
+                    f"is {line['iteration']}, after the violating step {step} the header names; a counterexample "
+                    "trace ends at its violating step",
+                    path=path,
+                    line=number,
+                    field="iteration",
+                )
+            if low and line["iteration"] != step:
+                raise TraceError(
+                    f"is {line[low[0]]}; it must be an integer >= 0 (a counterexample trace may carry a count below 0 "
+                    f"only at its violating step, iteration {step})",
+                    path=path,
+                    line=number,
+                    field=low[0],
+                )
+            yield line

@@ -36,25 +36,42 @@ def validate_spec(
     `guards` and `effects` are the semantics the spec is held against, `tla` the names with a TLA+ meaning (by
     default `kvstate.semantics`).
     """
+    problems = spec_problems(spec, guards, effects, tla)
+    if problems:
+        raise SpecError(f"{spec.source}: the specification is not well formed:\n{problem_listing(problems)}")
+
+
+def problem_listing(problems: list[str]) -> str:
+    """`problems` as an indented list of at most `MAX_PROBLEMS` lines, saying how many more there are."""
+    listing = "\n".join(f"  - {p}" for p in problems[:MAX_PROBLEMS])
+    if len(problems) > MAX_PROBLEMS:
+        listing += f"\n  ... and {len(problems) - MAX_PROBLEMS} more; fix these first"
+    return listing
+
+
+def structure_problems(spec: Spec) -> list[str]:
+    """What keeps a spec from being drawn at all: names defined twice, transitions naming unknown states."""
+    return [*_duplicate_names(spec), *_unknown_states(spec)]
+
+
+def spec_problems(
+    spec: Spec,
+    guards: Mapping[str, object] | None = None,
+    effects: Collection[str] | None = None,
+    tla: Collection[str] | None = None,
+) -> list[str]:
+    """Every problem `validate_spec` finds in `spec` (an empty list when it is well formed)."""
     guards = semantics.GUARDS if guards is None else guards
     effects = semantics.EFFECTS if effects is None else effects
     tla = semantics.TLA if tla is None else tla
-    problems = [
-        *_duplicate_names(spec),
-        *_unknown_states(spec),
-        *_exclusive_groups(spec, guards),
-    ]
+    problems = [*structure_problems(spec), *_exclusive_groups(spec, guards)]
     if not problems:  # graph checks assume every named state exists
         problems += [*_terminal_edges(spec), *_unreachable(spec), *_no_way_out(spec), *_ambiguous(spec)]
     problems += _semantics(spec, guards, effects)
     problems += _tla_meanings(spec, guards, effects, tla)
     problems += _roles(spec) + _output_lists(spec)
     problems += policy_problems(spec)
-    if problems:
-        listing = "\n".join(f"  - {p}" for p in problems[:MAX_PROBLEMS])
-        if len(problems) > MAX_PROBLEMS:
-            listing += f"\n  ... and {len(problems) - MAX_PROBLEMS} more; fix these first"
-        raise SpecError(f"{spec.source}: the specification is not well formed:\n{listing}")
+    return problems
 
 
 def _duplicate_names(spec: Spec) -> list[str]:

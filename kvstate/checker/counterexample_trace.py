@@ -8,9 +8,11 @@ the trace the real scheduler records (`Scheduler.snapshot`) while it takes the p
 LIVE-DONE cycle) `CounterexampleTrace.loop` holds the first and last iteration of the part that repeats forever;
 `kvstate report --loop FIRST:LAST` marks it.
 
-Invariants kept: the trace holds only lines in the format of spec/TRACE.md (`kvstate.trace.trace_line` and
-`TRACE_FIELDS`), in the order the transitions were taken, with non-decreasing iterations; writing never raises
-on the violation the counterexample shows (the replay stops at it, and the lines before it are kept).
+Invariants kept: the trace's first line is its header (`kvstate.trace.counterexample_header`: the invariant, the
+iteration of the violating step, none for a lasso, and the message), then only lines in the format of spec/TRACE.md
+(`kvstate.trace.trace_line` and `TRACE_FIELDS`), in the order the transitions were taken, with non-decreasing
+iterations, none after the violating step; writing never raises on the violation the counterexample shows (the
+replay stops at it, and the lines before it are kept).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvstate.errors import InvariantViolation, KVStateError
-from kvstate.trace import TRACE_FIELDS, trace_line
+from kvstate.trace import TRACE_FIELDS, counterexample_header, trace_line
 
 if TYPE_CHECKING:
     from kvstate.checker.bounds import Bound
@@ -49,10 +51,11 @@ def trace_path(directory: Path, stem: str) -> Path:
     return directory / f"{stem}.ndjson"
 
 
-def _write(path: Path, lines: list[dict]) -> None:
+def _write(path: Path, header: dict, lines: list[dict]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines), encoding="utf-8")
+        text = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in (header, *lines))
+        path.write_text(text, encoding="utf-8")
     except OSError as err:
         raise KVStateError(f"cannot write {path}: {err.strerror}; pass a writable --counterexample-dir") from err
 
@@ -86,7 +89,8 @@ def write_abstract(path: Path, spec: Spec, model: AbstractModel, violation: Viol
         order = model.canonical_order(step.after_requests)
         names = [names[k] for k in order]
         state = model.canonical(step.after_requests, step.after_pool)
-    _write(path, lines)
+    violating = len(violation.path) if violation.loop_start is None else None  # a lasso has no violating step
+    _write(path, counterexample_header(violation.invariant, violating, violation.message), lines)
     loop = (loop_first, len(violation.path)) if loop_first is not None else None
     return CounterexampleTrace(path, len(lines), loop)
 
@@ -140,6 +144,7 @@ def write_refinement(
             lines += [trace_line(fired) for fired in world.scheduler.take_fired()]
             break  # the violation the counterexample shows: the lines up to it are the trace
         lines += [trace_line(fired) for fired in world.scheduler.take_fired()]
-    _write(path, lines)
+    violating = world.scheduler.iteration if result.loop_start is None else None
+    _write(path, counterexample_header(result.violation_id or "unnamed", violating, result.message), lines)
     last = max(world.scheduler.iteration, loop_first or 0)
     return CounterexampleTrace(path, len(lines), (loop_first, last) if loop_first is not None else None)

@@ -9,13 +9,21 @@ when any does, 0 when all match.
 `--diff OLD_SPEC NEW_SPEC` draws the review picture of a spec change into --out (default ./spec-diff): one
 diagram (`spec-diff.dot`, `.svg` where Graphviz is installed) with added transitions green, removed ones red
 dotted and changed guards, effects and destructive flags orange (old → new), the changed policy rules in its
-legend, and `spec-diff.md`, a Markdown summary for a pull request, which it also prints.
+legend, and `spec-diff.md`, a Markdown summary for a pull request, which it also prints. A broadcast event is drawn
+from "any state" only where it is broadcast in both specs and none of its edges changed, so a change to one state's
+edge is drawn on that edge alone; `--all-edges` draws every transition as its own arrow here too. NEW_SPEC need not
+be well formed (a proposal under review): it is drawn when its structure allows (every name defined once, every
+transition between declared states), its validation problems are listed in red in the picture's legend, first in
+`spec-diff.md` and on stderr, and the exit status is 1. Exit 0: drawn, NEW_SPEC well formed; 1: drawn, NEW_SPEC not
+well formed; 2: unusable input (a file that cannot be read or parsed, an OLD_SPEC that is not well formed, a
+NEW_SPEC whose structure cannot be drawn).
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,14 +31,16 @@ from pathlib import Path
 from kvstate.commands.args import add_mkdir_option, add_spec_option, input_file, output_dir, seconds
 from kvstate.diagrams import DOT_MISSING, DOT_TIMEOUT_S, SVG_FILES, render_sources, render_svg
 from kvstate.diagrams.layout import LayoutTooLarge
-from kvstate.errors import KVStateError
+from kvstate.errors import KVStateError, SpecError
 from kvstate.output_files import write_whole
 from kvstate.spec import load_spec
 from kvstate.terminal import inert
+from kvstate.validate import problem_listing, spec_problems, structure_problems
 
 DEFAULT_OUT = Path("diagrams")
 DEFAULT_DIFF_OUT = Path("spec-diff")
 DIFF_DOT, DIFF_SVG, DIFF_MD = "spec-diff.dot", "spec-diff.svg", "spec-diff.md"
+PROPOSAL_INVALID = 1  # --diff drew the change, but the new spec is not well formed
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -100,11 +110,15 @@ def run_diff(args: argparse.Namespace) -> int:
         input_file(path, name) for path, name in zip(args.diff, ("OLD_SPEC", "NEW_SPEC"), strict=True)
     )
     out = output_dir(args.out if args.out is not None else DEFAULT_DIFF_OUT, "--out", mkdir=args.mkdir)
-    old, new = load_spec(old_path), load_spec(new_path)
+    old, new = load_spec(old_path), load_spec(new_path, validate=False)
+    structure = structure_problems(new)  # what the picture cannot be drawn without
+    if structure:
+        raise SpecError(f"{new.source}: cannot draw the diff of this specification:\n{problem_listing(structure)}")
+    problems = spec_problems(new)
     diff = diff_specs(old, new)
-    summary = summary_markdown(old, new, diff)
+    summary = summary_markdown(old, new, diff, problems)
     with naming_the_spec(f"{old.source} -> {new.source}"):
-        dot = render_diff_dot(old, new, diff)
+        dot = render_diff_dot(old, new, diff, all_edges=args.all_edges, problems=problems)
     write_file(out / DIFF_MD, summary.encode("utf-8"))
     write_file(out / DIFF_DOT, dot.encode("utf-8"))
     svg = render_svg(dot, timeout=args.dot_timeout)
@@ -113,6 +127,10 @@ def run_diff(args: argparse.Namespace) -> int:
     else:
         write_file(out / DIFF_SVG, svg)
     print(inert(summary, keep="\n"), end="")
+    if problems:
+        said = f"{new.source}: drawn, but the specification is not well formed:\n{problem_listing(problems)}"
+        print(inert(said, keep="\n"), file=sys.stderr)
+        return PROPOSAL_INVALID
     return 0
 
 

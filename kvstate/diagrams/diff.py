@@ -2,9 +2,11 @@
 
 `diff_specs` compares two specs: transitions by (event, source, dest) — added, removed, or changed (guard, effect,
 destructive flag) — policy rules by name, states and invariants by name. `diff_diagram` is the union of both
-(broadcast edges bundled, as the lifecycle view); `render_diff_dot` draws it laid out as the lifecycle (by
-roles), added edges green and bold, removed ones red and dotted, changed ones orange and bold with `old → new` in
-the label, the rest light grey. `summary_markdown` is the text a reviewer pastes into a pull request.
+(broadcast edges bundled, as the lifecycle view, where the event is broadcast in both specs and none of its edges
+changed; an arrow never bundles edges of different changes; `all_edges`: one arrow per transition);
+`render_diff_dot` draws it laid out as the lifecycle (by roles), added edges green and bold, removed ones red and
+dotted, changed ones orange and bold with `old → new` in the label, the rest light grey and labelled without their
+effects (context, not change). `summary_markdown` is the text a reviewer pastes into a pull request.
 
 Invariants kept: the diff is a pure function of the two specs, in spec order (new spec first, then what only the old
 one has); every text from a spec is written through `kvstate.diagrams.escape`.
@@ -12,12 +14,15 @@ one has); every text from a spec is written through `kvstate.diagrams.escape`.
 
 from __future__ import annotations
 
+import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 from kvstate.diagrams.dot import LegendRow, View, common_legend_rows, render_dot
 from kvstate.diagrams.escape import md_code, md_text
 from kvstate.diagrams.ir import Diagram, DrawnEdge, build_diagram
 from kvstate.spec import Spec
+from kvstate.validate import MAX_PROBLEMS
 
 ADDED, REMOVED, CHANGED, SAME = "added", "removed", "changed", "unchanged"
 CHANGE_STYLES = {  # change -> (colour, DOT style, legend sample)
@@ -30,7 +35,7 @@ CHANGE_MEANINGS = {
     ADDED: "transition only the new spec has",
     REMOVED: "transition only the old spec has",
     CHANGED: "transition in both whose guard, effect or destructive flag changed (old → new)",
-    SAME: "unchanged transition",
+    SAME: "unchanged transition, labelled event [guard] (its effect: kvstate diagram)",
 }
 
 
@@ -107,10 +112,15 @@ def _shown(value: object) -> str:
     return "none" if value is None else str(value)
 
 
-def diff_diagram(old: Spec, new: Spec) -> Diagram:
-    """Both specs on one diagram: the new spec's states and transitions, then what only the old one has."""
-    base = build_diagram(new)
-    gone = build_diagram(old)
+def diff_diagram(old: Spec, new: Spec, diff: SpecDiff | None = None, *, all_edges: bool = False) -> Diagram:
+    """Both specs on one diagram: the new spec's states and transitions, then what only the old one has.
+
+    An arrow bundles only transitions of one change (`Diagram.apart`), and only an event that is broadcast in both
+    specs and whose transitions none changed is drawn from "any state" (`Diagram.bundled`): a change to one
+    state's edge is drawn on that edge alone, and every other edge keeps its arrow."""
+    diff = diff if diff is not None else diff_specs(old, new)
+    base = build_diagram(new, all_edges=all_edges)
+    gone = build_diagram(old, all_edges=all_edges)
     keys = {e.key for e in base.edges}
     names = {n.name for n in base.nodes}
     return replace(
@@ -118,6 +128,8 @@ def diff_diagram(old: Spec, new: Spec) -> Diagram:
         title=f"{new.name}: changes from {old.name} v{old.version}",
         nodes=base.nodes + tuple(n for n in gone.nodes if n.name not in names),
         edges=base.edges + tuple(e for e in gone.edges if e.key not in keys),
+        apart={change.key: change.change for change in diff.edges},
+        bundled=tuple(event for event in base.broadcast_events if event in gone.broadcast_events),
     )
 
 
@@ -127,13 +139,43 @@ def change_of(diff: SpecDiff, edge: DrawnEdge) -> EdgeChange:
     return next((c for c in found if c is not None), EdgeChange(edge.members[0].key, SAME))
 
 
-def diff_view(diff: SpecDiff) -> View:
+PROBLEM_COLOR = CHANGE_STYLES[REMOVED][0]  # red: a proposal's validation problems
+PROBLEM_LINE = 110  # characters of a problem per legend line
+MAX_PROBLEM_CHARS = 400  # characters of one problem the picture keeps (the summary keeps every one whole)
+
+
+def problem_rows(problems: Sequence[str]) -> list[LegendRow]:
+    """The new spec's validation problems as legend rows, keys in red: a row saying the spec is not well formed,
+    then `problem N` and the problem, wrapped, at most `MAX_PROBLEMS` of them (and a row saying how many more)."""
+    if not problems:
+        return []
+    rows = [
+        LegendRow(
+            "NOT WELL FORMED",
+            f"the new spec has {len(problems)} validation problem(s); every command given it with --spec refuses it",
+            PROBLEM_COLOR,
+        )
+    ]
+    for number, problem in enumerate(problems[:MAX_PROBLEMS], 1):
+        text = problem if len(problem) <= MAX_PROBLEM_CHARS else problem[: MAX_PROBLEM_CHARS - 1] + "…"
+        for index, line in enumerate(textwrap.wrap(text, PROBLEM_LINE) or [""]):
+            rows.append(LegendRow(f"problem {number}" if index == 0 else "", line, PROBLEM_COLOR))
+    if len(problems) > MAX_PROBLEMS:
+        rows.append(LegendRow("", f"... and {len(problems) - MAX_PROBLEMS} more (spec-diff.md lists them all)"))
+    return rows
+
+
+def diff_view(diff: SpecDiff, problems: Sequence[str] = ()) -> View:
+    """The diff's edges by change; `problems`, the new spec's validation problems, head the legend in red."""
+
     def labels(diagram: Diagram, drawn: tuple[DrawnEdge, ...]) -> list[tuple[str, ...]]:
         out = []
         for edge in drawn:
             change = change_of(diff, edge)
-            parts = edge.label_parts()
-            out.append((f"[{change.change}]", *parts, *change.details) if change.change != SAME else tuple(parts))
+            if change.change == SAME:  # context: event and guard; the effect would crowd the changes out
+                out.append(tuple(edge.head_parts()))
+            else:
+                out.append((f"[{change.change}]", *edge.label_parts(), *change.details))
         return out
 
     def attributes(diagram: Diagram, edge: DrawnEdge) -> list[str]:
@@ -141,25 +183,36 @@ def diff_view(diff: SpecDiff) -> View:
         return [f'color="{color}", fontcolor="{color}", style={style}']
 
     def legend(diagram: Diagram) -> list[LegendRow]:
-        rows = [LegendRow(CHANGE_STYLES[c][2], CHANGE_MEANINGS[c], CHANGE_STYLES[c][0]) for c in CHANGE_STYLES]
+        rows = problem_rows(problems)
+        rows += [LegendRow(CHANGE_STYLES[c][2], CHANGE_MEANINGS[c], CHANGE_STYLES[c][0]) for c in CHANGE_STYLES]
         rows += [LegendRow(f"policy {rule}", policy_change(was, now)) for rule, was, now in diff.policy]
         return rows + common_legend_rows(diagram)
 
     return View(": the spec change", labels, attributes, legend)
 
 
-def render_diff_dot(old: Spec, new: Spec, diff: SpecDiff | None = None) -> str:
+def render_diff_dot(
+    old: Spec, new: Spec, diff: SpecDiff | None = None, *, all_edges: bool = False, problems: Sequence[str] = ()
+) -> str:
+    """The diff picture's DOT source; `all_edges` draws every transition as its own arrow; `problems` (the new
+    spec's validation problems) are listed in red in its legend."""
     diff = diff if diff is not None else diff_specs(old, new)
-    return render_dot(diff_diagram(old, new), diff_view(diff))
+    return render_dot(diff_diagram(old, new, diff, all_edges=all_edges), diff_view(diff, problems))
 
 
-def summary_markdown(old: Spec, new: Spec, diff: SpecDiff | None = None) -> str:
-    """The change as Markdown for a pull request: transitions, policy rules, states, invariants."""
+def summary_markdown(old: Spec, new: Spec, diff: SpecDiff | None = None, problems: Sequence[str] = ()) -> str:
+    """The change as Markdown for a pull request: the new spec's validation problems first (when it has any), then
+    transitions, policy rules, states, invariants."""
     diff = diff if diff is not None else diff_specs(old, new)
     lines = [
         f"### Spec change: {md_text(old.name)} v{old.version} → {md_text(new.name)} v{new.version}",
         "",
     ]
+    if problems:
+        refused = "every command given it with `--spec` refuses it"
+        lines += [f"**The new spec is not well formed** ({len(problems)} problem(s); {refused}):", ""]
+        lines += [f"* {md_text(problem)}" for problem in problems]
+        lines.append("")
     if diff.empty:
         return "\n".join([*lines, "No transition, policy rule, state or invariant changed.", ""])
     if diff.edges:

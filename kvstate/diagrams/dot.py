@@ -313,8 +313,8 @@ def legend(title: str, rows: Sequence[LegendRow]) -> str:
         )
     ]
     for row in rows:
-        key = f"<b>{dot_html(row.key)}</b>"
-        if row.color is not None:
+        key = f"<b>{dot_html(row.key)}</b>" if row.key else ""  # Graphviz refuses an empty <b></b>
+        if key and row.color is not None:
             key = f'<font color="{row.color}">{key}</font>'
         cells.append(f'<tr><td align="left">{key}</td><td align="left">{dot_html(row.meaning)}</td></tr>')
     return '<<table border="0" cellspacing="2" cellborder="0">' + "".join(cells) + "</table>>"

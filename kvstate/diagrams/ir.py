@@ -9,7 +9,8 @@ Invariants kept by `build_diagram`:
 * `drawn_edges` covers every edge exactly once: with `all_edges` one drawn edge per edge; otherwise the edges
   of a broadcast event (one enabled in every non-terminal state) into a terminal state are drawn as one edge
   from the `ANY_STATE` pseudo-node, and edges sharing source, destination, effect, kind and origin are drawn
-  as one;
+  as one; edges tagged apart (a diff's changes) are bundled only with edges of the same tag, and never from
+  `ANY_STATE`;
 * nothing depends on dict order, the clock or the spec's file path, so renderers are byte-stable.
 """
 
@@ -136,7 +137,10 @@ class Diagram:
     """The whole lifecycle as drawn: nodes in spec order, the initial state and every edge.
 
     `all_edges` draws every transition as its own arrow; by default broadcast events are bundled (see the module
-    docstring). `fired`, when given, holds each edge's firing count in a trace (keyed by `Edge.key`).
+    docstring). `fired`, when given, holds each edge's firing count in a trace (keyed by `Edge.key`). `apart`, when
+    given, tags edges (keyed by `Edge.key`, such as a diff's change): an arrow bundles only edges of one tag, and a
+    tagged edge's event is not drawn from `ANY_STATE`; `bundled`, when given, limits the events drawn from
+    `ANY_STATE` to those it lists (of the broadcast ones).
     """
 
     title: str
@@ -146,6 +150,8 @@ class Diagram:
     edges: tuple[Edge, ...]
     all_edges: bool = False
     fired: Mapping[tuple[str, str, str], int] | None = field(default=None, compare=False)
+    apart: Mapping[tuple[str, str, str], str] | None = field(default=None, compare=False)
+    bundled: tuple[str, ...] | None = None
 
     @property
     def clusters(self) -> tuple[Cluster, ...]:
@@ -186,14 +192,18 @@ class Diagram:
         """The arrows to draw, covering every edge exactly once, in order of each arrow's first member."""
         if self.all_edges:
             return tuple(DrawnEdge(e.source, e.dest, e.kind, (e,)) for e in self.edges)
-        broadcast = set(self.broadcast_events)
+        tags = self.apart or {}
+        broadcast = set(self.broadcast_events) - {e.event for e in self.edges if e.key in tags}
+        if self.bundled is not None:
+            broadcast &= set(self.bundled)
         groups: dict[tuple, list[Edge]] = {}
         for edge in self.edges:
             bundled = edge.kind is EdgeKind.TERMINATE and edge.event in broadcast
             source = ANY_STATE if bundled else edge.source
-            groups.setdefault((source, edge.dest, edge.effect, edge.kind, edge.origin), []).append(edge)
+            key = (source, edge.dest, edge.effect, edge.kind, edge.origin, tags.get(edge.key))
+            groups.setdefault(key, []).append(edge)
         return tuple(
-            DrawnEdge(source, dest, kind, tuple(members)) for (source, dest, _, kind, _), members in groups.items()
+            DrawnEdge(source, dest, kind, tuple(members)) for (source, dest, _, kind, *_), members in groups.items()
         )
 
     @property

@@ -19,6 +19,7 @@ from kvstate.diagrams import DOT_MISSING
 from kvstate.output_files import write_whole
 from kvstate.report.model import TraceError, TraceSummary, load_lines, summarize
 from kvstate.spec import Spec, default_spec
+from kvstate.trace import read_header
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +45,8 @@ def write_report(
     """Read `trace`, write every report file into `out_dir` (created), and return what was written.
 
     `all_edges` draws every transition as its own arrow (default: broadcast events bundled); `loop` (first, last
-    iteration) marks the part of a counterexample that repeats forever (`kvstate check` writes such traces);
+    iteration) marks the part of a counterexample that repeats forever (`kvstate check` writes such traces); a
+    counterexample trace's violating step is marked in red with its invariant (the trace's header, spec/TRACE.md);
     `progress` is told what is being done, stage by stage (reading the trace every `PROGRESS_LINES` lines). Every
     stage is linear in the trace's lines. Each file is written whole or not at all (`kvstate.output_files`)."""
     from kvstate.report.diagram import annotated_diagram, render, review_dot
@@ -54,7 +56,8 @@ def write_report(
     spec = spec or default_spec()
     say = progress or (lambda _: None)
     try:
-        summary = summarize(counted(load_lines(trace), say), loop=loop, spec=spec)
+        violation = read_header(trace)
+        summary = summarize(counted(load_lines(trace), say), loop=loop, spec=spec, violation=violation)
     except TraceError as err:  # one found while summarizing: named with the trace it is in
         if err.path is not None:
             raise

@@ -10,7 +10,8 @@ spans: no artist per request, no autoscaling per span), and the time spent queue
 tint, so the states that hold KV stand out; the GPU tier's occupancy shows the blocks suspended requests hold
 there apart from those computing requests lock; both figures are
 `FIGURE_WIDTH` wide with their axes at the same `AXES_LEFT`/`AXES_RIGHT`, and are saved without cropping, so at
-the same display width their iteration axes line up.
+the same display width their iteration axes line up; a counterexample's violating step is shaded red in both,
+named by its invariant, and the occupancy axis reaches above the capacity when that step owns more than it.
 """
 
 from __future__ import annotations
@@ -120,9 +121,11 @@ def timeline(summary: TraceSummary, spec: Spec):
     ax.set_ylim(n - 0.5, -0.5)
     ax.set_xlim(summary.first_iteration, summary.last_iteration + 1)
     mark_loop(ax, summary)
+    mark_violation(ax, summary)
     ax.set_xlabel("scheduler iteration")
     ax.set_ylabel("request id")
-    ax.set_title(f"Request lifecycle over iterations ({n} requests, {summary.lines} transitions)")
+    title = f"Request lifecycle over iterations ({n} requests, {summary.lines} transitions)"
+    ax.set_title(title, pad=title_pad(summary))
     ax.grid(axis="x", alpha=0.3)
     integer_ticks(ax.xaxis)
     said = {"": "", **{where: f" ({words})" for where, words in PLACEMENT_WORDS.items()}}
@@ -163,6 +166,36 @@ def mark_loop(ax, summary: TraceSummary) -> None:
         fontsize=9,
         color=LOOP_EDGE,
     )
+
+
+VIOLATION_COLOR = DESTRUCTIVE_HATCH_COLOR  # red: the step that violates an invariant
+
+
+def mark_violation(ax, summary: TraceSummary) -> None:
+    """Shade a counterexample's violating step in red and name the invariant it violates at the top of the axes."""
+    violation = summary.violation
+    if violation is None or violation.step is None:
+        return
+    step = violation.step
+    ax.axvspan(step, step + 1, facecolor=VIOLATION_COLOR, alpha=0.18, linewidth=0, zorder=0)  # behind the bars
+    ax.axvspan(step, step + 1, fill=False, edgecolor=VIOLATION_COLOR, linewidth=2, zorder=4)  # outlined above them
+    ax.text(
+        step + 0.5,
+        1.0,
+        mpl_text(f"{violation.invariant} violated (step {step})"),
+        transform=ax.get_xaxis_transform(),
+        ha="right" if step > (summary.first_iteration + summary.last_iteration) / 2 else "left",
+        va="bottom",
+        fontsize=9,
+        fontweight="bold",
+        color=VIOLATION_COLOR,
+    )
+
+
+def title_pad(summary: TraceSummary) -> float:
+    """Points between an axes' top and its title: room for a loop's or a violation's label when there is one."""
+    marked = summary.loop is not None or (summary.violation is not None and summary.violation.step is not None)
+    return 18.0 if marked else 6.0
 
 
 def integer_ticks(axis) -> None:
@@ -216,7 +249,8 @@ def occupancy(summary: TraceSummary):
         for low, high, color, label in layers:
             ax.fill_between(edges, low + low[-1:], high + high[-1:], step="post", color=color, linewidth=0, label=label)
         ax.axhline(capacity, color="black", linewidth=1, linestyle="--", label=f"capacity {capacity}")
-        ax.set_ylim(0, capacity * 1.08 if capacity else 1)
+        top = max(capacity, *total)  # a counterexample's violating step may own more than the capacity
+        ax.set_ylim(0, top * 1.08 if top else 1)
         ax.set_ylabel(f"{'GPU' if tier == 'gpu' else 'host'} tier blocks")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
         ax.grid(alpha=0.3)
@@ -225,8 +259,9 @@ def occupancy(summary: TraceSummary):
     axes[-1, 0].set_xlim(rows[0]["iteration"], rows[-1]["iteration"] + 1)
     for ax in axes[:, 0]:
         mark_loop(ax, summary)
+        mark_violation(ax, summary)
     when = "after each iteration" if k == 1 else f"peak of every {k} iterations"
-    axes[0, 0].set_title(f"Tier occupancy, {when}" + ("" if has_host else " (no host tier)"))
+    axes[0, 0].set_title(f"Tier occupancy, {when}" + ("" if has_host else " (no host tier)"), pad=title_pad(summary))
     axes[-1, 0].set_xlabel("scheduler iteration")
     return fig
 

@@ -11,7 +11,9 @@
   line of its own (iterations without a transition carry the previous value). When the trace spans more than
   `MAX_OCCUPANCY_ROWS` iterations, only the iterations with a transition get a row (each holds until the next
   row: the same step plot), so memory is bounded by the trace's lines, not by its iteration numbers;
-* `edge_counts`: how often each spec edge ``(event, from, to)`` fired.
+* `edge_counts`: how often each spec edge ``(event, from, to)`` fired;
+* for a counterexample trace (its header: `kvstate.trace.read_header`), the invariant it violates and the lines of
+  its violating step, whose block counts may be out of range (below 0: owned above capacity).
 A trace of more than `MAX_REPORT_REQUESTS` requests is refused when the first request past it appears, so the
 memory a report takes is bounded whatever the trace holds (`kvstate validate` checks a trace of any size).
 A trace records transitions only, not submissions, so a request's first span (normally `waiting`) is drawn
@@ -29,7 +31,7 @@ from pathlib import Path
 
 from kvstate.checker.trace import TraceError
 from kvstate.spec import Spec, default_spec
-from kvstate.trace import read_trace
+from kvstate.trace import BLOCK_COUNT_FIELDS, CounterexampleHeader, read_trace
 from kvstate.untrusted import shown
 
 MAX_OCCUPANCY_ROWS = 10_000
@@ -67,6 +69,12 @@ class TraceSummary:
     last_iteration: int = 0
     lines: int = 0
     loop: tuple[int, int] | None = None  # a counterexample's iterations that repeat forever (first, last)
+    violation: CounterexampleHeader | None = None  # a counterexample trace's header: the invariant it violates
+    violating_lines: list[dict] = field(default_factory=list)  # the lines of the violating step (its iteration)
+
+    def out_of_range(self, line: dict) -> tuple[str, ...]:
+        """The block counts of `line` below 0 (only a counterexample's violating step carries any)."""
+        return tuple(f for f in BLOCK_COUNT_FIELDS if line[f] < 0)
 
 
 def load_lines(path: str | Path) -> Iterator[dict]:
@@ -80,13 +88,20 @@ def load_lines(path: str | Path) -> Iterator[dict]:
         raise TraceError("the trace has no lines; run an engine with a trace_path first", path=path)
 
 
-def summarize(lines: Iterable[dict], *, loop: tuple[int, int] | None = None, spec: Spec | None = None) -> TraceSummary:
+def summarize(
+    lines: Iterable[dict],
+    *,
+    loop: tuple[int, int] | None = None,
+    spec: Spec | None = None,
+    violation: CounterexampleHeader | None = None,
+) -> TraceSummary:
     """Spans, occupancy and edge counts of the trace lines (in file order; read once, so a generator will do), with
     `spec`'s residencies (default: the packaged spec's).
 
     `loop` marks iterations of a counterexample that repeat forever; the summary then reaches at least to its last
-    one (a loop of scheduler steps may take no transition at all)."""
-    s = TraceSummary(loop=loop)
+    one (a loop of scheduler steps may take no transition at all). `violation` (a counterexample trace's header)
+    keeps the lines of its violating step, and the summary reaches at least to that step."""
+    s = TraceSummary(loop=loop, violation=violation)
     held_states = (spec or default_spec()).states_holding("host")  # the held residency: KV on either tier
     current: dict[Hashable, tuple[str, int, str]] = {}
     held: dict[Hashable, int] = {}  # request in a held state -> its GPU blocks (exact: every change is a line)
@@ -128,9 +143,11 @@ def summarize(lines: Iterable[dict], *, loop: tuple[int, int] | None = None, spe
             s.done_reasons[line["done_reason"]] += 1
             ended.add(rid)
         by_iteration[it] = _occupancy(line, held_total)
+        _keep_if_violating(s, line)
     if not s.lines:
         raise TraceError("the trace has no lines; nothing to summarize")
     _reach_loop(s, by_iteration)
+    _reach_violating_step(s, by_iteration)
     end = s.last_iteration + 1
     for rid, (state, since, where) in current.items():
         if rid not in ended and end > since:
@@ -153,6 +170,20 @@ def _reach_loop(s: TraceSummary, by_iteration: dict[int, dict[str, int]]) -> Non
     if last > s.last_iteration:
         by_iteration.setdefault(last, by_iteration[s.last_iteration])
         s.last_iteration = last
+
+
+def _keep_if_violating(s: TraceSummary, line: dict) -> None:
+    """Keep `line` in `s.violating_lines` when it belongs to the counterexample's violating step."""
+    if s.violation is not None and line["iteration"] == s.violation.step:
+        s.violating_lines.append(line)
+
+
+def _reach_violating_step(s: TraceSummary, by_iteration: dict[int, dict[str, int]]) -> None:
+    """Extend `s` to a counterexample's violating step (a step that took no transition leaves no line)."""
+    step = s.violation.step if s.violation is not None else None
+    if step is not None and step > s.last_iteration:
+        by_iteration.setdefault(step, by_iteration[s.last_iteration])
+        s.last_iteration = step
 
 
 def _occupancy(line: dict, gpu_held: int) -> dict[str, int]:
