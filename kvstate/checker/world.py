@@ -5,11 +5,12 @@ The refinement submits request `i` of a bound with id `i` (`bound_index`) and th
 `BoundRequests` holds those prompts, their stop tokens and what each request generates alone with unlimited memory.
 
 Two worlds with the same `fingerprint` behave alike from then on: it holds the request states, token lists, block
-tables, free lists, KV contents of owned blocks, copies in flight and how long they may still take, outputs in
-flight, the admission order, the order in which held blocks are offloaded (least recently held first), what the
-no-progress detector (A4) and the preemption cap (A3) read and the environment budgets left; it leaves out iteration
-numbers (a suspension's pass number among them: the promotion gate compares it only with the pass under way), plan
-ids and statistics counters, which no later decision reads.
+tables, free lists, KV contents of owned blocks at every pipeline stage, what the later stages of the outputs in
+flight still write and read (and what their blocks hold there), copies in flight and how long they may still take,
+outputs in flight, the admission order, the order in which held blocks are offloaded (least recently held first),
+what the no-progress detector (A4) and the preemption cap (A3) read and the environment budgets left; it leaves out
+iteration numbers (a suspension's pass number among them: the promotion gate compares it only with the pass under
+way), plan ids and statistics counters, which no later decision reads.
 """
 
 from __future__ import annotations
@@ -61,26 +62,8 @@ class BoundRequests:
 
 
 def scheduler_config(bound: Bound) -> SchedulerConfig:
-    """The scheduler configuration of `bound`; a budget the bound leaves out is the configuration's default."""
-    budgets = {
-        option: getattr(bound, name)
-        for name, option in (
-            ("max_batch_size", "max_batch_size"),
-            ("max_num_tokens", "max_num_tokens"),
-            ("max_preemptions", "max_preemptions_per_request"),
-            ("no_progress_limit", "no_progress_limit"),
-        )
-        if getattr(bound, name) is not None
-    }
-    return SchedulerConfig(
-        gpu_blocks=bound.gpu_blocks,
-        host_blocks=bound.host_blocks,
-        block_size=bound.block_size,
-        prefill_chunk_size=bound.chunk_size,
-        pipeline_stages=bound.pipeline_stages,
-        enable_recompute_pause=bound.recompute_pause,
-        **budgets,
-    )
+    """The scheduler configuration of `bound` (`Bound.scheduler_config`)."""
+    return bound.scheduler_config()
 
 
 def bound_spec(bound: Bound, spec: Spec) -> Spec:
@@ -128,8 +111,8 @@ def fingerprint(world: World) -> tuple:
                 r.replay_high_water,  # what the no-progress detector (A4) reads, with idle_iterations below
                 r.num_recompute_pauses > 0,  # the detector's allowance for replays reads it too
                 min(preempted, cap) if cap is not None else 0,  # the preemption cap (A3): whether it is reached
-                tuple(tuple(sim.gpu[b]) for b in gpu),
-                tuple(tuple(sim.host[b]) for b in host),
+                tuple(tuple(tuple(slots[b]) for b in gpu) for slots in sim.gpu_stages),  # every stage's KV
+                tuple(tuple(tuple(slots[b]) for b in host) for slots in sim.host_stages),
             )
         )
     finished = tuple(sorted((rid, r.done_reason, tuple(r.generated)) for rid, r in s.finished.items()))
@@ -143,6 +126,11 @@ def fingerprint(world: World) -> tuple:
         )
         for step, sampled in sim.pipeline
     )  # what lands, and which pauses still wait for it
+    later = tuple(
+        (work, tuple(tuple(tuple(slots[b]) for b in work.block_table) for slots in sim.gpu_stages[1:]))
+        for works in sim.later_stages
+        for work in works
+    )  # what the later stages still write and read, and what their blocks hold there now
     return (
         tuple(active),
         finished,
@@ -160,6 +148,7 @@ def fingerprint(world: World) -> tuple:
         world.failures_left,
         s.host_tier_fallback,
         pipeline,
+        later,
         tuple(sorted(s.in_flight.items())),
         due,
         s.idle_iterations,  # what the no-progress detector (A4) reads; last: `shape` leaves it out
