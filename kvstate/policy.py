@@ -542,7 +542,7 @@ class _PassCheck:
         request's held GPU blocks from the snapshot: a suspension under `host_takes_every_held_block` finds room
         for every held block; an offload takes the least recently held request it may take, for a requester of the
         pass, no more blocks than that requester's allocation takes; under `eager`, each suspension is followed by
-        the offload of its victim."""
+        the offload of its victim, unless the victim's step is still in flight."""
         held = {r.request_id: r.gpu_blocks for r in self.before.requests if r.held_rank >= 0}
         order = sorted(held, key=lambda rid: self.by_id[rid].held_rank)
         host_free, offloaded_for, moved = self.before.host_free, dict[Hashable, int](), set[Hashable]()
@@ -556,7 +556,9 @@ class _PassCheck:
                     order.append(d.victim)
                 if self.policy.offload == EAGER:
                     following = decisions[index + 1] if index + 1 < len(decisions) else None
-                    if gpu and host_free and not (isinstance(following, Offload) and following.request == d.victim):
+                    in_flight = self.by_id[d.victim].in_flight  # its step's later stages still write its blocks
+                    offloaded = isinstance(following, Offload) and following.request == d.victim
+                    if gpu and host_free and not in_flight and not offloaded:
                         self.fail("OFFLOAD-DEMAND", f"victim {d.victim!r} was suspended but not offloaded at once")
             elif isinstance(d, Promotion):
                 host_free += self.by_id[d.promoted].host_blocks + self.offloaded_in_pass(d.promoted)

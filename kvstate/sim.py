@@ -6,11 +6,15 @@ function of the tokens *read back* from the block table — so a lost, stale or 
 output, just as garbled KV would in a real engine. `reference_output` runs one request alone with unlimited
 memory: OUT-EQUIV says every finished output equals it.
 
-With `micro_batches` > 1 it models a pipeline with that many micro-batches in flight: a scheduled output's forward
-pass is carried out at once (the stages run micro-batches in order, so its KV writes happen before any later pass's),
-but its tokens land only when it leaves the last stage, when `Scheduler.must_land` says so (or earlier, `land`); a
+Each pipeline stage keeps its own KV slots (its layers' KV: `gpu_stages`, `host_stages`; `gpu` and `host` are the
+first stage's). A stage writes a chunk's tokens into its slots and reads the context back from them; every stage
+must read what the first one read, or the output is garbled (OUT-EQUIV). With `micro_batches` > 1 it models a
+pipeline with that many micro-batches in flight, at most: the first stage runs a scheduled output's forward pass at
+once, the later stages when it leaves the last stage, when `Scheduler.must_land` says so (or earlier, `land`), and
+then its tokens land; the stages run micro-batches in order, so a later pass's KV writes follow at every stage. A
 pending recompute-pause is agreed once the pass that announced it has landed (every stage retired it). Copies
-complete at their own time (`SimExecutor`'s docstring).
+complete at their own time and move the slots of every stage then (`SimExecutor`'s docstring), so a block released
+while a micro-batch in flight still writes or reads it, and refilled by a copy, garbles an output.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
-from kvstate.errors import InvariantViolation
+from kvstate.errors import InvariantViolation, KVStateError
 from kvstate.output import SchedulerOutput, planned_chunks
 from kvstate.pool import TO_HOST, MigrationPlan
 from kvstate.scheduler import Scheduler, Step
@@ -47,6 +51,23 @@ def reference_output(
         if token in stop_token_ids:
             break
     return out
+
+
+class MicroBatchesExceeded(KVStateError, RuntimeError):
+    """More scheduler outputs would be in flight than the executor's `micro_batches`; nothing was carried out."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageWork:
+    """What the stages after the first still do for one chunk of a micro-batch in flight: write `tokens` from
+    position `start` through `block_table` (as planned), and, for a chunk that produces a token, read back the
+    `context` the first stage read."""
+
+    request_id: Hashable
+    block_table: tuple[int, ...]
+    start: int
+    tokens: tuple[int, ...]
+    context: tuple[int, ...] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,14 +121,22 @@ class SimExecutor:
         self.vocab = vocab
         self.complete_fences = complete_fences
         self.check_invariants = check_invariants
+        self.stages = scheduler.pool.pipeline_stages
+        self.later_stages: deque[tuple[StageWork, ...]] = deque()  # per output in `pipeline`: its later stages' work
         size = scheduler.config.block_size
-        self.gpu: list[list[int | None]] = [[None] * size for _ in range(scheduler.pool.gpu.capacity)]
-        self.host: list[list[int | None]] = [[None] * size for _ in range(scheduler.pool.host.capacity)]
+        self.gpu_stages: list[list[list[int | None]]] = [
+            [[None] * size for _ in range(scheduler.pool.gpu.capacity)] for _ in range(self.stages)
+        ]
+        self.host_stages: list[list[list[int | None]]] = []
+        self.sync_host_tier()
+        self.gpu: list[list[int | None]] = self.gpu_stages[0]
 
     def sync_host_tier(self) -> None:
         """Call after the scheduler's host tier changed size: host contents are gone."""
-        size = self.scheduler.config.block_size
-        self.host = [[None] * size for _ in range(self.scheduler.pool.host.capacity)]
+        size, capacity = self.scheduler.config.block_size, self.scheduler.pool.host.capacity
+        empty: list[int | None] = [None] * size
+        self.host_stages = [[list(empty) for _ in range(capacity)] for _ in range(self.stages)]
+        self.host: list[list[int | None]] = self.host_stages[0]
 
     def step(self, fail: Collection[int] = ()) -> SchedulerOutput:
         """Land what must land first (`Scheduler.must_land`), then one `kvstate.scheduler.Step`: schedule, issue the
@@ -116,6 +145,11 @@ class SimExecutor:
         scheduler = self.scheduler
         while scheduler.must_land(len(self.pipeline)):
             self.land()
+        if len(self.pipeline) >= self.micro_batches:
+            raise MicroBatchesExceeded(
+                f"{len(self.pipeline)} micro-batch(es) are in flight and the executor keeps {self.micro_batches} at "
+                "most: the scheduler planned a pass before the oldest landed (Scheduler.must_land)"
+            )
         if scheduler.pool.pipeline_stages > 1:
             scheduler.reach_consensus(self.agreed())
         step: Step[MigrationPlan] = Step.begin(scheduler)
@@ -129,7 +163,11 @@ class SimExecutor:
                 self.copies.append(InFlightCopy(step, plan, due))
         if step.failures and self.check_invariants:
             scheduler.check_invariants(step.output)
-        sampled = self.compute(step.output)
+        sampled, later = self._first_stage(step.output)
+        if self.micro_batches > 1:
+            self.later_stages.append(later)
+        else:
+            self._later_stages(later)
         if self.complete_fences:
             for copy in [c for c in self.copies if c.due <= scheduler.iteration]:
                 self._end(copy, failed=False)
@@ -162,10 +200,10 @@ class SimExecutor:
     def _end(self, copy: InFlightCopy, *, failed: bool) -> None:
         self.copies.remove(copy)
         if failed:
-            dest = self.host if copy.plan.direction == TO_HOST else self.gpu
             size = self.scheduler.config.block_size
-            for _, dst in copy.plan.pairs:
-                dest[dst] = [None] * size
+            for dest in self.host_stages if copy.plan.direction == TO_HOST else self.gpu_stages:
+                for _, dst in copy.plan.pairs:
+                    dest[dst] = [None] * size
             copy.step.failed(copy.plan)
         else:
             self.copy(copy.plan)
@@ -177,16 +215,19 @@ class SimExecutor:
     def land(self) -> SchedulerOutput:
         """The oldest micro-batch in flight leaves the last stage: its tokens land."""
         step, sampled = self.pipeline.popleft()
+        if self.micro_batches > 1:
+            self._later_stages(self.later_stages.popleft())
         step.finish(sampled)
         if self.check_invariants:
             self.scheduler.check_invariants()
         return step.output
 
     def copy(self, plan: MigrationPlan) -> MigrationPlan:
-        """Copy `plan`'s slots between tiers now (its completion; the plan is its own fence)."""
-        source, dest = (self.gpu, self.host) if plan.direction == TO_HOST else (self.host, self.gpu)
-        for src, dst in plan.pairs:
-            dest[dst] = list(source[src])
+        """Copy `plan`'s slots between tiers now, at every stage (its completion; the plan is its own fence)."""
+        for gpu, host in zip(self.gpu_stages, self.host_stages, strict=True):
+            source, dest = (gpu, host) if plan.direction == TO_HOST else (host, gpu)
+            for src, dst in plan.pairs:
+                dest[dst] = list(source[src])
         return plan
 
     def agreed(self) -> list[Hashable] | None:
@@ -197,25 +238,62 @@ class SimExecutor:
         return [rid for rid in self.scheduler.requests if rid not in announced]
 
     def compute(self, out: SchedulerOutput) -> dict[Hashable, int]:
-        """The forward pass of `out`: write each chunk's tokens into its KV slots, read the whole context back
-        from the block table, and produce a token for every chunk that produces one."""
+        """The forward pass of `out` at every stage, now: write each chunk's tokens into its KV slots, read the whole
+        context back from the block table, and produce a token for every chunk that produces one."""
+        sampled, later = self._first_stage(out)
+        self._later_stages(later)
+        return sampled
+
+    def _first_stage(self, out: SchedulerOutput) -> tuple[dict[Hashable, int], tuple[StageWork, ...]]:
+        """The first stage's forward pass of `out` (`compute`), and what the later stages still do."""
         size = self.scheduler.config.block_size
-        sampled = {}
+        sampled, later = {}, []
+        gpu = self.gpu
         for chunk in planned_chunks(out, self.scheduler.pool):
             table = chunk.block_table
             for offset, token in enumerate(chunk.tokens, chunk.start):
-                self.gpu[table[offset // size]][offset % size] = token
-            if not chunk.produces_token:
-                continue
-            context = [self.gpu[table[pos // size]][pos % size] for pos in range(chunk.start + len(chunk.tokens))]
-            if None in context:
+                gpu[table[offset // size]][offset % size] = token
+            context = None
+            if chunk.produces_token:
+                read = [gpu[table[pos // size]][pos % size] for pos in range(chunk.start + len(chunk.tokens))]
+                if None in read:
+                    raise InvariantViolation(
+                        "OUT-EQUIV",
+                        f"request {chunk.request.request_id!r} reads KV that was never "
+                        f"written (position {read.index(None)}); a block was lost or misplaced",
+                    )
+                context = tuple(cast("list[int]", read))
+                sampled[chunk.request.request_id] = next_token(context, self.vocab)
+            if self.stages > 1:
+                later.append(
+                    StageWork(chunk.request.request_id, tuple(table), chunk.start, tuple(chunk.tokens), context)
+                )
+        return sampled, tuple(later)
+
+    def _later_stages(self, later: tuple[StageWork, ...]) -> None:
+        """The stages after the first run their share of a micro-batch, in stage order."""
+        for stage in range(1, self.stages):
+            for work in later:
+                self._run_stage(stage, work)
+
+    def _run_stage(self, stage: int, work: StageWork) -> None:
+        """A later stage's share of one chunk: write its tokens, and read back what the first stage read (anything
+        else is KV another request or a copy put in a block this chunk still uses: a garbled output)."""
+        size, slots = self.scheduler.config.block_size, self.gpu_stages[stage]
+        table = work.block_table
+        for offset, token in enumerate(work.tokens, work.start):
+            slots[table[offset // size]][offset % size] = token
+        if work.context is None:
+            return
+        for pos, expected in enumerate(work.context):
+            found = slots[table[pos // size]][pos % size]
+            if found != expected:
                 raise InvariantViolation(
                     "OUT-EQUIV",
-                    f"request {chunk.request.request_id!r} reads KV that was never "
-                    f"written (position {context.index(None)}); a block was lost or misplaced",
+                    f"request {work.request_id!r}: pipeline stage {stage} reads {found!r} at position {pos} where the "
+                    f"first stage read {expected!r} (block {table[pos // size]} was released or refilled before every "
+                    "stage retired the micro-batch that uses it)",
                 )
-            sampled[chunk.request.request_id] = next_token(cast("list[int]", context), self.vocab)
-        return sampled
 
     def run(self, max_iterations: int = 100_000) -> dict[Hashable, list[int]]:
         """Step until every request is done; returns {id: generated tokens} of all finished requests."""

@@ -1,13 +1,15 @@
 """Named bounds of the model checker, read from `spec/bounds.toml`.
 
-A bound fixes everything that makes the state space finite: the requests (prompt length, max new tokens), the
-GPU and host tiers (host 0 = no host tier), the block size, the prefill chunk, the pipeline depth, and how much
+A bound fixes everything that makes the state space finite: the requests (prompt length, max new tokens), the GPU
+and host tiers (host 0 = no host tier), the block size, the prefill chunk, the pipeline depth, and how much
 environment nondeterminism the scheduler refinement injects (cancellations, aborts, lost host copies, failed
 copies), and optionally the scheduler's batch budgets (`max_batch_size`, `max_num_tokens`), its preemption cap
 (`max_preemptions`, A3) and no-progress limit (`no_progress_limit`, A4) (left out: the `SchedulerConfig` defaults),
-and stop tokens (`stop_at`: per request, the position of its output that is a stop token, -1 for none), and the
-offload policy the scheduler refinement runs (`offload`: one of the spec's `[policy] offload` rules, in place of the
-spec's own; left out: the spec's).
+and stop tokens (`stop_at`: per request, the position of its output that is a stop token, -1 for none), whether the
+scheduler may recompute-pause a victim (`recompute_pause`, default true) and its capacity policy (`capacity_policy`:
+`max_utilization`, the default, or `guaranteed_no_evict`, which admits a request only when every resident request's
+worst case fits beside it), and the offload policy the scheduler refinement runs (`offload`: one of the spec's
+`[policy] offload` rules, in place of the spec's own; left out: the spec's).
 Executor timing: `micro_batches` (default 1) is how many scheduler outputs the refinement's executor keeps in flight
 at most (`SimExecutor(micro_batches=)`, pipeline stages > 1 only; the oldest may land earlier), so a request may be
 preempted while its decode step is in flight and receive its token while suspended or awaiting consensus (a deferred
@@ -18,8 +20,10 @@ for every depth of the pipeline and every copy delay. `cancel = false` keeps can
 bound: five requests): `kvstate check` runs only its scheduler refinement there, which checks every state
 predicate and LIVE-DONE on the real scheduler but cannot match its states against the model's (REFINES).
 
-Invariant kept: every request of a bound fits the GPU tier alone (LIVE-REFUSE: a request that cannot is refused
-at submission, so it never belongs to a bound; the loader refuses such a bound with a clear message).
+Invariants kept: every request of a bound fits the GPU tier alone (LIVE-REFUSE: a request that cannot is refused
+at submission, so it never belongs to a bound; the loader refuses such a bound with a clear message); the scheduler
+configuration of every bound (`Bound.scheduler_config`) is one `SchedulerConfig` accepts (a configuration it refuses
+is refused as the bound, `ConfigRefused`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from kvstate.config import CAPACITY_POLICIES, ConfigError, SchedulerConfig
 from kvstate.errors import KVStateError
 from kvstate.policy import VOCABULARY
 from kvstate.untrusted import Limits, UntrustedFileError, read_toml
@@ -37,6 +42,10 @@ DEFAULT_SET_KEY = "default_set"
 
 class BoundsError(KVStateError, ValueError):
     """The bounds file is malformed or names an unknown bound; the message names the entry."""
+
+
+class ConfigRefused(BoundsError):
+    """The bound's scheduler configuration is one `SchedulerConfig` refuses; the message names the bound."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +66,8 @@ class Bound:
     env_aborts: int = 0  # refinement: aborts the environment may inject in one run
     env_host_losses: int = 0  # refinement: host copies the environment may lose in one run
     env_copy_failures: int = 0  # refinement: copies the executor may report failed in one run
-    recompute_pause: bool = True  # scheduler config enable_recompute_pause
+    recompute_pause: bool = True  # SchedulerConfig.enable_recompute_pause
+    capacity_policy: str = "max_utilization"  # SchedulerConfig.capacity_policy
     max_batch_size: int | None = None  # refinement: SchedulerConfig.max_batch_size (None: the config's default)
     max_num_tokens: int | None = None  # refinement: SchedulerConfig.max_num_tokens (None: the config's default)
     max_preemptions: int | None = None  # refinement: SchedulerConfig.max_preemptions_per_request (A3)
@@ -107,6 +117,7 @@ class Bound:
                     f"default), got {value!r}"
                 )
         self._check_offload(where)
+        self._check_scheduler_config(where)
         for prompt, new in self.requests:
             if prompt <= 0 or new <= 0:
                 raise BoundsError(f"{where}: request [{prompt}, {new}] needs prompt_len >= 1 and max_new_tokens >= 1")
@@ -123,6 +134,41 @@ class Bound:
                 f"{where}: offload must be one of the policy's offload rules {sorted(VOCABULARY['offload'])} (or left "
                 f"out for the spec's own), got {self.offload!r}"
             )
+
+    def _check_scheduler_config(self, where: str) -> None:
+        if not isinstance(self.recompute_pause, bool):
+            raise BoundsError(f"{where}: recompute_pause must be true or false, got {self.recompute_pause!r}")
+        if self.capacity_policy not in CAPACITY_POLICIES:
+            raise BoundsError(
+                f"{where}: capacity_policy must be one of {list(CAPACITY_POLICIES)}, got {self.capacity_policy!r}"
+            )
+        try:
+            self.scheduler_config()
+        except ConfigError as err:
+            raise ConfigRefused(f"{where}: the scheduler refuses its configuration: {err}") from err
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler configuration of the bound; a budget the bound leaves out is the configuration's default."""
+        budgets = {
+            option: getattr(self, name)
+            for name, option in (
+                ("max_batch_size", "max_batch_size"),
+                ("max_num_tokens", "max_num_tokens"),
+                ("max_preemptions", "max_preemptions_per_request"),
+                ("no_progress_limit", "no_progress_limit"),
+            )
+            if getattr(self, name) is not None
+        }
+        return SchedulerConfig(
+            gpu_blocks=self.gpu_blocks,
+            host_blocks=self.host_blocks,
+            block_size=self.block_size,
+            prefill_chunk_size=self.chunk_size,
+            pipeline_stages=self.pipeline_stages,
+            enable_recompute_pause=self.recompute_pause,
+            capacity_policy=self.capacity_policy,
+            **budgets,
+        )
 
     @property
     def stop_tokens(self) -> bool:
@@ -150,6 +196,7 @@ class Bound:
             "env_host_losses": self.env_host_losses,
             "env_copy_failures": self.env_copy_failures,
             "recompute_pause": self.recompute_pause,
+            "capacity_policy": self.capacity_policy,
             "max_batch_size": self.max_batch_size,
             "max_num_tokens": self.max_num_tokens,
             "max_preemptions": self.max_preemptions,

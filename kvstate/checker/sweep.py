@@ -5,17 +5,20 @@ A sweep (`[sweeps.NAME]` in `spec/bounds.toml`) names, per dimension, the values
 lengths and max-new-token counts (every sequence of that many requests of those shapes, in arrival order), the GPU
 tier from the smallest that fits each request alone to `gpu_extra` blocks more, host tiers, block sizes, prefill
 chunks, pipeline depths (each with 1..stages micro-batches in flight), copy delays and offload policies (both with a
-host tier only: without one nothing is copied, and every offload policy offloads nothing), plus the environment every
-configuration gets. Each configuration is a `Bound` checked by
-`check_bound` (the abstract model too, unless `abstract_model = false`: the refinement's step refinement then checks
-REFINES action by action); a violation writes its counterexample as a regression test.
+host tier only: without one nothing is copied, and every offload policy offloads nothing), the scheduler's settings
+(`recompute_pauses`, `capacity_policies`; a configuration the scheduler refuses is left out), plus the environment
+every configuration gets (its fault budgets). A sweep of `parts` joins the configurations of the sweeps it names, so
+that costly dimensions (fault budgets, deeper pipelines) are swept over fewer sizes. Each configuration is a `Bound`
+checked by `check_bound` (the abstract model too, unless `abstract_model = false`: the refinement's step refinement
+then checks REFINES action by action); a violation writes its counterexample as a regression test.
 
 The configurations run on a `SweepRunner` (`kvstate.checker.sweep_runners`): this process, a local Dask cluster or
 a Dask cluster at an address. Whichever ran them, the report and the counterexample files are the same: a worker
 returns its files' texts and they are written here.
 
 Invariants: `Sweep.bounds()` lists each configuration once, in a fixed order, and every one is a valid `Bound`
-(every request fits the GPU tier alone); `SweepReport` has one `Outcome` per configuration, in that order.
+(every request fits the GPU tier alone, and the scheduler accepts its configuration); `SweepReport` has one `Outcome`
+per configuration, in that order.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvstate.checker.bounds import Bound, BoundsError, packaged_bounds_path
+from kvstate.checker.bounds import Bound, BoundsError, ConfigRefused, packaged_bounds_path
 from kvstate.checker.explore import HOLDS, INCOMPLETE, VIOLATED
 from kvstate.checker.runner import check_bound
+from kvstate.config import CAPACITY_POLICIES
 from kvstate.checker.sweep_runners import InProcessRunner, Lost, SweepRunner, local_dask_runner
 from kvstate.errors import KVStateError
 from kvstate.policy import VOCABULARY
@@ -50,6 +54,7 @@ DIMENSIONS = (
     "copy_delays",
 )
 POLICIES = ("offloads",)  # dimensions of policy rules: lists of rule names (`Bound.offload`)
+SCHEDULER = ("recompute_pauses", "capacity_policies")  # dimensions of scheduler settings (`Bound` fields)
 ENVIRONMENT = ("env_cancels", "env_aborts", "env_host_losses", "env_copy_failures", "cancel", "abstract_model")
 
 
@@ -58,9 +63,9 @@ class Sweep:
     """One `[sweeps.NAME]` table: the values of each dimension, and the environment every configuration gets."""
 
     name: str
-    request_counts: tuple[int, ...]
-    prompt_lens: tuple[int, ...]
-    max_new_tokens: tuple[int, ...]
+    request_counts: tuple[int, ...] = ()
+    prompt_lens: tuple[int, ...] = ()
+    max_new_tokens: tuple[int, ...] = ()
     gpu_extra: tuple[int, ...] = (0,)
     host_blocks: tuple[int, ...] = (0,)
     block_sizes: tuple[int, ...] = (1,)
@@ -68,6 +73,8 @@ class Sweep:
     pipeline_stages: tuple[int, ...] = (1,)
     copy_delays: tuple[int, ...] = (0,)
     offloads: tuple[str | None, ...] = (None,)  # None: the spec's own offload rule
+    recompute_pauses: tuple[bool, ...] = (True,)  # `Bound.recompute_pause`
+    capacity_policies: tuple[str, ...] = ("max_utilization",)  # `Bound.capacity_policy`
     env_cancels: int = 0
     env_aborts: int = 0
     env_host_losses: int = 0
@@ -75,11 +82,15 @@ class Sweep:
     cancel: bool = False
     abstract_model: bool = False
     description: str = ""
+    parts: tuple[Sweep, ...] = ()  # a sweep of parts: their configurations, in order, and no dimensions of its own
 
     @classmethod
-    def from_dict(cls, data: dict, name: str) -> Sweep:
+    def from_dict(cls, data: dict, name: str, sweeps: dict[str, Sweep] | None = None) -> Sweep:
+        """The sweep of one table; `parts = [NAME, ...]` names sweeps of `sweeps` whose configurations it joins."""
         where = f"sweep {name!r}"
-        known = set(DIMENSIONS) | set(POLICIES) | set(ENVIRONMENT) | {"description"}
+        if "parts" in data:
+            return cls._of_parts(data, name, sweeps or {})
+        known = set(DIMENSIONS) | set(POLICIES) | set(SCHEDULER) | set(ENVIRONMENT) | {"description"}
         unknown = set(data) - known
         if unknown:
             raise BoundsError(f"{where}: unknown keys {sorted(unknown)}; known keys: {sorted(known)}")
@@ -107,6 +118,7 @@ class Sweep:
                     f"{where}: 'offloads' must be a non-empty list of offload rules {rules}, got {listed!r}"
                 )
             values["offloads"] = tuple(listed)
+        values.update(_scheduler_dimensions(data, where))
         for key in ENVIRONMENT:
             if key in data:
                 values[key] = data[key]
@@ -114,9 +126,31 @@ class Sweep:
             values["description"] = str(data["description"])
         return cls(**values)
 
+    @classmethod
+    def _of_parts(cls, data: dict, name: str, sweeps: dict[str, Sweep]) -> Sweep:
+        where = f"sweep {name!r}"
+        unknown = set(data) - {"parts", "description"}
+        if unknown:
+            raise BoundsError(f"{where}: a sweep of parts has only 'parts' and 'description', not {sorted(unknown)}")
+        listed = data["parts"]
+        if not isinstance(listed, list) or not listed or not all(isinstance(v, str) for v in listed):
+            raise BoundsError(f"{where}: 'parts' must be a non-empty list of sweep names, got {listed!r}")
+        missing = [v for v in listed if v not in sweeps or sweeps[v].parts]
+        if missing:
+            raise BoundsError(f"{where}: 'parts' names {missing}, which are not sweeps (of dimensions) of the file")
+        return cls(name=name, description=str(data.get("description", "")), parts=tuple(sweeps[v] for v in listed))
+
     def bounds(self) -> list[Bound]:
-        """Every configuration of the sweep, as a bound named after its index."""
-        return [Bound(name=f"{self.name}-{n}", **config) for n, config in enumerate(self._configurations())]
+        """Every configuration of the sweep the scheduler accepts, as a bound named after its index (one the
+        scheduler refuses, such as no way to preempt a victim, has nothing to check)."""
+        out: list[Bound] = []
+        parts = self.parts or (self,)
+        for config in itertools.chain.from_iterable(part._configurations() for part in parts):
+            try:
+                out.append(Bound(name=f"{self.name}-{len(out)}", **config))
+            except ConfigRefused:
+                continue
+        return out
 
     def _configurations(self) -> Iterator[dict]:
         shapes = [(p, m) for p in self.prompt_lens for m in self.max_new_tokens]
@@ -125,8 +159,15 @@ class Sweep:
             for requests in itertools.product(shapes, repeat=count):
                 for block in self.block_sizes:
                     fits = max(ceil_div(p + m, block) for p, m in requests)  # the smallest GPU tier for each alone
-                    for extra, host, chunk, (stages, micro), delay, offload in itertools.product(
-                        self.gpu_extra, self.host_blocks, self.chunk_sizes, pipelines, self.copy_delays, self.offloads
+                    for extra, host, chunk, (stages, micro), delay, offload, pause, capacity in itertools.product(
+                        self.gpu_extra,
+                        self.host_blocks,
+                        self.chunk_sizes,
+                        pipelines,
+                        self.copy_delays,
+                        self.offloads,
+                        self.recompute_pauses,
+                        self.capacity_policies,
                     ):
                         if not host and (delay or offload != self.offloads[0]):
                             continue  # nothing is copied without a host tier: every delay is 0, every offload alike
@@ -140,8 +181,28 @@ class Sweep:
                             "micro_batches": micro,
                             "copy_delay": delay,
                             "offload": offload,
+                            "recompute_pause": pause,
+                            "capacity_policy": capacity,
                             **{key: getattr(self, key) for key in ENVIRONMENT},
                         }
+
+
+def _scheduler_dimensions(data: dict, where: str) -> dict:
+    """The sweep's lists of scheduler settings (`SCHEDULER`), each checked for its kind of value."""
+    values: dict = {}
+    if "recompute_pauses" in data:
+        listed = data["recompute_pauses"]
+        if not isinstance(listed, list) or not listed or not all(isinstance(v, bool) for v in listed):
+            raise BoundsError(f"{where}: 'recompute_pauses' must be a non-empty list of true / false, got {listed!r}")
+        values["recompute_pauses"] = tuple(listed)
+    if "capacity_policies" in data:
+        listed = data["capacity_policies"]
+        if not isinstance(listed, list) or not listed or not all(v in CAPACITY_POLICIES for v in listed):
+            raise BoundsError(
+                f"{where}: 'capacity_policies' must be a non-empty list of {list(CAPACITY_POLICIES)}, got {listed!r}"
+            )
+        values["capacity_policies"] = tuple(listed)
+    return values
 
 
 def load_sweeps(path: str | Path | None = None) -> dict[str, Sweep]:
@@ -154,7 +215,12 @@ def load_sweeps(path: str | Path | None = None) -> dict[str, Sweep]:
     tables = data.get("sweeps", {})
     if not isinstance(tables, dict):
         raise BoundsError(f"{source}: expected tables [sweeps.NAME]")
-    return {name: Sweep.from_dict(entry, name) for name, entry in tables.items()}
+    sweeps: dict[str, Sweep] = {}
+    for name, entry in sorted(tables.items(), key=lambda item: isinstance(item[1], dict) and "parts" in item[1]):
+        if not isinstance(entry, dict):
+            raise BoundsError(f"{source}: [sweeps.{name}] must be a table")
+        sweeps[name] = Sweep.from_dict(entry, name, sweeps)
+    return {name: sweeps[name] for name in tables}  # in file order
 
 
 def select_sweep(name: str, path: str | Path | None = None) -> Sweep:
@@ -204,6 +270,9 @@ class SweepReport:
             ("stages x micro-batches", lambda b: f"{b.pipeline_stages}x{b.micro_batches}"),
             ("copy delay", lambda b: b.copy_delay),
             ("offload", lambda b: b.offload or "the spec's"),
+            ("fault budgets", _faults),
+            ("recompute-pause", lambda b: "on" if b.recompute_pause else "off"),
+            ("capacity policy", lambda b: b.capacity_policy),
         ]
         out = [
             "| dimension | value | configurations | holds | violated | incomplete | states |",
@@ -218,12 +287,27 @@ class SweepReport:
         out.append(_row("all", "", self.outcomes))
         return out
 
+    def scope(self) -> str:
+        """What the configurations span beyond their sizes: pipeline depths, fault budgets, scheduler settings."""
+        bounds = [o.bound for o in self.outcomes]
+        stages = sorted({b.pipeline_stages for b in bounds})
+        faulted = [b for b in bounds if _faults(b) != "none"]
+        most = {label: max((getattr(b, key) for b in bounds), default=0) for key, label in FAULTS}
+        return (
+            f"scope: pipeline stages {', '.join(map(str, stages))} (1..stages micro-batches in flight); fault budgets "
+            f"in {len(faulted)} of {len(bounds)} configurations (at most "
+            + ", ".join(f"{n} {label}" for label, n in most.items())
+            + f" per run); recompute-pause off in {sum(not b.recompute_pause for b in bounds)}; guaranteed_no_evict "
+            f"in {sum(b.capacity_policy == 'guaranteed_no_evict' for b in bounds)}"
+        )
+
     def lines(self) -> list[str]:
         counts = Counter(o.verdict for o in self.outcomes)
         out = [
             f"sweep {self.sweep.name}: {len(self.outcomes)} configurations, {sum(o.states for o in self.outcomes)} "
             f"scheduler states, {self.seconds:.1f} s on {self.where}: "
             + ", ".join(f"{counts[v]} {v}" for v in (HOLDS, VIOLATED, INCOMPLETE)),
+            self.scope(),
             *self.table(),
         ]
         for o in self.outcomes:
@@ -235,6 +319,28 @@ class SweepReport:
                     + (f"; regression test {o.counterexample_file}" if o.counterexample_file else "")
                 )
         return out
+
+
+FAULTS = (
+    ("env_cancels", "cancels"),
+    ("env_aborts", "aborts"),
+    ("env_host_losses", "lost host copies"),
+    ("env_copy_failures", "failed copies"),
+)
+
+
+def _faults(bound: Bound) -> str:
+    """The environment's fault budgets of `bound` (failed copies and lost host copies only with a host tier, where
+    they apply), or "none"."""
+    host = ("env_host_losses", "env_copy_failures")
+    budgets = [
+        f"{getattr(bound, key)} {label}"
+        for key, label in FAULTS
+        if getattr(bound, key)
+        and (bound.cancel or key not in ("env_cancels", "env_aborts"))
+        and (bound.host_blocks or key not in host)
+    ]
+    return ", ".join(budgets) or "none"
 
 
 def _row(label: str, value: object, outcomes: list[Outcome]) -> str:

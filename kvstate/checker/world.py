@@ -4,16 +4,16 @@ still do, with the fingerprint that identifies worlds.
 The refinement submits request `i` of a bound with id `i` (`bound_index`) and the concrete prompt `prompt_of(i, ...)`;
 `BoundRequests` holds those prompts, their stop tokens and what each request generates alone with unlimited memory.
 
-Two worlds with the same `fingerprint` behave alike from then on, but for when the no-progress detector (A4) stops
-them: it holds the request states, token lists, block tables, free lists, KV contents of owned blocks, copies in
-flight and how long they may still take, outputs in flight, the order of admission numbers that later insertions
-into the admission order compare with, the order in which held blocks are offloaded (least recently held first),
-what decides whether a pass makes progress and how many passes the detector allows (A4), each request's preemption
-count up to the cap (A3: beyond it only reaching the cap is read) and the environment budgets left. It leaves out
-iteration numbers (a suspension's pass number among them: the promotion gate compares it only with the pass under
-way), plan ids, statistics counters and the fields that are fixed by the request's place in the bound (prompt,
-budget, stop tokens, arrival), which no later decision reads. `REQUEST_READS` and `REQUEST_FIELDS_NOT_READ` say,
-per field of a request, which.
+Two worlds with the same `fingerprint` behave alike from then on, but for when the no-progress detector (A4) stops them:
+it holds the request states, token lists, block tables, free lists, KV contents of owned blocks at every pipeline stage,
+what the later stages of the outputs in flight still write and read (and what their blocks hold there), copies in flight
+and how long they may still take, outputs in flight, the order of admission numbers that later insertions into the
+admission order compare with, the order in which held blocks are offloaded (least recently held first), what decides
+whether a pass makes progress and how many passes the detector allows (A4), each request's preemption count up to the
+cap (A3: beyond it only reaching the cap is read) and the environment budgets left. It leaves out iteration numbers (a
+suspension's pass number among them: the promotion gate compares it only with the pass under way), plan ids, statistics
+counters and the fields that are fixed by the request's place in the bound (prompt, budget, stop tokens, arrival), which
+no later decision reads. `REQUEST_READS` and `REQUEST_FIELDS_NOT_READ` say, per field of a request, which.
 
 The detector's counter (`Scheduler.idle_iterations`, passes since the last progress) is left out: the search
 identifies worlds modulo it, so a loop of passes without progress closes a cycle of worlds, a lasso. The quotient
@@ -77,26 +77,8 @@ class BoundRequests:
 
 
 def scheduler_config(bound: Bound) -> SchedulerConfig:
-    """The scheduler configuration of `bound`; a budget the bound leaves out is the configuration's default."""
-    budgets = {
-        option: getattr(bound, name)
-        for name, option in (
-            ("max_batch_size", "max_batch_size"),
-            ("max_num_tokens", "max_num_tokens"),
-            ("max_preemptions", "max_preemptions_per_request"),
-            ("no_progress_limit", "no_progress_limit"),
-        )
-        if getattr(bound, name) is not None
-    }
-    return SchedulerConfig(
-        gpu_blocks=bound.gpu_blocks,
-        host_blocks=bound.host_blocks,
-        block_size=bound.block_size,
-        prefill_chunk_size=bound.chunk_size,
-        pipeline_stages=bound.pipeline_stages,
-        enable_recompute_pause=bound.recompute_pause,
-        **budgets,
-    )
+    """The scheduler configuration of `bound` (`Bound.scheduler_config`)."""
+    return bound.scheduler_config()
 
 
 def bound_spec(bound: Bound, spec: Spec) -> Spec:
@@ -194,8 +176,8 @@ def fingerprint(world: World) -> tuple:
                 request_key(r, cap),
                 gpu,
                 host,
-                tuple(tuple(sim.gpu[b]) for b in gpu),
-                tuple(tuple(sim.host[b]) for b in host),
+                tuple(tuple(tuple(slots[b]) for b in gpu) for slots in sim.gpu_stages),  # every stage's KV
+                tuple(tuple(tuple(slots[b]) for b in host) for slots in sim.host_stages),
             )
         )
     finished = tuple(sorted((rid, r.done_reason, tuple(r.generated)) for rid, r in s.finished.items()))
@@ -209,6 +191,11 @@ def fingerprint(world: World) -> tuple:
         )
         for step, sampled in sim.pipeline
     )  # what lands, and which pauses still wait for it
+    later = tuple(
+        (work, tuple(tuple(tuple(slots[b]) for b in work.block_table) for slots in sim.gpu_stages[1:]))
+        for works in sim.later_stages
+        for work in works
+    )  # what the later stages still write and read, and what their blocks hold there now
     return (
         tuple(active),
         finished,
@@ -226,6 +213,7 @@ def fingerprint(world: World) -> tuple:
         world.failures_left,
         s.host_tier_fallback,
         pipeline,
+        later,
         tuple(sorted(s.in_flight.items())),
         due,
     )

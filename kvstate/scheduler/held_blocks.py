@@ -43,7 +43,10 @@ class HeldBlocks(SchedulerCore):
 
     def _offload_for_eagerly(self, victim: Request, requester: Request, pass_: SchedulingPass) -> None:
         """The `eager` offload policy: every block of the just suspended `victim` moves to the host tier now, as far
-        as it has room (the requester waits for them as for any offload)."""
+        as it has room (the requester waits for them as for any offload); a victim whose step is still in flight
+        keeps them held until that step lands (later stages still write its KV there)."""
+        if victim.request_id in self.in_flight:
+            return
         before = victim.num_gpu_blocks
         pass_.offload_limit = before
         fired = self._try_fire(victim, "offload", pass_)

@@ -146,10 +146,18 @@ class Scheduler(Preemption, Admission, StepLanding, CopyReports):
 
     def must_land(self, outputs_in_flight: int) -> bool:
         """The oldest of `outputs_in_flight` outputs must land before the next pass: `micro_batches` are in flight,
-        or every unfinished request is (the pass would schedule nothing)."""
+        or every unfinished request is (the pass would schedule nothing), or a request whose step is in flight has
+        released its GPU blocks (ended, or reset for replay): the later stages of that step still write and read
+        them, so no copy the next pass issues may refill them first."""
         return outputs_in_flight > 0 and (
-            outputs_in_flight >= self.micro_batches or len(self.in_flight) >= len(self.requests)
+            outputs_in_flight >= self.micro_batches
+            or len(self.in_flight) >= len(self.requests)
+            or any(self._released_in_flight(rid) for rid in self.in_flight)
         )
+
+    def _released_in_flight(self, request_id: Hashable) -> bool:
+        request = self.requests.get(request_id)
+        return request is None or request.state == self._dropped
 
     def slots_per_pass(self) -> int:
         """Batch slots of the next pass: `max_batch_size`, and with several micro-batches in flight at most an

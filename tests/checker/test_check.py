@@ -106,6 +106,24 @@ def test_bound_that_cannot_fit_is_refused():
         Bound(name="x", requests=((4, 4),), gpu_blocks=2, block_size=1)
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"recompute_pause": "no"}, "recompute_pause must be true or false"),
+        ({"capacity_policy": "lazy"}, "capacity_policy must be one of"),
+        ({"recompute_pause": False, "host_blocks": 0}, "the scheduler refuses its configuration: enable_recompute"),
+    ],
+)
+def test_scheduler_settings_of_a_bound_are_checked(fields, message):
+    from kvstate.checker import BoundsError
+
+    with pytest.raises(BoundsError, match=f"bound 'x': {message}"):
+        Bound(name="x", requests=((1, 1),), gpu_blocks=2, **fields)
+    settings = Bound(name="x", requests=((1, 1),), gpu_blocks=2, host_blocks=0, capacity_policy="guaranteed_no_evict")
+    assert settings.scheduler_config().capacity_policy == "guaranteed_no_evict"
+    assert Bound.from_dict(settings.to_dict()) == settings
+
+
 def test_tarjan_iterative_deep_chain():
     n = 50_000  # far beyond the recursion limit
     succ = [[i + 1] for i in range(n - 1)] + [[0]]

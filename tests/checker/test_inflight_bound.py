@@ -1,8 +1,8 @@
-"""Several micro-batches in flight, in the model checker and the pure stepping driver: the `pipeline2_inflight`
-bound drives the real scheduler with two outputs in flight, and the refinement reaches worlds in which a request
-preempted while its decode step is in flight receives that token suspended (in its held blocks, or in the host tier
-with eager offload) or awaiting consensus (a deferred finish); the sim keeps outputs equal to the reference with stop
-tokens, and never schedules a request twice."""
+"""Several micro-batches in flight, in the model checker and the pure stepping driver: the `pipeline2_inflight` bound
+drives the real scheduler with two outputs in flight, and the refinement reaches worlds in which a request preempted
+while its decode step is in flight receives that token suspended (in its held blocks) or awaiting consensus (a
+deferred finish); the sim keeps outputs equal to the reference with stop tokens, and never schedules a request
+twice."""
 
 from __future__ import annotations
 
@@ -73,11 +73,10 @@ def test_a_request_suspended_with_its_decode_step_in_flight_keeps_the_token_that
     assert landed["suspended", True] > 0, landed  # its blocks are held where the step wrote them
 
 
-@pytest.mark.parametrize(("name", "tail"), [("inflight_suspend", "gpu"), ("inflight_suspend_eager", "host")])
+@pytest.mark.parametrize(("name", "tail"), [("inflight_suspend", "gpu"), ("inflight_suspend_eager", "gpu")])
 def test_a_token_landing_on_a_suspended_request_lands_where_its_table_ends(name, tail):
-    """On demand, nothing of a request with a step in flight is offloaded: the step's KV is in its held GPU blocks.
-    Eager, all of a victim's blocks move at its suspension, the step's among them (the copy is taken after the step
-    on every stage): the token lands with its KV in the host tier."""
+    """Nothing of a request with a step in flight is offloaded, on demand or eagerly (the later stages of that step
+    still write its KV): the token lands with its KV in the held GPU blocks."""
     bounds, default = load_bounds()
     assert name in default
     landed = _landings(bounds[name])

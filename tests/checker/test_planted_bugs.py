@@ -8,6 +8,7 @@ import pytest
 
 from kvstate.checker import VIOLATED, AbstractEffects, Bound, check_bound, select_bounds
 from kvstate.scheduler import Scheduler
+from kvstate.scheduler.held_blocks import HeldBlocks
 from kvstate.semantics import GUARDS
 from kvstate.spec import load_spec, packaged_spec_path
 
@@ -136,3 +137,32 @@ def test_consensus_that_replays_a_cancelled_request():
 def test_correct_model_holds_on_the_same_bounds():
     for bound in BOUNDS.values():
         assert check_bound(bound, refine=False).verdict == "holds"
+
+
+def test_blocks_offloaded_before_every_stage_retired_the_step_are_caught(monkeypatch):
+    """Eager offload without its wait for the victim's step in flight: the victim's GPU blocks move to the host tier
+    and are released while the later stages of its decode step still write them, so the host copy lacks that KV
+    and the resumed request's later stage reads what its first stage did not (OUT-EQUIV)."""
+    eager = HeldBlocks._offload_for_eagerly
+
+    def ignores_step_in_flight(self, victim, requester, pass_):
+        in_flight, self.in_flight = self.in_flight, {}
+        try:
+            eager(self, victim, requester, pass_)
+        finally:
+            self.in_flight = in_flight
+
+    (bound,) = select_bounds(["inflight_suspend_eager"])
+    assert bound.pipeline_stages >= 2 and bound.micro_batches >= 2
+    assert check_bound(bound).verdict == "holds"
+    monkeypatch.setattr(HeldBlocks, "_offload_for_eagerly", ignores_step_in_flight)
+    text = caught(check_bound(bound), "OUT-EQUIV")
+    assert "pipeline stage 1 reads" in text and "offload" in text
+
+
+def test_a_pass_planned_with_every_micro_batch_in_flight_is_refused(monkeypatch):
+    """`must_land` one output late: the executor refuses to carry out more micro-batches than it keeps."""
+    monkeypatch.setattr(Scheduler, "must_land", lambda self, n: n > 0 and n > self.micro_batches)
+    (bound,) = select_bounds(["stop_inflight"])
+    text = caught(check_bound(bound), "SPEC-EDGE")
+    assert "MicroBatchesExceeded" in text and "micro-batch(es) are in flight" in text

@@ -122,20 +122,78 @@ def test_a_bad_sweep_is_refused_with_the_key_named(entry, message):
 def test_the_packaged_sweeps_span_the_dimensions_the_issue_names():
     sweeps = load_sweeps()
     ci = sweeps["ci"]
-    assert len(ci.bounds()) == 2400 and not ci.abstract_model  # 1440 configurations, 960 with a host tier twice
-    assert set(ci.offloads) == {"on_demand", "eager"}  # the spec's offload rule and the other one
+    parts = {p.name: p for p in ci.parts}
+    assert len(ci.bounds()) == sum(len(p.bounds()) for p in ci.parts) == 3696
+    assert len(parts["ci_timing"].bounds()) == 2400  # 1440 configurations, 960 with a host tier twice
+    assert not any(p.abstract_model for p in ci.parts)
+    assert set(parts["ci_timing"].offloads) == {"on_demand", "eager"}  # the spec's offload rule and the other one
     union = {key: set() for key in ("request_counts", "host_blocks", "block_sizes", "chunk_sizes", "copy_delays")}
     for sweep in sweeps.values():
         for key, values in union.items():
             values.update(getattr(sweep, key))
     assert union == {
         "request_counts": {1, 2, 3},
-        "host_blocks": {0, 1, 2},
+        "host_blocks": {0, 1, 2, 5},
         "block_sizes": {1, 2, 3},
         "chunk_sizes": {1, 2, 3},
         "copy_delays": {0, 1},
     }
-    assert all(set(s.pipeline_stages) == {1, 2} for s in sweeps.values())  # micro-batches 1..stages each
+    bounds = ci.bounds()
+    assert {(b.pipeline_stages, b.micro_batches) for b in bounds} == {(1, 1), (2, 1), (2, 2), (3, 1), (3, 2), (3, 3)}
+    faulted = [b for b in bounds if b.cancel and b.env_cancels and b.env_copy_failures and b.env_host_losses]
+    assert faulted and {b.host_blocks for b in faulted} == {0, 2}  # copies and host copies where there is a host tier
+    assert any(not b.recompute_pause for b in bounds)
+    assert any(b.capacity_policy == "guaranteed_no_evict" for b in bounds)
+
+
+def test_a_sweep_of_parts_joins_their_configurations_and_names_its_scope(bounds_file):
+    text = (
+        bounds_file.read_text(encoding="utf-8")
+        + """
+[sweeps.faults]
+request_counts = [1]
+prompt_lens = [1]
+max_new_tokens = [1]
+host_blocks = [0, 1]
+cancel = true
+env_cancels = 1
+env_copy_failures = 1
+
+[sweeps.both]
+parts = ["tiny", "faults"]
+"""
+    )
+    bounds_file.write_text(text, encoding="utf-8")
+    both = select_sweep("both", bounds_file)
+    bounds = both.bounds()
+    assert len(bounds) == 18 + 2 and len({b.name for b in bounds}) == 20
+    report = run_sweep(both)
+    lines = report.lines()
+    assert report.verdict == "holds"
+    assert lines[1].startswith(
+        "scope: pipeline stages 1, 2 (1..stages micro-batches in flight); fault budgets in 2 of 20"
+    )
+    assert "| fault budgets | 1 cancels, 1 failed copies | 1 |" in "\n".join(lines)
+    assert "| fault budgets | 1 cancels | 1 |" in "\n".join(lines)  # no host tier: no copy to fail
+    bounds_file.write_text(text + '[sweeps.bad]\nparts = ["nope"]\n', encoding="utf-8")
+    with pytest.raises(BoundsError, match="'parts' names \\['nope'\\]"):
+        load_sweeps(bounds_file)
+
+
+def test_a_sweep_takes_the_scheduler_settings_and_skips_configurations_the_scheduler_refuses():
+    entry = {"request_counts": [1], "prompt_lens": [1], "max_new_tokens": [1], "host_blocks": [0, 1]}
+    sweep = Sweep.from_dict(
+        {**entry, "recompute_pauses": [True, False], "capacity_policies": ["max_utilization", "guaranteed_no_evict"]},
+        "settings",
+    )
+    settings = [(b.host_blocks, b.recompute_pause, b.capacity_policy) for b in sweep.bounds()]
+    # recompute-pause off without a host tier under max_utilization has no way to evict: the scheduler refuses it
+    assert (0, False, "max_utilization") not in settings and len(settings) == 2 * 2 * 2 - 1
+    assert run_sweep(sweep).verdict == "holds"
+    with pytest.raises(BoundsError, match="'recompute_pauses' must be a non-empty list of true / false"):
+        Sweep.from_dict({**entry, "recompute_pauses": ["no"]}, "bad")
+    with pytest.raises(BoundsError, match="'capacity_policies' must be a non-empty list of"):
+        Sweep.from_dict({**entry, "capacity_policies": ["lazy"]}, "bad")
 
 
 @pytest.mark.slow
