@@ -24,6 +24,7 @@ EXTRA_OF = {
     "gguf": "smollm2",
     "jinja2": "smollm2",
     "dask": "cluster",
+    "hypofuzz": "fuzz",
 }
 
 
