@@ -5,7 +5,9 @@ distribution, so that the core never imports the executor. Importing a command m
 
 A bad command line never prints a traceback: argparse refuses malformed options with the subcommand's own usage,
 each command checks its values and paths before it starts work (and before torch is imported), and an expected
-error (`KVStateError`, an `OSError` on a path the user named) is one line on stderr. All of these exit with 2.
+error (`KVStateError`, an `OSError` on a path the user named, an optional dependency that is not installed, named
+with the extra that installs it: `kvstate.extras`) is one line on stderr. All of these exit with 2. Listing the
+commands (`kvstate --help`) imports no torch, so it works where only the core is installed.
 A warning raised while a command runs (the engine's `HostTierFallbackWarning`, say) is one line of its own on
 stderr, ``kvstate COMMAND: warning: ...``, never Python's default display with a source line. Everything printed
 here is inert text (`kvstate.terminal.inert`): a message cannot carry terminal control sequences.
@@ -22,6 +24,7 @@ from types import ModuleType
 
 from kvstate.commands import check, diagram, export, report, spec_summary, validate
 from kvstate.errors import KVStateError
+from kvstate.extras import missing_extra
 from kvstate.terminal import inert
 
 CORE_COMMANDS = {
@@ -100,6 +103,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVStateError as err:  # a contributed command that cannot be registered
         print(inert(f"kvstate: error: {err}"), file=sys.stderr)
         return USAGE_ERROR
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the parsed command; an expected error is one line on stderr (exit 2), an interruption exit 130."""
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _warning_printer(args.command)
@@ -109,6 +117,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as err:  # a path named on the command line failed while the command was using it
         where = f"{err.filename}: " if err.filename else ""
         return _error(args.command, f"{where}{err.strerror or err}")
+    except ModuleNotFoundError as err:  # an optional dependency that `pip install .` leaves out
+        message = missing_extra(err)
+        if message is None:
+            raise
+        return _error(args.command, message)
     except KeyboardInterrupt as err:
         notes = "".join(f"; {note}" for note in getattr(err, "__notes__", ()))  # e.g. what it left broken
         print(inert(f"kvstate {args.command}: interrupted{notes}"), file=sys.stderr)

@@ -38,6 +38,7 @@ from kvstate.commands.args import (
     positive_float,
     positive_int,
 )
+from kvstate.extras import MissingExtra, require
 from kvstate.terminal import inert
 
 if TYPE_CHECKING:  # rich is imported only where a bar is drawn
@@ -310,8 +311,9 @@ def draw_counterexamples(reports, spec, console) -> None:
 
         out = trace.path.with_name(f"{trace.path.stem}-report")
         try:
+            require("matplotlib")  # the report's figures; without it the trace is still written
             drawn = write_report(trace.path, out, spec=spec, loop=trace.loop)
-        except (ValueError, OSError) as err:
+        except (ValueError, OSError, MissingExtra) as err:
             console.print(inert(f"  counterexample not drawn ({err}); draw it with: {trace.report_command(out)}"))
             continue
         console.print(inert(f"  counterexample drawn: {drawn.html.resolve().as_uri()}"))

@@ -10,6 +10,7 @@ import argparse
 import re
 
 from kvstate.commands.args import add_mkdir_option, add_spec_option, input_file, output_dir
+from kvstate.extras import require
 from kvstate.terminal import console, inert
 from kvstate.untrusted import shown
 
@@ -66,6 +67,7 @@ def _run(args: argparse.Namespace) -> int:
     trace = input_file(args.trace, "TRACE")
     out = output_dir(args.out, "--out", mkdir=args.mkdir)
     spec_path = input_file(args.spec, "--spec") if args.spec is not None else None
+    require("matplotlib")  # the figures: before the trace is read
 
     from kvstate.report import write_report
     from kvstate.spec import load_spec
