@@ -185,20 +185,9 @@ def workload_section(
     interleaved(runs, repeats=shape.repeats, warmup=1, seed=seed)
     rate = {name: _useful(work, name) / median(values[1:]) for name, values in seconds.items()}
     fewest = fewest_steps(best, need // 2)  # the pressure rows' GPU tier: half of what the requests need
-    section = Section(
-        "serving",
-        data={
-            "batch": shape.batch,
-            "repeats": shape.repeats,
-            "peer": peer,
-            "missing": missing,
-            "gpu_blocks_needed": need,
-            "tokens_per_s": rate,
-            "engine_steps": steps,
-            "engine_copies": copies,
-            "fewest_steps_under_pressure": fewest,
-        },
-    )
+    data = {"batch": shape.batch, "repeats": shape.repeats, "peer": peer, "missing": missing}
+    data.update(gpu_blocks_needed=need, tokens_per_s=rate, engine_steps=steps, engine_copies=copies)
+    section = Section("serving", data={**data, "fewest_steps_under_pressure": fewest})
     measured = _Measured(rate, outputs, seconds, steps, copies, peer)
     for name in ("ragged prompts", "staggered budgets", "arrivals during decode", "best case"):
         section.rows.append(_peer_row(name, work[name], measured))

@@ -156,10 +156,7 @@ def run_pp_demo(  # noqa: PLR0913 - keyword-only, one per `kvstate demo --pp` fl
     checked = time.perf_counter()
     differ = mismatched(engine_config, work, (run for run in (result, lockstep) if run is not None))
     check_time = time.perf_counter() - checked
-    host = driver.host_tier
-    host_text = "none" if not host_blocks else f"{host_blocks} blocks"
-    if host["fallback"]:
-        host_text += f" (allocation failed on ranks {host['failed_ranks']}: every rank GPU-only)"
+    host_text = _host_tier_text(host_blocks, driver.host_tier)
     layers = ", ".join(f"rank {r.rank}: layers {list(r.layers)}" for r in result.ranks)
     header = (
         f"kvstate demo --pp {stages}: {requests} requests on {device} ({dtype}, model width {hidden_size}), "
@@ -175,6 +172,14 @@ def run_pp_demo(  # noqa: PLR0913 - keyword-only, one per `kvstate demo --pp` fl
     )
     leaked = driver.leaked_blocks + (lockstep.driver.leaked_blocks if lockstep is not None else 0)
     return PipelineDemoSummary(header, states, rows, traces, differ, len(result.outputs), leaked, result, lockstep)
+
+
+def _host_tier_text(host_blocks: int, host: dict) -> str:
+    """The host tier as the demo's header states it: its size, and the ranks whose allocation of it failed."""
+    text = "none" if not host_blocks else f"{host_blocks} blocks"
+    if host["fallback"]:
+        text += f" (allocation failed on ranks {host['failed_ranks']}: every rank GPU-only)"
+    return text
 
 
 def mismatched(engine_config: EngineConfig, work: list[tuple[list[int], int]], runs: Iterable[PipelineResult]) -> tuple:
