@@ -13,6 +13,7 @@ Modules, one concept each:
 * `kvstate_adapter`: `KVStateAdapter`, the adapter of this package's own `Scheduler`;
 * `strategies`: `Submission` and the Hypothesis strategies the rules draw from;
 * `spec_model`: what the machine derives from the spec, and the invariants it checks;
+* `observed_edges`: which paths of spec edges a request's observed counters admit between two observations;
 * `binding`: `MachineConfig`, and `MachineBinding`, what a machine class derives when it is defined;
 * `machine`: `ConformanceMachine`, its rules and checks (listed in its docstring), and `conformance_machine`;
 * `errors`: `LifecycleViolation` and `AdapterContractError`.

@@ -6,7 +6,9 @@ request reaches a given state), cancel a request in any state, make the host tie
 after every rule (and after every step inside a rule) it checks, with ids taken from the spec:
 
 * every observed state is a spec state, every change between two observations of a request follows a path of
-  spec edges (several events may fire in one step), and terminal states are absorbing;
+  spec edges whose every guard its observed counters leave possible (SPEC-EDGE; several events may fire in one
+  step: `kvstate.testing.observed_edges`), each event a reported pass lists is an edge from the request's state
+  just before it, and terminal states are absorbing;
 * GEN-APPEND (outputs only grow), OUT-EQUIV (every output is a prefix of the unpressured reference output,
   and equals it once the request is done without having been cancelled);
 * CONS-GPU / CONS-HOST (free + held + fenced = capacity), RES-STATE (blocks held in a tier never exceed what
@@ -38,12 +40,14 @@ from hypothesis.errors import StopTest
 from hypothesis.stateful import Bundle, MultipleResults, RuleBasedStateMachine, invariant, multiple, precondition, rule
 
 from kvstate import roles
+from kvstate.declared import ObservedPass
 from kvstate.errors import InvariantViolation
 from kvstate.policy import check_pass
 from kvstate.pool import ceil_div
 from kvstate.testing.adapter import USAGE_KEYS, PassReporting, SchedulerAdapter, adapter_snapshot
 from kvstate.testing.binding import MachineBinding, MachineConfig
 from kvstate.testing.errors import AdapterContractError, LifecycleViolation
+from kvstate.testing.observed_edges import ObservedRequest, admitted_path, refuted_edges, unlisted_sources
 from kvstate.testing.spec_model import RESET_INVARIANTS, SpecModel
 from kvstate.testing.strategies import Submission, from_binding
 
@@ -289,14 +293,30 @@ class ConformanceMachine(RuleBasedStateMachine):
         if policy_spec is None:
             return
         for observed in cast("PassReporting", self.adapter).take_passes():  # bound with a policy: it has them
+            self.check_listed_edges(observed)
             try:
                 check_pass(policy_spec, observed.before, observed.record, observed.output)
             except InvariantViolation as err:
                 detail = str(err).removeprefix(f"invariant {err.invariant_id} violated: ")
                 raise self.model.violation(
-                    err.invariant_id, f"{detail} (pass {self.passes_checked}; policy: {self.probed.policy_name})"
+                    err.invariant_id,
+                    f"{detail} (pass {self.passes_checked}; policy: {self.probed.policy_name}; the requests just "
+                    f"before it: {self.snapshot_of(observed)})",
                 ) from err
             self.passes_checked += 1
+
+    @staticmethod
+    def snapshot_of(observed: ObservedPass, rid: Hashable | None = None) -> str:
+        """The requests of `observed`'s snapshot (or request `rid` alone) as one line: id, state, admission, tokens."""
+        shown = [r for r in observed.before.requests if rid is None or r.request_id == rid]
+        return (
+            ", ".join(
+                f"{r.request_id!r}: {r.state}, admission {r.admission}, {r.num_output_tokens} generated, "
+                f"{r.gpu_blocks} GPU blocks{', about to finish' if r.about_to_finish else ''}"
+                for r in shown
+            )
+            or "none"
+        )
 
     def _cancel(self, rid: Hashable) -> None:
         before = self.last_states[rid]
@@ -356,7 +376,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         usage = self.adapter.block_usage()
         self.check_ids(states, outputs, usage)
         for rid, state in states.items():
-            self.check_state(rid, self.last_states.get(rid), state)
+            self.check_state(rid, self.last_states.get(rid), state, self.observed_request(rid, outputs[rid]))
         for rid, out in outputs.items():
             self.check_output(rid, self.last_outputs.get(rid), out, states[rid])
         self.check_blocks(states, usage)
@@ -377,8 +397,15 @@ class ConformanceMachine(RuleBasedStateMachine):
         if missing:
             raise AdapterContractError(f"block_usage() lacks {', '.join(missing)}; it must report {USAGE_KEYS}")
 
-    def check_state(self, rid: Hashable, old: str | None, new: str) -> None:
-        """`new` is a spec state that a path of spec edges leads to from `old` (terminal states absorb)."""
+    def observed_request(self, rid: Hashable, out: list[int]) -> ObservedRequest:
+        """What request `rid`'s counters decide since its last observation, given its output `out` now."""
+        submission = self.submitted[rid]
+        final = len(out) >= submission.max_new_tokens or bool(out and out[-1] in submission.stop_token_ids)
+        return ObservedRequest(rid, len(out) - len(self.last_outputs.get(rid, ())), final)
+
+    def check_state(self, rid: Hashable, old: str | None, new: str, observed: ObservedRequest | None = None) -> None:
+        """`new` is a spec state that a path of spec edges leads to from `old` (terminal states absorb), each edge's
+        guard left possible by the counters `observed` (SPEC-EDGE)."""
         model = self.model
         if new not in model.states:
             raise LifecycleViolation(
@@ -400,6 +427,35 @@ class ConformanceMachine(RuleBasedStateMachine):
                 raise LifecycleViolation(
                     f"request {rid!r} went from {old!r} to {new!r}, but no path of spec "
                     f"edges leads there (edges from {old!r}: {model.successors[old]})"
+                )
+            if observed is not None and admitted_path(model.spec, old, new, observed) is None:
+                raise LifecycleViolation(
+                    f"request {rid!r} went from {old!r} to {new!r} between two observations, but every path of spec "
+                    f"edges between them has an edge whose guard its observed counters refute: "
+                    f"{'; '.join(refuted_edges(model.spec, old, observed))}{self.spec_edge_statement()}"
+                )
+
+    def spec_edge_statement(self) -> str:
+        statement = self.model.invariants.get("SPEC-EDGE")
+        return f". [SPEC-EDGE: {statement.statement}]" if statement is not None else ""
+
+    def check_listed_edges(self, observed: ObservedPass) -> None:
+        """SPEC-EDGE, exactly, for a reported pass: every request its output lists as having taken an event was, just
+        before the pass, in a source state of an event that feeds that list."""
+        spec = self.model.spec
+        before = {r.request_id: r.state for r in observed.before.requests}
+        for list_name in spec.list_states:
+            for listed in getattr(observed.output, list_name, ()):
+                state = before.get(listed.request_id)
+                if state is None or unlisted_sources(spec, list_name, state) is not None:
+                    continue
+                events = sorted(e.name for e in spec.events if e.feeds == list_name)
+                sources = sorted({t.source for t in spec.transitions if t.event in events})
+                raise LifecycleViolation(
+                    f"pass {self.passes_checked} listed request {listed.request_id!r} in {list_name!r} (event "
+                    f"{' or '.join(events) or 'none'}), but it was {state!r} just before the pass, and that list is "
+                    f"entered only from {sources} (snapshot: {self.snapshot_of(observed, listed.request_id)})"
+                    f"{self.spec_edge_statement()}"
                 )
 
     def check_output(self, rid: Hashable, old: list[int] | None, out: list[int], state: str) -> None:
