@@ -133,13 +133,11 @@ class ToyScheduler:
                 RequestSnapshot(
                     rid,
                     r.state,
-                    rid,
-                    position.get(rid, -1),
-                    False,
-                    len(r.generated) + 1 >= r.max_new,
-                    False,
-                    len(r.context),
-                    r.blocks,
+                    arrival=rid,
+                    admission=position.get(rid, -1),
+                    about_to_finish=len(r.generated) + 1 >= r.max_new,
+                    kv_tokens=len(r.context),
+                    gpu_blocks=r.blocks,
                     num_output_tokens=len(r.generated),
                     prompt_tokens=len(r.prompt),
                     last_preemption=r.preempted_at,
@@ -147,10 +145,8 @@ class ToyScheduler:
                 for rid, r in self.requests.items()
                 if r.state != ENDED
             ),
-            0,
-            False,
-            len(self.requests) + 1,
-            1 << 20,
+            max_batch_size=len(self.requests) + 1,
+            max_num_tokens=1 << 20,
             serve_order=tuple(self.running),
         )
 

@@ -111,7 +111,7 @@ def test_a_reported_pass_that_suspends_a_replaying_request_fails_spec_edge_exact
     snapshot = RequestSnapshot(request_id=7, state=RECOMPUTING, arrival=0, admission=0, prefilling=True,
                                about_to_finish=False, capped=False, kv_tokens=3, gpu_blocks=1)  # fmt: skip
     passed = ObservedPass(
-        PassSnapshot((snapshot,), 0, True, 4, 64), PassRecord(), PassOutput(suspended=(Listed(7, OFFLOADED),))
+        PassSnapshot((snapshot,), has_host_tier=True), PassRecord(), PassOutput(suspended=(Listed(7, OFFLOADED),))
     )
     with pytest.raises(LifecycleViolation, match=r"listed request 7 in 'suspended' \(event suspend\), but it was "):
         machine.check_listed_edges(passed)
