@@ -18,6 +18,8 @@ after every rule (and after every step inside a rule) it checks, with ids taken 
 * LIVE-REFUSE (an invalid or never-fitting submission is refused with a `ValueError` and changes nothing);
 * the adapter's own `check_invariants()`;
 * for an adapter that reports its passes, every pass against the policy it declares (`kvstate.policy.check_pass`);
+  for one that does not, the pass inferred from each step's state changes against the declared policy's victim and
+  admission rules (`kvstate.policy.check_observable`), where the observation decides its victim exclusions;
 * LIVE-DONE at teardown (and in the `drain` rule): with arrivals stopped, every request reaches a terminal
   state within `liveness_base + liveness_per_token * tokens` steps, and no block is held afterwards.
 
@@ -47,6 +49,7 @@ from kvstate.pool import ceil_div
 from kvstate.testing.adapter import USAGE_KEYS, PassReporting, SchedulerAdapter, adapter_snapshot
 from kvstate.testing.binding import MachineBinding, MachineConfig
 from kvstate.testing.errors import AdapterContractError, LifecycleViolation
+from kvstate.testing.inferred_passes import AdmissionBook, InferredViolation, Observation, infer_step
 from kvstate.testing.observed_edges import ObservedRequest, admitted_path, refuted_edges, unlisted_sources
 from kvstate.testing.spec_model import RESET_INVARIANTS, SpecModel
 from kvstate.testing.strategies import Submission, from_binding
@@ -139,6 +142,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.host_resizable = self.probed.initial_host > 0
         self.steps_taken = 0
         self.passes_checked = 0
+        self.book = AdmissionBook()  # admissions and preemptions seen, for inferred passes
         self.visits: dict[Hashable, list[tuple[str, int]]] = {}  # each request's states, with its output length then
         self.healthy = True
 
@@ -282,10 +286,34 @@ class ConformanceMachine(RuleBasedStateMachine):
         return rid
 
     def _step(self) -> None:
+        fenced = int(self.adapter.block_usage()["gpu_fenced"]) if self.probed.inferred_spec is not None else 0
+        before = Observation(self.last_states, self.last_outputs, fenced)
         self.adapter.step()
         self.steps_taken += 1
         self.check_passes()
         self.observe()
+        self.check_inferred_pass(before)
+
+    def check_inferred_pass(self, before: Observation) -> None:
+        """The pass inferred from the step's state changes, against the declared policy's victim and admission rules
+        (an adapter without `take_passes`; `kvstate.testing.inferred_passes`)."""
+        policy_spec = self.probed.inferred_spec
+        if policy_spec is None:
+            return
+        requests = {rid: (len(s.prompt), self.expected[rid]) for rid, s in self.submitted.items()}
+        after = Observation(self.last_states, self.last_outputs)
+        has_host = int(self.adapter.block_usage()["host_capacity"]) > 0
+        try:
+            infer_step(policy_spec, before, after, requests, self.book, has_host)
+        except InferredViolation as err:
+            detail = str(err.error).removeprefix(f"invariant {err.error.invariant_id} violated: ")
+            raise self.model.violation(
+                err.error.invariant_id,
+                f"{detail} (inferred from step {self.steps_taken}'s state changes, the adapter reporting no passes: "
+                f"each of the {err.readings} readings of the step (which requester took each victim, in which "
+                f"order, serving by arrival or by admission) breaks {self.probed.policy_name}; this reading: "
+                f"{err.reading.record.decisions}, the requests just before it: {self.snapshot_of(err.reading)})",
+            ) from err.error
 
     def check_passes(self) -> None:
         """Every pass the step ran, against the declared policy (`kvstate.policy.check_pass`)."""

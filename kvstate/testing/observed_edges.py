@@ -86,8 +86,19 @@ def _refutes(transition: Transition, request: ObservedRequest) -> str | None:
 
 
 def admitted_path(spec: Spec, old: str, new: str, request: ObservedRequest) -> list[Transition] | None:
-    """A shortest path of spec edges from `old` to `new` whose every guard `request`'s counters leave possible, or
-    None when there is none."""
+    """A path of spec edges from `old` to `new` whose every guard `request`'s counters leave possible, or None when
+    there is none. Its first edge is, where several could be, one the scheduler or executor takes if the request
+    sampled a token and one the environment takes if it did not (a cancel samples nothing); then it is shortest."""
+    sampled = request.tokens_sampled > 0
+    paths = []
+    for first in (t for t in spec.transitions if t.source == old and _refutes(t, request) is None):
+        rest = [] if first.dest == new else _shortest(spec, first.dest, new, request)
+        if rest is not None:
+            paths.append([first, *rest])
+    return min(paths, key=lambda p: ((p[0].event in spec.environment_events) == sampled, len(p)), default=None)
+
+
+def _shortest(spec: Spec, old: str, new: str, request: ObservedRequest) -> list[Transition] | None:
     came: dict[str, list[Transition]] = {old: []}
     frontier = deque([old])
     while frontier:
