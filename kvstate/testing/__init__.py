@@ -16,6 +16,8 @@ Modules, one concept each:
 * `observed_edges`: which paths of spec edges a request's observed counters admit between two observations;
 * `binding`: `MachineConfig`, and `MachineBinding`, what a machine class derives when it is defined;
 * `machine`: `ConformanceMachine`, its rules and checks (listed in its docstring), and `conformance_machine`;
+* `inferred_passes`: the pass of a step inferred from its state changes, for an adapter without `take_passes`;
+* `shrink_progress`: the lines a failing run prints while Hypothesis shrinks it;
 * `errors`: `LifecycleViolation` and `AdapterContractError`.
 
 Hypothesis profiles (`kvstate.hypothesis_profiles`): importing this package registers `ci`, `thorough`, `dev`,

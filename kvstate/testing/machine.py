@@ -51,10 +51,27 @@ from kvstate.testing.binding import MachineBinding, MachineConfig
 from kvstate.testing.errors import AdapterContractError, LifecycleViolation
 from kvstate.testing.inferred_passes import AdmissionBook, InferredViolation, Observation, infer_step
 from kvstate.testing.observed_edges import ObservedRequest, admitted_path, refuted_edges, unlisted_sources
+from kvstate.testing.shrink_progress import ShrinkProgress
 from kvstate.testing.spec_model import RESET_INVARIANTS, SpecModel
 from kvstate.testing.strategies import Submission, from_binding
 
-__all__ = ["ConformanceMachine", "conformance_machine"]
+__all__ = ["STEPS_PER_EXAMPLE", "ConformanceMachine", "conformance_machine", "machine_settings"]
+
+
+# rules per example where the loaded profile keeps Hypothesis' own default: a step rule runs up to
+# `max_steps_per_rule` iterations, so fewer, larger rules reach the same states, and a failure shrinks faster
+STEPS_PER_EXAMPLE = 20
+_HYPOTHESIS_STEP_COUNT = settings.get_profile("default").stateful_step_count
+
+
+def machine_settings() -> settings:
+    """The loaded profile without a per-example deadline (a scheduler step may be slow), and with
+    `STEPS_PER_EXAMPLE` rules per example unless the profile sets its own count."""
+    current = settings.default
+    steps = current.stateful_step_count if current is not None else _HYPOTHESIS_STEP_COUNT
+    if steps == _HYPOTHESIS_STEP_COUNT:
+        steps = STEPS_PER_EXAMPLE
+    return settings(deadline=None, stateful_step_count=steps)
 
 
 def _note(text: str) -> None:
@@ -68,6 +85,7 @@ def _guarded(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
+        self.rules_run += method.__name__ != "conforms"
         self.healthy = False
         result = method(self, *args, **kwargs)
         self.healthy = True
@@ -95,6 +113,7 @@ class ConformanceMachine(RuleBasedStateMachine):
     config: ClassVar[MachineConfig] = MachineConfig()
     binding: ClassVar[MachineBinding | None] = None
     requests = Bundle("requests")
+    _progress: ClassVar[ShrinkProgress]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -102,7 +121,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         if "binding" not in own and ("adapter_factory" in own or "config" in own) and cls.adapter_factory:
             cls.binding = MachineBinding.probe(cls.adapter_factory, cls.config)
         if cls.binding is not None:
-            cls.TestCase.settings = settings(deadline=None)  # the loaded profile, without a per-example deadline
+            cls.TestCase.settings = machine_settings()
 
     @classmethod
     def bind(
@@ -142,6 +161,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.host_resizable = self.probed.initial_host > 0
         self.steps_taken = 0
         self.passes_checked = 0
+        self.rules_run = 0
         self.book = AdmissionBook()  # admissions and preemptions seen, for inferred passes
         self.visits: dict[Hashable, list[tuple[str, int]]] = {}  # each request's states, with its output length then
         self.healthy = True
@@ -251,6 +271,25 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.observe()
 
     def teardown(self) -> None:
+        ended: BaseException | None = sys.exc_info()[1]
+        try:
+            self._teardown()
+        except BaseException as err:
+            ended = err
+            raise
+        finally:
+            if currently_in_test_context() and not isinstance(ended, StopTest):
+                failed = None if ended is None else f"{getattr(ended, 'invariant_id', type(ended).__name__)}"
+                type(self).progress().example_ended(failed, self.rules_run)
+
+    @classmethod
+    def progress(cls) -> ShrinkProgress:
+        """The shrink progress of this machine class (`kvstate.testing.shrink_progress`)."""
+        if "_progress" not in vars(cls):
+            cls._progress = ShrinkProgress(cls.__name__)
+        return cls._progress
+
+    def _teardown(self) -> None:
         # Check liveness only after a run whose every rule and invariant passed: never mask the failure that
         # ended the run, nor step a run that Hypothesis abandoned.
         if self.healthy and not isinstance(sys.exc_info()[1], StopTest):
@@ -404,7 +443,9 @@ class ConformanceMachine(RuleBasedStateMachine):
         usage = self.adapter.block_usage()
         self.check_ids(states, outputs, usage)
         for rid, state in states.items():
-            self.check_state(rid, self.last_states.get(rid), state, self.observed_request(rid, outputs[rid]))
+            old = self.last_states.get(rid)
+            if old != state:
+                self.check_state(rid, old, state, self.observed_request(rid, outputs[rid]))
         for rid, out in outputs.items():
             self.check_output(rid, self.last_outputs.get(rid), out, states[rid])
         self.check_blocks(states, usage)
