@@ -42,10 +42,10 @@ class ShrinkProgress:
             if failed is not None:
                 self.first_failure, self.last_line, self.fewest_steps = now, now, steps
                 self.write(
-                    f"{self.name}: found {failed} after {steps} rule(s); Hypothesis is now shrinking it to the "
-                    "shortest step list that still fails, replaying variants of it: seconds to minutes, a line "
-                    f"every {PROGRESS_EVERY_S:.0f} s says how far it got (the 'fail-fast' profile skips shrinking and "
-                    "prints the list as found)"
+                    f"{self.name}: found {failed} after {steps} rule(s); Hypothesis now shrinks it to the shortest "
+                    "step list that still fails, replaying variants of it: seconds to minutes, a line every "
+                    f"{PROGRESS_EVERY_S:.0f} s says how far it got (a profile without the shrink phase, such as "
+                    "'fail-fast', reports the list as found at once)"
                 )
             return
         self.attempts += 1

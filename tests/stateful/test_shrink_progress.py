@@ -22,7 +22,7 @@ def test_the_first_failure_says_shrinking_starts_and_later_lines_say_how_far_it_
     assert stream.getvalue().count("\n") == 1  # no progress line before PROGRESS_EVERY_S
     progress.example_ended(None, 5, now=1.0 + PROGRESS_EVERY_S)
     first, second = stream.getvalue().splitlines()
-    assert "Toy: found VICTIM-TAIL after 40 rule(s); Hypothesis is now shrinking it" in first
+    assert "Toy: found VICTIM-TAIL after 40 rule(s); Hypothesis now shrinks it" in first
     assert f"still shrinking after {PROGRESS_EVERY_S:.0f} s: 3 variant(s) replayed" in second
     assert "the shortest failing one has 9 rule(s)" in second
 
