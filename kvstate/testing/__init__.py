@@ -7,6 +7,9 @@ invariants, and, for an adapter that reports its scheduling passes (`take_passes
 victim, promotion and admission policy it declares (`MachineConfig(policy=...)`, else the adapter's `policy`
 attribute, else the spec's own `[policy]`; `kvstate.declared.preset` names vLLM's, SGLang's and TensorRT-LLM's).
 
+A pass report's types are re-exported here (`ObservedPass`, `PassSnapshot`, `RequestSnapshot`, `PassRecord`,
+`Victim`, `Promotion`, `Offload`, `Wait`, `PassOutput`, `Listed`), so an adapter imports them from one place.
+
 Modules, one concept each:
 
 * `adapter`: the `SchedulerAdapter` protocol, `PassReporting`, `USAGE_KEYS` and the checks of an adapter's contract;
@@ -48,7 +51,9 @@ subclass in one call.
 
 from __future__ import annotations
 
+from kvstate.declared import Listed, ObservedPass, PassOutput
 from kvstate.hypothesis_profiles import PROFILE_ENV, PROFILES, load_profile, register_profiles
+from kvstate.policy import Offload, PassRecord, PassSnapshot, Promotion, RequestSnapshot, Victim, Wait
 from kvstate.testing.adapter import USAGE_KEYS, PassReporting, SchedulerAdapter, checked_usage
 from kvstate.testing.binding import MachineBinding, MachineConfig
 from kvstate.testing.errors import AdapterContractError, LifecycleViolation
@@ -64,11 +69,21 @@ __all__ = [
     "ConformanceMachine",
     "KVStateAdapter",
     "LifecycleViolation",
+    "Listed",
     "MachineBinding",
     "MachineConfig",
+    "ObservedPass",
+    "Offload",
+    "PassOutput",
+    "PassRecord",
     "PassReporting",
+    "PassSnapshot",
+    "Promotion",
+    "RequestSnapshot",
     "SchedulerAdapter",
     "Submission",
+    "Victim",
+    "Wait",
     "checked_usage",
     "conformance_machine",
     "load_profile",
