@@ -14,7 +14,7 @@ The rules (SPEC.md section 7) apply to the `max_utilization` capacity policy.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
 from kvstate.errors import InvariantViolation
@@ -219,19 +219,25 @@ class PassRecord:
     decisions: list[Victim | Promotion | Offload | Wait] = field(default_factory=list)
 
 
+# a pass limit a snapshot does not state: no limit
+UNLIMITED = 1 << 62
+
+
 @dataclass(frozen=True, slots=True)
 class RequestSnapshot:
-    """What the policy reads of one active request just before a pass."""
+    """What the policy reads of one active request just before a pass: its id and state, then keyword-only fields,
+    each with a default that excludes nothing and counts nothing (the README's table gives each field's meaning)."""
 
     request_id: Hashable
     state: str
-    arrival: int
-    admission: int
-    prefilling: bool
-    about_to_finish: bool
-    capped: bool
-    kv_tokens: int
-    gpu_blocks: int
+    _: KW_ONLY
+    arrival: int = 0  # submission order (the spec's serve order and admission classes read it)
+    admission: int = 0  # admission number: the latest admitted has the greatest (victim order latest_admission_first)
+    prefilling: bool = False  # its prompt or replay prompt is not computed yet
+    about_to_finish: bool = False  # its next decode step produces its final token (VICTIM-NOT-FINAL)
+    capped: bool = False  # preempted max_preemptions_per_request times (VICTIM-CAP)
+    kv_tokens: int = 0  # KV tokens it holds (PROMOTE-GATE's worth)
+    gpu_blocks: int = 0  # GPU blocks it holds
     in_flight: bool = False  # its step of an earlier pass is still in the pipeline: not schedulable in this pass
     copying: bool = False  # its resume copy is still in flight: not schedulable in this pass (its KV is not back)
     # read only by the rules that name them (a third-party engine's declared policy, `kvstate.declared`):
@@ -247,13 +253,15 @@ class RequestSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class PassSnapshot:
-    """Every active request and the GPU blocks fenced by copies, just before a pass."""
+    """Every active request, and what the pass's rules read of the pool, just before a pass: the requests, then
+    keyword-only fields with defaults (no copies, no host tier, no batch or token limit, the spec's serve order)."""
 
     requests: tuple[RequestSnapshot, ...]
-    gpu_fenced: int
-    has_host_tier: bool
-    max_batch_size: int
-    max_num_tokens: int
+    _: KW_ONLY
+    gpu_fenced: int = 0  # GPU blocks fenced by copies in flight
+    has_host_tier: bool = False
+    max_batch_size: int = UNLIMITED
+    max_num_tokens: int = UNLIMITED
     # the order in which the pass serves its requesters, where it is not the spec's (SPEC.md 7.2: decode steps,
     # then chunks, each by arrival): a third-party engine's own (`kvstate.declared`); None keeps the spec's
     serve_order: tuple[Hashable, ...] | None = None
@@ -280,15 +288,15 @@ def snapshot(scheduler) -> PassSnapshot:
         RequestSnapshot(
             r.request_id,
             r.state,
-            r.arrival,
-            r.admission,
-            r.is_prefilling,
-            r.about_to_finish,
-            cap is not None and r.num_suspensions + r.num_recompute_pauses >= cap,
-            r.num_computed_tokens,
-            r.num_gpu_blocks,
-            r.request_id in scheduler.in_flight,
-            r.request_id in not_ready and r.request_id not in scheduler.in_flight,
+            arrival=r.arrival,
+            admission=r.admission,
+            prefilling=r.is_prefilling,
+            about_to_finish=r.about_to_finish,
+            capped=cap is not None and r.num_suspensions + r.num_recompute_pauses >= cap,
+            kv_tokens=r.num_computed_tokens,
+            gpu_blocks=r.num_gpu_blocks,
+            in_flight=r.request_id in scheduler.in_flight,
+            copying=r.request_id in not_ready and r.request_id not in scheduler.in_flight,
             host_blocks=r.num_host_blocks,
             held_rank=held_rank.get(r.request_id, -1),
             next_step_blocks=_next_step_blocks(r, scheduler.config, offloaded, scheduler.config.block_size),
@@ -298,10 +306,10 @@ def snapshot(scheduler) -> PassSnapshot:
     )
     return PassSnapshot(
         requests,
-        len(scheduler.pool.gpu.fenced),
-        scheduler.pool.has_host_tier,
-        scheduler.slots_per_pass(),
-        scheduler.config.max_num_tokens,
+        gpu_fenced=len(scheduler.pool.gpu.fenced),
+        has_host_tier=scheduler.pool.has_host_tier,
+        max_batch_size=scheduler.slots_per_pass(),
+        max_num_tokens=scheduler.config.max_num_tokens,
         host_free=scheduler.pool.host_free_blocks,
     )
 
@@ -311,6 +319,27 @@ def check_pass(spec: Spec, before: PassSnapshot, record: PassRecord, output) -> 
     """Raise `InvariantViolation` unless the pass that produced `output` (a `SchedulerOutput`) follows `spec`'s
     policy."""
     _PassCheck(spec, before, record, output).run()
+
+
+def check_observable(spec: Spec, before: PassSnapshot, record: PassRecord, output) -> None:
+    """`check_pass` restricted to the rules a pass inferred from state changes alone can be held to: the victim
+    rules (VICTIM-*) and the admission rules (ADMIT-*). Room, offloads and work conservation read block counts and
+    waits that such a pass does not know."""
+    check = _PassCheck(spec, before, record, output)
+    check.check_victims()
+    check.check_admissions()
+
+
+def admission_candidates(spec: Spec, before: PassSnapshot) -> list[Hashable]:
+    """The requests of `before` that `spec`'s policy may admit, in the order it admits them (ADMIT-ORDER)."""
+    return _PassCheck(spec, before, PassRecord(), _NO_OUTPUT).candidates()
+
+
+class _NoOutput:
+    scheduled: tuple = ()
+
+
+_NO_OUTPUT = _NoOutput()
 
 
 # how each victim order ranks the eligible requests: the victim is the greatest
@@ -427,7 +456,7 @@ class _PassCheck:
                 self.fail(
                     "VICTIM-TAIL",
                     f"request {d.victim!r} was chosen as {d.requester!r}'s victim but is not an "
-                    f"eligible victim ({', '.join(self.policy.victim_exclusions)} exclude it)",
+                    f"eligible victim ({self.why_not_eligible(d, victim, chosen - {d.victim}, waiting)})",
                 )
             order = self.policy.victim_order
             tail = max(eligible, key=_VICTIM_RANK[order])
@@ -446,6 +475,24 @@ class _PassCheck:
                 f"{tail.request_id!r} ({_ranked(tail)}) is eligible and comes first in victim_order {order!r}: "
                 f"{VOCABULARY['victim_order'][order]}",
             )
+
+    def why_not_eligible(
+        self, d: Victim, victim: RequestSnapshot | None, chosen: set[Hashable], waiting: set[Hashable]
+    ) -> str:
+        """The one reason `victim` is no eligible victim of `d.requester`: each exclusion that alone excludes it."""
+        if victim is None:
+            return "it is not an active request just before the pass"
+        if victim.state not in self.spec.victim_states:
+            return f"it is {victim.state!r}, and only {sorted(self.spec.victim_states)} requests are victims"
+        declared = set(self.policy.victim_exclusions)
+        excluding = [
+            name
+            for name in self.policy.victim_exclusions
+            if victim not in self.eligible(d.requester, chosen, waiting, ignoring=frozenset(declared - {name}))
+        ]
+        if not excluding:
+            return "the declared exclusions together exclude it"
+        return "; ".join(f"{name} excludes it: {VOCABULARY['victim_exclusions'][name]}" for name in excluding)
 
     def check_cap(self, d: Victim, eligible: list[RequestSnapshot]) -> None:
         """VICTIM-CAP: a request past the preemption cap is taken by no requester but the head of the pass, and the

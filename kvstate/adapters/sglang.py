@@ -371,13 +371,10 @@ class SGLangAdapter:
             RequestSnapshot(
                 rid,
                 state,
-                int(rid),
-                position.get(rid, -1),
-                False,
-                len(req.output_ids) + 1 >= req.sampling_params.max_new_tokens,
-                False,
-                len(req.origin_input_ids) + len(req.output_ids),
-                0,
+                arrival=int(rid),
+                admission=position.get(rid, -1),
+                about_to_finish=len(req.output_ids) + 1 >= req.sampling_params.max_new_tokens,
+                kv_tokens=len(req.origin_input_ids) + len(req.output_ids),
                 num_output_tokens=len(req.output_ids),
                 prompt_tokens=len(req.origin_input_ids),
                 last_preemption=self._retractions.get(rid, -1),
@@ -385,7 +382,7 @@ class SGLangAdapter:
             for rid, req in self._requests.items()
             if (state := self._state(req)) != self._ended
         )
-        return PassSnapshot(requests, 0, False, self.max_running, self.max_prefill_tokens)
+        return PassSnapshot(requests, max_batch_size=self.max_running, max_num_tokens=self.max_prefill_tokens)
 
     def _pass_output(self, before: PassSnapshot, record: PassRecord, batch, kind: str) -> PassOutput:
         was = {r.request_id: r.state for r in before.requests}

@@ -431,13 +431,12 @@ class TrtllmAdapter:
             RequestSnapshot(
                 req.py_request_id,
                 self._state(req),
-                req.py_request_id,
-                position,
-                req.is_context_init_state,
-                req.is_generation_to_complete_state,  # its final step is under way (the overlap executor)
-                False,
-                len(req.tokens),
-                len(cache.gpu) if (cache := self.pool.kv_cache_map.get(req.py_request_id)) else 0,
+                arrival=req.py_request_id,
+                admission=position,
+                prefilling=req.is_context_init_state,
+                about_to_finish=req.is_generation_to_complete_state,  # its final step is under way (overlap)
+                kv_tokens=len(req.tokens),
+                gpu_blocks=len(cache.gpu) if (cache := self.pool.kv_cache_map.get(req.py_request_id)) else 0,
                 num_output_tokens=len(req.generated),
                 prompt_tokens=len(req.prompt),
                 host_blocks=len(cache.host) if cache else 0,
@@ -447,10 +446,9 @@ class TrtllmAdapter:
         )
         return PassSnapshot(
             requests,
-            0,
-            self.pool.can_evict,
-            self.scheduler.max_num_requests,
-            self.max_num_tokens or 1 << 30,
+            has_host_tier=self.pool.can_evict,
+            max_batch_size=self.scheduler.max_num_requests,
+            max_num_tokens=self.max_num_tokens or 1 << 30,
             serve_order=tuple(req.py_request_id for req in self.active),
             host_free=len(self.pool.free_host),
         )

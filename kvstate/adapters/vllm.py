@@ -447,13 +447,12 @@ class VLLMAdapter:
             RequestSnapshot(
                 request_id,
                 state,
-                int(request_id),
-                position.get(request_id, -1),
-                request.num_computed_tokens < request.num_prompt_tokens,
-                len(request.output_token_ids) + 1 >= request.max_tokens,
-                False,
-                request.num_computed_tokens,
-                len(self._blocks(request_id)),
+                arrival=int(request_id),
+                admission=position.get(request_id, -1),
+                prefilling=request.num_computed_tokens < request.num_prompt_tokens,
+                about_to_finish=len(request.output_token_ids) + 1 >= request.max_tokens,
+                kv_tokens=request.num_computed_tokens,
+                gpu_blocks=len(self._blocks(request_id)),
                 num_output_tokens=len(request.output_token_ids),
                 prompt_tokens=request.num_prompt_tokens,
                 last_preemption=self._preemptions.get(request_id, -1),
@@ -464,10 +463,8 @@ class VLLMAdapter:
         config = self.scheduler.scheduler_config
         return PassSnapshot(
             requests,
-            0,
-            False,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
+            max_batch_size=config.max_num_seqs,
+            max_num_tokens=config.max_num_batched_tokens,
             serve_order=tuple(request.request_id for request in self.scheduler.running),
         )
 

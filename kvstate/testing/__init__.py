@@ -7,14 +7,20 @@ invariants, and, for an adapter that reports its scheduling passes (`take_passes
 victim, promotion and admission policy it declares (`MachineConfig(policy=...)`, else the adapter's `policy`
 attribute, else the spec's own `[policy]`; `kvstate.declared.preset` names vLLM's, SGLang's and TensorRT-LLM's).
 
+A pass report's types are re-exported here (`ObservedPass`, `PassSnapshot`, `RequestSnapshot`, `PassRecord`,
+`Victim`, `Promotion`, `Offload`, `Wait`, `PassOutput`, `Listed`), so an adapter imports them from one place.
+
 Modules, one concept each:
 
 * `adapter`: the `SchedulerAdapter` protocol, `PassReporting`, `USAGE_KEYS` and the checks of an adapter's contract;
 * `kvstate_adapter`: `KVStateAdapter`, the adapter of this package's own `Scheduler`;
 * `strategies`: `Submission` and the Hypothesis strategies the rules draw from;
 * `spec_model`: what the machine derives from the spec, and the invariants it checks;
+* `observed_edges`: which paths of spec edges a request's observed counters admit between two observations;
 * `binding`: `MachineConfig`, and `MachineBinding`, what a machine class derives when it is defined;
 * `machine`: `ConformanceMachine`, its rules and checks (listed in its docstring), and `conformance_machine`;
+* `inferred_passes`: the pass of a step inferred from its state changes, for an adapter without `take_passes`;
+* `shrink_progress`: the lines a failing run prints while Hypothesis shrinks it;
 * `errors`: `LifecycleViolation` and `AdapterContractError`.
 
 Hypothesis profiles (`kvstate.hypothesis_profiles`): importing this package registers `ci`, `thorough`, `dev`,
@@ -45,7 +51,9 @@ subclass in one call.
 
 from __future__ import annotations
 
+from kvstate.declared import Listed, ObservedPass, PassOutput
 from kvstate.hypothesis_profiles import PROFILE_ENV, PROFILES, load_profile, register_profiles
+from kvstate.policy import Offload, PassRecord, PassSnapshot, Promotion, RequestSnapshot, Victim, Wait
 from kvstate.testing.adapter import USAGE_KEYS, PassReporting, SchedulerAdapter, checked_usage
 from kvstate.testing.binding import MachineBinding, MachineConfig
 from kvstate.testing.errors import AdapterContractError, LifecycleViolation
@@ -61,11 +69,21 @@ __all__ = [
     "ConformanceMachine",
     "KVStateAdapter",
     "LifecycleViolation",
+    "Listed",
     "MachineBinding",
     "MachineConfig",
+    "ObservedPass",
+    "Offload",
+    "PassOutput",
+    "PassRecord",
     "PassReporting",
+    "PassSnapshot",
+    "Promotion",
+    "RequestSnapshot",
     "SchedulerAdapter",
     "Submission",
+    "Victim",
+    "Wait",
     "checked_usage",
     "conformance_machine",
     "load_profile",

@@ -17,6 +17,7 @@ from kvstate.sim import DEFAULT_VOCAB
 from kvstate.spec import Policy, Spec, default_spec
 from kvstate.testing.adapter import SchedulerAdapter, checked_usage, contract_gaps
 from kvstate.testing.errors import AdapterContractError
+from kvstate.testing.inferred_passes import OBSERVABLE_EXCLUSIONS, observable_policy
 from kvstate.testing.spec_model import POLICY_INVARIANTS, SpecModel
 from kvstate.testing.strategies import invalid_submissions, valid_submissions
 
@@ -35,7 +36,10 @@ class MachineConfig:
     unfinished requests). `cancel_event`: the spec event that cancels a request. `policy`: the scheduling policy
     its passes are checked against, a `kvstate.spec.Policy` or a preset name of `kvstate.declared.PRESETS` (default:
     the adapter's `policy` attribute, else the spec's `[policy]`); checked only if the adapter has `take_passes` and
-    `check_policy` is True (False: a test of another property that a policy check would catch first).
+    `check_policy` is True (False: a test of another property that a policy check would catch first). Without
+    `take_passes`, each step's pass is inferred from its state changes and held to the policy's victim and admission
+    rules when `infer_policy` is True and the observation decides every victim exclusion the policy declares
+    (`kvstate.testing.inferred_passes`).
     """
 
     spec: Spec | None = None
@@ -48,20 +52,37 @@ class MachineConfig:
     cancel_event: str = "cancel"
     policy: Policy | str | None = None
     check_policy: bool = True
+    infer_policy: bool = True
+
+
+def reports_passes(adapter: object) -> bool:
+    return callable(getattr(adapter, "take_passes", None))
+
+
+def inferred_policy(spec: Spec, config: MachineConfig, adapter: object) -> tuple[str, Spec] | None:
+    """For an adapter without `take_passes`: the policy its inferred passes are checked against, or None (no check).
+    A policy it declares whose victim exclusions the observation does not decide is refused."""
+    if reports_passes(adapter) or not config.infer_policy:
+        return None
+    declared = declared_policy(spec, config, adapter)
+    if declared is None or observable_policy(declared[1]):
+        return declared
+    if config.policy is None and getattr(adapter, "policy", None) is None:
+        return None  # the spec's own policy, not observable: checked only with take_passes
+    hidden = sorted(set(declared[1].policy.victim_exclusions) - OBSERVABLE_EXCLUSIONS)
+    raise AdapterContractError(
+        f"{type(adapter).__name__} declares {declared[0]}, whose victim exclusions {', '.join(hidden)} no state "
+        "change shows, but has no take_passes() to report its scheduling passes; implement it "
+        "(kvstate.testing.PassReporting), declare a policy whose exclusions are observable, or pass "
+        "infer_policy=False"
+    )
 
 
 def declared_policy(spec: Spec, config: MachineConfig, adapter: object) -> tuple[str, Spec] | None:
-    """The name of the policy `adapter`'s passes are checked against and the spec that carries it, or None when the
-    adapter reports no passes (see `MachineConfig.policy`)."""
+    """The name of the policy `adapter`'s passes are checked against and the spec that carries it, or None when no
+    policy is checked (see `MachineConfig.policy`)."""
     declared = config.policy if config.policy is not None else getattr(adapter, "policy", None)
     if not config.check_policy:
-        return None
-    if not callable(getattr(adapter, "take_passes", None)):
-        if declared is not None:
-            raise AdapterContractError(
-                f"{type(adapter).__name__} declares a policy ({declared!r}) but has no take_passes() to report its "
-                "scheduling passes; implement it (kvstate.testing.PassReporting) or declare no policy"
-            )
         return None
     if declared is None:
         return "the spec's [policy]", spec
@@ -98,6 +119,7 @@ class MachineBinding:
     any_state: st.SearchStrategy
     policy_name: str = ""
     policy_spec: Spec | None = None
+    inferred_spec: Spec | None = None  # the policy spec a black-box adapter's inferred passes are checked against
 
     @property
     def checks_policy(self) -> bool:
@@ -114,7 +136,13 @@ class MachineBinding:
                 f"adapter_factory() returned {type(probe).__name__}, which lacks {', '.join(gaps)} "
                 "of kvstate.testing.SchedulerAdapter; implement them"
             )
-        declared = declared_policy(model.spec, config, probe)
+        declared = declared_policy(model.spec, config, probe) if reports_passes(probe) else None
+        inferred = inferred_policy(model.spec, config, probe)
+        if inferred is not None:
+            declared, inferred_spec = None, inferred[1]
+            model.require(POLICY_INVARIANTS, "the inferred policy check (kvstate.policy.check_observable)")
+        else:
+            inferred_spec = None
         if declared is not None:
             model.require(POLICY_INVARIANTS, "the policy check (kvstate.policy.check_pass)")
         capacity, block_size = int(probe.gpu_token_capacity), int(probe.block_size)
@@ -141,6 +169,7 @@ class MachineBinding:
             steps=st.integers(1, max(1, config.max_steps_per_rule)),
             live_states=st.sampled_from(model.live_states),
             any_state=st.sampled_from(model.state_names),
-            policy_name=declared[0] if declared else "",
+            policy_name=declared[0] if declared else inferred[0] if inferred else "",
             policy_spec=declared[1] if declared else None,
+            inferred_spec=inferred_spec,
         )

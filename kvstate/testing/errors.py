@@ -14,6 +14,8 @@ __all__ = ["AdapterContractError", "LifecycleViolation"]
 class LifecycleViolation(KVStateError, AssertionError):
     """An observed state, or a change between two observations, that the spec's state graph does not allow."""
 
+    invariant_id = "SPEC-EDGE"
+
 
 class AdapterContractError(KVStateError, AssertionError):
     """The adapter broke the `SchedulerAdapter` protocol (missing ids or keys, wrong exception types)."""

@@ -6,7 +6,9 @@ request reaches a given state), cancel a request in any state, make the host tie
 after every rule (and after every step inside a rule) it checks, with ids taken from the spec:
 
 * every observed state is a spec state, every change between two observations of a request follows a path of
-  spec edges (several events may fire in one step), and terminal states are absorbing;
+  spec edges whose every guard its observed counters leave possible (SPEC-EDGE; several events may fire in one
+  step: `kvstate.testing.observed_edges`), each event a reported pass lists is an edge from the request's state
+  just before it, and terminal states are absorbing;
 * GEN-APPEND (outputs only grow), OUT-EQUIV (every output is a prefix of the unpressured reference output,
   and equals it once the request is done without having been cancelled);
 * CONS-GPU / CONS-HOST (free + held + fenced = capacity), RES-STATE (blocks held in a tier never exceed what
@@ -16,6 +18,8 @@ after every rule (and after every step inside a rule) it checks, with ids taken 
 * LIVE-REFUSE (an invalid or never-fitting submission is refused with a `ValueError` and changes nothing);
 * the adapter's own `check_invariants()`;
 * for an adapter that reports its passes, every pass against the policy it declares (`kvstate.policy.check_pass`);
+  for one that does not, the pass inferred from each step's state changes against the declared policy's victim and
+  admission rules (`kvstate.policy.check_observable`), where the observation decides its victim exclusions;
 * LIVE-DONE at teardown (and in the `drain` rule): with arrivals stopped, every request reaches a terminal
   state within `liveness_base + liveness_per_token * tokens` steps, and no block is held afterwards.
 
@@ -38,16 +42,36 @@ from hypothesis.errors import StopTest
 from hypothesis.stateful import Bundle, MultipleResults, RuleBasedStateMachine, invariant, multiple, precondition, rule
 
 from kvstate import roles
+from kvstate.declared import ObservedPass
 from kvstate.errors import InvariantViolation
 from kvstate.policy import check_pass
 from kvstate.pool import ceil_div
 from kvstate.testing.adapter import USAGE_KEYS, PassReporting, SchedulerAdapter, adapter_snapshot
 from kvstate.testing.binding import MachineBinding, MachineConfig
 from kvstate.testing.errors import AdapterContractError, LifecycleViolation
+from kvstate.testing.inferred_passes import AdmissionBook, InferredViolation, Observation, infer_step
+from kvstate.testing.observed_edges import ObservedRequest, admitted_path, refuted_edges, unlisted_sources
+from kvstate.testing.shrink_progress import ShrinkProgress
 from kvstate.testing.spec_model import RESET_INVARIANTS, SpecModel
 from kvstate.testing.strategies import Submission, from_binding
 
-__all__ = ["ConformanceMachine", "conformance_machine"]
+__all__ = ["STEPS_PER_EXAMPLE", "ConformanceMachine", "conformance_machine", "machine_settings"]
+
+
+# rules per example where the loaded profile keeps Hypothesis' own default: a step rule runs up to
+# `max_steps_per_rule` iterations, so fewer, larger rules reach the same states, and a failure shrinks faster
+STEPS_PER_EXAMPLE = 20
+_HYPOTHESIS_STEP_COUNT = settings.get_profile("default").stateful_step_count
+
+
+def machine_settings() -> settings:
+    """The loaded profile without a per-example deadline (a scheduler step may be slow), and with
+    `STEPS_PER_EXAMPLE` rules per example unless the profile sets its own count."""
+    current = settings.default
+    steps = current.stateful_step_count if current is not None else _HYPOTHESIS_STEP_COUNT
+    if steps == _HYPOTHESIS_STEP_COUNT:
+        steps = STEPS_PER_EXAMPLE
+    return settings(deadline=None, stateful_step_count=steps)
 
 
 def _note(text: str) -> None:
@@ -61,6 +85,7 @@ def _guarded(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
+        self.rules_run += method.__name__ != "conforms"
         self.healthy = False
         result = method(self, *args, **kwargs)
         self.healthy = True
@@ -88,6 +113,7 @@ class ConformanceMachine(RuleBasedStateMachine):
     config: ClassVar[MachineConfig] = MachineConfig()
     binding: ClassVar[MachineBinding | None] = None
     requests = Bundle("requests")
+    _progress: ClassVar[ShrinkProgress]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -95,7 +121,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         if "binding" not in own and ("adapter_factory" in own or "config" in own) and cls.adapter_factory:
             cls.binding = MachineBinding.probe(cls.adapter_factory, cls.config)
         if cls.binding is not None:
-            cls.TestCase.settings = settings(deadline=None)  # the loaded profile, without a per-example deadline
+            cls.TestCase.settings = machine_settings()
 
     @classmethod
     def bind(
@@ -135,6 +161,8 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.host_resizable = self.probed.initial_host > 0
         self.steps_taken = 0
         self.passes_checked = 0
+        self.rules_run = 0
+        self.book = AdmissionBook()  # admissions and preemptions seen, for inferred passes
         self.visits: dict[Hashable, list[tuple[str, int]]] = {}  # each request's states, with its output length then
         self.healthy = True
 
@@ -243,6 +271,25 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.observe()
 
     def teardown(self) -> None:
+        ended: BaseException | None = sys.exc_info()[1]
+        try:
+            self._teardown()
+        except BaseException as err:
+            ended = err
+            raise
+        finally:
+            if currently_in_test_context() and not isinstance(ended, StopTest):
+                failed = None if ended is None else f"{getattr(ended, 'invariant_id', type(ended).__name__)}"
+                type(self).progress().example_ended(failed, self.rules_run)
+
+    @classmethod
+    def progress(cls) -> ShrinkProgress:
+        """The shrink progress of this machine class (`kvstate.testing.shrink_progress`)."""
+        if "_progress" not in vars(cls):
+            cls._progress = ShrinkProgress(cls.__name__)
+        return cls._progress
+
+    def _teardown(self) -> None:
         # Check liveness only after a run whose every rule and invariant passed: never mask the failure that
         # ended the run, nor step a run that Hypothesis abandoned.
         if self.healthy and not isinstance(sys.exc_info()[1], StopTest):
@@ -278,10 +325,34 @@ class ConformanceMachine(RuleBasedStateMachine):
         return rid
 
     def _step(self) -> None:
+        fenced = int(self.adapter.block_usage()["gpu_fenced"]) if self.probed.inferred_spec is not None else 0
+        before = Observation(self.last_states, self.last_outputs, fenced)
         self.adapter.step()
         self.steps_taken += 1
         self.check_passes()
         self.observe()
+        self.check_inferred_pass(before)
+
+    def check_inferred_pass(self, before: Observation) -> None:
+        """The pass inferred from the step's state changes, against the declared policy's victim and admission rules
+        (an adapter without `take_passes`; `kvstate.testing.inferred_passes`)."""
+        policy_spec = self.probed.inferred_spec
+        if policy_spec is None:
+            return
+        requests = {rid: (len(s.prompt), self.expected[rid]) for rid, s in self.submitted.items()}
+        after = Observation(self.last_states, self.last_outputs)
+        has_host = int(self.adapter.block_usage()["host_capacity"]) > 0
+        try:
+            infer_step(policy_spec, before, after, requests, self.book, has_host)
+        except InferredViolation as err:
+            detail = str(err.error).removeprefix(f"invariant {err.error.invariant_id} violated: ")
+            raise self.model.violation(
+                err.error.invariant_id,
+                f"{detail} (inferred from step {self.steps_taken}'s state changes, the adapter reporting no passes: "
+                f"each of the {err.readings} readings of the step (which requester took each victim, in which "
+                f"order, serving by arrival or by admission) breaks {self.probed.policy_name}; this reading: "
+                f"{err.reading.record.decisions}, the requests just before it: {self.snapshot_of(err.reading)})",
+            ) from err.error
 
     def check_passes(self) -> None:
         """Every pass the step ran, against the declared policy (`kvstate.policy.check_pass`)."""
@@ -289,14 +360,30 @@ class ConformanceMachine(RuleBasedStateMachine):
         if policy_spec is None:
             return
         for observed in cast("PassReporting", self.adapter).take_passes():  # bound with a policy: it has them
+            self.check_listed_edges(observed)
             try:
                 check_pass(policy_spec, observed.before, observed.record, observed.output)
             except InvariantViolation as err:
                 detail = str(err).removeprefix(f"invariant {err.invariant_id} violated: ")
                 raise self.model.violation(
-                    err.invariant_id, f"{detail} (pass {self.passes_checked}; policy: {self.probed.policy_name})"
+                    err.invariant_id,
+                    f"{detail} (pass {self.passes_checked}; policy: {self.probed.policy_name}; the requests just "
+                    f"before it: {self.snapshot_of(observed)})",
                 ) from err
             self.passes_checked += 1
+
+    @staticmethod
+    def snapshot_of(observed: ObservedPass, rid: Hashable | None = None) -> str:
+        """The requests of `observed`'s snapshot (or request `rid` alone) as one line: id, state, admission, tokens."""
+        shown = [r for r in observed.before.requests if rid is None or r.request_id == rid]
+        return (
+            ", ".join(
+                f"{r.request_id!r}: {r.state}, admission {r.admission}, {r.num_output_tokens} generated, "
+                f"{r.gpu_blocks} GPU blocks{', about to finish' if r.about_to_finish else ''}"
+                for r in shown
+            )
+            or "none"
+        )
 
     def _cancel(self, rid: Hashable) -> None:
         before = self.last_states[rid]
@@ -356,7 +443,9 @@ class ConformanceMachine(RuleBasedStateMachine):
         usage = self.adapter.block_usage()
         self.check_ids(states, outputs, usage)
         for rid, state in states.items():
-            self.check_state(rid, self.last_states.get(rid), state)
+            old = self.last_states.get(rid)
+            if old != state:
+                self.check_state(rid, old, state, self.observed_request(rid, outputs[rid]))
         for rid, out in outputs.items():
             self.check_output(rid, self.last_outputs.get(rid), out, states[rid])
         self.check_blocks(states, usage)
@@ -377,8 +466,15 @@ class ConformanceMachine(RuleBasedStateMachine):
         if missing:
             raise AdapterContractError(f"block_usage() lacks {', '.join(missing)}; it must report {USAGE_KEYS}")
 
-    def check_state(self, rid: Hashable, old: str | None, new: str) -> None:
-        """`new` is a spec state that a path of spec edges leads to from `old` (terminal states absorb)."""
+    def observed_request(self, rid: Hashable, out: list[int]) -> ObservedRequest:
+        """What request `rid`'s counters decide since its last observation, given its output `out` now."""
+        submission = self.submitted[rid]
+        final = len(out) >= submission.max_new_tokens or bool(out and out[-1] in submission.stop_token_ids)
+        return ObservedRequest(rid, len(out) - len(self.last_outputs.get(rid, ())), final)
+
+    def check_state(self, rid: Hashable, old: str | None, new: str, observed: ObservedRequest | None = None) -> None:
+        """`new` is a spec state that a path of spec edges leads to from `old` (terminal states absorb), each edge's
+        guard left possible by the counters `observed` (SPEC-EDGE)."""
         model = self.model
         if new not in model.states:
             raise LifecycleViolation(
@@ -400,6 +496,35 @@ class ConformanceMachine(RuleBasedStateMachine):
                 raise LifecycleViolation(
                     f"request {rid!r} went from {old!r} to {new!r}, but no path of spec "
                     f"edges leads there (edges from {old!r}: {model.successors[old]})"
+                )
+            if observed is not None and admitted_path(model.spec, old, new, observed) is None:
+                raise LifecycleViolation(
+                    f"request {rid!r} went from {old!r} to {new!r} between two observations, but every path of spec "
+                    f"edges between them has an edge whose guard its observed counters refute: "
+                    f"{'; '.join(refuted_edges(model.spec, old, observed))}{self.spec_edge_statement()}"
+                )
+
+    def spec_edge_statement(self) -> str:
+        statement = self.model.invariants.get("SPEC-EDGE")
+        return f". [SPEC-EDGE: {statement.statement}]" if statement is not None else ""
+
+    def check_listed_edges(self, observed: ObservedPass) -> None:
+        """SPEC-EDGE, exactly, for a reported pass: every request its output lists as having taken an event was, just
+        before the pass, in a source state of an event that feeds that list."""
+        spec = self.model.spec
+        before = {r.request_id: r.state for r in observed.before.requests}
+        for list_name in spec.list_states:
+            for listed in getattr(observed.output, list_name, ()):
+                state = before.get(listed.request_id)
+                if state is None or unlisted_sources(spec, list_name, state) is not None:
+                    continue
+                events = sorted(e.name for e in spec.events if e.feeds == list_name)
+                sources = sorted({t.source for t in spec.transitions if t.event in events})
+                raise LifecycleViolation(
+                    f"pass {self.passes_checked} listed request {listed.request_id!r} in {list_name!r} (event "
+                    f"{' or '.join(events) or 'none'}), but it was {state!r} just before the pass, and that list is "
+                    f"entered only from {sources} (snapshot: {self.snapshot_of(observed, listed.request_id)})"
+                    f"{self.spec_edge_statement()}"
                 )
 
     def check_output(self, rid: Hashable, old: list[int] | None, out: list[int], state: str) -> None:

@@ -7,12 +7,14 @@ vocabulary. `from_binding` gives a rule the strategy of the machine class that r
 
 from __future__ import annotations
 
+import functools
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-__all__ = ["Submission", "from_binding", "invalid_submissions", "valid_submissions"]
+__all__ = ["TOKEN_SEEDS", "Submission", "from_binding", "invalid_submissions", "seeded_tokens", "valid_submissions"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,28 +44,53 @@ def valid_submissions(
     reference: Callable[[Sequence[int], int, Sequence[int]], list[int]],
 ) -> st.SearchStrategy:
     """Requests that fit the GPU tier alone, with edge sizes over-represented: one-token prompts, exactly one
-    block, one block plus one token, and the largest prompt that fits; max_new_tokens 1 often; stop tokens
+    block, one block plus one token, and the largest prompt that fits; stop tokens
     that are random or taken from the reference output (so requests stop early); prompts that begin with a stem
-    common to all requests (0, 1, 2, ... modulo the vocabulary), so that prefix caches get hits."""
+    common to all requests (0, 1, 2, ... modulo the vocabulary), so that prefix caches get hits. The rest of a
+    prompt and the random stop tokens come from one drawn seed (`seeded_tokens`): a submission is seven choices to
+    generate and shrink, not one per token. The strategies a draw uses are built once per size."""
+
+    news = st.integers(1, max_new)
+    stop_counts = st.integers(0, max_stops)
+
+    @functools.cache
+    def lengths(new: int) -> st.SearchStrategy[int]:
+        longest = capacity - new
+        edges = sorted({n for n in (1, block_size, block_size + 1, longest) if 1 <= n <= longest})
+        return st.sampled_from(edges) | st.integers(1, longest)
+
+    @functools.cache
+    def stop_positions(new: int) -> st.SearchStrategy[int]:
+        return st.integers(-2 * new, new - 1)  # negative (two times in three): no stop taken from the reference
 
     @st.composite
     def build(draw: st.DrawFn) -> Submission:
-        new = draw(st.integers(1, max_new) | st.integers(1, max_new) | st.just(1))
-        longest = capacity - new
-        edges = sorted({n for n in (1, block_size, block_size + 1, longest) if 1 <= n <= longest})
-        length = draw(st.sampled_from(edges) | st.integers(1, longest) | st.integers(1, min(longest, 2 * block_size)))
-        stem = draw(st.just(0) | st.integers(0, length))
-        tail = draw(st.lists(st.integers(0, vocab - 1), min_size=length - stem, max_size=length - stem))
-        prompt = tuple(i % vocab for i in range(stem)) + tuple(tail)
-        stops = draw(st.lists(st.integers(0, vocab - 1), max_size=max_stops, unique=True))
-        stop_at = draw(st.none() | st.none() | st.integers(0, new - 1))
-        if stop_at is not None:
+        new = draw(news)
+        length = draw(lengths(new))
+        stem = draw(st.integers(0, length))
+        seed, stop_count = draw(TOKEN_SEEDS), draw(stop_counts)
+        tokens = seeded_tokens(seed, length - stem + stop_count, vocab)
+        prompt = tuple(i % vocab for i in range(stem)) + tokens[: length - stem]
+        stops = list(dict.fromkeys(tokens[length - stem :]))
+        stop_at = draw(stop_positions(new))
+        if stop_at >= 0:
             token = reference(prompt, new, ())[stop_at]
             if token not in stops:
                 stops.append(token)
         return Submission(prompt, new, tuple(stops))
 
     return build()
+
+
+TOKEN_SEEDS = st.integers(0, 2**16)
+
+
+def seeded_tokens(seed: int, count: int, vocab: int) -> tuple[int, ...]:
+    """`count` token ids below `vocab`, a pure function of `seed`: seed 0 gives zeros, others a seeded stream."""
+    if seed == 0:
+        return (0,) * count
+    generator = random.Random(seed)
+    return tuple(generator.randrange(vocab) for _ in range(count))
 
 
 def invalid_submissions(capacity: int, vocab: int) -> st.SearchStrategy:
@@ -74,8 +101,7 @@ def invalid_submissions(capacity: int, vocab: int) -> st.SearchStrategy:
     def too_large(draw: st.DrawFn) -> Submission:
         length = draw(st.integers(1, capacity))
         new = capacity - length + draw(st.integers(1, 3))
-        prompt = tuple(draw(st.lists(st.integers(0, vocab - 1), min_size=length, max_size=length)))
-        return Submission(prompt, new)
+        return Submission(seeded_tokens(draw(TOKEN_SEEDS), length, vocab), new)
 
     return st.one_of(empty, too_large())
 

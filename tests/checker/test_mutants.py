@@ -38,7 +38,9 @@ RUNNING, WAITING, SUSPENDED = SPEC.role("active"), SPEC.role("queued"), SPEC.rol
 
 
 def snap(rid, state=RUNNING, *, arrival, kv=2, prefilling=False) -> RequestSnapshot:
-    return RequestSnapshot(rid, state, arrival, arrival, prefilling, False, False, kv, kv)
+    return RequestSnapshot(
+        rid, state, arrival=arrival, admission=arrival, prefilling=prefilling, kv_tokens=kv, gpu_blocks=kv
+    )
 
 
 def listed(rid, state) -> SimpleNamespace:
@@ -50,7 +52,12 @@ def listed(rid, state) -> SimpleNamespace:
 def test_a_promotion_that_throws_away_as_much_kv_as_it_saves_is_refused():
     """Mutant: `worth >= victim's` -> `worth > victim's` in check_pass. The promoted request holds exactly the KV
     of the victim it made room for: the promotion saves nothing and must be refused (PROMOTE-GATE)."""
-    before = PassSnapshot((snap("r", arrival=0, kv=3), snap("v", arrival=1), snap("p", arrival=2)), 0, True, 8, 64)
+    before = PassSnapshot(
+        (snap("r", arrival=0, kv=3), snap("v", arrival=1), snap("p", arrival=2)),
+        has_host_tier=True,
+        max_batch_size=8,
+        max_num_tokens=64,
+    )
     record = PassRecord([Victim("r", "p", "suspend"), Promotion("v", "p"), Victim("r", "v", "suspend"), Wait("r", 0)])
     out = SchedulerOutput(suspended=[listed("v", SUSPENDED)], recompute_paused=[listed("p", SPEC.role("dropped"))])
     with pytest.raises(InvariantViolation) as info:
@@ -62,7 +69,13 @@ def test_a_promotion_that_throws_away_as_much_kv_as_it_saves_is_refused():
 def test_a_pass_that_left_a_requester_waiting_admits_no_new_request():
     """Mutant: the A1 hold of check_pass ignoring waits (`held = victims` only). A pass whose requester waited for
     room on its way and chose no victim admitted a new request: ADMIT-HOLD."""
-    before = PassSnapshot((snap("r", arrival=0), snap("n", WAITING, arrival=1, kv=0)), 1, True, 8, 64)
+    before = PassSnapshot(
+        (snap("r", arrival=0), snap("n", WAITING, arrival=1, kv=0)),
+        gpu_fenced=1,
+        has_host_tier=True,
+        max_batch_size=8,
+        max_num_tokens=64,
+    )
     record = PassRecord([Wait("r", 1)])
     out = SchedulerOutput(context=[listed("n", RUNNING)], chunk_tokens={"n": 1})
     with pytest.raises(InvariantViolation) as info:

@@ -133,13 +133,11 @@ class ToyScheduler:
                 RequestSnapshot(
                     rid,
                     r.state,
-                    rid,
-                    position.get(rid, -1),
-                    False,
-                    len(r.generated) + 1 >= r.max_new,
-                    False,
-                    len(r.context),
-                    r.blocks,
+                    arrival=rid,
+                    admission=position.get(rid, -1),
+                    about_to_finish=len(r.generated) + 1 >= r.max_new,
+                    kv_tokens=len(r.context),
+                    gpu_blocks=r.blocks,
                     num_output_tokens=len(r.generated),
                     prompt_tokens=len(r.prompt),
                     last_preemption=r.preempted_at,
@@ -147,10 +145,8 @@ class ToyScheduler:
                 for rid, r in self.requests.items()
                 if r.state != ENDED
             ),
-            0,
-            False,
-            len(self.requests) + 1,
-            1 << 20,
+            max_batch_size=len(self.requests) + 1,
+            max_num_tokens=1 << 20,
             serve_order=tuple(self.running),
         )
 
@@ -248,9 +244,33 @@ def test_presets_are_policies_of_the_specs_own_rules() -> None:
         with_policy(SPEC, replace(SPEC.policy, victim_order="head_first"))
 
 
-def test_a_policy_declared_without_passes_is_a_contract_error() -> None:
-    class NoPasses(ToyAdapter):
-        take_passes = None  # type: ignore[assignment]
+class BlackBoxToy(ToyAdapter):
+    """The toy without `take_passes`: the machine sees only its states, outputs and block usage."""
 
-    with pytest.raises(AdapterContractError, match=r"declares a policy \('vllm'\) but has no take_passes"):
-        conformance_machine(lambda: NoPasses(head_first=False), name="NoPasses")
+    take_passes = None  # type: ignore[assignment]
+
+
+def test_without_passes_the_head_first_toy_fails_victim_tail_from_its_state_changes() -> None:
+    machine = conformance_machine(lambda: BlackBoxToy(head_first=True), name="HeadFirstBlackBox")
+    assert not machine.binding.checks_policy and machine.binding.inferred_spec is not None
+    with pytest.raises(InvariantViolation) as caught:
+        run_state_machine_as_test(machine, settings=FAILS)
+    message = str(caught.value)
+    assert caught.value.invariant_id == "VICTIM-TAIL", message
+    assert "victims are taken tail-first" in message and "inferred from step" in message, message
+
+
+def test_without_passes_the_tail_first_toy_passes_under_its_declared_policy() -> None:
+    machine = conformance_machine(lambda: BlackBoxToy(head_first=False), name="TailFirstBlackBox")
+    run_state_machine_as_test(machine, settings=RUNS)
+
+
+def test_a_policy_declared_without_passes_is_checked_only_where_it_is_observable() -> None:
+    """vLLM's exclusions are all observable; the spec's own policy excludes requests past the preemption cap and
+    with a chunk in flight, which no state change shows: declared without passes, it is a contract error."""
+    with pytest.raises(
+        AdapterContractError, match=r"declares the declared policy, whose victim exclusions .*chunk_in_flight"
+    ):
+        conformance_machine(lambda: BlackBoxToy(head_first=False), name="NoPasses", policy=SPEC.policy)
+    unchecked = conformance_machine(lambda: BlackBoxToy(head_first=True), name="NotInferred", infer_policy=False)
+    assert unchecked.binding.inferred_spec is None and not unchecked.binding.checks_policy
