@@ -360,8 +360,9 @@ def _sweep(args: argparse.Namespace, spec_path, bounds_path, counterexample_dir,
     from kvstate.checker.runner import EXIT_CODES
     from kvstate.checker.sweep import run_sweep, select_sweep
 
-    sweep = select_sweep(args.sweep, bounds_path)
-    total = len(sweep.bounds())
+    sweep = select_sweep(args.sweep, bounds_path)  # refused when it spans too many configurations
+    bounds = sweep.bounds()
+    total = len(bounds)
     say = lambda text: console.print(inert(text))  # noqa: E731 - inert: names from the bounds file are plain text
     say(f"kvstate check: sweep {sweep.name} of {bounds_path or 'the packaged bounds'}: {total} configurations")
     with _runner(args, say) as runner, SweepProgress(total) as progress:
@@ -372,6 +373,7 @@ def _sweep(args: argparse.Namespace, spec_path, bounds_path, counterexample_dir,
             max_states=args.max_states,
             counterexample_dir=counterexample_dir,
             progress=progress.update,
+            bounds=bounds,
         )
     for line in report.lines():
         say(line)
