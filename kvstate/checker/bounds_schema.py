@@ -122,7 +122,7 @@ def check_table(data: Mapping, fields: Mapping[str, Field], where: str, locate: 
         problem = _problem(spec, value)
         if problem is not None:
             place = locate(key) if locate is not None else ""
-            raise BoundsError(f"{place}{where}: field {key!r} {problem}")
+            raise BoundsError(f"{place}{where}: {key} {problem}")
 
 
 def _problem(spec: Field, value: object) -> str | None:

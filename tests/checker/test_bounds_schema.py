@@ -54,7 +54,7 @@ def test_a_field_of_the_wrong_type_or_out_of_range_is_refused_naming_file_line_a
     with pytest.raises(BoundsError) as refused:
         load_bounds(path)
     message = str(refused.value)
-    assert message.startswith(f"{path}:{line}: bound 'x': field '{field}'")
+    assert message.startswith(f"{path}:{line}: bound 'x': {field} ")
     assert "\n" not in message
 
 
@@ -65,7 +65,7 @@ def test_kvstate_check_exits_2_on_a_malformed_bounds_file_not_1_violated(tmp_pat
     assert main(["check", "--bounds-file", str(path), "--time-limit", "60"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
-    assert f"{path}:{line}:" in err and repr(field) in err
+    assert f"{path}:{line}: bound 'x': {field} " in err
 
 
 def test_default_set_must_be_a_list_of_names_not_a_string_read_per_character(tmp_path):

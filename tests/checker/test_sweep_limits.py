@@ -48,7 +48,7 @@ def test_a_sweep_of_too_many_configurations_is_refused_before_any_is_built(tmp_p
 )
 def test_a_sweep_value_of_the_wrong_type_or_out_of_range_names_file_line_and_field(tmp_path, line, field, number):
     path = _sweep_file(tmp_path, line)
-    with pytest.raises(BoundsError, match=rf"^{path}:{number}: sweep 's': field '{field}'"):
+    with pytest.raises(BoundsError, match=rf"^{path}:{number}: sweep 's': {field} "):
         load_sweeps(path)
 
 
