@@ -3,7 +3,8 @@
 Exit codes:
   0  holds: every bound was searched completely and no invariant or refinement check failed
   1  violated: a counterexample was found (printed, and written as a pytest regression test)
-  2  unusable input: a bad option, an unreadable or invalid spec or bounds file, an unknown bound
+  2  unusable input: a bad option, an unreadable or invalid spec or bounds file (a field of the wrong type or out of
+     its range, a sweep of more than 100,000 configurations), an unknown bound
   3  incomplete: a search was cut short by --max-states or --time-limit (never reported as 'holds')
 
 `--simulate N` takes N seeded random walks per bound over the scheduler refinement's actions instead (bounds too
