@@ -27,6 +27,29 @@ from pathlib import Path
 from kvstate.errors import KVStateError
 from kvstate.untrusted import shown
 
+__all__ = [
+    "BOUND_FIELDS",
+    "MAX_BLOCKS",
+    "MAX_BLOCK_SIZE",
+    "MAX_BUDGET",
+    "MAX_CHUNK",
+    "MAX_DELAY",
+    "MAX_FAULTS",
+    "MAX_NEW_TOKENS",
+    "MAX_PROMPT_LEN",
+    "MAX_REQUESTS",
+    "MAX_STAGES",
+    "MAX_WORLD_BYTES",
+    "SWEEP_FIELDS",
+    "BoundsError",
+    "Field",
+    "Locate",
+    "check_table",
+    "key_locator",
+    "world_bytes",
+    "world_problem",
+]
+
 MAX_REQUESTS = 32
 MAX_PROMPT_LEN = 4096
 MAX_NEW_TOKENS = 4096
@@ -135,11 +158,7 @@ def _problem(spec: Field, value: object) -> str | None:
         return f"must be a list, got {_typed(value)}"
     most = spec.maximum if spec.kind == "requests" else MAX_REQUESTS if spec.kind == "positions" else MAX_LIST
     if len(value) > most or (spec.kind == "requests" and not value):
-        return (
-            f"must list 1 to {most} items, got {len(value)}"
-            if spec.kind != "positions"
-            else (f"must list at most {most} items, got {len(value)}")
-        )
+        return f"must list {'1' if spec.kind == 'requests' else '0'} to {most} items, got {len(value)}"
     element = {
         "requests": None,
         "positions": Field("int", spec.minimum, spec.maximum),
