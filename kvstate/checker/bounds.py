@@ -32,16 +32,12 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from kvstate.checker.bounds_schema import BOUND_FIELDS, BoundsError, check_table, key_locator, world_problem
 from kvstate.config import CAPACITY_POLICIES, ConfigError, SchedulerConfig
-from kvstate.errors import KVStateError
 from kvstate.policy import VOCABULARY
-from kvstate.untrusted import Limits, UntrustedFileError, read_toml
+from kvstate.untrusted import Limits, UntrustedFileError, read_toml, shown
 
 DEFAULT_SET_KEY = "default_set"
-
-
-class BoundsError(KVStateError, ValueError):
-    """The bounds file is malformed or names an unknown bound; the message names the entry."""
 
 
 class ConfigRefused(BoundsError):
@@ -79,25 +75,19 @@ class Bound:
     groups: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "requests", tuple((int(p), int(m)) for p, m in self.requests))
+        where = f"bound {self.name!r}"
+        check_table(self.fields(), BOUND_FIELDS, where)  # exact types and ranges (bounds_schema), no coercion
+        object.__setattr__(self, "requests", tuple(tuple(r) for r in self.requests))
         object.__setattr__(self, "stop_at", tuple(self.stop_at))
         object.__setattr__(self, "groups", tuple(sorted(set(self.requests))))
-        where = f"bound {self.name!r}"
-        if not self.requests:
-            raise BoundsError(f"{where}: 'requests' is empty; list at least one [prompt_len, max_new_tokens]")
-        for name in ("gpu_blocks", "block_size", "chunk_size", "pipeline_stages"):
-            if getattr(self, name) <= 0:
-                raise BoundsError(f"{where}: {name} must be a positive integer, got {getattr(self, name)}")
+        tiers = world_problem(self.gpu_blocks, self.host_blocks, self.block_size, self.pipeline_stages)
+        if tiers is not None:
+            raise BoundsError(f"{where}: {tiers}")
         if self.micro_batches < 1 or (self.micro_batches > 1 and self.pipeline_stages == 1):
             raise BoundsError(
                 f"{where}: micro_batches must be >= 1, and > 1 only with pipeline_stages > 1 (one stage "
                 f"has nothing in flight), got {self.micro_batches} on {self.pipeline_stages} stage(s)"
             )
-        counts = ("host_blocks", "copy_delay", "env_cancels", "env_aborts", "env_host_losses", "env_copy_failures")
-        for name in counts:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise BoundsError(f"{where}: {name} must be an integer >= 0, got {value!r}")
         if self.stop_at and (
             len(self.stop_at) != len(self.requests)
             or not all(
@@ -109,18 +99,9 @@ class Bound:
                 f"{where}: stop_at must list, for each request, the position (0 .. max_new_tokens - 1) of its output "
                 f"that is a stop token, or -1 for none; got {list(self.stop_at)!r}"
             )
-        for name in ("max_batch_size", "max_num_tokens", "max_preemptions", "no_progress_limit"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise BoundsError(
-                    f"{where}: {name} must be a positive integer (or left out for the scheduler's "
-                    f"default), got {value!r}"
-                )
         self._check_offload(where)
         self._check_scheduler_config(where)
         for prompt, new in self.requests:
-            if prompt <= 0 or new <= 0:
-                raise BoundsError(f"{where}: request [{prompt}, {new}] needs prompt_len >= 1 and max_new_tokens >= 1")
             if prompt + new > self.gpu_blocks * self.block_size:
                 raise BoundsError(
                     f"{where}: request [{prompt}, {new}] can never fit the GPU tier alone "
@@ -179,6 +160,10 @@ class Bound:
         """The symmetry group of request `index`: requests with equal parameters are interchangeable."""
         return self.groups.index(self.requests[index])
 
+    def fields(self) -> dict:
+        """The bound's fields by name, as given (`groups`, derived, left out)."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "groups"}
+
     def to_dict(self) -> dict:
         return {
             "name": self.name,
@@ -208,22 +193,23 @@ class Bound:
         }
 
     @classmethod
-    def from_dict(cls, data: dict, name: str | None = None) -> Bound:
+    def from_dict(cls, data: dict, name: str | None = None, source: Path | None = None) -> Bound:
+        """The bound of one table; `source` (the file it was read from) locates a refused field by its line."""
         data = dict(data)
         data["name"] = name or data.get("name", "bound")
+        where = f"bound {data['name']!r}"
         known = set(cls.__dataclass_fields__) - {"groups"}
         unknown = set(data) - known
         if unknown:
-            raise BoundsError(f"bound {data['name']!r}: unknown keys {sorted(unknown)}; known keys: {sorted(known)}")
-        requests = data.get("requests")
-        if not isinstance(requests, list) or not all(isinstance(r, list) and len(r) == 2 for r in requests):
-            raise BoundsError(f"bound {data['name']!r}: 'requests' must be a list of [prompt_len, max_new_tokens]")
-        if "gpu_blocks" not in data:
-            raise BoundsError(f"bound {data['name']!r}: 'gpu_blocks' is required")
-        stop_at = data.get("stop_at", ())
-        if not isinstance(stop_at, (list, tuple)):
-            raise BoundsError(f"bound {data['name']!r}: 'stop_at' must be a list of positions, one per request")
-        return cls(**{**data, "requests": tuple(tuple(r) for r in requests), "stop_at": tuple(stop_at)})
+            raise BoundsError(f"{where}: unknown keys {sorted(unknown)}; known keys: {sorted(known)}")
+        for required, what in (("requests", "a list of [prompt_len, max_new_tokens]"), ("gpu_blocks", "an integer")):
+            if required not in data:
+                raise BoundsError(f"{source or ''}{': ' if source else ''}{where}: {required!r} is required ({what})")
+        locate = key_locator(source, f"bounds.{data['name']}") if source is not None else None
+        check_table(data, BOUND_FIELDS, where, locate)  # before anything is built from it
+        return cls(
+            **{**data, "requests": tuple(tuple(r) for r in data["requests"]), "stop_at": tuple(data.get("stop_at", ()))}
+        )
 
 
 def packaged_bounds_path() -> Path:
@@ -240,8 +226,17 @@ def load_bounds(path: str | Path | None = None) -> tuple[dict[str, Bound], tuple
     tables = data.get("bounds")
     if not isinstance(tables, dict) or not tables:
         raise BoundsError(f"{source}: expected tables [bounds.NAME]")
-    bounds = {name: Bound.from_dict(entry, name) for name, entry in tables.items()}
-    default = tuple(data.get(DEFAULT_SET_KEY, list(bounds)))
+    for name, entry in tables.items():
+        if not isinstance(entry, dict):
+            raise BoundsError(f"{source}: [bounds.{name}] must be a table, got {shown(entry)}")
+    bounds = {name: Bound.from_dict(entry, name, source) for name, entry in tables.items()}
+    listed = data.get(DEFAULT_SET_KEY, list(bounds))
+    if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
+        raise BoundsError(
+            f"{key_locator(source, '')(DEFAULT_SET_KEY)}{DEFAULT_SET_KEY} must be a list of bound names, got "
+            f"{shown(listed)}"
+        )
+    default = tuple(listed)
     missing = [n for n in default if n not in bounds]
     if missing:
         raise BoundsError(f"{source}: {DEFAULT_SET_KEY} names unknown bounds {missing}")

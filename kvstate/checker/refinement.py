@@ -126,7 +126,8 @@ class Refinement:
     ) -> RefinementResult:
         start = time.perf_counter()
         result = RefinementResult(self.bound, HOLDS, abstract_checked=self.checks.reachable is not None)
-        search = _Search(self, result, SearchBudget(max_states, time_limit, check_every=32))
+        # the clock at every state: a world (a deep copy, every check) costs far more than reading it
+        search = _Search(self, result, SearchBudget(max_states, time_limit, check_every=1))
         try:
             self.checks.refusal()
         except InvariantViolation as err:

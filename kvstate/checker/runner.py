@@ -93,13 +93,14 @@ def check_bound(
     refinement = None
     lines: list[str] = []
     if abstract.verdict != VIOLATED and refine:
-        left = None if time_limit is None else max(0.01, time_limit - (time.perf_counter() - start))
-        refinement = Refinement(
+        refiner = Refinement(  # its reference outputs are derived work the time limit counts
             bound,
             spec,
             abstract.reachable if abstract.verdict == HOLDS else None,
             inject.get("scheduler_class", ObservedScheduler),
-        ).explore(
+        )
+        left = None if time_limit is None else max(0.01, time_limit - (time.perf_counter() - start))
+        refinement = refiner.explore(
             max_states=max_states,
             time_limit=left,
             progress=(lambda s, e: progress("refinement", s, e)) if progress else None,

@@ -32,15 +32,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvstate.checker.bounds import Bound, BoundsError, ConfigRefused, packaged_bounds_path
+from kvstate.checker.bounds_schema import SWEEP_FIELDS, Locate, check_table, key_locator
 from kvstate.checker.explore import HOLDS, INCOMPLETE, VIOLATED
 from kvstate.checker.runner import check_bound
-from kvstate.config import CAPACITY_POLICIES
 from kvstate.checker.sweep_runners import InProcessRunner, Lost, SweepRunner, local_dask_runner
+from kvstate.config import CAPACITY_POLICIES
 from kvstate.errors import KVStateError
 from kvstate.policy import VOCABULARY
 from kvstate.pool import ceil_div
 from kvstate.spec import Spec, load_spec
-from kvstate.untrusted import Limits, UntrustedFileError, read_toml
+from kvstate.untrusted import Limits, UntrustedFileError, read_toml, shown
 
 DIMENSIONS = (
     "request_counts",
@@ -56,6 +57,7 @@ DIMENSIONS = (
 POLICIES = ("offloads",)  # dimensions of policy rules: lists of rule names (`Bound.offload`)
 SCHEDULER = ("recompute_pauses", "capacity_policies")  # dimensions of scheduler settings (`Bound` fields)
 ENVIRONMENT = ("env_cancels", "env_aborts", "env_host_losses", "env_copy_failures", "cancel", "abstract_model")
+MAX_CONFIGURATIONS = 100_000  # configurations of one sweep, counted before any is built (`Sweep.count`)
 
 
 @dataclass(frozen=True)
@@ -85,11 +87,28 @@ class Sweep:
     parts: tuple[Sweep, ...] = ()  # a sweep of parts: their configurations, in order, and no dimensions of its own
 
     @classmethod
-    def from_dict(cls, data: dict, name: str, sweeps: dict[str, Sweep] | None = None) -> Sweep:
-        """The sweep of one table; `parts = [NAME, ...]` names sweeps of `sweeps` whose configurations it joins."""
+    def from_dict(
+        cls, data: dict, name: str, sweeps: dict[str, Sweep] | None = None, source: Path | None = None
+    ) -> Sweep:
+        """The sweep of one table; `parts = [NAME, ...]` names sweeps of `sweeps` whose configurations it joins.
+        `source` (the file it was read from) locates a refused field by its line. A sweep of more than
+        `MAX_CONFIGURATIONS` configurations is refused (`Sweep.count`, before any is built)."""
+        locate = key_locator(source, f"sweeps.{name}") if source is not None else None
+        sweep = (
+            cls._of_parts(data, name, sweeps or {}, locate) if "parts" in data else cls._of_table(data, name, locate)
+        )
+        count = sweep.count()
+        if count > MAX_CONFIGURATIONS:
+            place = f"{source}: " if source is not None else ""
+            raise BoundsError(
+                f"{place}sweep {name!r} spans {_count_text(count)} configurations, more than the limit of "
+                f"{MAX_CONFIGURATIONS:,} configurations a sweep may span: split it into parts over fewer sizes"
+            )
+        return sweep
+
+    @classmethod
+    def _of_table(cls, data: dict, name: str, locate: Locate | None) -> Sweep:
         where = f"sweep {name!r}"
-        if "parts" in data:
-            return cls._of_parts(data, name, sweeps or {})
         known = set(DIMENSIONS) | set(POLICIES) | set(SCHEDULER) | set(ENVIRONMENT) | {"description"}
         unknown = set(data) - known
         if unknown:
@@ -98,7 +117,8 @@ class Sweep:
         for key in DIMENSIONS:
             if key not in data:
                 if key in ("request_counts", "prompt_lens", "max_new_tokens"):
-                    raise BoundsError(f"{where}: '{key}' is required (a list of positive integers)")
+                    place = locate(key) if locate is not None else ""
+                    raise BoundsError(f"{place}{where}: '{key}' is required (a list of positive integers)")
                 continue
             listed = data[key]
             positive = key not in ("gpu_extra", "host_blocks", "copy_delays")
@@ -108,7 +128,10 @@ class Sweep:
                 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= int(positive) for v in listed)
             ):
                 floor = "positive" if positive else "non-negative"
-                raise BoundsError(f"{where}: '{key}' must be a non-empty list of {floor} integers, got {listed!r}")
+                place = locate(key) if locate is not None else ""
+                raise BoundsError(
+                    f"{place}{where}: '{key}' must be a non-empty list of {floor} integers, got {shown(listed)}"
+                )
             values[key] = tuple(listed)
         if "offloads" in data:
             listed = data["offloads"]
@@ -119,6 +142,7 @@ class Sweep:
                 )
             values["offloads"] = tuple(listed)
         values.update(_scheduler_dimensions(data, where))
+        check_table(data, SWEEP_FIELDS, where, locate)  # exact types and ranges (bounds_schema)
         for key in ENVIRONMENT:
             if key in data:
                 values[key] = data[key]
@@ -126,12 +150,35 @@ class Sweep:
             values["description"] = str(data["description"])
         return cls(**values)
 
+    def count(self) -> int:
+        """How many configurations `_configurations` yields (those `bounds` keeps are among them), by arithmetic
+        on the sizes of the dimensions: nothing is enumerated."""
+        if self.parts:
+            return sum(part.count() for part in self.parts)
+        shapes = len(self.prompt_lens) * len(self.max_new_tokens)
+        sequences = sum(shapes**count for count in self.request_counts)
+        no_host = self.host_blocks.count(0)
+        per_host = no_host * self.copy_delays.count(0) * self.offloads.count(self.offloads[0]) + (
+            len(self.host_blocks) - no_host
+        ) * len(self.copy_delays) * len(self.offloads)
+        return (
+            sequences
+            * len(self.block_sizes)
+            * len(self.gpu_extra)
+            * len(self.chunk_sizes)
+            * sum(self.pipeline_stages)  # each depth with 1..stages micro-batches
+            * len(self.recompute_pauses)
+            * len(self.capacity_policies)
+            * per_host
+        )
+
     @classmethod
-    def _of_parts(cls, data: dict, name: str, sweeps: dict[str, Sweep]) -> Sweep:
+    def _of_parts(cls, data: dict, name: str, sweeps: dict[str, Sweep], locate: Locate | None) -> Sweep:
         where = f"sweep {name!r}"
         unknown = set(data) - {"parts", "description"}
         if unknown:
             raise BoundsError(f"{where}: a sweep of parts has only 'parts' and 'description', not {sorted(unknown)}")
+        check_table(data, SWEEP_FIELDS, where, locate)
         listed = data["parts"]
         if not isinstance(listed, list) or not listed or not all(isinstance(v, str) for v in listed):
             raise BoundsError(f"{where}: 'parts' must be a non-empty list of sweep names, got {listed!r}")
@@ -141,16 +188,21 @@ class Sweep:
         return cls(name=name, description=str(data.get("description", "")), parts=tuple(sweeps[v] for v in listed))
 
     def bounds(self) -> list[Bound]:
-        """Every configuration of the sweep the scheduler accepts, as a bound named after its index (one the
-        scheduler refuses, such as no way to preempt a victim, has nothing to check)."""
-        out: list[Bound] = []
+        """Every configuration of the sweep the scheduler accepts (`iter_bounds`), as a list."""
+        return list(self.iter_bounds())
+
+    def iter_bounds(self) -> Iterator[Bound]:
+        """Every configuration of the sweep the scheduler accepts, one at a time, as a bound named after its index
+        (one the scheduler refuses, such as no way to preempt a victim, has nothing to check)."""
+        index = 0
         parts = self.parts or (self,)
         for config in itertools.chain.from_iterable(part._configurations() for part in parts):
             try:
-                out.append(Bound(name=f"{self.name}-{len(out)}", **config))
+                bound = Bound(name=f"{self.name}-{index}", **config)
             except ConfigRefused:
                 continue
-        return out
+            index += 1
+            yield bound
 
     def _configurations(self) -> Iterator[dict]:
         shapes = [(p, m) for p in self.prompt_lens for m in self.max_new_tokens]
@@ -187,6 +239,12 @@ class Sweep:
                         }
 
 
+def _count_text(count: int) -> str:
+    """A count as a message writes it: in full up to 30 digits, else its order of magnitude."""
+    digits = len(str(count)) if count.bit_length() < 4000 else int(count.bit_length() * 0.30103) + 1
+    return f"{count:,}" if digits <= 30 else f"about 10^{digits - 1}"
+
+
 def _scheduler_dimensions(data: dict, where: str) -> dict:
     """The sweep's lists of scheduler settings (`SCHEDULER`), each checked for its kind of value."""
     values: dict = {}
@@ -219,7 +277,7 @@ def load_sweeps(path: str | Path | None = None) -> dict[str, Sweep]:
     for name, entry in sorted(tables.items(), key=lambda item: isinstance(item[1], dict) and "parts" in item[1]):
         if not isinstance(entry, dict):
             raise BoundsError(f"{source}: [sweeps.{name}] must be a table")
-        sweeps[name] = Sweep.from_dict(entry, name, sweeps)
+        sweeps[name] = Sweep.from_dict(entry, name, sweeps, source)
     return {name: sweeps[name] for name in tables}  # in file order
 
 
@@ -361,11 +419,13 @@ def run_sweep(
     max_states: int | None = None,
     counterexample_dir: Path | None = None,
     progress: Callable[[int, int], None] | None = None,
+    bounds: list[Bound] | None = None,
 ) -> SweepReport:
     """Check every configuration of `sweep` on `runner` (default: this process for one worker, a local Dask cluster
     of `workers` processes for more); `progress(done, total)` after each. Counterexample files are written here,
     into `counterexample_dir`, whichever machine checked the configuration. Dask spawns its worker processes: a
-    script that calls this with `workers > 1` needs the `if __name__ == "__main__":` guard."""
+    script that calls this with `workers > 1` needs the `if __name__ == "__main__":` guard. `bounds`, where the
+    caller has already listed them, are `sweep.bounds()`."""
     if runner is None and workers > 1:
         with local_dask_runner(workers) as local:
             return run_sweep(
@@ -375,10 +435,11 @@ def run_sweep(
                 max_states=max_states,
                 counterexample_dir=counterexample_dir,
                 progress=progress,
+                bounds=bounds,
             )
     runner = runner or InProcessRunner()
     spec = load_spec(spec_path)
-    bounds = sweep.bounds()
+    bounds = sweep.bounds() if bounds is None else bounds
     start = time.perf_counter()
     report = SweepReport(sweep, where=runner.description)
     jobs = [(bound, max_states, counterexample_dir is not None) for bound in bounds]

@@ -3,7 +3,8 @@
 Exit codes:
   0  holds: every bound was searched completely and no invariant or refinement check failed
   1  violated: a counterexample was found (printed, and written as a pytest regression test)
-  2  unusable input: a bad option, an unreadable or invalid spec or bounds file, an unknown bound
+  2  unusable input: a bad option, an unreadable or invalid spec or bounds file (a field of the wrong type or out of
+     its range, a sweep of more than 100,000 configurations), an unknown bound
   3  incomplete: a search was cut short by --max-states or --time-limit (never reported as 'holds')
 
 `--simulate N` takes N seeded random walks per bound over the scheduler refinement's actions instead (bounds too
@@ -362,8 +363,9 @@ def _sweep(args: argparse.Namespace, spec_path, bounds_path, counterexample_dir,
     from kvstate.checker.runner import EXIT_CODES
     from kvstate.checker.sweep import run_sweep, select_sweep
 
-    sweep = select_sweep(args.sweep, bounds_path)
-    total = len(sweep.bounds())
+    sweep = select_sweep(args.sweep, bounds_path)  # refused when it spans too many configurations
+    bounds = sweep.bounds()
+    total = len(bounds)
     say = lambda text: console.print(inert(text))  # noqa: E731 - inert: names from the bounds file are plain text
     say(f"kvstate check: sweep {sweep.name} of {bounds_path or 'the packaged bounds'}: {total} configurations")
     with _runner(args, say) as runner, SweepProgress(total) as progress:
@@ -374,6 +376,7 @@ def _sweep(args: argparse.Namespace, spec_path, bounds_path, counterexample_dir,
             max_states=args.max_states,
             counterexample_dir=counterexample_dir,
             progress=progress.update,
+            bounds=bounds,
         )
     for line in report.lines():
         say(line)
