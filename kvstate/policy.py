@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # annotations only: kvstate.spec validates what it loads with
 
 # the rule names the scheduler and the pass check read by name (each is a key of VOCABULARY below)
 CHUNK_IN_FLIGHT = "chunk_in_flight"
+CANNOT_BE_MOVED = "cannot_be_moved"
 PREEMPTION_CAP_REACHED = "preemption_cap_reached"
 CAP_SPARES_HEAD = "preemption_cap_reached_except_for_head"
 WAIT_FOR_CHUNK_IN_FLIGHT = "wait_for_chunk_in_flight"
@@ -75,6 +76,12 @@ VOCABULARY: Mapping[str, Mapping[str, str]] = {
             "a request whose prefill or replay chunk is still in the pipeline (several micro-batches "
             "in flight); one whose decode step is in flight may be a victim: its token lands while it "
             "is suspended or awaits consensus (PP-TERMINATE)"
+        ),
+        CANNOT_BE_MOVED: (
+            "a request the pass cannot move off the GPU: recompute-pause is disabled and it cannot be suspended now "
+            "(suspend does not fire on it: it is replaying, or a copy of it is in flight; or the suspend rule "
+            "refuses it, with the host room the pass's earlier suspensions left): a victim is a request the pass "
+            "can move, and a requester the pass cannot move waits, reserving nothing, instead of preempting itself"
         ),
         "ahead_of_requester": (
             "a request ahead of the requester in the pass's serve order, served or not (victims are searched "
@@ -151,6 +158,7 @@ VICTIM_EXCLUSIONS: Mapping[str, Callable[[SchedulerCore, Request, SchedulingPass
         and pass_.requester is not s.head_of_pass(pass_)
     ),
     CHUNK_IN_FLIGHT: lambda s, candidate, pass_: candidate.request_id in s.in_flight and candidate.is_prefilling,
+    CANNOT_BE_MOVED: lambda s, candidate, pass_: not s.victim_movable(candidate, pass_),
     "ahead_of_requester": lambda s, candidate, pass_: (
         pass_.requester is not None
         and (candidate.is_prefilling, candidate.arrival) < (pass_.requester.is_prefilling, pass_.requester.arrival)
@@ -249,6 +257,7 @@ class RequestSnapshot:
     held_rank: int = -1  # its place in the offload order of held requests (least recently held 0), -1 not held
     next_step_blocks: int = 0  # GPU blocks its next allocation takes: its next chunk's, a resume's, a first chunk's
     copy_in_flight: bool = False  # a copy of its KV (an offload's or a resume's) is in flight
+    suspend_fires: bool = False  # `suspend` fires on it now, whatever the suspend rule says (cannot_be_moved)
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +275,7 @@ class PassSnapshot:
     # then chunks, each by arrival): a third-party engine's own (`kvstate.declared`); None keeps the spec's
     serve_order: tuple[Hashable, ...] | None = None
     host_free: int = 0  # free host blocks
+    recompute_pause: bool = True  # the scheduler may recompute-pause a victim (cannot_be_moved)
 
 
 def _next_step_blocks(r, config, offloaded: str, block_size: int) -> int:
@@ -301,6 +311,7 @@ def snapshot(scheduler) -> PassSnapshot:
             held_rank=held_rank.get(r.request_id, -1),
             next_step_blocks=_next_step_blocks(r, scheduler.config, offloaded, scheduler.config.block_size),
             copy_in_flight=r.copy_in_flight,
+            suspend_fires=scheduler.suspend_fires(r),
         )
         for r in scheduler.requests.values()
     )
@@ -311,6 +322,7 @@ def snapshot(scheduler) -> PassSnapshot:
         max_batch_size=scheduler.slots_per_pass(),
         max_num_tokens=scheduler.config.max_num_tokens,
         host_free=scheduler.pool.host_free_blocks,
+        recompute_pause=scheduler.config.enable_recompute_pause,
     )
 
 
@@ -387,9 +399,15 @@ class _PassCheck:
         return {rid for rid in self.scheduled if rid in earlier}
 
     def eligible(
-        self, requester: Hashable, chosen: set[Hashable], waiting: set[Hashable], ignoring: frozenset[str] = frozenset()
+        self,
+        requester: Hashable,
+        chosen: set[Hashable],
+        waiting: set[Hashable],
+        host_room: int,
+        ignoring: frozenset[str] = frozenset(),
     ) -> list[RequestSnapshot]:
-        """The eligible victims at a choice of `requester` (the policy's exclusions but those in `ignoring`)."""
+        """The eligible victims at a choice of `requester` (the policy's exclusions but those in `ignoring`), with
+        `host_room` host blocks free beyond the held ones (`host_room_before`)."""
         excluded = set(self.policy.victim_exclusions) - ignoring
         scheduled = self.served_before(requester) if "scheduled_this_pass" in excluded else set()
         if "waiting_this_pass" in excluded:
@@ -408,7 +426,34 @@ class _PassCheck:
             and not ("about_to_finish" in excluded and r.about_to_finish)
             and not (r.capped and self.cap_protects_from(requester, excluded))
             and not (CHUNK_IN_FLIGHT in excluded and r.in_flight and r.prefilling)
+            and not (CANNOT_BE_MOVED in excluded and not self.movable(r, host_room))
         ]
+
+    def movable(self, r: RequestSnapshot, host_room: int) -> bool:
+        """The pass can move `r` off the GPU (`cannot_be_moved`): recompute-pause is enabled, or `suspend` fires on
+        it and the suspend rule lets it be suspended with `host_room` host blocks free beyond the held ones."""
+        if self.before.recompute_pause:
+            return True
+        if not r.suspend_fires:
+            return False
+        if self.policy.suspend_rule != HOST_TAKES_EVERY_HELD_BLOCK:
+            return True
+        return self.before.has_host_tier and host_room >= r.gpu_blocks
+
+    def host_room_before(self) -> list[int]:
+        """Per decision of the pass, the host tier's free blocks beyond those suspended requests hold on the GPU
+        just before it, replayed from the snapshot (SUSPEND-ROOM's measure): a suspension adds its victim's GPU
+        blocks to the held ones, a promotion frees its request's host and held blocks, an offload moves held
+        blocks to the host one for one."""
+        room = self.before.host_free - sum(r.gpu_blocks for r in self.before.requests if r.held_rank >= 0)
+        found = []
+        for d in self.record.decisions:
+            found.append(room)
+            if isinstance(d, Victim) and d.event == "suspend":
+                room -= self.by_id[d.victim].gpu_blocks
+            elif isinstance(d, Promotion):
+                room += self.by_id[d.promoted].host_blocks + self.by_id[d.promoted].gpu_blocks
+        return found
 
     @property
     def head(self) -> Hashable | None:
@@ -426,14 +471,14 @@ class _PassCheck:
     def check_victims(self) -> None:
         chosen: set[Hashable] = set()
         waiting: set[Hashable] = set()
-        for d in self.record.decisions:
+        for d, host_room in zip(self.record.decisions, self.host_room_before(), strict=True):
             if isinstance(d, Wait):
                 waiting.add(d.requester)
             if not isinstance(d, Victim):
                 continue
             if d.victim in chosen:
                 self.fail("VICTIM-ONCE", f"request {d.victim!r} was chosen as a victim twice in one pass")
-            eligible = self.eligible(d.requester, chosen, waiting)
+            eligible = self.eligible(d.requester, chosen, waiting, host_room)
             self.check_cap(d, eligible)
             if d.victim == d.requester:
                 others = [r.request_id for r in eligible if r.request_id != d.requester]
@@ -442,7 +487,7 @@ class _PassCheck:
                         "VICTIM-TAIL",
                         f"requester {d.requester!r} preempted itself although {others!r} were eligible victims",
                     )
-                self.check_self_preemption(d.requester, chosen, waiting)
+                self.check_self_preemption(d.requester, chosen, waiting, host_room)
                 chosen.add(d.victim)
                 continue
             chosen.add(d.victim)
@@ -521,12 +566,14 @@ class _PassCheck:
                 "(else requests past the cap preempt themselves in turn, forever)",
             )
 
-    def check_self_preemption(self, requester: Hashable, chosen: set[Hashable], waiting: set[Hashable]) -> None:
+    def check_self_preemption(
+        self, requester: Hashable, chosen: set[Hashable], waiting: set[Hashable], host_room: int
+    ) -> None:
         """VICTIM-SELF: under `wait_for_chunk_in_flight`, a requester preempts itself only when no request that
         `chunk_in_flight` alone excludes could give up its blocks once its chunk lands."""
         if self.policy.no_eligible_victim != WAIT_FOR_CHUNK_IN_FLIGHT:
             return
-        eligible = self.eligible(requester, chosen, waiting, ignoring=frozenset({CHUNK_IN_FLIGHT}))
+        eligible = self.eligible(requester, chosen, waiting, host_room, ignoring=frozenset({CHUNK_IN_FLIGHT}))
         landing = [r for r in eligible if r.request_id != requester]
         if landing and all(r.capped for r in landing) and self.head == requester:
             self.fail(

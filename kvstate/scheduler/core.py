@@ -26,7 +26,12 @@ from kvstate.config import SchedulerConfig
 from kvstate.errors import KVStateError, UnknownRequestId
 from kvstate.lifecycle import STATE_ATTRIBUTE, make_lifecycle
 from kvstate.output import SchedulerOutput
-from kvstate.policy import CHUNK_IN_FLIGHT, VICTIM_EXCLUSIONS, WAIT_FOR_CHUNK_IN_FLIGHT
+from kvstate.policy import (
+    CHUNK_IN_FLIGHT,
+    HOST_TAKES_EVERY_HELD_BLOCK,
+    VICTIM_EXCLUSIONS,
+    WAIT_FOR_CHUNK_IN_FLIGHT,
+)
 from kvstate.pool import TO_HOST, MigrationPlan, TieredBlockPool
 from kvstate.request import Request
 from kvstate.roles import ACTIVE, DROPPED, ENDED, OFFLOADED, PENDING_RESET, RECOMPUTING
@@ -139,6 +144,28 @@ class SchedulerCore:
             pass_.head = min(ready, key=lambda r: r.is_prefilling, default=None)  # stable: the first by arrival
             pass_.head_known = True
         return pass_.head
+
+    def victim_movable(self, candidate: Request, pass_: SchedulingPass) -> bool:
+        """The pass can move `candidate` off the GPU if it takes it as a victim (the policy's `cannot_be_moved`):
+        recompute-pause is enabled, or `suspend` fires on it and the suspend rule lets it be suspended now."""
+        if self.config.enable_recompute_pause:
+            return True
+        return self._suspension_frees(candidate) and self.suspend_fires(candidate, pass_)
+
+    def suspend_fires(self, request: Request, pass_: SchedulingPass | None = None) -> bool:
+        """`suspend` has an edge from `request`'s state and a guard of it holds in `pass_` (between passes: None);
+        nothing fires."""
+        return "suspend" in self.lifecycle.allowed_events(request.state) and self.lifecycle.can_fire(
+            request, "suspend", self._view(self._idle if pass_ is None else pass_)
+        )
+
+    def _suspension_frees(self, victim: Request) -> bool:
+        """The policy's suspend rule lets `victim` be suspended now (`host_takes_every_held_block`: a host tier can
+        take every block suspended requests hold on the GPU, the victim's included; `always`: whatever it frees)."""
+        if self.policy.suspend_rule != HOST_TAKES_EVERY_HELD_BLOCK:
+            return True
+        pool = self.pool
+        return pool.has_host_tier and pool.host_free_blocks - pool.gpu_held_blocks >= victim.num_gpu_blocks
 
     def _queue_of(self, event: str) -> list[Request]:
         """The queue of the one state the admission class `event` leaves."""

@@ -3,8 +3,10 @@
 Invariants kept (ids from the spec; the policy's rules are the spec's `[policy]`, given meaning in `kvstate.policy`):
 * victims are taken tail-first by admission order among requests not yet scheduled in the pass, never twice in a
   pass, never one about to produce its final token, never one awaiting consensus, never one past the preemption cap
-  unless the requester is the head of the pass, the request it serves first (VICTIM-TAIL, VICTIM-ONCE,
-  VICTIM-NOT-FINAL, VICTIM-CAP, PP-HOLD): the exclusions the spec's policy names;
+  unless the requester is the head of the pass, the request it serves first, never one the pass cannot move
+  (recompute-pause disabled and no suspension allowed now) (VICTIM-TAIL, VICTIM-ONCE, VICTIM-NOT-FINAL, VICTIM-CAP,
+  PP-HOLD): the exclusions the spec's policy names; a requester the pass cannot move waits instead of preempting
+  itself;
 * suspension copies nothing: a suspended request's GPU blocks are held, and GPU room comes from the offload of held
   blocks to the host tier, which an allocation asks for when it needs room, exactly as many blocks as it needs,
   least recently held first (OFFLOAD-DEMAND; with the policy's `eager` offload, all of a victim's blocks at its
@@ -64,9 +66,10 @@ class Preemption(HeldBlocks):
                 if self._victim_lands(pass_):
                     self._wait(request, 0, pass_)
                     return False  # a victim once its chunk in flight lands (P1: no mutual self-preemption)
-                self._preempt(request, pass_)
-                if request.state in self._computing:  # it could not even evict itself: it waits for nothing
+                if not self.victim_movable(request, pass_):  # it cannot even evict itself: it waits for nothing
                     self._wait(request, 0, pass_)
+                    return False
+                self._preempt(request, pass_)
                 return False
             self._preempt(victim, pass_)
         return True
@@ -108,14 +111,6 @@ class Preemption(HeldBlocks):
             if self._victim_eligible(candidate, pass_):
                 return candidate
         return None
-
-    def _suspension_frees(self, victim: Request) -> bool:
-        """The policy's suspend rule lets `victim` be suspended now (`host_takes_every_held_block`: a host tier can
-        take every block suspended requests hold on the GPU, the victim's included; `always`: whatever it frees)."""
-        if self.policy.suspend_rule != HOST_TAKES_EVERY_HELD_BLOCK:
-            return True
-        pool = self.pool
-        return pool.has_host_tier and pool.host_free_blocks - pool.gpu_held_blocks >= victim.num_gpu_blocks
 
     def _preempt(self, victim: Request, pass_: SchedulingPass) -> None:
         """Suspend the victim if the suspend rule lets it (promoting if worth it), else recompute-pause it, to make

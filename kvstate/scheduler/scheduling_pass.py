@@ -33,7 +33,7 @@ class SchedulingPass:
         self.tokens_left = config.max_num_tokens
         self.slots_left = config.max_batch_size
         self.victims: set[int] = set()
-        self.unmoved_victims = 0  # victims no event moved (suspend refused, recompute-pause disabled)
+        self.unmoved_victims = 0  # victims no event moved (a policy without cannot_be_moved, recompute-pause off)
         self.waiting: set[int] = set()
         self.suspended: list[Request] = []  # suspended in this pass and not promoted, in suspension order
         self.pending_free = 0

@@ -17,6 +17,7 @@ import pytest
 from kvstate.config import RequestRejected, SchedulerConfig
 from kvstate.errors import IllegalTransition, KVStateError, PoolError
 from kvstate.output import SchedulerOutput
+from kvstate.policy import Wait
 from kvstate.request import Request
 from kvstate.scheduler import Scheduler, SchedulerStalled, UnknownRequestId
 from kvstate.sim import SimExecutor, reference_output
@@ -185,10 +186,11 @@ def test_no_request_is_chosen_as_a_victim_twice_in_one_pass(monkeypatch: pytest.
     assert multi_victim_passes > 0  # the property was exercised
 
 
-def test_a_victim_that_could_not_be_moved_is_not_scheduled_in_its_pass() -> None:
-    """With recompute-pause off and the host tier full, a victim keeps its state (suspend refused, nothing else
-    to fire) and stays resident; the pass that chose it still schedules it in no list."""
-    unmoved = 0
+def test_a_request_that_cannot_be_moved_is_no_victim() -> None:
+    """With recompute-pause off and the host tier full, a request that cannot be suspended is no victim
+    (`cannot_be_moved`): every victim leaves its state in its pass and none is scheduled in it; a requester that
+    finds no victim it can move waits."""
+    unmoved = stuck_waits = 0
     for seed in range(8):
         config = SchedulerConfig(
             gpu_blocks=8, host_blocks=4, block_size=2, enable_recompute_pause=False, no_progress_limit=8
@@ -201,13 +203,17 @@ def test_a_victim_that_could_not_be_moved_is_not_scheduled_in_its_pass() -> None
         try:
             while sched.has_unfinished:
                 out = ex.step()
-                taken = sched.last_pass.victims
+                pass_ = sched.last_pass
+                taken = pass_.victims
                 moved = {id(r) for r in out.suspended + out.recompute_paused}
                 unmoved += len(taken - moved)
                 assert not taken & {id(r) for r in out.scheduled}, f"seed {seed}: a victim was scheduled in its pass"
+                if any(not sched.victim_movable(r, pass_) for r in sched.admitted):
+                    stuck_waits += sum(isinstance(d, Wait) and d.reserved == 0 for d in pass_.record.decisions)
         except SchedulerStalled:
             pass  # the known limit once the host tier stays full (tests/faults/test_liveness.py)
-    assert unmoved > 0  # the case was exercised
+    assert unmoved == 0, "a victim the pass could not move was taken"
+    assert stuck_waits > 0  # the case was exercised: requesters waited beside requests the pass could not move
 
 
 def test_request_about_to_produce_its_final_token_is_skipped_as_a_victim() -> None:
