@@ -501,7 +501,7 @@ class _PassCheck:
                 self.fail(
                     "VICTIM-TAIL",
                     f"request {d.victim!r} was chosen as {d.requester!r}'s victim but is not an "
-                    f"eligible victim ({self.why_not_eligible(d, victim, chosen - {d.victim}, waiting)})",
+                    f"eligible victim ({self.why_not_eligible(d, victim, chosen - {d.victim}, waiting, host_room)})",
                 )
             order = self.policy.victim_order
             tail = max(eligible, key=_VICTIM_RANK[order])
@@ -522,7 +522,7 @@ class _PassCheck:
             )
 
     def why_not_eligible(
-        self, d: Victim, victim: RequestSnapshot | None, chosen: set[Hashable], waiting: set[Hashable]
+        self, d: Victim, victim: RequestSnapshot | None, chosen: set[Hashable], waiting: set[Hashable], host_room: int
     ) -> str:
         """The one reason `victim` is no eligible victim of `d.requester`: each exclusion that alone excludes it."""
         if victim is None:
@@ -533,7 +533,7 @@ class _PassCheck:
         excluding = [
             name
             for name in self.policy.victim_exclusions
-            if victim not in self.eligible(d.requester, chosen, waiting, ignoring=frozenset(declared - {name}))
+            if victim not in self.eligible(d.requester, chosen, waiting, host_room, frozenset(declared - {name}))
         ]
         if not excluding:
             return "the declared exclusions together exclude it"

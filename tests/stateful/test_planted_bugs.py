@@ -232,8 +232,9 @@ class SuspendWithoutCopy(SimExecutor):
         self.sync_host_tier()
 
     def sync_host_tier(self) -> None:
-        size = self.scheduler.config.block_size
-        self.host = _StaleHostSlots([[0] * size for _ in range(self.scheduler.pool.host.capacity)])
+        size, capacity = self.scheduler.config.block_size, self.scheduler.pool.host.capacity
+        self.host_stages = [_StaleHostSlots([[0] * size for _ in range(capacity)]) for _ in range(self.stages)]
+        self.host = self.host_stages[0]
 
 
 def test_a_suspend_that_copies_nothing_breaks_output_equivalence(find_failure) -> None:
