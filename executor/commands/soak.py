@@ -484,7 +484,7 @@ def _run_with_progress(out, settings: SoakSettings) -> MatrixReport:
             )
             progress.update(task, completed=before[mix] + done, status=status)
 
-        return run_matrix(settings, update)
+        return run_matrix(settings, run_soak, update)
 
 
 def _print_tables(out, matrix: MatrixReport) -> None:

@@ -172,12 +172,12 @@ class MatrixReport:
 
 
 def run_matrix(
-    settings: SoakSettings, on_progress: Callable[[str, int, int, IterationStats | None], None] | None = None
+    settings: SoakSettings,
+    run_soak: Callable[..., SoakReport],
+    on_progress: Callable[[str, int, int, IterationStats | None], None] | None = None,
 ) -> MatrixReport:
-    """Run every mix of `settings` (`fault_mixes`) to the end, one after the other (`run_soak`);
-    `on_progress(mix, done, total, stats)` after each iteration."""
-    from executor.commands.soak import run_soak
-
+    """Run every mix of `settings` (`fault_mixes`) to the end, one after the other, with `run_soak(settings,
+    progress)` (the soak command's `run_soak`); `on_progress(mix, done, total, stats)` after each iteration."""
     runs = []
     for mix in fault_mixes(settings):
         progress = None if on_progress is None else _progress_of(mix.name, on_progress)

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from executor.commands.soak import DEFAULT_INJECT, SoakSettings
+from executor.commands.soak import DEFAULT_INJECT, SoakSettings, run_soak
 from executor.commands.soak_matrix import PATHS, TIER_ENDING, fault_mixes, path_counts, run_matrix
 from executor.faults import FaultSpec
 from kvstate.cli import main
@@ -52,7 +52,7 @@ def test_one_mix_without_a_host_tier_or_a_tier_ending_fault():
 def test_the_default_matrix_exercises_every_path_above_its_floor():
     """CI-sized: every path and every default fault kind ran at least its floor, and the main mix kept its host
     tier for the whole run."""
-    matrix = run_matrix(SoakSettings(requests=150, seed=3, faults=DEFAULT_INJECT))
+    matrix = run_matrix(SoakSettings(requests=150, seed=3, faults=DEFAULT_INJECT), run_soak)
     assert matrix.ok
     counts = {count.path: count for count in matrix.paths()}
     assert set(PATHS) | kinds(DEFAULT_INJECT) <= {path for path, count in counts.items() if count.floor >= 1}
@@ -65,7 +65,7 @@ def test_the_default_matrix_exercises_every_path_above_its_floor():
 
 def test_the_issue_faults_keep_the_host_paths_busy_in_the_main_mix():
     """The faults that once ended the host tier early: host_loss now fires only in its own mix."""
-    matrix = run_matrix(SoakSettings(requests=150, seed=5, faults=ISSUE_FAULTS, cancel_rate=0.1))
+    matrix = run_matrix(SoakSettings(requests=150, seed=5, faults=ISSUE_FAULTS, cancel_rate=0.1), run_soak)
     assert matrix.ok
     main_report = matrix.reports[0]
     assert "host_loss" not in main_report.faults and not main_report.host_tier_fallback
@@ -84,6 +84,6 @@ def test_the_summary_names_a_path_below_its_floor(capsys):
 @pytest.mark.slow
 def test_the_commands_default_matrix_exercises_every_path_above_its_floor():
     """The command's default soak (2,000 requests, `DEFAULT_INJECT`)."""
-    matrix = run_matrix(SoakSettings(faults=DEFAULT_INJECT))
+    matrix = run_matrix(SoakSettings(faults=DEFAULT_INJECT), run_soak)
     assert matrix.ok and matrix.barely_exercised() == ()
     assert [mix.name for mix, _ in matrix.runs] == ["main", "host_loss", "host_alloc"]
