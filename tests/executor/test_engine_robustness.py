@@ -743,7 +743,7 @@ class _BigId(enum.IntEnum):
         (10**19, "more than 19 digits"),
         (-(10**19), "more than 19 digits"),
         (_BigId.HUGE, "more than 19 digits"),  # an int subclass is an int id (its trace line carries the int)
-        ("x" * 70_000, "70002 bytes"),
+        ("x" * 70_000, "70000 characters, more than the 4096 bytes"),
     ],
 )
 def test_an_id_the_trace_cannot_carry_is_refused_at_submission(make_engine, tmp_path, request_id, words):
