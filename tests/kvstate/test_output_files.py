@@ -31,14 +31,11 @@ raise SystemExit(main(sys.argv[1:]))
 
 
 def run_limited(*args: str) -> subprocess.CompletedProcess[str]:
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     return subprocess.run(
         [sys.executable, "-c", CHILD.format(limit=LIMIT_BYTES), *args],
         capture_output=True,
         text=True,
         timeout=CHILD_TIMEOUT_S,
-        env=env,
         check=False,
     )
 
