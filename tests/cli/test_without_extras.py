@@ -83,7 +83,7 @@ def test_check_without_matplotlib_writes_the_counterexample_and_says_why_it_is_n
     argv = ["check", "--bound", "no_host", "--spec", str(leaky), "--counterexample-dir", str(cx), "--no-refinement"]
     done = run_without("matplotlib", *argv)
     assert done.returncode == 1, done.stderr  # violated, as with matplotlib
-    assert len(list(cx.glob("*.ndjson"))) == 1 and not list(cx.glob("*-report"))
+    assert len(list(cx.glob("*.ndjson"))) == 1 and not list(cx.glob("*-report")), done.stdout + done.stderr
     assert "counterexample not drawn (needs matplotlib, which is not installed: pip install 'kvstate[report]')" in (
         done.stdout
     )
