@@ -1,7 +1,8 @@
-"""The scheduling policy's rule names and their meaning as checks of one real scheduling pass.
+"""The scheduling policy as checks of one real scheduling pass; with the rule names (`kvstate.policy_rules`) and
+the pass's snapshot and record (`kvstate.pass_record`), which it re-exports.
 
 `spec/lifecycle.toml` states the policy as rule names (`[policy]`); `policy_problems` holds them against the names
-given meaning here, and `check_pass` checks one pass of a scheduler against them: from a `PassSnapshot` taken just
+given meaning in `kvstate.policy_rules`, and `check_pass` checks one pass of a scheduler against them: from a `PassSnapshot` taken just
 before `schedule()` and the pass's `PassRecord` (victims, promotions and waits in decision order), it computes what
 the policy allows and raises `InvariantViolation` with the invariant id of the first rule the pass broke. It does
 not trust the scheduler's bookkeeping: eligibility, admission order and the room on its way are recomputed from the
@@ -14,319 +15,82 @@ The rules (SPEC.md section 7) apply to the `max_utilization` capacity policy.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
 from kvstate.errors import InvariantViolation
+from kvstate.pass_record import (
+    UNLIMITED,
+    Offload,
+    PassRecord,
+    PassSnapshot,
+    Promotion,
+    RequestSnapshot,
+    Victim,
+    Wait,
+    snapshot,
+)
+from kvstate.policy_rules import (
+    CANNOT_BE_MOVED,
+    CAP_SPARES_HEAD,
+    CHUNK_IN_FLIGHT,
+    EAGER,
+    HOLD_NEW_AFTER_PREEMPTION_OR_WAIT,
+    HOLD_READMISSIONS_AFTER_PREEMPTION,
+    HOST_TAKES_EVERY_HELD_BLOCK,
+    LATEST_ADMISSION_FIRST,
+    NO_READMISSION_OF_VICTIMS,
+    ON_DEMAND,
+    PREEMPTION_CAP_REACHED,
+    READMIT_LATEST_VICTIM_FIRST,
+    STOP_AT_FIRST_MISFIT,
+    SUSPEND_ALWAYS,
+    VICTIM_EXCLUSIONS,
+    VOCABULARY,
+    WAIT_FOR_CHUNK_IN_FLIGHT,
+    policy_problems,
+    preemption_capped,
+)
 from kvstate.pool import TO_HOST
 from kvstate.roles import DROPPED, OFFLOADED, PENDING_RESET, QUEUED
 
-if TYPE_CHECKING:  # annotations only: kvstate.spec validates what it loads with `policy_problems`
-    from kvstate.request import Request
-    from kvstate.scheduler.core import SchedulerCore
-    from kvstate.scheduler.scheduling_pass import SchedulingPass
+if TYPE_CHECKING:
     from kvstate.spec import Spec
 
-# the rule names the scheduler and the pass check read by name (each is a key of VOCABULARY below)
-CHUNK_IN_FLIGHT = "chunk_in_flight"
-CANNOT_BE_MOVED = "cannot_be_moved"
-PREEMPTION_CAP_REACHED = "preemption_cap_reached"
-CAP_SPARES_HEAD = "preemption_cap_reached_except_for_head"
-WAIT_FOR_CHUNK_IN_FLIGHT = "wait_for_chunk_in_flight"
-STOP_AT_FIRST_MISFIT = "stop_at_first_misfit"
-NO_READMISSION_OF_VICTIMS = "no_readmission_of_victims"
-HOLD_NEW_AFTER_PREEMPTION_OR_WAIT = "hold_new_after_preemption_or_wait"
-HOLD_READMISSIONS_AFTER_PREEMPTION = "hold_readmissions_after_preemption"
-READMIT_LATEST_VICTIM_FIRST = "readmit_latest_victim_first"
-LATEST_ADMISSION_FIRST = "latest_admission_first"
-HOST_TAKES_EVERY_HELD_BLOCK = "host_takes_every_held_block"
-SUSPEND_ALWAYS = "always"
-ON_DEMAND = "on_demand"
-EAGER = "eager"
-
-# rule vocabulary: every name the spec's [policy] may use, with its meaning
-VOCABULARY: Mapping[str, Mapping[str, str]] = {
-    "victim_order": {
-        LATEST_ADMISSION_FIRST: "the eligible request with the greatest admission number",
-        "fewest_outputs_first": (
-            "the eligible request with the fewest generated tokens; ties: the longest prompt, then the latest "
-            "admission (SGLang's retraction order)"
-        ),
-    },
-    "victim_exclusions": {
-        "the_requester": "a requester is not its own victim while another is eligible",
-        "scheduled_this_pass": "a request already scheduled in the pass (its output list is never revised)",
-        "waiting_this_pass": (
-            "a requester already waiting in the pass for room on its way it reserved (otherwise a "
-            "later, younger requester could take the older one's place: livelock)"
-        ),
-        "victim_this_pass": "a request already chosen in the pass (VICTIM-ONCE)",
-        "about_to_finish": "a request whose next decode step produces its final token (VICTIM-NOT-FINAL)",
-        PREEMPTION_CAP_REACHED: (
-            "a request preempted max_preemptions_per_request times (A3), whoever asks; once every request that "
-            "holds blocks is capped, each requester preempts itself, and two such requests can pause each other "
-            "forever"
-        ),
-        CAP_SPARES_HEAD: (
-            "a request preempted max_preemptions_per_request times (A3), unless the requester is the head of the "
-            "pass, the first request it serves (SPEC.md 7.2), which may take it (VICTIM-CAP): the request the "
-            "progress argument rests on sees the victims it would see without a cap"
-        ),
-        CHUNK_IN_FLIGHT: (
-            "a request whose prefill or replay chunk is still in the pipeline (several micro-batches "
-            "in flight); one whose decode step is in flight may be a victim: its token lands while it "
-            "is suspended or awaits consensus (PP-TERMINATE)"
-        ),
-        CANNOT_BE_MOVED: (
-            "a request the pass cannot move off the GPU: recompute-pause is disabled and it cannot be suspended now "
-            "(suspend does not fire on it: it is replaying, or a copy of it is in flight; or the suspend rule "
-            "refuses it, with the host room the pass's earlier suspensions left): a victim is a request the pass "
-            "can move, and a requester the pass cannot move waits, reserving nothing, instead of preempting itself"
-        ),
-        "ahead_of_requester": (
-            "a request ahead of the requester in the pass's serve order, served or not (victims are searched "
-            "behind it only: TensorRT-LLM scans its active list from the tail down to the requester)"
-        ),
-    },
-    "no_eligible_victim": {
-        "preempt_self": "a requester that finds no eligible victim preempts itself (by its victim path rule)",
-        WAIT_FOR_CHUNK_IN_FLIGHT: (
-            "a requester that finds no eligible victim waits, keeping its blocks and reserving nothing, while a "
-            "request that chunk_in_flight alone excludes holds GPU blocks (that chunk lands within the micro-batches "
-            "in flight, and then it is a victim again); otherwise it preempts itself (the progress rule, P1)"
-        ),
-    },
-    "suspend_rule": {
-        HOST_TAKES_EVERY_HELD_BLOCK: (
-            "a victim is suspended only when the host tier has a free block for every block suspended requests hold "
-            "on the GPU, its own included, so held blocks can always be offloaded; never without a host tier"
-        ),
-        SUSPEND_ALWAYS: (
-            "a victim that can be suspended is suspended whatever the host tier can take (TensorRT-LLM's ladder): "
-            "without room below, its blocks stay held on the GPU and free nothing"
-        ),
-    },
-    "offload": {
-        ON_DEMAND: (
-            "held blocks move to the host tier only when an allocation needs GPU room, exactly as many as it needs, "
-            "least recently held first"
-        ),
-        EAGER: "all of a victim's blocks move to the host tier in the pass that suspends it, as far as it has room",
-    },
-    "promotion_candidates": {"suspended_this_pass": "requests suspended earlier in the same pass"},
-    "promotion_order": {"latest_suspension_first": "the most recently suspended candidate first"},
-    "promotion_worth": {"fewer_kv_tokens_than_victim": "the promoted requests hold fewer KV tokens than the victim"},
-    "admission_rules": {
-        STOP_AT_FIRST_MISFIT: "admissions stop at the first candidate that does not fit (A2)",
-        NO_READMISSION_OF_VICTIMS: "a victim of the pass is not readmitted in it",
-        HOLD_NEW_AFTER_PREEMPTION_OR_WAIT: "no new request in a pass with a victim or a waiting requester (A1)",
-        HOLD_READMISSIONS_AFTER_PREEMPTION: "no readmission in a pass with a victim (vLLM admits nothing then)",
-        READMIT_LATEST_VICTIM_FIRST: (
-            "readmission candidates of a class in order of their latest preemption, most recent first (the "
-            "engine puts each victim back at the head of its queue); new requests in arrival order"
-        ),
-    },
-    "room_on_its_way": {"reserved_per_requester": "a waiting requester reserves the pending blocks it counts on"},
-    "progress": {
-        "new_kv_position_or_end": (
-            "a pass progresses when it computes a prompt chunk or a decode step, a "
-            "replay chunk beyond every earlier replay of the same replay prompt, or "
-            "ends a request"
-        )
-    },
-}
-_LISTED = ("victim_exclusions", "admission_rules")
+__all__ = [
+    "CANNOT_BE_MOVED",
+    "CAP_SPARES_HEAD",
+    "CHUNK_IN_FLIGHT",
+    "EAGER",
+    "HOLD_NEW_AFTER_PREEMPTION_OR_WAIT",
+    "HOLD_READMISSIONS_AFTER_PREEMPTION",
+    "HOST_TAKES_EVERY_HELD_BLOCK",
+    "LATEST_ADMISSION_FIRST",
+    "NO_READMISSION_OF_VICTIMS",
+    "ON_DEMAND",
+    "PREEMPTION_CAP_REACHED",
+    "READMIT_LATEST_VICTIM_FIRST",
+    "STOP_AT_FIRST_MISFIT",
+    "SUSPEND_ALWAYS",
+    "UNLIMITED",
+    "VICTIM_EXCLUSIONS",
+    "VOCABULARY",
+    "WAIT_FOR_CHUNK_IN_FLIGHT",
+    "Offload",
+    "PassRecord",
+    "PassSnapshot",
+    "Promotion",
+    "RequestSnapshot",
+    "Victim",
+    "Wait",
+    "admission_candidates",
+    "check_observable",
+    "check_pass",
+    "policy_problems",
+    "preemption_capped",
+    "snapshot",
+]
 
 
-def preemption_capped(request: Request, cap: int | None) -> bool:
-    """`request` was preempted `cap` times already (A3); never with no cap."""
-    return cap is not None and request.num_suspensions + request.num_recompute_pauses >= cap
-
-
-# The scheduler's reading of each victim exclusion the spec's policy may name (their meaning: VOCABULARY above).
-VICTIM_EXCLUSIONS: Mapping[str, Callable[[SchedulerCore, Request, SchedulingPass], bool]] = {
-    "the_requester": lambda s, candidate, pass_: candidate is pass_.requester,
-    "scheduled_this_pass": lambda s, candidate, pass_: candidate.request_id in pass_.output.chunk_tokens,
-    "waiting_this_pass": lambda s, candidate, pass_: id(candidate) in pass_.waiting,
-    "victim_this_pass": lambda s, candidate, pass_: id(candidate) in pass_.victims,
-    "about_to_finish": lambda s, candidate, pass_: candidate.about_to_finish,
-    PREEMPTION_CAP_REACHED: lambda s, candidate, pass_: preemption_capped(
-        candidate, s.config.max_preemptions_per_request
-    ),
-    CAP_SPARES_HEAD: lambda s, candidate, pass_: (
-        preemption_capped(candidate, s.config.max_preemptions_per_request)
-        and pass_.requester is not s.head_of_pass(pass_)
-    ),
-    CHUNK_IN_FLIGHT: lambda s, candidate, pass_: candidate.request_id in s.in_flight and candidate.is_prefilling,
-    CANNOT_BE_MOVED: lambda s, candidate, pass_: not s.victim_movable(candidate, pass_),
-    "ahead_of_requester": lambda s, candidate, pass_: (
-        pass_.requester is not None
-        and (candidate.is_prefilling, candidate.arrival) < (pass_.requester.is_prefilling, pass_.requester.arrival)
-    ),  # ahead in the spec's serve order (SPEC.md 7.2); declared by third-party policies (kvstate.declared)
-}
-
-
-def policy_problems(spec: Spec) -> list[str]:
-    """Every policy entry of `spec` that names no known rule or event (for `kvstate.validate`)."""
-    policy = spec.policy  # the parser refuses a spec without [policy]
-    found = []
-    for key, meanings in VOCABULARY.items():
-        values = getattr(policy, key)
-        for value in values if key in _LISTED else (values,):
-            if value not in meanings:
-                found.append(
-                    f"[policy] {key}: {value!r} has no meaning in kvstate.policy; use one of {sorted(meanings)}"
-                )
-    events = spec.event_by_name
-    for key in ("admission_classes", "readmissions_keeping_admission"):
-        for name in getattr(policy, key):
-            if name not in events:
-                found.append(f"[policy] {key}: {name!r} is not an event of the spec; use one of {sorted(events)}")
-    return found
-
-
-# ---------------------------------------------------------------------------------------------- recording
-@dataclass(frozen=True, slots=True)
-class Victim:
-    """`requester` needed blocks and `victim` gave them up by `event` (suspend or recompute_pause)."""
-
-    requester: Hashable
-    victim: Hashable
-    event: str
-
-
-@dataclass(frozen=True, slots=True)
-class Promotion:
-    """`promoted`, suspended earlier in the pass, was recompute-paused to make host room for `victim`."""
-
-    victim: Hashable
-    promoted: Hashable
-
-
-@dataclass(frozen=True, slots=True)
-class Offload:
-    """`blocks` held GPU blocks of suspended `request` moved to the host tier for `requester`'s allocation."""
-
-    requester: Hashable
-    request: Hashable
-    blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class Wait:
-    """`requester` was not scheduled because `reserved` blocks on their way (fenced, awaiting consensus) will free."""
-
-    requester: Hashable
-    reserved: int
-
-
-@dataclass
-class PassRecord:
-    """The decisions of one pass that its output does not show, in the order they were taken."""
-
-    decisions: list[Victim | Promotion | Offload | Wait] = field(default_factory=list)
-
-
-# a pass limit a snapshot does not state: no limit
-UNLIMITED = 1 << 62
-
-
-@dataclass(frozen=True, slots=True)
-class RequestSnapshot:
-    """What the policy reads of one active request just before a pass: its id and state, then keyword-only fields,
-    each with a default that excludes nothing and counts nothing (the README's table gives each field's meaning)."""
-
-    request_id: Hashable
-    state: str
-    _: KW_ONLY
-    arrival: int = 0  # submission order (the spec's serve order and admission classes read it)
-    admission: int = 0  # admission number: the latest admitted has the greatest (victim order latest_admission_first)
-    prefilling: bool = False  # its prompt or replay prompt is not computed yet
-    about_to_finish: bool = False  # its next decode step produces its final token (VICTIM-NOT-FINAL)
-    capped: bool = False  # preempted max_preemptions_per_request times (VICTIM-CAP)
-    kv_tokens: int = 0  # KV tokens it holds (PROMOTE-GATE's worth)
-    gpu_blocks: int = 0  # GPU blocks it holds
-    in_flight: bool = False  # its step of an earlier pass is still in the pipeline: not schedulable in this pass
-    copying: bool = False  # its resume copy is still in flight: not schedulable in this pass (its KV is not back)
-    # read only by the rules that name them (a third-party engine's declared policy, `kvstate.declared`):
-    num_output_tokens: int = 0  # tokens generated so far (victim order fewest_outputs_first)
-    prompt_tokens: int = 0  # its original prompt's length (fewest_outputs_first's tie-break)
-    last_preemption: int = -1  # when it was last a victim (an increasing count), -1 never (readmit_latest_victim_first)
-    # read by the offload and suspension rules (SUSPEND-ROOM, OFFLOAD-DEMAND):
-    host_blocks: int = 0  # blocks it holds in the host tier
-    held_rank: int = -1  # its place in the offload order of held requests (least recently held 0), -1 not held
-    next_step_blocks: int = 0  # GPU blocks its next allocation takes: its next chunk's, a resume's, a first chunk's
-    copy_in_flight: bool = False  # a copy of its KV (an offload's or a resume's) is in flight
-    suspend_fires: bool = False  # `suspend` fires on it now, whatever the suspend rule says (cannot_be_moved)
-
-
-@dataclass(frozen=True, slots=True)
-class PassSnapshot:
-    """Every active request, and what the pass's rules read of the pool, just before a pass: the requests, then
-    keyword-only fields with defaults (no copies, no host tier, no batch or token limit, the spec's serve order)."""
-
-    requests: tuple[RequestSnapshot, ...]
-    _: KW_ONLY
-    gpu_fenced: int = 0  # GPU blocks fenced by copies in flight
-    has_host_tier: bool = False
-    max_batch_size: int = UNLIMITED
-    max_num_tokens: int = UNLIMITED
-    # the order in which the pass serves its requesters, where it is not the spec's (SPEC.md 7.2: decode steps,
-    # then chunks, each by arrival): a third-party engine's own (`kvstate.declared`); None keeps the spec's
-    serve_order: tuple[Hashable, ...] | None = None
-    host_free: int = 0  # free host blocks
-    recompute_pause: bool = True  # the scheduler may recompute-pause a victim (cannot_be_moved)
-
-
-def _next_step_blocks(r, config, offloaded: str, block_size: int) -> int:
-    """The GPU blocks `r`'s next allocation takes, from its own fields: a resume's host blocks, a (first or next)
-    chunk's new blocks, a decode step's new block."""
-    if r.state == offloaded:
-        return r.num_host_blocks
-    left = r.num_prefill_tokens - r.num_computed_tokens
-    tokens = min(config.prefill_chunk_size, left) if left > 0 else 1
-    return max(0, -(-(r.num_computed_tokens + tokens) // block_size) - r.num_gpu_blocks)
-
-
-def snapshot(scheduler) -> PassSnapshot:
-    """A `PassSnapshot` of `scheduler` (a `kvstate.Scheduler`) now."""
-    cap = scheduler.config.max_preemptions_per_request
-    not_ready = scheduler.not_ready()
-    held_rank = {owner: rank for rank, owner in enumerate(scheduler.pool.held_owners())}
-    offloaded = scheduler.spec.role(OFFLOADED)
-    requests = tuple(
-        RequestSnapshot(
-            r.request_id,
-            r.state,
-            arrival=r.arrival,
-            admission=r.admission,
-            prefilling=r.is_prefilling,
-            about_to_finish=r.about_to_finish,
-            capped=cap is not None and r.num_suspensions + r.num_recompute_pauses >= cap,
-            kv_tokens=r.num_computed_tokens,
-            gpu_blocks=r.num_gpu_blocks,
-            in_flight=r.request_id in scheduler.in_flight,
-            copying=r.request_id in not_ready and r.request_id not in scheduler.in_flight,
-            host_blocks=r.num_host_blocks,
-            held_rank=held_rank.get(r.request_id, -1),
-            next_step_blocks=_next_step_blocks(r, scheduler.config, offloaded, scheduler.config.block_size),
-            copy_in_flight=r.copy_in_flight,
-            suspend_fires=scheduler.suspend_fires(r),
-        )
-        for r in scheduler.requests.values()
-    )
-    return PassSnapshot(
-        requests,
-        gpu_fenced=len(scheduler.pool.gpu.fenced),
-        has_host_tier=scheduler.pool.has_host_tier,
-        max_batch_size=scheduler.slots_per_pass(),
-        max_num_tokens=scheduler.config.max_num_tokens,
-        host_free=scheduler.pool.host_free_blocks,
-        recompute_pause=scheduler.config.enable_recompute_pause,
-    )
-
-
-# ---------------------------------------------------------------------------------------------- checking
 def check_pass(spec: Spec, before: PassSnapshot, record: PassRecord, output) -> None:
     """Raise `InvariantViolation` unless the pass that produced `output` (a `SchedulerOutput`) follows `spec`'s
     policy."""

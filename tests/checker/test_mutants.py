@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvstate import policy
+from kvstate import policy, policy_rules
 from kvstate.checker import HOLDS, VIOLATED, check_bound, select_bounds
 from kvstate.checker.observed import ObservedScheduler
 from kvstate.checker.world import prompt_of
@@ -212,7 +212,7 @@ def plant_promotion_worth(monkeypatch) -> None:
 
 def plant_cap(monkeypatch) -> None:
     monkeypatch.setattr(PREEMPTION, "preemption_capped", capped_one_late)
-    monkeypatch.setattr(policy, "preemption_capped", capped_one_late)  # the victim exclusion's
+    monkeypatch.setattr(policy_rules, "preemption_capped", capped_one_late)  # the victim exclusion's
 
 
 # (mutant, how it is planted, the shipped bound that kills it, the invariant `kvstate check` reports)
