@@ -93,6 +93,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=".",
         help="where a counterexample regression test is written (default: .)",
     )
+    _add_sweep_options(parser)
+    _add_simulation_options(parser)
+    parser.add_argument("--no-refinement", action="store_true", help="check the abstract model only")
+    check_tlc.register_options(parser)
+    parser.add_argument(
+        "--diff",
+        metavar="OLD_SPEC",
+        default=None,
+        help="also check OLD_SPEC on the same bounds and say which invariants' verdicts changed",
+    )
+    add_mkdir_option(parser)
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also list, per bound, the transitions it never enables, its progress-free cycles and the abstract "
+        "model's weakly fair lasso (information, not warnings)",
+    )
+    parser.set_defaults(run=run)
+
+
+def _add_sweep_options(parser: argparse.ArgumentParser) -> None:
+    """--sweep and where its configurations run (--workers, --cluster, --connect-timeout)."""
     parser.add_argument(
         "--sweep",
         metavar="NAME",
@@ -122,6 +144,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="seconds --cluster waits for the scheduler to answer and for a first worker (default 10)",
     )
+
+
+def _add_simulation_options(parser: argparse.ArgumentParser) -> None:
+    """--simulate and its walks' --seed and --depth."""
     parser.add_argument(
         "--simulate",
         metavar="N",
@@ -145,22 +171,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help=f"with --simulate: actions per walk, at most (default {DEFAULT_DEPTH})",
     )
-    parser.add_argument("--no-refinement", action="store_true", help="check the abstract model only")
-    check_tlc.register_options(parser)
-    parser.add_argument(
-        "--diff",
-        metavar="OLD_SPEC",
-        default=None,
-        help="also check OLD_SPEC on the same bounds and say which invariants' verdicts changed",
-    )
-    add_mkdir_option(parser)
-    parser.add_argument(
-        "--verbose",
-        action="store_true",
-        help="also list, per bound, the transitions it never enables, its progress-free cycles and the abstract "
-        "model's weakly fair lasso (information, not warnings)",
-    )
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
