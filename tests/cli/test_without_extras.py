@@ -39,7 +39,7 @@ raise SystemExit(code)
 def run_without(blocked: str, *argv: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COLUMNS": "400"}  # one line per message
     return subprocess.run(
-        [sys.executable, "-c", RUNNER, blocked, *argv],
+        [sys.executable, "-P", "-c", RUNNER, blocked, *argv],  # -P: the installed kvstate, not the source tree
         capture_output=True,
         text=True,
         timeout=120,

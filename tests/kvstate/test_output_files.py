@@ -32,7 +32,7 @@ raise SystemExit(main(sys.argv[1:]))
 
 def run_limited(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", CHILD.format(limit=LIMIT_BYTES), *args],
+        [sys.executable, "-P", "-c", CHILD.format(limit=LIMIT_BYTES), *args],  # -P: the installed kvstate
         capture_output=True,
         text=True,
         timeout=CHILD_TIMEOUT_S,
