@@ -2,12 +2,13 @@
 the pass's snapshot and record (`kvstate.pass_record`), which it re-exports.
 
 `spec/lifecycle.toml` states the policy as rule names (`[policy]`); `policy_problems` holds them against the names
-given meaning in `kvstate.policy_rules`, and `check_pass` checks one pass of a scheduler against them: from a `PassSnapshot` taken just
-before `schedule()` and the pass's `PassRecord` (victims, promotions and waits in decision order), it computes what
-the policy allows and raises `InvariantViolation` with the invariant id of the first rule the pass broke. It does
-not trust the scheduler's bookkeeping: eligibility, admission order and the room on its way are recomputed from the
-snapshot and the output, so a scheduler that picks the wrong victim, promotes the wrong request, skips a request
-that fits or admits out of order fails here (the model checker's step simulation runs it on every pass).
+given meaning in `kvstate.policy_rules`, and `check_pass` checks one pass of a scheduler against them: from a
+`PassSnapshot` taken just before `schedule()` and the pass's `PassRecord` (victims, promotions and waits in decision
+order), it computes what the policy allows and raises `InvariantViolation` with the invariant id of the first rule
+the pass broke. It does not trust the scheduler's bookkeeping: eligibility, admission order and the room on its way
+are recomputed from the snapshot and the output, so a scheduler that picks the wrong victim, promotes the wrong
+request, skips a request that fits or admits out of order fails here (the model checker's step simulation runs it on
+every pass).
 
 The rules (SPEC.md section 7) apply to the `max_utilization` capacity policy.
 """
