@@ -21,7 +21,7 @@ Mapping of vLLM's `RequestStatus` onto the spec (one table, `_ROLE_OF_STATUS`; s
 |---|---|---|
 | `WAITING` | queued | `waiting` |
 | `RUNNING`, never preempted or caught up | active | `running` |
-| `RUNNING` after a preemption, re-prefilling (`num_computed_tokens < num_tokens - 1`) | recomputing | `replaying` |
+| `RUNNING` after a preemption, no token sampled since it | recomputing | `replaying` |
 | `PREEMPTED` | dropped | `recompute_paused` |
 | `FINISHED_*` (stopped, length-capped, aborted, ...) | ended | `done` |
 
@@ -31,8 +31,9 @@ Differences from the spec by design (none is reported as a violation unless stat
   capacity of 0 and `set_host_capacity` returns False. No pipeline consensus either: `awaiting_consensus` never
   appears.
 * **Replaying is derived.** vLLM has no replay status: a preempted request is readmitted as `RUNNING` with
-  prompt + output to recompute. It counts as caught up once only its last sampled token lacks KV (what every
-  decode step computes); until then it is `replaying`.
+  prompt + output to recompute. It is `replaying` until it samples a token again: the spec's replay completes with
+  the chunk that samples the next token (`catch_up`), so a chunk that stops one token short of that leaves it
+  `replaying`, and the pass that computes the rest lists it in `replay`.
 * **A replay may reuse KV.** With prefix caching, a readmitted request hits the blocks it freed when it was
   preempted (still cached until evicted), so a replay can finish at once; the spec's recompute-pause drops the KV
   everywhere and STATS-COUNT counts no replayed token as a cache hit.
@@ -118,8 +119,8 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 __all__ = ["VLLM_VERSION", "VLLMAdapter"]
 
-# The one mapping of vLLM statuses onto spec roles. RUNNING maps to RECOMPUTING while a preempted request
-# re-prefills (see `VLLMAdapter.states`).
+# The one mapping of vLLM statuses onto spec roles. RUNNING maps to RECOMPUTING from a preemption until the
+# request samples a token again (see `VLLMAdapter._state`).
 _ROLE_OF_STATUS: Mapping[RequestStatus, str] = {
     RequestStatus.WAITING: roles.QUEUED,
     RequestStatus.RUNNING: roles.ACTIVE,
@@ -274,6 +275,7 @@ class VLLMAdapter:
         self._passes: list[ObservedPass] = []
         self._record = PassRecord()
         self._preemptions: dict[str, int] = {}  # request id -> its latest preemption (`_preemption_count` then)
+        self._output_at_preemption: dict[str, int] = {}  # request id -> its output length at its latest preemption
         self._preemption_count = 0
         self._asking: Request | None = None  # the request vLLM allocates blocks for (the requester of a preemption)
         self._observe_decisions()
@@ -434,6 +436,7 @@ class VLLMAdapter:
             self._record.decisions.append(Victim(requester, request.request_id, "recompute_pause"))
             self._preemption_count += 1
             self._preemptions[request.request_id] = self._preemption_count
+            self._output_at_preemption[request.request_id] = len(request.output_token_ids)
             return preempt(request, *args, **kwargs)
 
         manager.allocate_slots = allocate_slots  # type: ignore[method-assign, unused-ignore]
@@ -472,11 +475,12 @@ class VLLMAdapter:
         """vLLM's output in the spec's lists, each request in the list its state before the pass implies."""
         was = {r.request_id: r.state for r in before.requests}
         queued, dropped = self._state_of_role[roles.QUEUED], self._state_of_role[roles.DROPPED]
+        recomputing = self._state_of_role[roles.RECOMPUTING]
         lists: dict[str, list[Listed]] = {"context": [], "replay": [], "generation": [], "recompute_paused": []}
         for request_id in output.num_scheduled_tokens:
             request = self._requests[request_id]
             listed = Listed(request_id, self._state(request))
-            if was.get(request_id) == dropped:
+            if was.get(request_id) in (dropped, recomputing):
                 lists["replay"].append(listed)
             elif was.get(request_id) == queued or request.num_computed_tokens < request.num_tokens:
                 lists["context"].append(listed)
@@ -496,8 +500,8 @@ class VLLMAdapter:
                 f"vLLM request {request.request_id!r} has status {request.status}, which "
                 "kvstate.adapters.vllm does not map (it enables no feature that reaches it)"
             )
-        if role == roles.ACTIVE and request.num_preemptions and request.num_computed_tokens < request.num_tokens - 1:
-            role = roles.RECOMPUTING
+        if role == roles.ACTIVE and self._output_at_preemption.get(request.request_id) == len(request.output_token_ids):
+            role = roles.RECOMPUTING  # preempted, and no token sampled since: still replaying
         return self._state_of_role[role]
 
     def _blocks(self, request_id: str) -> list:
