@@ -367,6 +367,12 @@ class _PassCheck:
             elif isinstance(d, Promotion):
                 if not self.before.has_host_tier:
                     self.fail("PROMOTE-GATE", f"request {d.promoted!r} was promoted without a host tier")
+                if self.by_id[d.promoted].in_flight:
+                    self.fail(
+                        "PROMOTE-GATE",
+                        f"request {d.promoted!r} was promoted while its step of an earlier pass was in the pipeline: "
+                        "the promotion releases its blocks at once, and that step's later stages still use them",
+                    )
                 if not suspended or suspended[-1] != d.promoted:
                     self.fail(
                         "PROMOTE-GATE",

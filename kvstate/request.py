@@ -59,6 +59,7 @@ class Request:
     done_reason: str | None = None
     suspended_in_pass: int | None = None
     copy_in_flight: bool = False  # a migration of its KV is issued and not reported complete or failed (FENCE)
+    step_in_flight: bool = False  # a step of it is in the pipeline, not landed (kept by the scheduler's `in_flight`)
     replay_high_water: int = 0
     state: str = field(default="", init=False)  # written only by the lifecycle, as `STATE_ATTRIBUTE` below
     final_token_produced: bool = field(default=False, init=False)  # `append_token`'s verdict on `generated[-1]`

@@ -76,6 +76,11 @@ class RequestView(Protocol):
     def copy_in_flight(self) -> bool:
         """A copy of its KV (an offload's or a resume's) is planned and not yet reported complete or failed."""
 
+    @property
+    def step_in_flight(self) -> bool:
+        """A step of it is still in the pipeline (several micro-batches in flight): a later stage has yet to read
+        and write its blocks."""
+
 
 class PoolView(Protocol):
     """What guards may read of the block pool."""
@@ -232,15 +237,17 @@ def promotion_saves_kv(promoted_kv_tokens: float, victim_kv_tokens: float) -> bo
 
 @tla(
     r"pool.pass_number # NoPass /\ (request.suspended_in_pass # pool.pass_number \/ pool.has_host_tier)"
-    r" /\ promotion_saves_kv(request.kv_tokens, pool.promotion_worth)"
+    r" /\ ~request.step_in_flight /\ promotion_saves_kv(request.kv_tokens, pool.promotion_worth)"
 )
 def promotion_gate(request: RequestView, pool: PoolView) -> bool:
     """The promotion gate: only in a scheduling pass; a request suspended in the pass under way only while a host
-    tier exists (without one it waits a pass); and its KV is worth less than what the promotion may still throw
-    away (PROMOTE-GATE)."""
+    tier exists (without one it waits a pass); not while a step of it is in the pipeline (its later stages still
+    use the blocks the promotion releases at once); and its KV is worth less than what the promotion may still
+    throw away (PROMOTE-GATE)."""
     return (
         pool.pass_number is not None
         and (request.suspended_in_pass != pool.pass_number or pool.has_host_tier)
+        and not request.step_in_flight
         and promotion_saves_kv(request.kv_tokens, pool.promotion_worth)
     )
 

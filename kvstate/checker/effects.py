@@ -171,6 +171,10 @@ class RequestState:
     def copy_in_flight(self) -> bool:
         return bool(self.fenced_gpu or self.fenced_host or self.incoming)
 
+    @property
+    def step_in_flight(self) -> bool:
+        return bool(self.in_flight)
+
 
 class PoolState:
     """A mutable view of the abstract pool; satisfies `kvstate.PoolView`."""

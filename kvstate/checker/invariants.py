@@ -242,11 +242,19 @@ def reset_terminated(model: AbstractModel, edge: Edge) -> str | None:
     return None
 
 
-def promotion_gate_clauses(suspended_in_pass: int | None, pass_number: int | None, has_host_tier: bool) -> str | None:
-    """What is wrong with a promotion (a suspended request recompute-paused) by the promotion gate's pass clauses,
-    read from the request's suspension pass, the pass under way and the host tier (None: nothing)."""
+def promotion_gate_clauses(
+    suspended_in_pass: int | None, pass_number: int | None, has_host_tier: bool, *, step_in_flight: bool = False
+) -> str | None:
+    """What is wrong with a promotion (a suspended request recompute-paused) by the promotion gate's pass and
+    pipeline clauses, read from the request's suspension pass, the pass under way, the host tier and whether a step
+    of the request was in the pipeline (None: nothing)."""
     if pass_number is None:
         return "a suspended request was promoted to recompute-pause outside a scheduling pass"
+    if step_in_flight:
+        return (
+            "a suspended request was promoted to recompute-pause while a step of it was in the pipeline: the "
+            "promotion releases its blocks at once, and that step's later stages still read and write them"
+        )
     if suspended_in_pass == pass_number and not has_host_tier:
         return (
             f"a request suspended in pass {pass_number} was promoted to recompute-pause in the same pass without a "
@@ -265,7 +273,11 @@ def promote_gate(model: AbstractModel, edge: Edge) -> str | None:
     checks the same clauses on the real passes (`RefinementChecks.transition`) and the policy's rules on every pass."""
     if not edge.taken or not _promotions(model, edge):
         return None
-    return promotion_gate_clauses(RequestState.suspended_in_pass, PoolState.pass_number, model.bound.host_blocks > 0)
+    pair = _acting(edge)
+    in_flight = pair is not None and bool(pair[0].in_flight)
+    return promotion_gate_clauses(
+        RequestState.suspended_in_pass, PoolState.pass_number, model.bound.host_blocks > 0, step_in_flight=in_flight
+    )
 
 
 def resume_copy(model: AbstractModel, edge: Edge) -> str | None:

@@ -87,8 +87,8 @@ class ObservedScheduler(Scheduler):
 @dataclass(frozen=True, slots=True)
 class RealFields:
     """What the step invariants read of a real request, taken just before a transition: its fields, its block tables
-    and copies in flight (RESUME-COPY), its suspension's pass and the pass under way (PROMOTE-GATE; None between
-    passes)."""
+    and copies in flight (RESUME-COPY), its suspension's pass, the pass under way (None between passes) and whether
+    a step of it is in the pipeline (PROMOTE-GATE)."""
 
     state: str
     computed: int
@@ -102,6 +102,7 @@ class RealFields:
     gpu_table: tuple[int, ...] = ()
     host_table: tuple[int, ...] = ()
     plans: frozenset[int] = frozenset()
+    step_in_flight: bool = False
 
     @classmethod
     def of(cls, r: Request, pool: TieredBlockPool | None = None, pass_number: int | None = None) -> RealFields:
@@ -120,4 +121,5 @@ class RealFields:
             () if pool is None else pool.gpu_blocks(rid),
             () if pool is None else pool.host_blocks(rid),
             frozenset(() if pool is None else (p.plan_id for p in pool.in_flight.values() if p.request_id == rid)),
+            r.step_in_flight,
         )

@@ -133,11 +133,16 @@ class RefinementChecks:
     def _promotion(
         self, scheduler: ObservedScheduler, request: Request, before: RealFields, transition: Transition
     ) -> None:
-        """PROMOTE-GATE on a real promotion (a held state left by recompute_pause): in a pass, and one of the pass's
-        own suspensions only while a host tier exists."""
+        """PROMOTE-GATE on a real promotion (a held state left by recompute_pause): in a pass, not while a step of it
+        is in the pipeline, and one of the pass's own suspensions only while a host tier exists."""
         if transition.event != "recompute_pause" or self.model.spec.residency(transition.source) != "held":
             return
-        wrong = promotion_gate_clauses(before.suspended_in_pass, before.pass_number, scheduler.pool.has_host_tier)
+        wrong = promotion_gate_clauses(
+            before.suspended_in_pass,
+            before.pass_number,
+            scheduler.pool.has_host_tier,
+            step_in_flight=before.step_in_flight,
+        )
         if wrong is not None:
             raise InvariantViolation("PROMOTE-GATE", f"request {request.request_id!r}, {transition}: {wrong}")
 

@@ -144,6 +144,7 @@ REQUEST_FIELDS_NOT_READ: dict[str, str] = {
     "num_recomputed_tokens": "a statistics counter",
     "suspended_in_pass": "compared only with the pass under way, which comes after every world's suspensions",
     "copy_in_flight": "true exactly while a plan of the request is in flight, which the fingerprint holds",
+    "step_in_flight": "true exactly while the request is in the scheduler's in_flight, which the fingerprint holds",
     "final_token_produced": "follows from the generated tokens and the stop tokens",
     "last_token": "the last generated token",
 }

@@ -19,7 +19,7 @@ Invariants kept:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from typing import Any
 
 from kvstate.config import SchedulerConfig
@@ -124,6 +124,25 @@ class SchedulerCore:
         self._idle_iterations = 0
         self._last_figures: tuple[SchedulerOutput, dict[str, Any]] | None = None  # of the last iteration
         self._last_stats: IterationStats | None = None  # built from them by the first `stats()` call since
+
+    def _enter_pipeline(self, request_ids: Iterable[Hashable], blocks: Mapping[Hashable, int]) -> None:
+        """The steps of `request_ids` enter the pipeline, with `blocks` (what a request allocated for its step in the
+        pass): each is in `in_flight`, and its request says so (`step_in_flight`, which the promotion gate reads)."""
+        entering = {**dict.fromkeys(request_ids, 0), **blocks}
+        self.in_flight.update(entering)
+        for request_id in entering:
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.step_in_flight = True
+
+    def _leave_pipeline(self, request_id: Hashable) -> bool:
+        """The step of `request_id` lands (its last stage ran): True when it was in the pipeline."""
+        if self.in_flight.pop(request_id, None) is None:
+            return False
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.step_in_flight = False
+        return True
 
     def not_ready(self) -> Collection[Hashable]:
         """Ids of the resident requests this pass may not schedule: those whose step of an earlier pass is still in

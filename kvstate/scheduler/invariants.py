@@ -42,6 +42,12 @@ def check_scheduler(scheduler: SchedulerCore, output: SchedulerOutput | None = N
             raise InvariantViolation(
                 "NO-HOST-NO-OFFLOAD", f"request {request.request_id!r} holds {host} host blocks without a host tier"
             )
+        if request.step_in_flight != (request.request_id in scheduler.in_flight):
+            raise InvariantViolation(
+                "PROMOTE-GATE",
+                f"request {request.request_id!r} says its step is {'' if request.step_in_flight else 'not '}in "
+                "the pipeline, the scheduler's in_flight says otherwise (the promotion gate reads the request)",
+            )
         offloadable = "host" in tiers  # its GPU blocks are held: the pool may offload them
         if scheduler.pool.is_held(request.request_id) != (offloadable and gpu > 0):
             raise InvariantViolation(

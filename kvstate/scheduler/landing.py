@@ -51,7 +51,7 @@ class StepLanding(SchedulerCore):
                 progress |= advanced
         if self.in_flight:
             for request_id in output.chunk_tokens:
-                self.in_flight.pop(request_id, None)
+                self._leave_pipeline(request_id)
         self._last_figures = output, figures_now(self, recomputed, len(produced), iteration=self.iteration)
         self._last_stats = None  # built from those figures by the next `stats()` call
         if progress:
@@ -93,9 +93,7 @@ class StepLanding(SchedulerCore):
         step of a request preempted or ended since the output was planned; (replayed tokens, progress)."""
         state = request.state
         if state not in self._computing:
-            if self.in_flight.pop(request.request_id, None) is not None and self._land_preempted(
-                request, state, sampled
-            ):
+            if self._leave_pipeline(request.request_id) and self._land_preempted(request, state, sampled):
                 produced.append(request)
             return 0, False  # preempted (its token landed above), cancelled or aborted since the output was planned
         tokens = output.chunk_tokens[request.request_id]

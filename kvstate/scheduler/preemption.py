@@ -147,10 +147,10 @@ class Preemption(HeldBlocks):
     def _promote_for(self, victim: Request, pass_: SchedulingPass) -> bool:
         """Promote requests suspended earlier in this pass to recompute-pause, most recent first, so that the suspend
         rule lets `victim` be suspended: the shortest such group that makes the host room, only while its KV is
-        worth less than the victim's (the spec's promotion gate decides each one; the group is checked against the
-        same rule first), and only when `suspend` would then fire on the victim (not while a copy of the victim is
-        in flight, SPEC.md 7.3): a promotion is never wasted. A promoted request frees its host blocks and its held
-        GPU blocks, which no longer wait for host room."""
+        worth less than the victim's, only when the spec's promotion gate lets each one go (it refuses one whose step
+        is still in the pipeline), and only when `suspend` would then fire on the victim (not while a copy of the
+        victim is in flight, SPEC.md 7.3): a promotion is never wasted. A promoted request frees its host blocks and
+        its held GPU blocks, which no longer wait for host room."""
         pool = self.pool
         if (
             not self.config.enable_recompute_pause
@@ -170,7 +170,11 @@ class Preemption(HeldBlocks):
             return False
         if not self.lifecycle.can_fire(victim, "suspend", self._view(pass_)):
             return False
-        pass_.promotion_worth = victim.kv_tokens
+        worth, pass_.promotion_worth = pass_.promotion_worth, victim.kv_tokens
+        view = self._view(pass_)  # the gate refuses, among others, a request whose step is still in the pipeline
+        if not all(self.lifecycle.can_fire(c, "recompute_pause", view) for c in group):
+            pass_.promotion_worth = worth
+            return False
         for candidate in group:
             plans = [p for p in pass_.output.migrations if p.request_id == candidate.request_id]
             self._fire(candidate, "recompute_pause", pass_)

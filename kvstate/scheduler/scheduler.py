@@ -129,8 +129,7 @@ class Scheduler(Preemption, Admission, StepLanding, CopyReports):
         out.num_fitting_requests = out.num_scheduled
         self._planned = out
         if self.micro_batches > 1:
-            self.in_flight.update(dict.fromkeys(out.chunk_tokens, 0))
-            self.in_flight.update(pass_.chunk_blocks)
+            self._enter_pipeline(out.chunk_tokens, pass_.chunk_blocks)
         return out
 
     def track_in_flight(self, micro_batches: int) -> None:

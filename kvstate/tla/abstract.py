@@ -84,7 +84,8 @@ PRELUDE = (
      termination_reason |-> request.deferred,
      suspended_in_pass |-> 0,
      kv_tokens |-> request.computed,
-     copy_in_flight |-> CopyInFlight(request)]""",
+     copy_in_flight |-> CopyInFlight(request),
+     step_in_flight |-> request.in_flight = 1]""",
         "kvstate.semantics.RequestView of an abstract request (kvstate.checker.effects.RequestState); the abstract "
         "model has no passes: every suspension counts as one of a pass (0) before the pass under way (1)",
     ),

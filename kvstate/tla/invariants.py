@@ -64,6 +64,7 @@ STEP: Mapping[str, str] = {
     "PROMOTE-GATE": r"""\A r \in Requests : \A k \in StepTaken(r, "recompute_pause") :
         Transitions[k].event = "recompute_pause" /\ Residency(Transitions[k].source) = "held"
             => /\ PoolView(counts).pass_number # NoPass
+               /\ ~RequestView(requests[r]).step_in_flight
                /\ RequestView(requests[r]).suspended_in_pass # PoolView(counts).pass_number \/ HostBlocks > 0""",
     "RESUME-COPY": r"""\A r \in Requests : \A k \in StepTaken(r, "resume") :
         Residency(Transitions[k].source) = "held" /\ Residency(Transitions[k].dest) = "gpu"

@@ -181,6 +181,7 @@ def test_the_promotion_gates_pass_clauses():
     assert promotion_gate_clauses(4, 4, has_host_tier=True) is None  # this pass's, with a host tier
     assert "same pass without a host tier" in (promotion_gate_clauses(4, 4, has_host_tier=False) or "")
     assert "outside a scheduling pass" in (promotion_gate_clauses(4, None, has_host_tier=True) or "")
+    assert "in the pipeline" in (promotion_gate_clauses(3, 4, has_host_tier=True, step_in_flight=True) or "")
 
 
 def test_the_abstract_promotion_check_sees_a_gate_closed_for_this_passs_suspensions(monkeypatch):

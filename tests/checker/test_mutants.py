@@ -210,6 +210,15 @@ def agrees_at_once(self) -> None:
     return None
 
 
+def gate_ignoring_the_pipeline(request, pool) -> bool:
+    """The promotion gate without its clause `not request.step_in_flight`."""
+    return (
+        pool.pass_number is not None
+        and (request.suspended_in_pass != pool.pass_number or pool.has_host_tier)
+        and SEMANTICS.promotion_saves_kv(request.kv_tokens, pool.promotion_worth)
+    )
+
+
 def plant_promotion_worth(monkeypatch) -> None:
     monkeypatch.setattr(PREEMPTION, "promotion_saves_kv", promotes_equal_worth)
     monkeypatch.setattr(SEMANTICS, "promotion_saves_kv", promotes_equal_worth)  # the promotion gate's guard
@@ -244,6 +253,12 @@ MUTATION_TABLE = [
     ),
     ("preemption cap off by one", plant_cap, "preemption_cap", "VICTIM-CAP"),
     (
+        "promotion while a step is in the pipeline",
+        lambda mp: mp.setitem(GUARDS, "promotion_gate", gate_ignoring_the_pipeline),
+        "promotion_in_flight",
+        "PROMOTE-GATE",
+    ),
+    (
         "consensus without waiting for the stages",
         lambda mp: mp.setattr(SimExecutor, "agreed", agrees_at_once),
         "consensus_waits",
@@ -252,7 +267,7 @@ MUTATION_TABLE = [
 ]
 KILLING_BOUNDS = sorted({row[2] for row in MUTATION_TABLE})
 # killing bounds too slow for the default set: `kvstate check --bound NAME` runs them
-OUTSIDE_DEFAULT_SET = {"consensus_waits"}
+OUTSIDE_DEFAULT_SET = {"consensus_waits", "promotion_in_flight"}
 
 
 @pytest.mark.parametrize(("mutant", "plant", "bound", "invariant"), MUTATION_TABLE, ids=[r[0] for r in MUTATION_TABLE])

@@ -62,9 +62,11 @@ class FakeRequest:
         suspended_in_pass: int | None = None,
         kv_tokens: int = 0,
         copy_in_flight: bool = False,
+        step_in_flight: bool = False,
     ) -> None:
         self.request_id = request_id
         self.copy_in_flight = copy_in_flight
+        self.step_in_flight = step_in_flight
         self.suspended_in_pass = suspended_in_pass
         self.kv_tokens = kv_tokens
         self.prefill_tokens_left = prefill_tokens_left
@@ -92,6 +94,7 @@ class EqualFieldsRequest:
     suspended_in_pass: int | None = None
     kv_tokens: int = 0
     copy_in_flight: bool = False
+    step_in_flight: bool = False
 
 
 @dataclass(frozen=True)
