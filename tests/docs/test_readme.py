@@ -32,3 +32,15 @@ def test_the_quick_start_commands_make_distinct_virtual_environments() -> None:
     assert environments[0][0] != environments[1][0]
     for made, _ in environments:
         assert f"`{made}`" in README  # and the README says which is which
+
+
+def test_the_quick_start_names_every_command_and_docs_commands_has_a_row_for_each() -> None:
+    from kvstate.cli import build_parser
+
+    subparsers = next(a for a in build_parser()._actions if a.dest == "command")
+    commands = set(subparsers.choices)  # type: ignore[arg-type]
+    named = re.search(r"^The commands, each in one line.*?\n\n", README, flags=re.S | re.M)
+    assert named, "the README lost its list of commands"
+    assert {c for c in commands if f"`{c}" not in named[0] and f"`kvstate {c}" not in named[0]} == set()
+    table = (ROOT / "docs" / "commands.md").read_text(encoding="utf-8")
+    assert {c for c in commands if f"| `kvstate {c}" not in table} == set()
