@@ -61,7 +61,7 @@ UNLIMITED = 1 << 62
 @dataclass(frozen=True, slots=True)
 class RequestSnapshot:
     """What the policy reads of one active request just before a pass: its id and state, then keyword-only fields,
-    each with a default that excludes nothing and counts nothing (the README's table gives each field's meaning)."""
+    each with a default that excludes nothing and counts nothing (docs/fuzzing.md gives each field's meaning)."""
 
     request_id: Hashable
     state: str

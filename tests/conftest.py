@@ -1,5 +1,5 @@
-"""Shared test configuration: Hypothesis profiles, the `cuda` marker, no inherited terminal width and a two-line
-trace of any spec.
+"""Shared test configuration: Hypothesis profiles, the `cuda` marker, no inherited terminal width, a two-line
+trace of any spec and lines of progress while the suite runs (tests/progress.py).
 
 The Hypothesis profiles are registered by `kvstate.hypothesis_profiles` (the package's pytest plugin registers them,
 so `pytest --hypothesis-profile=NAME` works), which loads none by itself; this suite loads the one
@@ -58,6 +58,13 @@ def _no_inherited_terminal_width(monkeypatch: pytest.MonkeyPatch) -> None:
     the runner exported (pytest-xdist exports its terminal's width to its workers) would wrap printed paths and
     break the tests that look for them. A test that wants a width sets ``COLUMNS`` itself."""
     monkeypatch.delenv("COLUMNS", raising=False)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A line of progress every half minute while the suite runs: the directories running, tests done and left."""
+    from tests.progress import register
+
+    register(config)
 
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection, so deselected cuda tests never import torch
