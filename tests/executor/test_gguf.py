@@ -16,8 +16,9 @@ import torch
 
 from executor import CheckpointError, Engine, EngineConfig, LlamaModel, ModelConfig, load_checkpoint
 from executor.gguf_file import SUPPORTED_TYPES, read_gguf_header
-from executor.gguf_llama import check_load_memory, load_gguf_llama, load_memory
+from executor.gguf_llama import load_gguf_llama
 from executor.hf import expected_shapes
+from executor.host_memory import check_load_memory, load_memory
 from executor.text import load_tokenizer
 from kvstate.config import SchedulerConfig
 from tests.executor.fifos import refused_without_blocking
