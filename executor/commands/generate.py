@@ -9,7 +9,8 @@ template, and generation stops at its end of turn. Everything loads from local f
 Arguments and files are checked before torch is imported; the engine side is `executor.text.generate_text`. The
 generated text is printed inert (`kvstate.terminal.inert`: a control character, such as the escape sequence of a
 hostile vocabulary, is written as a visible escape; newlines and tabs stay) unless `--raw` asks for the bytes as
-generated.
+generated. The model runs in float32 unless `--dtype` says otherwise: this command prints text, it does not prove
+outputs equal (`kvstate demo` and `kvstate soak` do, in float64 on the CPU by default).
 """
 
 from __future__ import annotations
@@ -68,7 +69,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--seed", type=non_negative_int("seed", maximum=MAX_SEED), default=0, help="sampling seed (default %(default)s)"
     )
     add_device_option(p)
-    add_dtype_option(p)
+    add_dtype_option(
+        p,
+        "; generate prints text, so it defaults to float32 (demo and soak prove equality, in float64 on the CPU)",
+        default="float32",
+    )
     p.add_argument(
         "--raw",
         action="store_true",

@@ -8,7 +8,7 @@ import pytest
 
 from executor import CheckpointError, Engine, EngineConfig, LlamaModel, save_hf_llama
 from executor.text import check_fits, generate_text, load_tokenizer
-from kvstate.cli import main
+from kvstate.cli import build_parser, main
 from kvstate.config import SchedulerConfig
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -86,6 +86,14 @@ def test_generate_command_prints_the_same_text(checkpoint, capsys):
     with Engine(EngineConfig(checkpoint=str(checkpoint), device="cpu", dtype="float64")) as engine:
         reference = engine.reference(tokenizer.encode(prompt), 10, stop_token_ids=tokenizer.eos_token_ids)
     assert out == tokenizer.decode(reference) + "\n"
+
+
+def test_generate_defaults_to_float32_where_the_equality_commands_keep_auto():
+    parser = build_parser()
+    assert parser.parse_args(["generate", "--model", "smollm2", "hi"]).dtype == "float32"
+    assert parser.parse_args(["generate", "--model", "smollm2", "--dtype", "float64", "hi"]).dtype == "float64"
+    assert parser.parse_args(["demo"]).dtype == "auto"  # float64 on the CPU: demo proves outputs equal
+    assert parser.parse_args(["soak"]).dtype == "auto"
 
 
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(checkpoint, tmp_path):
