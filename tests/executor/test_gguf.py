@@ -269,6 +269,29 @@ def test_a_sparse_file_larger_than_any_machine_is_refused_before_reading(tmp_pat
     assert "GiB available" in message and "\n" not in message
 
 
+def test_kvstate_generate_refuses_a_sparse_file_too_large_before_importing_torch(tmp_path):
+    """A file `kvstate generate` would take (tokenizer included) whose weights need more memory than the machine
+    has: refused from the header in the dtype the command loads into (float32 unless --dtype says otherwise),
+    one line naming the file and both amounts, exit 2, and the process never imported torch."""
+    huge = replace(LARGE, hidden_size=16384, intermediate_size=65536, num_layers=64, num_heads=128)
+    path = write_sparse_gguf(tmp_path / "sparse.gguf", huge, "Q4_0", tokenizer=True)
+    code = (
+        "import sys; from kvstate.cli import main; "
+        f"default = main(['generate', '--checkpoint', {str(path)!r}, 'hi']); "
+        f"wide = main(['generate', '--checkpoint', {str(path)!r}, '--dtype', 'float64', 'hi']); "
+        "print(default, wide, 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert done.stdout.split() == ["2", "2", "False"], (done.stdout, done.stderr)
+    header = read_gguf_header(path)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 2, done.stderr
+    for line, dtype in zip(lines, ("float32", "float64"), strict=True):
+        needed = f"{load_memory(header, dtype) / 1024**3:.2f} GiB"
+        assert line.startswith(f"kvstate generate: error: {path}: field 'tensors': loading its {len(header.tensors)}")
+        assert f"tensors as {dtype} takes at least {needed} of memory" in line and "GiB available" in line, line
+
+
 def test_the_memory_check_counts_every_weight_in_float32_and_the_run_dtype(tmp_path):
     path = write_sparse_gguf(tmp_path / "sparse.gguf", LARGE)  # the F16 file of 3.4 GB, 4 KiB on disk
     header = read_gguf_header(path)
