@@ -22,6 +22,7 @@ Refusals are `CheckpointError`s naming the file and the metadata key or tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -140,8 +141,10 @@ def load_gguf_llama(
     dtype: torch.dtype = torch.float64,
     device: str | torch.device = "cpu",
     header: GGUFHeader | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> LlamaModel:
-    """Load a local GGUF Llama checkpoint into a `LlamaModel` (no downloads); `header` reuses one already read."""
+    """Load a local GGUF Llama checkpoint into a `LlamaModel` (no downloads); `header` reuses one already read;
+    `progress` is told when the tensors are read and the model is built from them."""
     header = header or read_gguf_header(path)
     config = gguf_llama_config(header)
     names = check_tensors(header, config)
@@ -153,4 +156,6 @@ def load_gguf_llama(
         weight = torch.from_numpy(read_tensor(header, info))
         heads = next((count for suffix, count in permuted.items() if name.endswith(suffix)), None)
         state[name] = weight if heads is None else unpermute_rows(weight, heads)
+    if progress is not None:
+        progress(f"building the model from its {len(state)} tensors")
     return model_from_state(config, state, dtype).to(device=device).eval()

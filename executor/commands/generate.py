@@ -10,15 +10,20 @@ Arguments and files are checked before torch is imported, a GGUF file's header i
 weights take against what the machine has (`executor.host_memory`); the engine side is
 `executor.text.generate_text`. The generated text is printed inert (`kvstate.terminal.inert`: a control
 character, such as the escape sequence of a hostile vocabulary, is written as a visible escape; newlines and tabs
-stay) unless `--raw` asks for the bytes as generated. The model runs in float32 unless `--dtype` says otherwise:
-this command prints text, it does not prove outputs equal (`kvstate demo` and `kvstate soak` do, in float64 on the
-CPU by default).
+stay) unless `--raw` asks for the bytes as generated.
+
+Only the generated text goes to stdout. Unless `--quiet`, stderr says what is being done, one line per phase:
+loading the tokenizer and the weights, building the model, the prefill of the prompt's tokens, and at the end how
+many tokens were generated. The model runs in float32 unless `--dtype` says otherwise: this command prints text,
+it does not prove outputs equal (`kvstate demo` and `kvstate soak` do, in float64 on the CPU by default).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,7 +43,9 @@ from kvstate.commands.args import (
 from kvstate.terminal import inert
 
 if TYPE_CHECKING:
+    from executor.engine import Engine
     from executor.gguf_file import GGUFHeader
+    from executor.tokenizer import CheckpointTokenizer
 
 REQUIRED_FILES = ("config.json", "tokenizer.json")
 GGUF_MAGIC = b"GGUF"
@@ -80,6 +87,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "; generate prints text, so it defaults to float32 (demo and soak prove equality, in float64 on the CPU)",
         default="float32",
     )
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr, only the generated text")
     p.add_argument(
         "--raw",
         action="store_true",
@@ -143,38 +151,80 @@ def _check_gguf_header(path: Path, dtype: str | None) -> GGUFHeader:
     return header
 
 
+def _progress(args: argparse.Namespace) -> Callable[[str], None]:
+    """Prints a progress line on stderr (nothing with `--quiet`); the text is shown inert."""
+
+    def say(message: str) -> None:
+        if not args.quiet:
+            print(inert(f"kvstate generate: {message}"), file=sys.stderr, flush=True)
+
+    return say
+
+
 def _run(args: argparse.Namespace) -> int:
     if not args.temperature >= 0:
         raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if not args.prompt:
         raise UsageError("the prompt is empty; pass some text")
     checkpoint = _checkpoint(args)
-    if checkpoint.is_file():
-        _check_gguf_header(checkpoint, _load_dtype(args))
-
-    from executor import Engine, EngineConfig, resolve_device
-    from executor.sampler import SamplingParams
-    from executor.text import generate_text, load_tokenizer
-
+    header = _check_gguf_header(checkpoint, _load_dtype(args)) if checkpoint.is_file() else None
+    say = _progress(args)
+    what = f"{len(header.tensors)} tensors" if header is not None else "weights"
+    dtype = _load_dtype(args) or "the device's default dtype"
+    say(f"loading {checkpoint}: its tokenizer, and its {what} as {dtype} (device {args.device})")
+    started = time.perf_counter()
     try:
-        resolve_device(args.device)
-        tokenizer = load_tokenizer(checkpoint)
-        prompt = tokenizer.chat(args.prompt) if args.model is not None else args.prompt
-        config = EngineConfig(
-            checkpoint=str(checkpoint), device=args.device, dtype=dtype_setting(args.dtype), seed=args.seed
-        )
-        with Engine(config) as engine:
-            pieces = generate_text(
-                engine,
-                prompt,
-                max_new_tokens=args.max_new_tokens,
-                tokenizer=tokenizer,
-                sampling=SamplingParams(temperature=args.temperature),
-            )
-            for piece in pieces:
-                sys.stdout.write(piece if args.raw else inert(piece, keep="\n\t"))
-                sys.stdout.flush()
+        engine, tokenizer = _engine(args, checkpoint, header, say)
+        say(f"model ready on {engine.device} in {time.perf_counter() - started:.1f} s")
+        with engine:
+            started = time.perf_counter()
+            generated = _stream(args, engine, tokenizer, say)
     except ValueError as err:  # CheckpointError, a refused request, an unusable device
         raise UsageError(str(err)) from None
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    say(f"{generated} tokens generated in {time.perf_counter() - started:.1f} s (prefill included)")
     return 0
+
+
+def _engine(
+    args: argparse.Namespace, checkpoint: Path, header: GGUFHeader | None, say: Callable[[str], None]
+) -> tuple[Engine, CheckpointTokenizer]:
+    """The engine with the checkpoint's model loaded (a GGUF file from the header already read), and its
+    tokenizer."""
+    from executor import Engine, EngineConfig, load_checkpoint, load_gguf_llama, resolve_device, resolve_dtype
+    from executor.gguf_tokenizer import gguf_tokenizer
+    from executor.text import load_tokenizer
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(dtype_setting(args.dtype), device)
+    tokenizer = gguf_tokenizer(header) if header is not None else load_tokenizer(checkpoint)
+    if header is not None:
+        model = load_gguf_llama(checkpoint, dtype=dtype, device=device, header=header, progress=say)
+    else:
+        model = load_checkpoint(checkpoint, dtype=dtype, device=device)
+    config = EngineConfig(checkpoint=str(checkpoint), device=args.device, dtype=dtype, seed=args.seed)
+    return Engine(config, model=model), tokenizer
+
+
+def _stream(
+    args: argparse.Namespace, engine: Engine, tokenizer: CheckpointTokenizer, say: Callable[[str], None]
+) -> int:
+    """Generate from the prompt, writing each piece of text to stdout as it comes; returns the tokens generated."""
+    from executor.sampler import SamplingParams
+    from executor.text import generate_text
+
+    prompt = tokenizer.chat(args.prompt) if args.model is not None else args.prompt
+    pieces = generate_text(
+        engine,
+        prompt,
+        max_new_tokens=args.max_new_tokens,
+        tokenizer=tokenizer,
+        sampling=SamplingParams(temperature=args.temperature),
+        request_id="generate",
+        progress=say,
+    )
+    for piece in pieces:
+        sys.stdout.write(piece if args.raw else inert(piece, keep="\n\t"))
+        sys.stdout.flush()
+    return len(engine.outputs()["generate"])

@@ -219,8 +219,11 @@ def test_kvstate_generate_takes_a_gguf_file_and_refuses_another_file(file, tmp_p
     from kvstate.cli import main
 
     assert main(["generate", "--checkpoint", str(file), "--device", "cpu", "--max-new-tokens", "4", "the fox"]) == 0
-    out, _ = capsys.readouterr()
+    out, err = capsys.readouterr()
     assert out.endswith("\n") and "<|im_end|>" not in out
+    tensors = len(read_gguf_header(file).tensors)
+    assert f"kvstate generate: loading {file}: its tokenizer, and its {tensors} tensors as float32" in err
+    assert f"kvstate generate: building the model from its {tensors} tensors\n" in err
     other = tmp_path / "notes.txt"
     other.write_text("not a checkpoint")
     assert main(["generate", "--checkpoint", str(other), "hi"]) == 2
