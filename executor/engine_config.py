@@ -22,6 +22,7 @@ import torch
 
 from executor.decode_kv import DECODE_KV_BUDGET_BYTES
 from executor.faults import FaultPlan
+from executor.host_memory import physical_memory
 from executor.kv_cache import block_shape
 from executor.model import ModelConfig
 from kvstate.config import ConfigError, SchedulerConfig
@@ -48,27 +49,6 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
     return _DTYPES[name]
 
 
-def _physical_memory() -> int | None:
-    """Bytes of physical memory of this machine (Linux `sysconf`), or None where it cannot be read."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def available_memory() -> int | None:
-    """Bytes of memory this machine can give a process now without swapping (Linux ``MemAvailable``), else its
-    physical memory, or None where neither can be read."""
-    try:
-        with open("/proc/meminfo", "rb") as handle:
-            for line in handle.read(1 << 16).splitlines():
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return _physical_memory()
-
-
 def check_memory(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
     """Refuse (`ConfigError`) pool sizes that cannot fit: the device tier against the CUDA device's free memory
     (or, on the CPU, both tiers against physical memory), the host tier against physical memory."""
@@ -76,7 +56,7 @@ def check_memory(config: EngineConfig, model_config: ModelConfig, dtype: torch.d
     per_block = dtype.itemsize
     for n in block_shape(mc.num_layers, sc.block_size, mc.num_kv_heads, mc.head_dim):
         per_block *= n
-    gpu, host, ram = sc.gpu_blocks * per_block, sc.host_blocks * per_block, _physical_memory()
+    gpu, host, ram = sc.gpu_blocks * per_block, sc.host_blocks * per_block, physical_memory()
     gib = 1024**3
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)

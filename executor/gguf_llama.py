@@ -15,21 +15,22 @@ Invariants kept: the architecture is ``llama`` with plain RoPE over whole heads,
 tensor the file holds is a weight of the model its metadata describes, with that weight's shape, and every weight
 is there (``output.weight`` absent means tied embeddings); the memory loading takes (every weight as float32 and
 in the model's dtype) fits what the machine has available — all checked from the header, before any tensor data
-is read or any memory is allocated for the model (a file whose weights are a sparse hole is refused unread).
+is read or any memory is allocated for the model (a file whose weights are a sparse hole is refused unread;
+`executor.host_memory` computes the memory from the header alone, so a command checks it before importing torch).
 Refusals are `CheckpointError`s naming the file and the metadata key or tensor.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from executor.checkpoint_files import CheckpointError
-from executor.engine_config import available_memory
 from executor.gguf_file import GGUFHeader, import_gguf, read_gguf_header, read_tensor
 from executor.hf import SIZE_LIMITS, expected_shapes, model_from_state
+from executor.host_memory import check_load_memory
 from executor.model import LlamaModel, ModelConfig
 from kvstate.untrusted import Fields, shown
 
@@ -127,29 +128,6 @@ def check_tensors(header: GGUFHeader, config: ModelConfig) -> dict[str, str]:
     return names
 
 
-def load_memory(header: GGUFHeader, dtype: torch.dtype) -> int:
-    """Bytes loading the file takes at its peak, at least: every weight dequantized to float32, the model built in
-    float32 and cast to `dtype`, and the raw bytes of the largest tensor."""
-    values = sum(math.prod(info.shape) for info in header.tensors)
-    largest = max((info.nbytes for info in header.tensors), default=0)
-    return values * (4 + 4 + dtype.itemsize) + largest
-
-
-def check_load_memory(header: GGUFHeader, dtype: torch.dtype, available: int | None = None) -> None:
-    """Refuse a file whose weights cannot be loaded in `available` bytes (by default what the machine has free)."""
-    available = available_memory() if available is None else available
-    needed = load_memory(header, dtype)
-    if available is not None and needed > available:
-        gib = 1024**3
-        raise CheckpointError(
-            f"loading its {len(header.tensors)} tensors as {str(dtype).removeprefix('torch.')} takes at least "
-            f"{needed / gib:.2f} GiB of memory, but this machine has {available / gib:.2f} GiB available; use a "
-            "smaller model or a machine with more memory",
-            path=header.path,
-            field="tensors",
-        )
-
-
 def unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's row order of a query or key projection: per head it stores rows (i, half) for the
     Hugging Face order (half, i) (rotary halves interleaved); `heads` is the projection's head count."""
@@ -163,8 +141,10 @@ def load_gguf_llama(
     dtype: torch.dtype = torch.float64,
     device: str | torch.device = "cpu",
     header: GGUFHeader | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> LlamaModel:
-    """Load a local GGUF Llama checkpoint into a `LlamaModel` (no downloads); `header` reuses one already read."""
+    """Load a local GGUF Llama checkpoint into a `LlamaModel` (no downloads); `header` reuses one already read;
+    `progress` is told when the tensors are read and the model is built from them."""
     header = header or read_gguf_header(path)
     config = gguf_llama_config(header)
     names = check_tensors(header, config)
@@ -176,4 +156,6 @@ def load_gguf_llama(
         weight = torch.from_numpy(read_tensor(header, info))
         heads = next((count for suffix, count in permuted.items() if name.endswith(suffix)), None)
         state[name] = weight if heads is None else unpermute_rows(weight, heads)
+    if progress is not None:
+        progress(f"building the model from its {len(state)} tensors")
     return model_from_state(config, state, dtype).to(device=device).eval()

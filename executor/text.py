@@ -17,7 +17,7 @@ the end when decoding is prefix-stable (as byte-level BPE is).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 
 from executor.checkpoint_files import CheckpointError, read_bounded, read_checkpoint_json
@@ -94,11 +94,13 @@ def generate_text(
     tokenizer: CheckpointTokenizer | None = None,
     sampling: SamplingParams = GREEDY,
     request_id: Hashable | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Iterator[str]:
     """Submit `prompt` as text and yield the generated text piece by piece as the engine produces tokens.
 
     `tokenizer` defaults to the one in the engine's checkpoint directory. The engine is stepped until every
-    request it holds is done (`Engine.stream`); only this request's text is yielded.
+    request it holds is done (`Engine.stream`); only this request's text is yielded. `progress` is told how many
+    tokens the prompt is before its prefill starts.
     """
     if tokenizer is None:
         if engine.config.checkpoint is None:
@@ -114,6 +116,8 @@ def generate_text(
     rid = engine.add_request(
         ids, max_new_tokens, stop_token_ids=tokenizer.eos_token_ids, sampling=sampling, request_id=request_id
     )
+    if progress is not None:
+        progress(f"prefill of {len(ids)} prompt tokens, then up to {max_new_tokens} new tokens")
     generated: list[int] = []
     emitted = ""
     for produced_by, token in engine.stream():

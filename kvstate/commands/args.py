@@ -13,7 +13,8 @@ temporary entry that they remove at once.
 
 Options several commands share are added by one function each, so they read the same everywhere:
 `add_spec_option` (``--spec PATH``), `add_device_option` (``--device``, default ``auto``), `add_dtype_option`
-(``--dtype``, default ``auto``: the engine's default for the device, float64 on the CPU and float32 on CUDA),
+(``--dtype``, default ``auto``: the engine's default for the device, float64 on the CPU and float32 on CUDA;
+a command that prints text rather than proving equality defaults to float32),
 `add_lifecycle_option` and `add_mkdir_option`.
 """
 
@@ -145,12 +146,13 @@ def add_device_option(parser: argparse.ArgumentParser, *, default: str | None = 
     )
 
 
-def add_dtype_option(parser: argparse.ArgumentParser, what: str = "") -> None:
-    """`--dtype`: the model and cache dtype; `auto` is the engine's default for the device."""
+def add_dtype_option(parser: argparse.ArgumentParser, what: str = "", default: str = "auto") -> None:
+    """`--dtype`: the model and cache dtype (`default` unless given); `auto` is the engine's default for the
+    device."""
     parser.add_argument(
         "--dtype",
         choices=DTYPES,
-        default="auto",
+        default=default,
         help=f"model and cache dtype; auto = float64 on the CPU, float32 on CUDA{what} (default %(default)s)",
     )
 

@@ -135,7 +135,9 @@ def test_device_dtype_and_spec_read_the_same_in_every_command():
     assert {c for c, action in devices.items() if action.default != "auto"} == {"bench"}  # bench: auto, torch only
     dtypes = {c: options(c)["--dtype"] for c in COMMANDS if "--dtype" in options(c)}
     assert set(dtypes) == {"demo", "soak", "generate"}
-    assert len({tuple(a.choices) for a in dtypes.values()}) == 1 and {a.default for a in dtypes.values()} == {"auto"}
+    assert len({tuple(a.choices) for a in dtypes.values()}) == 1
+    # the commands that prove outputs equal run the device's default (float64 on the CPU); generate prints text
+    assert {c: a.default for c, a in dtypes.items()} == {"demo": "auto", "soak": "auto", "generate": "float32"}
     specs = {c: options(c)["--spec"] for c in COMMANDS if "--spec" in options(c)}
     assert set(specs) == {"spec", "diagram", "check", "validate", "report", "export"}
     assert {a.metavar for a in specs.values()} == {"PATH"}

@@ -70,6 +70,20 @@ def tokenizer_fields() -> dict:
     return {"tokens": tokens, "merges": merges, "types": types, "tokenizer": tokenizer}
 
 
+def add_tokenizer(writer, chat_template: str | None = CHAT_TEMPLATE) -> None:
+    """Write `tokenizer_fields`' tokenizer (and `chat_template`) into the metadata of `writer`'s file."""
+    fields = tokenizer_fields()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(fields["tokens"])
+    writer.add_token_types(fields["types"])
+    writer.add_token_merges(fields["merges"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+
+
 def write_gguf(
     path: Path,
     model: LlamaModel,
@@ -95,16 +109,7 @@ def write_gguf(
     writer.add_rope_freq_base(c.rope_theta)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_vocab_size(c.vocab_size)
-    fields = tokenizer_fields()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(fields["tokens"])
-    writer.add_token_types(fields["types"])
-    writer.add_token_merges(fields["merges"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    if chat_template is not None:
-        writer.add_chat_template(chat_template)
+    add_tokenizer(writer, chat_template)
     for key, value in (extra_metadata or {}).items():
         add = writer.add_string if isinstance(value, str) else writer.add_uint32
         add(key, value)
@@ -143,10 +148,11 @@ def tensor_entry(path: Path, name: str) -> int:
     return path.read_bytes().index(needle) + len(needle)
 
 
-def write_sparse_gguf(path: Path, config: ModelConfig, kind: str = "F16") -> Path:
+def write_sparse_gguf(path: Path, config: ModelConfig, kind: str = "F16", *, tokenizer: bool = False) -> Path:
     """A GGUF file of `config`'s model whose header is consistent (every tensor inside the file, none
     overlapping) but whose tensor data is a hole: the file is extended, never written, so it takes a few KiB of
-    disk however large it claims to be."""
+    disk however large it claims to be. `tokenizer` adds a tokenizer, so the file is one `kvstate generate`
+    takes."""
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(config.num_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -158,6 +164,8 @@ def write_sparse_gguf(path: Path, config: ModelConfig, kind: str = "F16") -> Pat
     writer.add_value_length(config.head_dim)
     writer.add_rope_dimension_count(config.head_dim)
     writer.add_vocab_size(config.vocab_size)
+    if tokenizer:
+        add_tokenizer(writer)
     raw = gguf.GGMLQuantizationType[kind]
     block, block_bytes = gguf.GGML_QUANT_SIZES[raw]
     table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_layers)

@@ -16,8 +16,9 @@ import torch
 
 from executor import CheckpointError, Engine, EngineConfig, LlamaModel, ModelConfig, load_checkpoint
 from executor.gguf_file import SUPPORTED_TYPES, read_gguf_header
-from executor.gguf_llama import check_load_memory, load_gguf_llama, load_memory
+from executor.gguf_llama import load_gguf_llama
 from executor.hf import expected_shapes
+from executor.host_memory import check_load_memory, load_memory
 from executor.text import load_tokenizer
 from kvstate.config import SchedulerConfig
 from tests.executor.fifos import refused_without_blocking
@@ -218,8 +219,11 @@ def test_kvstate_generate_takes_a_gguf_file_and_refuses_another_file(file, tmp_p
     from kvstate.cli import main
 
     assert main(["generate", "--checkpoint", str(file), "--device", "cpu", "--max-new-tokens", "4", "the fox"]) == 0
-    out, _ = capsys.readouterr()
+    out, err = capsys.readouterr()
     assert out.endswith("\n") and "<|im_end|>" not in out
+    tensors = len(read_gguf_header(file).tensors)
+    assert f"kvstate generate: loading {file}: its tokenizer, and its {tensors} tensors as float32" in err
+    assert f"kvstate generate: building the model from its {tensors} tensors\n" in err
     other = tmp_path / "notes.txt"
     other.write_text("not a checkpoint")
     assert main(["generate", "--checkpoint", str(other), "hi"]) == 2
@@ -266,6 +270,29 @@ def test_a_sparse_file_larger_than_any_machine_is_refused_before_reading(tmp_pat
     message = str(info.value)
     assert message.startswith(f"{path}: field 'tensors': loading its {len(header.tensors)} tensors as float32")
     assert "GiB available" in message and "\n" not in message
+
+
+def test_kvstate_generate_refuses_a_sparse_file_too_large_before_importing_torch(tmp_path):
+    """A file `kvstate generate` would take (tokenizer included) whose weights need more memory than the machine
+    has: refused from the header in the dtype the command loads into (float32 unless --dtype says otherwise),
+    one line naming the file and both amounts, exit 2, and the process never imported torch."""
+    huge = replace(LARGE, hidden_size=16384, intermediate_size=65536, num_layers=64, num_heads=128)
+    path = write_sparse_gguf(tmp_path / "sparse.gguf", huge, "Q4_0", tokenizer=True)
+    code = (
+        "import sys; from kvstate.cli import main; "
+        f"default = main(['generate', '--checkpoint', {str(path)!r}, 'hi']); "
+        f"wide = main(['generate', '--checkpoint', {str(path)!r}, '--dtype', 'float64', 'hi']); "
+        "print(default, wide, 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert done.stdout.split() == ["2", "2", "False"], (done.stdout, done.stderr)
+    header = read_gguf_header(path)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 2, done.stderr
+    for line, dtype in zip(lines, ("float32", "float64"), strict=True):
+        needed = f"{load_memory(header, dtype) / 1024**3:.2f} GiB"
+        assert line.startswith(f"kvstate generate: error: {path}: field 'tensors': loading its {len(header.tensors)}")
+        assert f"tensors as {dtype} takes at least {needed} of memory" in line and "GiB available" in line, line
 
 
 def test_the_memory_check_counts_every_weight_in_float32_and_the_run_dtype(tmp_path):

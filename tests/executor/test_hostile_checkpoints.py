@@ -149,7 +149,7 @@ def test_a_pre_tokenizer_regex_that_panics_the_tokenizer_is_one_error_line(check
     document["pre_tokenizer"] = {"type": "Split", "pattern": {"Regex": "(x+x+)+y"}, "behavior": "Isolated"}
     document["pre_tokenizer"]["invert"] = False
     (checkpoint / "tokenizer.json").write_text(json.dumps(document))
-    status = main(["generate", "--checkpoint", str(checkpoint), "--device", "cpu", "x" * 40])
+    status = main(["generate", "--checkpoint", str(checkpoint), "--device", "cpu", "--quiet", "x" * 40])
     _, err = capfd.readouterr()
     assert status == 2
     lines = err.strip().splitlines()

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from executor import CheckpointError, Engine, EngineConfig, LlamaModel, save_hf_llama
 from executor.text import check_fits, generate_text, load_tokenizer
-from kvstate.cli import main
+from kvstate.cli import build_parser, main
 from kvstate.config import SchedulerConfig
+from kvstate.terminal import inert
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -86,6 +88,38 @@ def test_generate_command_prints_the_same_text(checkpoint, capsys):
     with Engine(EngineConfig(checkpoint=str(checkpoint), device="cpu", dtype="float64")) as engine:
         reference = engine.reference(tokenizer.encode(prompt), 10, stop_token_ids=tokenizer.eos_token_ids)
     assert out == tokenizer.decode(reference) + "\n"
+
+
+@pytest.mark.parametrize("options, dtype", [([], "float32"), (["--dtype", "float64"], "float64")])
+def test_generate_command_says_what_it_does_on_stderr_in_float32_by_default(checkpoint, capsys, options, dtype):
+    """Only the text goes to stdout; stderr has one line per phase, in the dtype the model runs in (float32
+    unless --dtype says otherwise); --quiet leaves stderr empty."""
+    prompt = "the lazy fox"
+    argv = ["generate", "--checkpoint", str(checkpoint), "--max-new-tokens", "6", "--device", "cpu", *options]
+    assert main([*argv, prompt]) == 0
+    out, err = capsys.readouterr()
+    tokenizer = load_tokenizer(checkpoint)
+    ids = tokenizer.encode(prompt)
+    with Engine(EngineConfig(checkpoint=str(checkpoint), device="cpu", dtype=dtype)) as engine:
+        reference = engine.reference(ids, 6, stop_token_ids=tokenizer.eos_token_ids)
+    assert out == inert(tokenizer.decode(reference), keep="\n\t") + "\n"  # control characters escaped
+    lines = err.splitlines()
+    assert len(lines) == 4, err
+    assert lines[0] == f"kvstate generate: loading {checkpoint}: its tokenizer, and its weights as {dtype} (device cpu)"
+    assert re.fullmatch(r"kvstate generate: model ready on cpu in [0-9.]+ s", lines[1]), lines[1]
+    assert lines[2] == f"kvstate generate: prefill of {len(ids)} prompt tokens, then up to 6 new tokens"
+    done = rf"kvstate generate: {len(reference)} tokens generated in [0-9.]+ s \(prefill included\)"
+    assert re.fullmatch(done, lines[3]), lines[3]
+    assert main([*argv, "--quiet", prompt]) == 0
+    assert capsys.readouterr() == (out, "")
+
+
+def test_generate_defaults_to_float32_where_the_equality_commands_keep_auto():
+    parser = build_parser()
+    assert parser.parse_args(["generate", "--model", "smollm2", "hi"]).dtype == "float32"
+    assert parser.parse_args(["generate", "--model", "smollm2", "--dtype", "float64", "hi"]).dtype == "float64"
+    assert parser.parse_args(["demo"]).dtype == "auto"  # float64 on the CPU: demo proves outputs equal
+    assert parser.parse_args(["soak"]).dtype == "auto"
 
 
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(checkpoint, tmp_path):
