@@ -178,7 +178,8 @@ class PagePool:
     tier, with lazy suspension (see the module docstring). Invariants: a page is free or in exactly one cache; an
     active cache's pages are all on the GPU; a suspended cache keeps its pages (held on the GPU, or offloaded); a
     slot holds the token whose KV it stores (-1: never written). `decisions` lists, in order, the suspensions and
-    offloads since `begin_pass`, and `freed` the caches released since then, each with its requester."""
+    offloads since `begin_pass`, and every cache released since then, as a provisional recompute-pause victim of the
+    request that was asking (the adapter keeps those the pass's output lists)."""
 
     enable_block_reuse = False
     kv_connector_manager = None
@@ -197,7 +198,6 @@ class PagePool:
         self.asking: TrtRequest | None = None  # the request whose allocation the scheduler is trying
         self.suspended_order: list[int] = []  # suspended requests, least recently suspended first
         self.decisions: list[Victim | Offload] = []
-        self.freed: list[tuple[int, int]] = []  # (requester, request) whose cache was released, in order
 
     @property
     def free_gpu(self) -> list[int]:
@@ -214,7 +214,7 @@ class PagePool:
     has_cache_tier_below_gpu = can_evict
 
     def begin_pass(self) -> None:
-        self.decisions, self.freed, self.asking = [], [], None
+        self.decisions, self.asking = [], None
 
     # ---- the scheduler's API
     def prepare_context(self, req: TrtRequest, reuse_limit: int | None = None) -> bool:
@@ -268,7 +268,7 @@ class PagePool:
         if cache is None:
             return
         requester = self.asking.py_request_id if self.asking is not None else req.py_request_id
-        self.freed.append((requester, req.py_request_id))
+        self.decisions.append(Victim(requester, req.py_request_id, "recompute_pause"))
         for tier, page in cache.pages:
             self.free[tier].append(page)
         if req.py_request_id in self.suspended_order:
@@ -447,19 +447,21 @@ class TrtllmAdapter:
         self._passes.append(ObservedPass(before, record, self._pass_output(before, out)))
 
     def _record(self, before: PassSnapshot, out) -> PassRecord:
-        """The pass's decisions in order: suspensions and offloads as the pool saw them, then each recompute-pause
-        of a request that was computing just before the pass (a victim of the request that asked for the pages).
-        A recompute-pause of a suspended request is no victim choice: the output lists it, and its edge (the
-        lifecycle's promotion, `promotion_gate`) is checked there."""
+        """The pass's decisions in order: suspensions and offloads as the pool saw them, and each recompute-pause of
+        a request that was computing just before the pass and not suspended in it (a victim of the request that
+        asked for the pages). A recompute-pause of a suspended request is no victim choice: the output lists it,
+        and its edge (the lifecycle's promotion, `promotion_gate`) is checked there. A released cache the output
+        does not list (a failed first chunk dropping its own cache) is no decision."""
         computing = {r.request_id for r in before.requests if r.state in self.spec.victim_states}
         paused = {r.py_request_id for r in out.recompute_paused_requests}
-        suspended_in_pass = {d.victim for d in self.pool.decisions if isinstance(d, Victim)}
-        victims = [
-            Victim(requester, rid, "recompute_pause")
-            for requester, rid in self.pool.freed
-            if rid in paused and rid in computing and rid not in suspended_in_pass
-        ]
-        return PassRecord([*self.pool.decisions, *victims])
+        kept: list[Victim | Offload] = []
+        for d in self.pool.decisions:
+            if isinstance(d, Victim) and d.event == "recompute_pause":
+                suspended = any(isinstance(k, Victim) and k.victim == d.victim for k in kept)
+                if d.victim not in paused or d.victim not in computing or suspended:
+                    continue
+            kept.append(d)
+        return PassRecord(list(kept))
 
     def cancel(self, request_id: Hashable) -> None:
         req = self.requests.get(request_id) if isinstance(request_id, int) else None
