@@ -4,7 +4,9 @@ mocks). Nothing here is TensorRT-LLM code: each name is rebuilt from what the sc
 
 `install()` registers the modules under TensorRT-LLM's names (`tensorrt_llm.llmapi.llm_args`, `tensorrt_llm.logger`,
 `tensorrt_llm._torch.pyexecutor.llm_request`, `...scheduler.scheduler`, and the three places versions of the file
-import `KVCacheManagerV2` from). Invariant: it never shadows a real TensorRT-LLM (it refuses when one is imported).
+import `KVCacheManagerV2` from), with every name the versions of the file import from them: the request-state enum
+numbered as the engine numbers it, the cursor rewind after a dropped cache, the forced-chunk helpers.
+Invariant: it never shadows a real TensorRT-LLM (it refuses when one is imported).
 """
 
 from __future__ import annotations
@@ -41,15 +43,53 @@ class BlockReusePolicy(enum.Enum):
 
 
 class LlmRequestState(enum.Enum):
-    """Ordered as the scheduler's range checks need: schedulable is [CONTEXT_INIT, GENERATION_TO_COMPLETE)."""
+    """Numbered as the engine numbers its states, so the scheduler's range checks hold: schedulable is
+    [CONTEXT_INIT, GENERATION_TO_COMPLETE), and the disaggregated-transfer states lie outside it."""
 
     UNKNOWN = 0
     ENCODER_INIT = 1
-    CONTEXT_INIT = 2
-    GENERATION_IN_PROGRESS = 3
-    GENERATION_TO_COMPLETE = 4
-    GENERATION_COMPLETE = 5
+    DISAGG_CONTEXT_WAIT_SCHEDULER = 7
     DISAGG_GENERATION_INIT = 8
+    DISAGG_GENERATION_TRANS_IN_PROGRESS = 9
+    CONTEXT_INIT = 10
+    DISAGG_CONTEXT_INIT_AND_TRANS = 11
+    DISAGG_GENERATION_TRANS_COMPLETE = 12
+    GENERATION_IN_PROGRESS = 13
+    GENERATION_TO_COMPLETE = 14
+    GENERATION_COMPLETE = 20
+    DISAGG_CONTEXT_TRANS_IN_PROGRESS = 21
+    DISAGG_CONTEXT_COMPLETE = 22
+
+
+def rewind_context_after_cache_drop(req: Any, tokens_per_block: int) -> None:
+    """After the scheduler dropped a request's cache, its prefill starts over: the cursor goes back to the first
+    context token and the request is a context request again (nothing of its context is computed any more)."""
+    req.context_current_position = 0
+    req.context_chunk_size = req.context_remaining_length
+    req.state = LlmRequestState.CONTEXT_INIT
+
+
+def _settle_context_cursor(req: Any, reused_tokens: int, tokens_per_block: int) -> None:
+    """The prefill resumes after the tokens a prefix match let the request reuse."""
+    req.context_current_position = reused_tokens
+
+
+def _forced_chunk_end(req: Any) -> int:
+    """The first snapshot point beyond the request's cursor, or the end of its context when none is left."""
+    position = req.context_current_position
+    end = position + req.context_remaining_length
+    ahead = [point for point in (req.expect_snapshot_points or ()) if position < point < end]
+    return min(ahead, default=end)
+
+
+def _get_forced_context_chunk_size(req: Any) -> int:
+    """A forced chunk ends at the next snapshot point (or the end of the context)."""
+    return _forced_chunk_end(req) - req.context_current_position
+
+
+def _is_forced_context_chunk_boundary(req: Any, chunk_size: int) -> bool:
+    """A chunk of `chunk_size` tokens ends exactly on a snapshot point."""
+    return req.context_current_position + chunk_size in (req.expect_snapshot_points or ())
 
 
 class RequestScheduler:
@@ -89,7 +129,9 @@ def install(request_class: type, pool_class: type) -> None:
             "a real tensorrt_llm is imported in this process; kvstate.adapters.trtllm runs scheduler_v2.py on its "
             "own stand-ins for TensorRT-LLM's bindings, which would shadow it: run it in a process without it"
         )
-    kv = dict(KVCacheManagerV2=pool_class, BlockReusePolicy=BlockReusePolicy)
+    kv = dict(
+        KVCacheManagerV2=pool_class, BlockReusePolicy=BlockReusePolicy, _settle_context_cursor=_settle_context_cursor
+    )
     modules = [
         _module(ROOT),
         _module(f"{ROOT}.llmapi"),
@@ -106,6 +148,7 @@ def install(request_class: type, pool_class: type) -> None:
             LlmRequest=request_class,
             LlmRequestState=LlmRequestState,
             get_draft_token_length=lambda req: 0,
+            rewind_context_after_cache_drop=rewind_context_after_cache_drop,
         ),
         _module(f"{PYEXECUTOR}.scheduler"),
         _module(
@@ -114,6 +157,8 @@ def install(request_class: type, pool_class: type) -> None:
             RequestScheduler=RequestScheduler,
             SchedulerOutput=SchedulerOutput,
             _get_lora_task_id=lambda req: getattr(req, "lora_task_id", None) or 0,
+            _get_forced_context_chunk_size=_get_forced_context_chunk_size,
+            _is_forced_context_chunk_boundary=_is_forced_context_chunk_boundary,
             drop_decoder_context_requests_waiting_for_encoder_output=lambda requests: requests,
         ),
         _module(f"{PYEXECUTOR}.resource_manager", **kv),

@@ -7,28 +7,29 @@ variable `KVSTATE_TRTLLM_SRC`, over the project's own stand-ins for what it impo
 scheduler reads) and `KVCacheManagerV2`, played by `PagePool`, a page pool with a GPU tier and an optional host
 tier whose pages hold the token each KV slot computed.
 
-`step()` is one iteration: `schedule_request(active_requests, set())`; every scheduled context chunk writes its
-tokens into the request's GPU pages, a chunk that ends the prompt and every generation step "samples"
+`step()` is one iteration: `schedule_request(active_requests, set())`; then, as the engine's executor does, every
+request in `recompute_paused_requests` has what is left of its cache freed and is reset for recompute (its prefill
+starts over at position 0 on the prompt and every token generated so far); every scheduled context chunk writes its
+tokens into the request's GPU pages, a chunk that ends the context and every generation step "samples"
 `kvstate.sim.next_token` of the context *read back* from the pages, a request that reaches its budget or a stop
 token completes (`free_resources`). With `overlap=True` the executor is TensorRT-LLM's overlap executor as the
 scheduler sees it: a request whose final token was produced stays `GENERATION_TO_COMPLETE`, with its pages, through
 the next `schedule_request`, and is completed after it.
 
-`PagePool` semantics (the project's, chosen to match what the scheduler's docstrings and its deadlock message
-say of the real manager): `suspend_request` moves a request's pages to the host tier when it exists and has room
-for all of them (the eager schedule of the spec's lazy suspension: the real manager holds them on the GPU and moves
-them down when an allocation needs the room), and otherwise leaves them on the GPU, held (the request is suspended
-but frees nothing);
-`prepare_context` / `try_allocate_generation` resume a suspended request first (its pages back to the GPU, or
-reactivated in place) and fail when the GPU lacks room; `resize_context` / `try_allocate_generation` grow a cache
-page by page and fail, changing nothing, when the GPU lacks room.
+`PagePool` semantics (the project's, chosen to match the spec's lazy suspension, which the scheduler's comments
+describe of the real manager: suspension "keeps the pages"): `suspend_request` leaves a request's pages where they
+are, held on the GPU; an allocation that lacks GPU room first offloads held pages of other suspended requests to the
+host tier, least recently suspended first, exactly as many as it lacks (each request's once a pass), and fails,
+moving nothing, when the host tier cannot take them; `prepare_context` / `try_allocate_generation` resume a
+suspended request first (its offloaded pages back to the GPU), `try_allocate_generation` resume and growth all or
+nothing; `resize_context` grows a cache page by page; `free_resources` / `preempt_request` release both tiers.
 
-Mapping onto the spec (roles): no cache yet -> queued; a suspended cache -> offloaded (the scheduler put it in its
-paused list), wherever its pages are (the held residency allows either tier); an active cache -> active;
-`GENERATION_COMPLETE` -> ended. The policy declared is `"trtllm"` (`kvstate.declared.PRESETS`); victims are
-reported with their requester, the request whose allocation was being tried, and each pass's snapshot carries the
-host tier's free pages, every request's host pages and the order of those held on the GPU, so a suspension the host
-tier cannot take (one that frees nothing, as every suspension without a host tier) breaks the declared SUSPEND-ROOM.
+Mapping onto the spec (roles): no cache yet -> queued, or dropped after a recompute-pause; a suspended cache ->
+offloaded (the spec's suspended state, whose blocks may be held on the GPU, offloaded, or both); an active cache ->
+active, or recomputing while a reset request re-prefills; `GENERATION_COMPLETE` -> ended. The policy declared is
+`"trtllm"` (`kvstate.declared.PRESETS`). Each pass reports its decisions in order: suspensions with their requester
+(the request whose allocation was being tried), offloads, and recompute-pauses of requests that were computing; a
+recompute-pause of a suspended request is no victim choice, and is checked as the edge its output list shows.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from kvstate.adapters._trtllm_standins import LlmRequestState
 from kvstate.config import RequestRejected
 from kvstate.declared import Listed, ObservedPass, PassOutput
 from kvstate.errors import KVStateError
-from kvstate.policy import PassRecord, PassSnapshot, RequestSnapshot, Victim
+from kvstate.policy import Offload, PassRecord, PassSnapshot, RequestSnapshot, Victim
 from kvstate.pool import ceil_div
 from kvstate.sim import DEFAULT_VOCAB, next_token, reference_output
 from kvstate.spec import Spec, default_spec
@@ -93,19 +94,35 @@ def load_scheduler(source: str | os.PathLike | None = None) -> ModuleType:
 
 
 class TrtRequest:
-    """What `KVCacheV2Scheduler` reads of an `LlmRequest`, for one request of the adapter."""
+    """What `KVCacheV2Scheduler` reads of an `LlmRequest`, for one request of the adapter.
+
+    `context` is what its prefill computes: the prompt, or after `reset_for_recompute` the prompt and every token
+    generated so far (a replay, which lasts until its last chunk samples a token)."""
 
     def __init__(self, request_id: int, prompt: Sequence[int], max_new: int, stops: Sequence[int]) -> None:
         self.request_id = self.py_request_id = request_id
         self.prompt, self.max_new, self.stops = list(prompt), max_new, tuple(stops)
         self.generated: list[int] = []
+        self.context = list(self.prompt)
+        self.replaying = False
         self.state = LlmRequestState.CONTEXT_INIT
         self.context_current_position = 0
-        self.context_chunk_size = len(self.prompt)
+        self.context_chunk_size = len(self.context)
         self.lora_task_id = None
         self.py_batch_idx = None
         self.py_multimodal_data = None
         self.encoder_output_len = None
+        self.expect_snapshot_points: list[int] = []
+
+    def reset_for_recompute(self) -> None:
+        """The executor's reset of a recompute-paused request: its prefill starts over, at position 0, on the prompt
+        and every token generated so far."""
+        self.context = self.prompt + self.generated
+        self.replaying = True
+        self.state = LlmRequestState.CONTEXT_INIT
+        self.context_current_position = 0
+        self.context_chunk_size = len(self.context)
+        self.py_batch_idx = None
 
     @property
     def state_value(self) -> int:
@@ -129,11 +146,11 @@ class TrtRequest:
 
     @property
     def is_last_context_chunk(self) -> bool:
-        return self.context_current_position + self.context_chunk_size >= len(self.prompt)
+        return self.context_current_position + self.context_chunk_size >= len(self.context)
 
     @property
     def context_remaining_length(self) -> int:
-        return len(self.prompt) - self.context_current_position
+        return len(self.context) - self.context_current_position
 
     def get_beam_width_by_iter(self, for_next_iteration: bool = False) -> int:
         return 1
@@ -143,18 +160,26 @@ class TrtRequest:
         return self.prompt + self.generated
 
 
+GPU, HOST = "gpu", "host"
+
+
 class _Cache:
     def __init__(self) -> None:
         self.capacity = 0  # tokens
-        self.gpu: list[int] = []  # page ids
-        self.host: list[int] = []
+        self.pages: list[tuple[str, int]] = []  # (tier, page id) of each page, in token order
         self.active = True
+
+    def on(self, tier: str) -> list[int]:
+        return [page for where, page in self.pages if where == tier]
 
 
 class PagePool:
     """`KVCacheManagerV2` for the scheduler: pages of `tokens_per_block` slots in a GPU tier and an optional host
-    tier (see the module docstring). Invariants: a page is free or in exactly one cache; a cache's pages are all in
-    one tier; a slot holds the token whose KV it stores (-1: never written)."""
+    tier, with lazy suspension (see the module docstring). Invariants: a page is free or in exactly one cache; an
+    active cache's pages are all on the GPU; a suspended cache keeps its pages (held on the GPU, or offloaded); a
+    slot holds the token whose KV it stores (-1: never written). `decisions` lists, in order, the suspensions and
+    offloads since `begin_pass`, and every cache released since then, as a provisional recompute-pause victim of the
+    request that was asking (the adapter keeps those the pass's output lists)."""
 
     enable_block_reuse = False
     kv_connector_manager = None
@@ -164,14 +189,23 @@ class PagePool:
 
     def __init__(self, gpu_pages: int, host_pages: int, tokens_per_block: int) -> None:
         self.tokens_per_block = tokens_per_block
-        self.free_gpu = list(range(gpu_pages))
-        self.free_host = list(range(host_pages))
-        self.gpu_slots = [[-1] * tokens_per_block for _ in range(gpu_pages)]
-        self.host_slots = [[-1] * tokens_per_block for _ in range(host_pages)]
+        self.free = {GPU: list(range(gpu_pages)), HOST: list(range(host_pages))}
+        self.slots = {
+            tier: [[-1] * tokens_per_block for _ in range(n)] for tier, n in ((GPU, gpu_pages), (HOST, host_pages))
+        }
         self.kv_cache_map: dict[int, _Cache] = {}
         self.gpu_capacity, self.host_capacity = gpu_pages, host_pages
         self.asking: TrtRequest | None = None  # the request whose allocation the scheduler is trying
-        self.suspensions: list[tuple[int, int]] = []  # (requester, victim) in the order the scheduler suspended them
+        self.suspended_order: list[int] = []  # suspended requests, least recently suspended first
+        self.decisions: list[Victim | Offload] = []
+
+    @property
+    def free_gpu(self) -> list[int]:
+        return self.free[GPU]
+
+    @property
+    def free_host(self) -> list[int]:
+        return self.free[HOST]
 
     @property
     def can_evict(self) -> bool:
@@ -179,41 +213,48 @@ class PagePool:
 
     has_cache_tier_below_gpu = can_evict
 
+    def begin_pass(self) -> None:
+        self.decisions, self.asking = [], None
+
     # ---- the scheduler's API
     def prepare_context(self, req: TrtRequest, reuse_limit: int | None = None) -> bool:
+        self.asking = req
         cache = self.kv_cache_map.setdefault(req.py_request_id, _Cache())
-        return self._resume(cache)
+        return self._resume(req, cache)
 
     def resize_context(self, req: TrtRequest, num_tokens: int) -> bool:
-        return self._grow(self.kv_cache_map[req.py_request_id], req.context_current_position + num_tokens)
+        self.asking = req
+        return self._grow(req, req.context_current_position + num_tokens)
 
     def try_allocate_generation(self, req: TrtRequest) -> bool:
+        """Resume (when suspended) and grow by the decode step, all or nothing: a refused allocation moves no page
+        of the request."""
         self.asking = req
         cache = self.kv_cache_map[req.py_request_id]
-        return self._resume(cache) and self._grow(cache, len(req.tokens))
+        growth = max(0, ceil_div(len(req.tokens), self.tokens_per_block) - len(cache.pages))
+        if not self._make_room(req, growth + (0 if cache.active else len(cache.on(HOST)))):
+            return False
+        return self._resume(req, cache) and self._grow(req, len(req.tokens))
 
     def revert_allocate_generation(self, req: TrtRequest) -> None:
         cache = self.kv_cache_map[req.py_request_id]
         cache.capacity -= 1
-        while len(cache.gpu) > ceil_div(cache.capacity, self.tokens_per_block):
-            self.free_gpu.append(cache.gpu.pop())
+        while len(cache.pages) > ceil_div(cache.capacity, self.tokens_per_block):
+            self.free[GPU].append(cache.pages.pop()[1])
 
     def suspend_request(self, req: TrtRequest) -> None:
+        """Lazy suspension: the cache stops being active and keeps its pages on the GPU (held)."""
         requester = self.asking.py_request_id if self.asking is not None else req.py_request_id
-        self.suspensions.append((requester, req.py_request_id))
+        self.decisions.append(Victim(requester, req.py_request_id, "suspend"))
         cache = self.kv_cache_map[req.py_request_id]
-        cache.active = False
-        if cache.gpu and len(self.free_host) >= len(cache.gpu):
-            cache.host = [self.free_host.pop() for _ in cache.gpu]
-            for src, dst in zip(cache.gpu, cache.host, strict=True):
-                self.host_slots[dst] = list(self.gpu_slots[src])
-            self.free_gpu += cache.gpu
-            cache.gpu = []
+        if cache.active:
+            cache.active = False
+            self.suspended_order.append(req.py_request_id)
 
     @property
     def held(self) -> list[int]:
-        """The suspended requests whose pages are still on the GPU (held there), in the order they were suspended."""
-        return [rid for rid, cache in self.kv_cache_map.items() if not cache.active and cache.gpu]
+        """The suspended requests with pages still on the GPU, least recently suspended first (the offload order)."""
+        return [rid for rid in self.suspended_order if self.kv_cache_map[rid].on(GPU)]
 
     def is_request_active(self, request_id: int) -> bool:
         cache = self.kv_cache_map.get(request_id)
@@ -224,43 +265,82 @@ class PagePool:
 
     def free_resources(self, req: TrtRequest) -> None:
         cache = self.kv_cache_map.pop(req.py_request_id, None)
-        if cache is not None:
-            self.free_gpu += cache.gpu
-            self.free_host += cache.host
+        if cache is None:
+            return
+        requester = self.asking.py_request_id if self.asking is not None else req.py_request_id
+        self.decisions.append(Victim(requester, req.py_request_id, "recompute_pause"))
+        for tier, page in cache.pages:
+            self.free[tier].append(page)
+        if req.py_request_id in self.suspended_order:
+            self.suspended_order.remove(req.py_request_id)
 
     preempt_request = free_resources
 
     # ---- helpers
-    def _resume(self, cache: _Cache) -> bool:
-        if cache.active:
+    def _make_room(self, req: TrtRequest, pages: int) -> bool:
+        """At least `pages` free GPU pages, offloading held pages of other suspended requests, least recently
+        suspended first, exactly as many as missing, each request's once a pass (the storage manager's copy is
+        asynchronous); nothing moves when the host tier cannot take them all."""
+        missing = pages - len(self.free[GPU])
+        if missing <= 0:
             return True
-        if cache.host:
-            if len(self.free_gpu) < len(cache.host):
-                return False
-            cache.gpu = [self.free_gpu.pop() for _ in cache.host]
-            for src, dst in zip(cache.host, cache.gpu, strict=True):
-                self.gpu_slots[dst] = list(self.host_slots[src])
-            self.free_host += cache.host
-            cache.host = []
-        cache.active = True
+        offloaded = {d.request for d in self.decisions if isinstance(d, Offload)}  # one copy per request and pass
+        donors = [rid for rid in self.held if rid != req.py_request_id and rid not in offloaded]
+        movable = sum(len(self.kv_cache_map[rid].on(GPU)) for rid in donors)
+        if min(movable, len(self.free[HOST])) < missing:
+            return False
+        for rid in donors:
+            if missing == 0:
+                break
+            moved = self._offload(self.kv_cache_map[rid], missing)
+            self.decisions.append(Offload(req.py_request_id, rid, moved))
+            missing -= moved
         return True
 
-    def _grow(self, cache: _Cache, tokens: int) -> bool:
-        missing = ceil_div(tokens, self.tokens_per_block) - len(cache.gpu)
-        if missing > len(self.free_gpu):
+    def _offload(self, cache: _Cache, most: int) -> int:
+        """Move up to `most` of `cache`'s GPU pages (its last ones first) to the host tier; how many moved."""
+        moved = 0
+        for index in reversed(range(len(cache.pages))):
+            tier, page = cache.pages[index]
+            if tier != GPU or moved == most:
+                continue
+            cache.pages[index] = self._copy(page, GPU, HOST)
+            moved += 1
+        return moved
+
+    def _copy(self, page: int, src: str, dst: str) -> tuple[str, int]:
+        target = self.free[dst].pop()
+        self.slots[dst][target] = list(self.slots[src][page])
+        self.free[src].append(page)
+        return dst, target
+
+    def _resume(self, req: TrtRequest, cache: _Cache) -> bool:
+        if cache.active:
+            return True
+        if not self._make_room(req, len(cache.on(HOST))):
             return False
-        cache.gpu += [self.free_gpu.pop() for _ in range(max(missing, 0))]
+        cache.pages = [self._copy(page, HOST, GPU) if tier == HOST else (tier, page) for tier, page in cache.pages]
+        cache.active = True
+        self.suspended_order.remove(req.py_request_id)
+        return True
+
+    def _grow(self, req: TrtRequest, tokens: int) -> bool:
+        cache = self.kv_cache_map[req.py_request_id]
+        missing = ceil_div(tokens, self.tokens_per_block) - len(cache.pages)
+        if missing > 0 and not self._make_room(req, missing):
+            return False
+        cache.pages += [(GPU, self.free[GPU].pop()) for _ in range(max(missing, 0))]
         cache.capacity = max(cache.capacity, tokens)
         return True
 
     def write(self, req: TrtRequest, position: int, token: int) -> None:
-        page = self.kv_cache_map[req.py_request_id].gpu[position // self.tokens_per_block]
-        self.gpu_slots[page][position % self.tokens_per_block] = token
+        tier, page = self.kv_cache_map[req.py_request_id].pages[position // self.tokens_per_block]
+        self.slots[tier][page][position % self.tokens_per_block] = token
 
     def context(self, req: TrtRequest, length: int) -> list[int]:
-        pages = self.kv_cache_map[req.py_request_id].gpu
+        pages = self.kv_cache_map[req.py_request_id].pages
         size = self.tokens_per_block
-        return [self.gpu_slots[pages[p // size]][p % size] for p in range(length)]
+        return [self.slots[pages[p // size][0]][pages[p // size][1]][p % size] for p in range(length)]
 
 
 class TrtllmAdapter:
@@ -292,7 +372,10 @@ class TrtllmAdapter:
     ) -> None:
         module = load_scheduler(source)
         self.spec = spec if spec is not None else default_spec()
-        self._state_of_role = {r: self.spec.role(r) for r in (roles.QUEUED, roles.ACTIVE, roles.OFFLOADED)}
+        self._state_of_role = {
+            r: self.spec.role(r)
+            for r in (roles.QUEUED, roles.ACTIVE, roles.OFFLOADED, roles.DROPPED, roles.RECOMPUTING)
+        }
         self._ended = self.spec.role(roles.ENDED)
         self.pool = PagePool(gpu_pages, host_pages, tokens_per_block)
         chunking = (
@@ -339,25 +422,46 @@ class TrtllmAdapter:
 
     def step(self) -> None:
         before = self._snapshot()
-        self.pool.suspensions.clear()
+        self.pool.begin_pass()
         completing = [r for r in self.active if r.is_generation_to_complete_state]
         out = self.scheduler.schedule_request(list(self.active), set())
         self.pool.asking = None
+        record = self._record(before, out)
+        for req in out.recompute_paused_requests:  # the executor frees what is left, then resets for recompute
+            self.pool.free_resources(req)
+            req.reset_for_recompute()
         for req in out.context_requests:
             chunk = req.context_chunk_size
             for position in range(req.context_current_position, req.context_current_position + chunk):
-                self.pool.write(req, position, req.prompt[position])
+                self.pool.write(req, position, req.context[position])
             req.context_current_position += chunk
-            if req.context_current_position >= len(req.prompt):
+            if req.context_current_position >= len(req.context):
                 req.state = LlmRequestState.GENERATION_IN_PROGRESS
+                req.replaying = False
                 self._sampled(req)
         for req in out.generation_requests:
             self.pool.write(req, len(req.tokens) - 1, req.tokens[-1])
             self._sampled(req)
         for req in completing:
             self._complete(req)
-        record = PassRecord([Victim(a, v, "suspend") for a, v in self.pool.suspensions])
         self._passes.append(ObservedPass(before, record, self._pass_output(before, out)))
+
+    def _record(self, before: PassSnapshot, out) -> PassRecord:
+        """The pass's decisions in order: suspensions and offloads as the pool saw them, and each recompute-pause of
+        a request that was computing just before the pass and not suspended in it (a victim of the request that
+        asked for the pages). A recompute-pause of a suspended request is no victim choice: the output lists it,
+        and its edge (the lifecycle's promotion, `promotion_gate`) is checked there. A released cache the output
+        does not list (a failed first chunk dropping its own cache) is no decision."""
+        computing = {r.request_id for r in before.requests if r.state in self.spec.victim_states}
+        paused = {r.py_request_id for r in out.recompute_paused_requests}
+        kept: list[Victim | Offload] = []
+        for d in self.pool.decisions:
+            if isinstance(d, Victim) and d.event == "recompute_pause":
+                suspended = any(isinstance(k, Victim) and k.victim == d.victim for k in kept)
+                if d.victim not in paused or d.victim not in computing or suspended:
+                    continue
+            kept.append(d)
+        return PassRecord(list(kept))
 
     def cancel(self, request_id: Hashable) -> None:
         req = self.requests.get(request_id) if isinstance(request_id, int) else None
@@ -417,35 +521,46 @@ class TrtllmAdapter:
         if req.state == LlmRequestState.GENERATION_COMPLETE:
             return self._ended
         cache = self.pool.kv_cache_map.get(req.py_request_id)
-        if cache is None or (req.is_context_init_state and not cache.gpu and not cache.host):
-            return self._state_of_role[roles.QUEUED]
-        if not cache.active:  # suspended: its pages on the host, or (no room there) still on the GPU
+        if cache is None or (req.is_context_init_state and not cache.pages):
+            return self._state_of_role[roles.DROPPED if req.replaying else roles.QUEUED]
+        if not cache.active:  # suspended: its pages held on the GPU, offloaded, or both
             return self._state_of_role[roles.OFFLOADED]
-        return self._state_of_role[roles.ACTIVE]
+        return self._state_of_role[roles.RECOMPUTING if req.replaying else roles.ACTIVE]
+
+    def _next_step_pages(self, req: TrtRequest, cache: _Cache | None) -> int:
+        """The GPU pages `req`'s next allocation takes: a resume's offloaded pages, or the pages a decode step or
+        the rest of its prefill adds (a chunk takes at most that)."""
+        if cache is not None and not cache.active:
+            return len(cache.on(HOST))
+        tokens = len(req.tokens) if not req.is_context_init_state else len(req.context)
+        return max(0, ceil_div(tokens, self.block_size) - (len(cache.pages) if cache else 0))
 
     def _snapshot(self) -> PassSnapshot:
-        """The requests and the pool just before a pass; a suspended request whose pages stayed on the GPU is held
-        there, in the order it was suspended (`PagePool.held`)."""
+        """The requests and the pool just before a pass; a suspended request with pages on the GPU is held there,
+        ranked by when it was suspended (`PagePool.held`, the offload order)."""
         held = {rid: rank for rank, rid in enumerate(self.pool.held)}
-        requests = tuple(
-            RequestSnapshot(
-                req.py_request_id,
-                self._state(req),
-                arrival=req.py_request_id,
-                admission=position,
-                prefilling=req.is_context_init_state,
-                about_to_finish=req.is_generation_to_complete_state,  # its final step is under way (overlap)
-                kv_tokens=len(req.tokens),
-                gpu_blocks=len(cache.gpu) if (cache := self.pool.kv_cache_map.get(req.py_request_id)) else 0,
-                num_output_tokens=len(req.generated),
-                prompt_tokens=len(req.prompt),
-                host_blocks=len(cache.host) if cache else 0,
-                held_rank=held.get(req.py_request_id, -1),
+        requests = []
+        for position, req in enumerate(self.active):
+            cache = self.pool.kv_cache_map.get(req.py_request_id)
+            requests.append(
+                RequestSnapshot(
+                    req.py_request_id,
+                    self._state(req),
+                    arrival=req.py_request_id,
+                    admission=position,
+                    prefilling=req.is_context_init_state,
+                    about_to_finish=req.is_generation_to_complete_state,  # its final step is under way (overlap)
+                    kv_tokens=len(req.tokens),
+                    gpu_blocks=len(cache.on(GPU)) if cache else 0,
+                    num_output_tokens=len(req.generated),
+                    prompt_tokens=len(req.prompt),
+                    host_blocks=len(cache.on(HOST)) if cache else 0,
+                    held_rank=held.get(req.py_request_id, -1),
+                    next_step_blocks=self._next_step_pages(req, cache),
+                )
             )
-            for position, req in enumerate(self.active)
-        )
         return PassSnapshot(
-            requests,
+            tuple(requests),
             has_host_tier=self.pool.can_evict,
             max_batch_size=self.scheduler.max_num_requests,
             max_num_tokens=self.max_num_tokens or 1 << 30,
@@ -456,16 +571,19 @@ class TrtllmAdapter:
     def _pass_output(self, before: PassSnapshot, out) -> PassOutput:
         was = {r.request_id: r.state for r in before.requests}
         offloaded = self._state_of_role[roles.OFFLOADED]
+        replaying = {self._state_of_role[roles.DROPPED], self._state_of_role[roles.RECOMPUTING]}
 
         def listed(reqs) -> tuple[Listed, ...]:
             return tuple(Listed(r.py_request_id, self._state(r)) for r in reqs)
 
         scheduled = [*out.context_requests, *out.generation_requests]
+        fresh = [r for r in out.context_requests if was.get(r.py_request_id) not in {offloaded, *replaying}]
         return PassOutput(
-            context=listed(r for r in out.context_requests if was.get(r.py_request_id) != offloaded),
+            context=listed(fresh),
+            replay=listed(r for r in out.context_requests if was.get(r.py_request_id) in replaying),
             generation=listed(r for r in out.generation_requests if was.get(r.py_request_id) != offloaded),
             resumed=listed(r for r in scheduled if was.get(r.py_request_id) == offloaded),
             suspended=listed(out.paused_requests),
-            recompute_paused=listed(getattr(out, "recompute_paused_requests", [])),
+            recompute_paused=listed(out.recompute_paused_requests),
             chunk_tokens={r.py_request_id: 1 for r in scheduled},
         )
