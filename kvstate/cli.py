@@ -23,6 +23,7 @@ from importlib import metadata
 from types import ModuleType
 
 from kvstate.commands import check, diagram, export, report, spec_summary, validate
+from kvstate.commands.args import OptionParser
 from kvstate.errors import KVStateError
 from kvstate.extras import missing_extra
 from kvstate.terminal import inert
@@ -42,7 +43,7 @@ INTERRUPTED = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OptionParser(
         prog="kvstate",
         description="A formally specified request lifecycle for paged KV caches with a GPU tier and a host tier.",
     )

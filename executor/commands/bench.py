@@ -119,7 +119,7 @@ def _add_workload_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--seed",
-        type=non_negative_int("seed", maximum=MAX_SEED),
+        type=non_negative_int(maximum=MAX_SEED),
         default=0,
         help="seed of every workload and shuffle (default %(default)s)",
     )

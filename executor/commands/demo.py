@@ -115,14 +115,14 @@ def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
     """The options of a run on pipeline stages (`--pp`): stages, micro-batches in flight, the lockstep comparison."""
     p.add_argument(
         "--pp",
-        type=positive_int("pp", maximum=MAX_STAGES),
+        type=positive_int(maximum=MAX_STAGES),
         default=1,
         metavar="N",
         help="pipeline stages, run as N spawned local ranks; 1 = single process (default %(default)s)",
     )
     p.add_argument(
         "--micro-batches",
-        type=positive_int("micro_batches", maximum=MAX_STAGES),
+        type=positive_int(maximum=MAX_STAGES),
         default=None,
         metavar="N",
         help="with --pp: micro-batches in flight at once (default: one per stage; 1 = lockstep)",

@@ -59,13 +59,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-new-tokens",
-        type=positive_int("max_new_tokens", maximum=MAX_TOKENS),
+        type=positive_int(maximum=MAX_TOKENS),
         default=64,
         help="most tokens to generate (default %(default)s); generation also stops at the EOS token",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default %(default)s)")
     p.add_argument(
-        "--seed", type=non_negative_int("seed", maximum=MAX_SEED), default=0, help="sampling seed (default %(default)s)"
+        "--seed", type=non_negative_int(maximum=MAX_SEED), default=0, help="sampling seed (default %(default)s)"
     )
     add_device_option(p)
     add_dtype_option(p)

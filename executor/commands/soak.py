@@ -352,13 +352,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ("--requests", BoundedInt(1, MAX_REQUESTS, "positive", "--requests"), "number of requests"),
         (
             "--seed",
-            non_negative_int("--seed", maximum=MAX_SEED),
+            non_negative_int(maximum=MAX_SEED),
             "seed of the workload, arrivals, cancellations, faults, weights and sampling",
         ),
-        ("--gpu-blocks", positive_int("--gpu-blocks", maximum=MAX_BLOCKS), "GPU tier blocks"),
-        ("--host-blocks", non_negative_int("--host-blocks", maximum=MAX_BLOCKS), "host tier blocks, 0 = no host tier"),
-        ("--block-size", positive_int("--block-size", maximum=MAX_BLOCK_SIZE), "tokens per block"),
-        ("--chunk-size", positive_int("--chunk-size", maximum=MAX_TOKENS), "prefill chunk size in tokens"),
+        ("--gpu-blocks", positive_int(maximum=MAX_BLOCKS), "GPU tier blocks"),
+        ("--host-blocks", non_negative_int(maximum=MAX_BLOCKS), "host tier blocks, 0 = no host tier"),
+        ("--block-size", positive_int(maximum=MAX_BLOCK_SIZE), "tokens per block"),
+        ("--chunk-size", positive_int(maximum=MAX_TOKENS), "prefill chunk size in tokens"),
         ("--arrival-rate", float, "mean request arrivals per iteration"),
         ("--cancel-rate", float, "share of requests cancelled at a random time after arrival"),
     ]

@@ -1,7 +1,8 @@
 """Argument checks shared by the subcommands, all done before any work starts (and before torch is imported).
 
 `argparse` types (`positive_int`, `non_negative_int`, `positive_multiple_of`, `positive_float`, `seconds`,
-`device_name`) refuse a bad value with argparse's one-line usage error (exit 2). Every count has an upper bound
+`device_name`) refuse a bad value with argparse's one-line usage error (exit 2), which `OptionParser` starts with
+the option's flag (``--block-size must be a positive integer, got 0``). Every count has an upper bound
 (`maximum`, required, and named in the error: a count far past anything the command can do is refused at once,
 never discovered as a run that stalls while its memory grows); values are echoed as a short prefix.
 
@@ -26,6 +27,7 @@ import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from kvstate.errors import KVStateError
 from kvstate.untrusted import shown
@@ -58,6 +60,28 @@ def add_lifecycle_option(parser: argparse.ArgumentParser, what: str) -> None:
             "byte-identical traces"
         ),
     )
+
+
+class OptionParser(argparse.ArgumentParser):
+    """An `argparse.ArgumentParser` whose error about one option's value starts with the option's flag
+    (``--block-size must be a positive integer, got 0``), as the user typed it; argparse's own form is
+    ``argument --block-size: must be ...``. Its subparsers are option parsers too."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(option_first(message))
+
+
+def option_first(message: str) -> str:
+    """`message` with argparse's ``argument FLAG: `` prefix turned into the flag itself: ``FLAG must be ...`` when
+    the rest says what the value must be, ``FLAG: ...`` otherwise (a rest that already names the flag is kept)."""
+    found = re.fullmatch(r"argument (\S+): (.*)", message, flags=re.DOTALL)
+    if found is None:
+        return message
+    flags, rest = found.group(1).split("/"), found.group(2)
+    if any(rest.startswith(f"{flag} ") for flag in flags):
+        return rest
+    flag = flags[-1]
+    return f"{flag} {rest}" if rest.startswith("must be") else f"{flag}: {rest}"
 
 
 class UsageError(KVStateError, ValueError):

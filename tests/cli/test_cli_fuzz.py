@@ -68,9 +68,9 @@ CASES = [
     (["demo", "--inject", "copy_to_host:0.1", "--pp", "2"], "--inject is not supported with --pp 2"),
     (["demo", "--no-checksums", "--pp", "2"], "--no-checksums is not supported with --pp 2"),
     (["demo", "--gpu-blocks", "1", "--block-size", "1"], "the smallest request needs 2"),
-    (["demo", "--gpu-blocks", "0"], "gpu_blocks must be a positive integer"),
+    (["demo", "--gpu-blocks", "0"], "--gpu-blocks must be a positive integer, got 0"),
     (["demo", "--requests", "-3"], "--requests must be positive, got -3"),
-    (["demo", "--pp", "0"], "pp must be a positive integer"),
+    (["demo", "--pp", "0"], "--pp must be a positive integer, got 0"),
     (["demo", "--device", "tpu"], "expected auto, cpu, cuda or cuda:N"),
     (["demo", "--dtype", "int8"], "invalid choice"),
     (["soak", "--inject", "bogus"], "unknown fault kind 'bogus'"),
@@ -111,7 +111,7 @@ CASES = [
     (["generate", "--checkpoint", "/nonexistent", "hello"], "--checkpoint /nonexistent does not exist"),
     (["generate", "--checkpoint", "/tmp", "hello"], "has no config.json"),
     (["generate", "--checkpoint", "/etc/passwd", "hello"], "is not a directory"),
-    (["generate", "--checkpoint", "/tmp", "--max-new-tokens", "0", "hi"], "max_new_tokens must be a positive"),
+    (["generate", "--checkpoint", "/tmp", "--max-new-tokens", "0", "hi"], "--max-new-tokens must be a positive"),
     (["nope"], "invalid choice"),
 ]
 

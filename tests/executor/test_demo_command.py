@@ -142,7 +142,7 @@ def test_demo_on_two_pipeline_stages(tmp_path, capsys):
 def test_demo_bad_option_is_a_clear_error(tmp_path, capsys):
     code = main(["demo", "--gpu-blocks", "0", "--device", "cpu", "--trace", str(tmp_path / "t.ndjson")])
     assert code == 2
-    assert "gpu_blocks must be a positive integer" in capsys.readouterr().err
+    assert "--gpu-blocks must be a positive integer, got 0" in capsys.readouterr().err
 
 
 def test_import_kvstate_does_not_import_torch():
