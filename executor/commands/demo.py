@@ -34,6 +34,7 @@ from kvstate.commands.args import (
     add_device_option,
     add_dtype_option,
     add_lifecycle_option,
+    check_cuda_driver,
     dtype_setting,
     positive_int,
 )
@@ -170,6 +171,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     check_args(args)
+    check_cuda_driver(args.device)
     import torch
 
     from executor import resolve_device, resolve_dtype

@@ -26,6 +26,7 @@ from kvstate.commands.args import (
     UsageError,
     add_device_option,
     add_dtype_option,
+    check_cuda_driver,
     dtype_setting,
     input_file,
     non_negative_int,
@@ -125,6 +126,7 @@ def _run(args: argparse.Namespace) -> int:
     if not args.prompt:
         raise UsageError("the prompt is empty; pass some text")
     checkpoint = _checkpoint(args)
+    check_cuda_driver(args.device)
 
     from executor import Engine, EngineConfig, resolve_device
     from executor.sampler import SamplingParams

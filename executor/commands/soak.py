@@ -45,6 +45,7 @@ from kvstate.commands.args import (
     add_device_option,
     add_dtype_option,
     add_lifecycle_option,
+    check_cuda_driver,
     dtype_setting,
     non_negative_int,
     positive_int,
@@ -405,6 +406,7 @@ def _run(args: argparse.Namespace) -> int:
     check_outputs(args)
     settings = settings_from_args(args)  # every setting and --inject checked before torch is imported
     check_fault_plan(settings.faults, settings.seed)
+    check_cuda_driver(settings.device)
     import torch
 
     from executor import resolve_device, resolve_dtype

@@ -15,7 +15,8 @@ temporary entry that they remove at once.
 Options several commands share are added by one function each, so they read the same everywhere:
 `add_spec_option` (``--spec PATH``), `add_device_option` (``--device``, default ``auto``), `add_dtype_option`
 (``--dtype``, default ``auto``: the engine's default for the device, float64 on the CPU and float32 on CUDA),
-`add_lifecycle_option` and `add_mkdir_option`.
+`add_lifecycle_option` and `add_mkdir_option`. `check_cuda_driver` refuses ``--device cuda`` before torch is
+imported on a machine without a GPU driver.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import math
 import os
 import re
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +35,8 @@ from kvstate.errors import KVStateError
 from kvstate.untrusted import shown
 
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+# Files a GPU driver torch can use provides on Linux: NVIDIA's, ROCm's (torch.cuda runs on HIP) and WSL's.
+GPU_DRIVER_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
 DTYPES = ("auto", "float64", "float32", "bfloat16", "float16")
 
 # Upper bounds of the counts the commands take (each is named in the error that refuses a larger one).
@@ -157,6 +161,20 @@ def device_name(text: str) -> str:
     if not DEVICE.fullmatch(text):
         raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {shown(text)}")
     return text
+
+
+def check_cuda_driver(device: str | None) -> None:
+    """Refuse ``--device cuda`` (or ``cuda:N``) at once on a Linux machine that has none of the files a GPU driver
+    provides (`GPU_DRIVER_FILES`: NVIDIA, ROCm, WSL): torch could not use CUDA there, and importing torch to find
+    that out takes seconds. Elsewhere, or where a driver is present, torch decides once it is imported."""
+    if device is None or not device.startswith("cuda") or not sys.platform.startswith("linux"):
+        return
+    if any(os.path.exists(path) for path in GPU_DRIVER_FILES):
+        return
+    raise UsageError(
+        f"--device {device}: this machine has no GPU driver (none of {', '.join(GPU_DRIVER_FILES)} exists), "
+        "so torch cannot use CUDA; use 'cpu' or 'auto'"
+    )
 
 
 def add_device_option(parser: argparse.ArgumentParser, *, default: str | None = "auto", what: str = "") -> None:

@@ -4,12 +4,15 @@ and one error line, before any work starts and before torch (or the torch side, 
 from __future__ import annotations
 
 import builtins
+import os
+import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstate.cli import build_parser, main
+from kvstate.commands.args import GPU_DRIVER_FILES
 
 TORCH_SIDE = ("torch", "executor")
 
@@ -127,6 +130,18 @@ def test_bad_command_line_is_one_error_line_and_exit_2(run_cli, trace, tmp_path,
         return
     assert_refused(code, out, err, argv)
     assert words in err, (argv, err)
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or any(os.path.exists(path) for path in GPU_DRIVER_FILES),
+    reason="a GPU driver is present: torch decides whether CUDA is usable",
+)
+@pytest.mark.parametrize("command", ["demo", "soak", "bench"])
+def test_cuda_without_a_gpu_driver_is_refused_before_torch_is_imported(run_cli, command):
+    build_parser()  # the command modules are loaded (torch-free) before the spy watches
+    code, out, err = run_cli([command, "--device", "cuda"])
+    assert_refused(code, out, err, [command])
+    assert "--device cuda: this machine has no GPU driver" in err and "use 'cpu' or 'auto'" in err
 
 
 def test_unknown_option_prints_the_subcommands_usage(run_cli):
