@@ -396,7 +396,7 @@ def _run_with_progress(engine, out) -> dict[str, int]:
     with Progress(*columns, console=out) as progress:
         task = progress.add_task("requests done", total=total, status="")
         while engine.scheduler.has_unfinished:
-            stats = engine.step()
+            stats = _step_or_say_what_finished(engine, total)
             for state, count in stats.requests_per_state.items():
                 peak[state] = max(peak.get(state, 0), count)
             progress.update(
@@ -405,6 +405,15 @@ def _run_with_progress(engine, out) -> dict[str, int]:
                 status=f"suspended {stats.num_suspended}, paused {stats.num_recompute_paused}",
             )
     return peak
+
+
+def _step_or_say_what_finished(engine, total: int):
+    """One engine step; an interruption (Ctrl-C) goes on with a note of how many requests had finished."""
+    try:
+        return engine.step()
+    except KeyboardInterrupt as err:
+        err.add_note(f"{len(engine.scheduler.finished)} of {total} requests had finished; nothing was checked")
+        raise
 
 
 def _table(title: str, columns: tuple[str, ...], rows):

@@ -120,6 +120,21 @@ def _check_gguf_header(path: Path) -> None:
         raise UsageError(str(err)) from None
 
 
+def _print_pieces(pieces, *, raw: bool) -> None:
+    """Print the text as it is generated; an interruption (Ctrl-C) ends the line and goes on with a note."""
+    printed = False
+    try:
+        for piece in pieces:
+            sys.stdout.write(piece if raw else inert(piece, keep="\n\t"))
+            sys.stdout.flush()
+            printed = True
+    except KeyboardInterrupt as err:
+        if printed:
+            sys.stdout.write("\n")
+        err.add_note("the text generated so far was printed" if printed else "no text had been generated")
+        raise
+
+
 def _run(args: argparse.Namespace) -> int:
     if not args.temperature >= 0:
         raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
@@ -147,9 +162,7 @@ def _run(args: argparse.Namespace) -> int:
                 tokenizer=tokenizer,
                 sampling=SamplingParams(temperature=args.temperature),
             )
-            for piece in pieces:
-                sys.stdout.write(piece if args.raw else inert(piece, keep="\n\t"))
-                sys.stdout.flush()
+            _print_pieces(pieces, raw=args.raw)
     except ValueError as err:  # CheckpointError, a refused request, an unusable device
         raise UsageError(str(err)) from None
     sys.stdout.write("\n")

@@ -484,9 +484,15 @@ def _run_with_progress(out, settings: SoakSettings) -> MatrixReport:
                 else f"mix {mix}, iteration {stats.iteration}, suspended {stats.num_suspended}, "
                 f"paused {stats.num_recompute_paused}"
             )
-            progress.update(task, completed=before[mix] + done, status=status)
+            finished[0] = before[mix] + done
+            progress.update(task, completed=finished[0], status=status)
 
-        return run_matrix(settings, run_soak, update)
+        finished = [0]
+        try:
+            return run_matrix(settings, run_soak, update)
+        except KeyboardInterrupt as err:
+            err.add_note(f"{finished[0]} of {settings.requests} requests had finished; nothing was checked")
+            raise
 
 
 def _print_tables(out, matrix: MatrixReport) -> None:

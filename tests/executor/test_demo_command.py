@@ -213,3 +213,24 @@ def test_demo_says_when_requests_are_capped_to_fit_the_gpu_tier(tmp_path, capsys
     out = " ".join(capsys.readouterr().out.split())
     assert code == 0 and "PASS" in out
     assert "each request is capped at 16 tokens" in out
+
+
+def test_ctrl_c_during_the_demo_is_one_calm_line_and_exit_130(tmp_path, capsys, monkeypatch):
+    from executor.model import LlamaModel
+
+    forward = LlamaModel.forward_paged
+    calls = []
+
+    def interrupted_on_the_tenth_pass(self, batch, cache):  # the user presses Ctrl-C during a forward pass
+        calls.append(None)
+        if len(calls) == 10:
+            raise KeyboardInterrupt
+        return forward(self, batch, cache)
+
+    monkeypatch.setattr(LlamaModel, "forward_paged", interrupted_on_the_tenth_pass)
+    code = main(["demo", *SMALL_DEMO, "--requests", "8", "--device", "cpu", "--trace", str(tmp_path / "t.ndjson")])
+    err = capsys.readouterr().err
+    assert code == 130 and len(calls) == 10
+    assert err.count("\n") == 1 and err.startswith("kvstate demo: interrupted at step "), err
+    assert "was settled" in err and "of 8 requests had finished" in err
+    assert "failed" not in err and "keep stepping" not in err, err
