@@ -381,10 +381,10 @@ def _verdict(out, errors, args, *, traces, leaked: int, differ: list, outputs: i
 
 
 def _run_with_progress(engine, out) -> dict[str, int]:
-    """Step the engine to completion under a progress bar; returns the peak number of requests per state."""
+    """Step the engine to completion under a progress bar; returns the peak number of requests per state (taken on
+    every transition, `Scheduler.peak_per_state`)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    peak = {s.name: 0 for s in engine.scheduler.spec.states}
     total = len(engine.scheduler.requests) + len(engine.scheduler.finished)
     columns = (
         TextColumn("{task.description}"),
@@ -397,14 +397,19 @@ def _run_with_progress(engine, out) -> dict[str, int]:
         task = progress.add_task("requests done", total=total, status="")
         while engine.scheduler.has_unfinished:
             stats = _step_or_say_what_finished(engine, total)
-            for state, count in stats.requests_per_state.items():
-                peak[state] = max(peak.get(state, 0), count)
-            progress.update(
-                task,
-                completed=len(engine.scheduler.finished),
-                status=f"suspended {stats.num_suspended}, paused {stats.num_recompute_paused}",
-            )
-    return peak
+            progress.update(task, completed=len(engine.scheduler.finished), status=progress_status(engine, stats))
+    peaks = engine.scheduler.peak_per_state
+    return {state.name: peaks.get(state.name, 0) for state in engine.scheduler.spec.states}
+
+
+def progress_status(engine, stats) -> str:
+    """The progress bar's status: the preemptions of the run so far (totals), then the requests suspended and
+    recompute-paused after the last step (`stats`, counts now: both end at 0)."""
+    totals = engine.totals
+    return (
+        f"suspensions {totals.suspensions}, recompute-pauses {totals.recompute_pauses} "
+        f"(now {stats.num_suspended} suspended, {stats.num_recompute_paused} paused)"
+    )
 
 
 def _step_or_say_what_finished(engine, total: int):

@@ -481,8 +481,8 @@ def _run_with_progress(out, settings: SoakSettings) -> MatrixReport:
             status = (
                 f"mix {mix}"
                 if stats is None
-                else f"mix {mix}, iteration {stats.iteration}, suspended {stats.num_suspended}, "
-                f"paused {stats.num_recompute_paused}"
+                else f"mix {mix}, iteration {stats.iteration}, now {stats.num_suspended} suspended, "
+                f"{stats.num_recompute_paused} paused"
             )
             finished[0] = before[mix] + done
             progress.update(task, completed=finished[0], status=status)

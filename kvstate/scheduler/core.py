@@ -278,6 +278,12 @@ class SchedulerCore:
         """Active requests per non-terminal state (the tally's counts, kept on each transition)."""
         return self.tally.counts
 
+    @property
+    def peak_per_state(self) -> dict[str, int]:
+        """The most requests each state has held at once, taken on every transition (`StateTally.peaks`), so a
+        request that entered a state and left it within one step counts; the terminal state's peak is its count."""
+        return {**self.tally.peaks, self._ended: len(self.finished)}
+
     def _move(self, request: Request, old: str, new: str, figures: Figures | None) -> None:
         """Keep the per-state containers and the tally in step with a transition (`figures`: the request's tallied
         figures before it, `StateTally.before`)."""
