@@ -23,7 +23,7 @@ from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from typing import Any
 
 from kvstate.config import SchedulerConfig
-from kvstate.errors import KVStateError, UnknownRequestId
+from kvstate.errors import KVStateError, TierFull, UnknownRequestId
 from kvstate.lifecycle import STATE_ATTRIBUTE, make_lifecycle
 from kvstate.output import SchedulerOutput
 from kvstate.policy import (
@@ -226,8 +226,11 @@ class SchedulerCore:
         if transition.effect is not None:
             try:
                 getattr(self._effects_in(pass_), transition.effect)(request, transition)
-            except BaseException:
+            except BaseException as err:
                 setattr(request, STATE_ATTRIBUTE, before)  # the effect refused before changing anything: undo the move
+                if isinstance(err, TierFull) and err.edge is None:
+                    err.edge = transition  # the edge whose guard let the effect ask for blocks the tier lacks
+                    err.request_id = request.request_id
                 raise
         self._move(request, before, transition.dest, figures)
         if self.fired is not None:
