@@ -6,7 +6,7 @@ from .checkpoint import load_checkpoint
 from .checkpoint_files import CheckpointError
 from .decode_kv import DecodeKV
 from .decode_plan import BatchPlanner
-from .engine import Engine
+from .engine import Engine, IterationStats  # kvstate.IterationStats: what Engine.step() and stats() return
 from .engine_config import OFFLOAD_POLICIES, EngineConfig, offload_spec, resolve_dtype
 from .engine_errors import (
     EngineClosed,
@@ -54,6 +54,7 @@ __all__ = [
     "HostTierFallbackWarning",
     "HostTierLossRefused",
     "InvalidTokenId",
+    "IterationStats",
     "LlamaModel",
     "MigrationFailed",
     "ModelConfig",

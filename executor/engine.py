@@ -52,7 +52,8 @@ Invariants kept:
   also after a failed step and after `close()` (so the device cache may then be freed);
 * every lifecycle transition is written to the trace (when `trace_path` is set) as it happens; an interruption
   (KeyboardInterrupt) inside the trace write marks the engine broken (the trace then misses lines) before it
-  propagates, so a trace is either complete or its engine says it is not;
+  propagates, so a trace is either complete or its engine says it is not; a KeyboardInterrupt during a step
+  that could be settled carries a note that says where it was interrupted, not that the step failed;
 * a request id its trace could not carry (`kvstate.trace.request_id_problem`) is refused at submission;
 * a refused call (bad request, unknown id, closed engine, re-entrant or concurrent misuse) raises a `ValueError`
   subclass and changes nothing;
@@ -293,6 +294,12 @@ class Engine:
             if attempt.phase == "after the step"
             else "the forward pass was discarded (the next step computes it again)"
         )
+        if isinstance(err, KeyboardInterrupt):  # the user stopped the run: nothing failed
+            err.add_note(
+                f"kvstate: interrupted at step {iteration} (in phase '{attempt.phase}'); the step was settled: "
+                f"nothing is in flight and {done}"
+            )
+            return
         err.add_note(
             f"kvstate: step {iteration} failed in phase '{attempt.phase}' and was settled: every copy "
             f"completed or failed and nothing is in flight; {done}; the engine can keep stepping"

@@ -12,6 +12,7 @@ from kvstate.errors import (
     PoolError,
     SchedulerStalled,
     SpecError,
+    TierFull,
     UnknownRequestId,
 )
 from kvstate.lifecycle import Lifecycle, TransitionTable
@@ -58,6 +59,7 @@ __all__ = [
     "SpecError",
     "State",
     "Step",
+    "TierFull",
     "TieredBlockPool",
     "Transition",
     "TransitionTable",

@@ -6,7 +6,8 @@ distribution, so that the core never imports the executor. Importing a command m
 A bad command line never prints a traceback: argparse refuses malformed options with the subcommand's own usage,
 each command checks its values and paths before it starts work (and before torch is imported), and an expected
 error (`KVStateError`, an `OSError` on a path the user named, an optional dependency that is not installed, named
-with the extra that installs it: `kvstate.extras`) is one line on stderr. All of these exit with 2. Listing the
+with the extra that installs it: `kvstate.extras`) is one line on stderr. All of these exit with 2. An interruption
+(Ctrl-C) is one line too, saying where the run stopped and what had completed, with exit status 130. Listing the
 commands (`kvstate --help`) imports no torch, so it works where only the core is installed.
 A warning raised while a command runs (the engine's `HostTierFallbackWarning`, say) is one line of its own on
 stderr, ``kvstate COMMAND: warning: ...``, never Python's default display with a source line. Everything printed
@@ -23,6 +24,7 @@ from importlib import metadata
 from types import ModuleType
 
 from kvstate.commands import check, diagram, export, report, spec_summary, validate
+from kvstate.commands.args import OptionParser
 from kvstate.errors import KVStateError
 from kvstate.extras import missing_extra
 from kvstate.terminal import inert
@@ -42,7 +44,7 @@ INTERRUPTED = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OptionParser(
         prog="kvstate",
         description="A formally specified request lifecycle for paged KV caches with a GPU tier and a host tier.",
     )
@@ -123,9 +125,18 @@ def _run(args: argparse.Namespace) -> int:
             raise
         return _error(args.command, message)
     except KeyboardInterrupt as err:
-        notes = "".join(f"; {note}" for note in getattr(err, "__notes__", ()))  # e.g. what it left broken
-        print(inert(f"kvstate {args.command}: interrupted{notes}"), file=sys.stderr)
+        print(inert(f"kvstate {args.command}: {interrupted(err)}"), file=sys.stderr)
         return INTERRUPTED
+
+
+def interrupted(err: KeyboardInterrupt) -> str:
+    """The one line that reports an interruption: the notes the layers it crossed added (where it stopped, what had
+    completed, what it left broken), without their "kvstate: " prefixes, after "interrupted" unless the first note
+    already starts with it."""
+    notes = [str(note).removeprefix("kvstate: ") for note in getattr(err, "__notes__", ())]
+    if not notes or not notes[0].startswith("interrupted"):
+        notes.insert(0, "interrupted")
+    return "; ".join(notes)
 
 
 def _error(command: str, message: str) -> int:

@@ -6,6 +6,11 @@ what was wrong and what to do."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvstate.spec import Transition
+
 
 class KVStateError(Exception):
     """Base class of the errors raised by kvstate."""
@@ -45,6 +50,19 @@ class InvariantViolation(KVStateError, AssertionError):
 
 class PoolError(KVStateError, ValueError):
     """A block-pool operation was asked for that the pool cannot carry out; nothing was changed."""
+
+
+class TierFull(PoolError):
+    """An allocation asked a tier for more blocks than it has free; nothing was changed. `tier` names the tier
+    ("gpu" or "host"), `free` and `asked` the blocks it had and was asked for. `edge` is the transition whose effect
+    asked, when one did, and `request_id` the request that took it: the scheduler sets both as the error leaves the
+    effect (None otherwise)."""
+
+    def __init__(self, message: str, *, tier: str, free: int, asked: int) -> None:
+        super().__init__(message)
+        self.tier, self.free, self.asked = tier, free, asked
+        self.edge: Transition | None = None
+        self.request_id: object = None
 
 
 class UnknownRequestId(KVStateError, KeyError, ValueError):

@@ -21,7 +21,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from kvstate.errors import InvariantViolation, PoolError
+from kvstate.errors import InvariantViolation, PoolError, TierFull
 
 TO_HOST = "to_host"
 TO_GPU = "to_gpu"
@@ -105,9 +105,12 @@ class Tier:
 
     def take(self, owner: Hashable, count: int) -> list[int]:
         if count > len(self._free):
-            raise PoolError(
+            raise TierFull(
                 f"{self.name} tier has {len(self._free)} free blocks, {owner!r} asked for {count}; "
-                "check can_allocate() first"
+                "check can_allocate() first",
+                tier=self.name,
+                free=len(self._free),
+                asked=count,
             )
         blocks = [heapq.heappop(self._free) for _ in range(count)]
         for block in blocks:
@@ -119,9 +122,12 @@ class Tier:
         """One more block for each of `owners`, in order: the same blocks as `take(owner, 1)` for each in turn, in
         one call. Raises `PoolError` (nothing changed) when fewer than `len(owners)` are free."""
         if len(owners) > len(self._free):
-            raise PoolError(
+            raise TierFull(
                 f"{self.name} tier has {len(self._free)} free blocks, {len(owners)} owners asked for one each; "
-                "check can_allocate() first"
+                "check can_allocate() first",
+                tier=self.name,
+                free=len(self._free),
+                asked=len(owners),
             )
         free, owner_of, blocks_of = self._free, self.owner_of, self.blocks_of
         for owner in owners:
@@ -327,11 +333,14 @@ class TieredBlockPool:
         `complete`, the host destinations are `owner`'s at once (after its earlier host blocks: its table keeps its
         order). An owner left with no GPU block is no longer held."""
         if not self.can_offload(owner, count):
-            raise PoolError(
+            message = (
                 f"cannot offload {count} blocks of {owner!r}: it holds {len(self.gpu.held(owner))} GPU blocks"
                 f"{'' if owner in self._held else ' and is not held'}, the host tier has {self.host.num_free} free of "
                 f"{self.host.capacity}; offload only held blocks the host tier can take, one copy at a time"
             )
+            if count > self.host.num_free:
+                raise TierFull(message, tier=self.host.name, free=self.host.num_free, asked=count)
+            raise PoolError(message)
         plan = self._migrate(owner, self.gpu, self.host, TO_HOST, count)
         if not self.gpu.held(owner):
             del self._held[owner]
@@ -347,10 +356,14 @@ class TieredBlockPool:
         """Lock `owner`'s held GPU blocks again (no copy) and plan host -> GPU copies of its host blocks into fresh GPU
         blocks placed before them; the host sources are fenced until `complete`. None when nothing is copied."""
         if not self.can_onboard(owner):
-            raise PoolError(
-                f"cannot onboard {owner!r}: it holds {len(self.host.held(owner))} host blocks, the GPU tier has "
-                f"{self.gpu.num_free} free; wait for GPU room"
+            need = len(self.host.held(owner))
+            message = (
+                f"cannot onboard {owner!r}: it holds {need} host blocks, the GPU tier has {self.gpu.num_free} free; "
+                "wait for GPU room"
             )
+            if need > self.gpu.num_free:
+                raise TierFull(message, tier=self.gpu.name, free=self.gpu.num_free, asked=need)
+            raise PoolError(f"cannot onboard {owner!r}: a copy of it is in flight; complete it first")
         self._held.pop(owner, None)
         if not self.host.held(owner):
             return None

@@ -21,7 +21,7 @@ Invariants kept:
 from __future__ import annotations
 
 import json
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, NamedTuple
@@ -356,9 +356,12 @@ def read_header(path: str | Path) -> CounterexampleHeader | None:
     return None
 
 
-def read_trace(path: str | Path) -> Iterator[dict[str, Hashable]]:
+def read_trace(
+    path: str | Path, *, progress: Callable[[int, int], None] | None = None, every: int = 100_000
+) -> Iterator[dict[str, Hashable]]:
     """The objects of a trace file, one per non-empty line, read within `TRACE_LIMITS` and checked
-    against the format above (raises `TraceError`, a `ValueError`, naming the line and field).
+    against the format above (raises `TraceError`, a `ValueError`, naming the line and field). `progress`, when
+    given, is told (lines read, bytes read) every `every` lines.
 
     A counterexample trace's header (`read_header`) is not yielded. Its lines may carry block counts below 0 only
     at the violating step the header names, and no line comes after that step; every other trace is read strictly.
@@ -367,6 +370,8 @@ def read_trace(path: str | Path) -> Iterator[dict[str, Hashable]]:
     step = header.step if header is not None else None
     with open_trace(path) as handle:
         for number, raw in trace_lines(handle, path=path):
+            if progress is not None and number % every == 0:
+                progress(number, handle.tell())
             if not raw.strip():
                 continue
             low: list[str] | None = [] if step is not None else None

@@ -25,6 +25,7 @@ from kvstate.commands.args import (
     UsageError,
     add_lifecycle_option,
     add_mkdir_option,
+    check_cuda_driver,
     device_name,
     non_negative_int,
     output_dir,
@@ -119,7 +120,7 @@ def _add_workload_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--seed",
-        type=non_negative_int("seed", maximum=MAX_SEED),
+        type=non_negative_int(maximum=MAX_SEED),
         default=0,
         help="seed of every workload and shuffle (default %(default)s)",
     )
@@ -139,6 +140,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"--device does not apply to --only {' '.join(groups)} (pure Python); drop --device")
     json_path = output_file(args.json, "--json", mkdir=args.mkdir) if args.json else None
     plots_dir = output_dir(args.plots, "--plots", mkdir=args.mkdir) if args.plots else None
+    check_cuda_driver(args.device)
 
     from executor.bench import run_all
     from executor.bench.table import document, render_table, summary, summary_line, write_json

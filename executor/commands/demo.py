@@ -34,6 +34,7 @@ from kvstate.commands.args import (
     add_device_option,
     add_dtype_option,
     add_lifecycle_option,
+    check_cuda_driver,
     dtype_setting,
     positive_int,
 )
@@ -115,14 +116,14 @@ def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
     """The options of a run on pipeline stages (`--pp`): stages, micro-batches in flight, the lockstep comparison."""
     p.add_argument(
         "--pp",
-        type=positive_int("pp", maximum=MAX_STAGES),
+        type=positive_int(maximum=MAX_STAGES),
         default=1,
         metavar="N",
         help="pipeline stages, run as N spawned local ranks; 1 = single process (default %(default)s)",
     )
     p.add_argument(
         "--micro-batches",
-        type=positive_int("micro_batches", maximum=MAX_STAGES),
+        type=positive_int(maximum=MAX_STAGES),
         default=None,
         metavar="N",
         help="with --pp: micro-batches in flight at once (default: one per stage; 1 = lockstep)",
@@ -170,6 +171,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     check_args(args)
+    check_cuda_driver(args.device)
     import torch
 
     from executor import resolve_device, resolve_dtype
@@ -379,10 +381,10 @@ def _verdict(out, errors, args, *, traces, leaked: int, differ: list, outputs: i
 
 
 def _run_with_progress(engine, out) -> dict[str, int]:
-    """Step the engine to completion under a progress bar; returns the peak number of requests per state."""
+    """Step the engine to completion under a progress bar; returns the peak number of requests per state (taken on
+    every transition, `Scheduler.peak_per_state`)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    peak = {s.name: 0 for s in engine.scheduler.spec.states}
     total = len(engine.scheduler.requests) + len(engine.scheduler.finished)
     columns = (
         TextColumn("{task.description}"),
@@ -394,15 +396,29 @@ def _run_with_progress(engine, out) -> dict[str, int]:
     with Progress(*columns, console=out) as progress:
         task = progress.add_task("requests done", total=total, status="")
         while engine.scheduler.has_unfinished:
-            stats = engine.step()
-            for state, count in stats.requests_per_state.items():
-                peak[state] = max(peak.get(state, 0), count)
-            progress.update(
-                task,
-                completed=len(engine.scheduler.finished),
-                status=f"suspended {stats.num_suspended}, paused {stats.num_recompute_paused}",
-            )
-    return peak
+            stats = _step_or_say_what_finished(engine, total)
+            progress.update(task, completed=len(engine.scheduler.finished), status=progress_status(engine, stats))
+    peaks = engine.scheduler.peak_per_state
+    return {state.name: peaks.get(state.name, 0) for state in engine.scheduler.spec.states}
+
+
+def progress_status(engine, stats) -> str:
+    """The progress bar's status: the preemptions of the run so far (totals), then the requests suspended and
+    recompute-paused after the last step (`stats`, counts now: both end at 0)."""
+    totals = engine.totals
+    return (
+        f"suspensions {totals.suspensions}, recompute-pauses {totals.recompute_pauses} "
+        f"(now {stats.num_suspended} suspended, {stats.num_recompute_paused} paused)"
+    )
+
+
+def _step_or_say_what_finished(engine, total: int):
+    """One engine step; an interruption (Ctrl-C) goes on with a note of how many requests had finished."""
+    try:
+        return engine.step()
+    except KeyboardInterrupt as err:
+        err.add_note(f"{len(engine.scheduler.finished)} of {total} requests had finished; nothing was checked")
+        raise
 
 
 def _table(title: str, columns: tuple[str, ...], rows):

@@ -35,6 +35,7 @@ from kvstate.commands.args import (
     UsageError,
     add_device_option,
     add_dtype_option,
+    check_cuda_driver,
     dtype_setting,
     input_file,
     non_negative_int,
@@ -73,13 +74,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-new-tokens",
-        type=positive_int("max_new_tokens", maximum=MAX_TOKENS),
+        type=positive_int(maximum=MAX_TOKENS),
         default=64,
         help="most tokens to generate (default %(default)s); generation also stops at the EOS token",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default %(default)s)")
     p.add_argument(
-        "--seed", type=non_negative_int("seed", maximum=MAX_SEED), default=0, help="sampling seed (default %(default)s)"
+        "--seed", type=non_negative_int(maximum=MAX_SEED), default=0, help="sampling seed (default %(default)s)"
     )
     add_device_option(p)
     add_dtype_option(
@@ -161,12 +162,28 @@ def _progress(args: argparse.Namespace) -> Callable[[str], None]:
     return say
 
 
+def _print_pieces(pieces, *, raw: bool) -> None:
+    """Print the text as it is generated; an interruption (Ctrl-C) ends the line and goes on with a note."""
+    printed = False
+    try:
+        for piece in pieces:
+            sys.stdout.write(piece if raw else inert(piece, keep="\n\t"))
+            sys.stdout.flush()
+            printed = True
+    except KeyboardInterrupt as err:
+        if printed:
+            sys.stdout.write("\n")
+        err.add_note("the text generated so far was printed" if printed else "no text had been generated")
+        raise
+
+
 def _run(args: argparse.Namespace) -> int:
     if not args.temperature >= 0:
         raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if not args.prompt:
         raise UsageError("the prompt is empty; pass some text")
     checkpoint = _checkpoint(args)
+    check_cuda_driver(args.device)
     header = _check_gguf_header(checkpoint, _load_dtype(args)) if checkpoint.is_file() else None
     say = _progress(args)
     what = f"{len(header.tensors)} tensors" if header is not None else "weights"
@@ -224,7 +241,5 @@ def _stream(
         request_id="generate",
         progress=say,
     )
-    for piece in pieces:
-        sys.stdout.write(piece if args.raw else inert(piece, keep="\n\t"))
-        sys.stdout.flush()
+    _print_pieces(pieces, raw=args.raw)
     return len(engine.outputs()["generate"])

@@ -45,6 +45,7 @@ from kvstate.commands.args import (
     add_device_option,
     add_dtype_option,
     add_lifecycle_option,
+    check_cuda_driver,
     dtype_setting,
     non_negative_int,
     positive_int,
@@ -352,13 +353,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ("--requests", BoundedInt(1, MAX_REQUESTS, "positive", "--requests"), "number of requests"),
         (
             "--seed",
-            non_negative_int("--seed", maximum=MAX_SEED),
+            non_negative_int(maximum=MAX_SEED),
             "seed of the workload, arrivals, cancellations, faults, weights and sampling",
         ),
-        ("--gpu-blocks", positive_int("--gpu-blocks", maximum=MAX_BLOCKS), "GPU tier blocks"),
-        ("--host-blocks", non_negative_int("--host-blocks", maximum=MAX_BLOCKS), "host tier blocks, 0 = no host tier"),
-        ("--block-size", positive_int("--block-size", maximum=MAX_BLOCK_SIZE), "tokens per block"),
-        ("--chunk-size", positive_int("--chunk-size", maximum=MAX_TOKENS), "prefill chunk size in tokens"),
+        ("--gpu-blocks", positive_int(maximum=MAX_BLOCKS), "GPU tier blocks"),
+        ("--host-blocks", non_negative_int(maximum=MAX_BLOCKS), "host tier blocks, 0 = no host tier"),
+        ("--block-size", positive_int(maximum=MAX_BLOCK_SIZE), "tokens per block"),
+        ("--chunk-size", positive_int(maximum=MAX_TOKENS), "prefill chunk size in tokens"),
         ("--arrival-rate", float, "mean request arrivals per iteration"),
         ("--cancel-rate", float, "share of requests cancelled at a random time after arrival"),
     ]
@@ -405,6 +406,7 @@ def _run(args: argparse.Namespace) -> int:
     check_outputs(args)
     settings = settings_from_args(args)  # every setting and --inject checked before torch is imported
     check_fault_plan(settings.faults, settings.seed)
+    check_cuda_driver(settings.device)
     import torch
 
     from executor import resolve_device, resolve_dtype
@@ -479,12 +481,18 @@ def _run_with_progress(out, settings: SoakSettings) -> MatrixReport:
             status = (
                 f"mix {mix}"
                 if stats is None
-                else f"mix {mix}, iteration {stats.iteration}, suspended {stats.num_suspended}, "
-                f"paused {stats.num_recompute_paused}"
+                else f"mix {mix}, iteration {stats.iteration}, now {stats.num_suspended} suspended, "
+                f"{stats.num_recompute_paused} paused"
             )
-            progress.update(task, completed=before[mix] + done, status=status)
+            finished[0] = before[mix] + done
+            progress.update(task, completed=finished[0], status=status)
 
-        return run_matrix(settings, run_soak, update)
+        finished = [0]
+        try:
+            return run_matrix(settings, run_soak, update)
+        except KeyboardInterrupt as err:
+            err.add_note(f"{finished[0]} of {settings.requests} requests had finished; nothing was checked")
+            raise
 
 
 def _print_tables(out, matrix: MatrixReport) -> None:

@@ -23,16 +23,16 @@ from kvstate.commands.args import (
 
 WORKLOAD_COUNTS = (
     ("--requests", BoundedInt(1, MAX_REQUESTS, "positive", "--requests"), "number of requests"),
-    ("--gpu-blocks", positive_int("gpu_blocks", maximum=MAX_BLOCKS), "GPU tier blocks"),
-    ("--host-blocks", non_negative_int("host_blocks", maximum=MAX_BLOCKS), "host tier blocks, 0 = no host tier"),
-    ("--block-size", positive_int("block_size", maximum=MAX_BLOCK_SIZE), "tokens per block"),
-    ("--chunk-size", positive_int("chunk_size", maximum=MAX_TOKENS), "prefill chunk size in tokens"),
+    ("--gpu-blocks", positive_int(maximum=MAX_BLOCKS), "GPU tier blocks"),
+    ("--host-blocks", non_negative_int(maximum=MAX_BLOCKS), "host tier blocks, 0 = no host tier"),
+    ("--block-size", positive_int(maximum=MAX_BLOCK_SIZE), "tokens per block"),
+    ("--chunk-size", positive_int(maximum=MAX_TOKENS), "prefill chunk size in tokens"),
     (
         "--hidden-size",
-        positive_multiple_of(8, "hidden_size", maximum=MAX_HIDDEN_SIZE),
+        positive_multiple_of(8, maximum=MAX_HIDDEN_SIZE),
         "the model's width (seeded weights)",
     ),
-    ("--seed", non_negative_int("seed", maximum=MAX_SEED), "workload, weights and sampling seed"),
+    ("--seed", non_negative_int(maximum=MAX_SEED), "workload, weights and sampling seed"),
 )
 
 

@@ -16,19 +16,19 @@ from dataclasses import replace
 from executor.commands.workload import WORKLOAD_COUNTS, WORKLOAD_DEFAULTS, add_offload_option, option_key
 from executor.pipeline.config import MAX_TIMEOUT_S, MIN_TIMEOUT_S
 from executor.pipeline.demo import DEMO_TIMEOUT_S
-from kvstate.commands.args import MAX_STAGES, device_name, non_negative_int, positive_int, seconds
+from kvstate.commands.args import MAX_STAGES, OptionParser, device_name, non_negative_int, positive_int, seconds
 from kvstate.terminal import inert
 
 DEFAULTS = {**WORKLOAD_DEFAULTS, "requests": 16}  # the demo's workload, with fewer requests
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OptionParser(
         prog="python -m executor.pipeline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
         "--pp",
-        type=positive_int("pp", maximum=MAX_STAGES),
+        type=positive_int(maximum=MAX_STAGES),
         default=2,
         help="stages to spawn without torchrun (default %(default)s)",
     )
@@ -40,14 +40,14 @@ def _parser() -> argparse.ArgumentParser:
     add_offload_option(p)
     p.add_argument(
         "--fail-host-tier-on-rank",
-        type=non_negative_int("rank", maximum=MAX_STAGES - 1),
+        type=non_negative_int(maximum=MAX_STAGES - 1),
         action="append",
         default=[],
         help="force this rank's host-tier allocation to fail (repeatable; tests the fallback)",
     )
     p.add_argument(
         "--micro-batches",
-        type=positive_int("micro_batches", maximum=MAX_STAGES),
+        type=positive_int(maximum=MAX_STAGES),
         default=None,
         help="micro-batches in flight (default: one per stage; 1 = lockstep)",
     )

@@ -216,7 +216,6 @@ class PipelineRank:
         self._remote_acks: list[list[Hashable]] = [[] for _ in range(1, self.world_size)]  # as last landed
         self.events: Counter = Counter()
         self.totals: Counter = Counter()
-        self.peak = {s.name: 0 for s in self.spec.states}
         self._unsent_records: list[dict] = []
         self._unsent_new: list[dict] = []
         self._cancels_left = self.config.cancel_awaiting
@@ -298,8 +297,6 @@ class PipelineRank:
         for key in STEP_TOTALS:
             self.totals[key] += getattr(stats, key)
         self.totals["steps"] += 1
-        for state, count in stats.requests_per_state.items():
-            self.peak[state] = max(self.peak.get(state, 0), count)
 
     # ----------------------------------------------------------------------------------------- every rank
     def _apply(self, message: dict[str, Any]) -> list[MigrationPlan]:
@@ -497,7 +494,7 @@ class PipelineRank:
             outputs={rid: list(r.generated) for rid, r in s.finished.items()},
             done_reasons={rid: r.done_reason for rid, r in s.finished.items()},
             totals=totals,
-            peak_states=dict(self.peak),
+            peak_states={state.name: s.peak_per_state.get(state.name, 0) for state in self.spec.states},
             final_states=dict(final),
             leaked_blocks=leaked,
         )

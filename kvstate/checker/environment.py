@@ -11,13 +11,17 @@ times per run, so arrivals and faults stop (F4).
 With `micro_batches` > 1 a step lands the oldest output when it must (`Scheduler.must_land`) before it schedules, so
 cancellations and lost host copies also hit requests whose step is in flight, and a request preempted while its
 decode step is in flight receives its token suspended or awaiting consensus (the deferred finish).
+
+An error the scheduler raises while an action runs is a violation with its path: a stall is LIVE-DONE; an allocation
+a tier cannot carry out (`TierFull`) is OWN-EXCL, the abstract model's name for owners claiming more blocks than
+exist, naming the edge whose guard let its effect ask; any other error is SPEC-EDGE (a transition not taken whole).
 """
 
 from __future__ import annotations
 
 from kvstate.checker.bounds import Bound
 from kvstate.checker.world import BoundRequests, World, bound_index
-from kvstate.errors import InvariantViolation, KVStateError
+from kvstate.errors import InvariantViolation, KVStateError, TierFull
 from kvstate.scheduler import SchedulerStalled
 
 # Actions that spend an environment budget (a world's fingerprint counts what is left), so none lies on a cycle.
@@ -104,6 +108,8 @@ class Environment:
             raise
         except SchedulerStalled as err:
             raise InvariantViolation("LIVE-DONE", str(err)) from err
+        except TierFull as err:
+            raise InvariantViolation("OWN-EXCL", beyond_capacity(err)) from err
         except KVStateError as err:
             raise InvariantViolation("SPEC-EDGE", f"{type(err).__name__}: {err}") from err
         except Exception as err:  # a crash inside the scheduler: the transition under way was not taken whole
@@ -124,3 +130,17 @@ class Environment:
         if step is None or not step.failures:
             raise NotEnabled(f"the pass issued no copy number {k}")
         world.failures_left -= 1
+
+
+def beyond_capacity(err: TierFull) -> str:
+    """What an allocation beyond a tier's free blocks says of the spec: which edge's guard let its effect ask."""
+    asked = f"asked the {err.tier} tier for {err.asked} block(s) with {err.free} free"
+    edge = err.edge
+    if edge is None:
+        return f"the scheduler {asked}, outside any transition's effect (an allocation beyond the tier's capacity)"
+    guard = "no guard" if edge.guard is None else f"guard {edge.guard!r}"
+    return (
+        f"request {err.request_id!r} took edge {edge.source} -{edge.event}-> {edge.dest}, its {guard} holding, but "
+        f"its effect {edge.effect!r} {asked}: the guard lets the edge fire without the room its effect allocates "
+        f"(the pool refused: {err})"
+    )

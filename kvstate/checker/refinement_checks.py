@@ -10,7 +10,8 @@ outputs equal `reference_output` (OUT-EQUIV: a finished request's whole output, 
 prefix of it); the abstraction of the world satisfies every state predicate of the abstract model; the abstraction
 after the action is reached from the one before by a sequence of abstract actions (`StepMatcher`: step refinement)
 and, when the abstract model's reachable set is given, is one of its states (REFINES: the scheduler never reaches a
-state the spec does not allow). A crash of the scheduler is the SPEC-EDGE violation of a transition not taken whole
+state the spec does not allow). A crash of the scheduler is the SPEC-EDGE violation of a transition not taken whole,
+except an allocation beyond a tier's free blocks, which is OWN-EXCL naming the edge that let it happen
 (`Environment.act`).
 """
 

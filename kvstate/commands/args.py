@@ -1,7 +1,8 @@
 """Argument checks shared by the subcommands, all done before any work starts (and before torch is imported).
 
 `argparse` types (`positive_int`, `non_negative_int`, `positive_multiple_of`, `positive_float`, `seconds`,
-`device_name`) refuse a bad value with argparse's one-line usage error (exit 2). Every count has an upper bound
+`device_name`) refuse a bad value with argparse's one-line usage error (exit 2), which `OptionParser` starts with
+the option's flag (``--block-size must be a positive integer, got 0``). Every count has an upper bound
 (`maximum`, required, and named in the error: a count far past anything the command can do is refused at once,
 never discovered as a run that stalls while its memory grows); values are echoed as a short prefix.
 
@@ -15,7 +16,8 @@ Options several commands share are added by one function each, so they read the 
 `add_spec_option` (``--spec PATH``), `add_device_option` (``--device``, default ``auto``), `add_dtype_option`
 (``--dtype``, default ``auto``: the engine's default for the device, float64 on the CPU and float32 on CUDA;
 a command that prints text rather than proving equality defaults to float32),
-`add_lifecycle_option` and `add_mkdir_option`.
+`add_lifecycle_option` and `add_mkdir_option`. `check_cuda_driver` refuses ``--device cuda`` before torch is
+imported on a machine without a GPU driver.
 """
 
 from __future__ import annotations
@@ -24,14 +26,18 @@ import argparse
 import math
 import os
 import re
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from kvstate.errors import KVStateError
 from kvstate.untrusted import shown
 
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+# Files a GPU driver torch can use provides on Linux: NVIDIA's, ROCm's (torch.cuda runs on HIP) and WSL's.
+GPU_DRIVER_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
 DTYPES = ("auto", "float64", "float32", "bfloat16", "float16")
 
 # Upper bounds of the counts the commands take (each is named in the error that refuses a larger one).
@@ -59,6 +65,28 @@ def add_lifecycle_option(parser: argparse.ArgumentParser, what: str) -> None:
             "byte-identical traces"
         ),
     )
+
+
+class OptionParser(argparse.ArgumentParser):
+    """An `argparse.ArgumentParser` whose error about one option's value starts with the option's flag
+    (``--block-size must be a positive integer, got 0``), as the user typed it; argparse's own form is
+    ``argument --block-size: must be ...``. Its subparsers are option parsers too."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(option_first(message))
+
+
+def option_first(message: str) -> str:
+    """`message` with argparse's ``argument FLAG: `` prefix turned into the flag itself: ``FLAG must be ...`` when
+    the rest says what the value must be, ``FLAG: ...`` otherwise (a rest that already names the flag is kept)."""
+    found = re.fullmatch(r"argument (\S+): (.*)", message, flags=re.DOTALL)
+    if found is None:
+        return message
+    flags, rest = found.group(1).split("/"), found.group(2)
+    if any(rest.startswith(f"{flag} ") for flag in flags):
+        return rest
+    flag = flags[-1]
+    return f"{flag} {rest}" if rest.startswith("must be") else f"{flag}: {rest}"
 
 
 class UsageError(KVStateError, ValueError):
@@ -134,6 +162,20 @@ def device_name(text: str) -> str:
     if not DEVICE.fullmatch(text):
         raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {shown(text)}")
     return text
+
+
+def check_cuda_driver(device: str | None) -> None:
+    """Refuse ``--device cuda`` (or ``cuda:N``) at once on a Linux machine that has none of the files a GPU driver
+    provides (`GPU_DRIVER_FILES`: NVIDIA, ROCm, WSL): torch could not use CUDA there, and importing torch to find
+    that out takes seconds. Elsewhere, or where a driver is present, torch decides once it is imported."""
+    if device is None or not device.startswith("cuda") or not sys.platform.startswith("linux"):
+        return
+    if any(os.path.exists(path) for path in GPU_DRIVER_FILES):
+        return
+    raise UsageError(
+        f"--device {device}: this machine has no GPU driver (none of {', '.join(GPU_DRIVER_FILES)} exists), "
+        "so torch cannot use CUDA; use 'cpu' or 'auto'"
+    )
 
 
 def add_device_option(parser: argparse.ArgumentParser, *, default: str | None = "auto", what: str = "") -> None:

@@ -1,13 +1,18 @@
 """`kvstate report TRACE [--out DIR]`: a visual report of an engine run from its lifecycle trace.
 
 Writes a request timeline, tier occupancy, the lifecycle diagram annotated with firing counts (where Graphviz
-is installed) and one self-contained HTML page. matplotlib is imported inside `_run`.
+is installed) and one self-contained HTML page. matplotlib is imported inside `_run`. While it reads the trace it says
+how far it got (lines, and bytes against the file's size) and the most requests a report draws: on a terminal in
+its status line, elsewhere as a line on stderr at most every `PROGRESS_EVERY_S` seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import sys
+import time
+from collections.abc import Callable
 
 from kvstate.commands.args import add_mkdir_option, add_spec_option, input_file, output_dir
 from kvstate.extras import require
@@ -63,6 +68,24 @@ def iteration_span(text: str) -> tuple[int, int]:
     return span
 
 
+PROGRESS_EVERY_S = 5.0  # where stderr is not a terminal: a progress line at most this often
+
+
+def _progress(status, trace) -> Callable[[str], None]:
+    """The report's progress callback: the status line on a terminal; elsewhere (a log, a pipe) one line on stderr
+    at most every `PROGRESS_EVERY_S` seconds, so a short report prints none and a long one says how far it got."""
+    terminal, last = sys.stderr.isatty(), [time.monotonic()]
+
+    def show(stage: str) -> None:
+        status.update(inert(f"{trace}: {stage}"))
+        now = time.monotonic()
+        if not terminal and now - last[0] >= PROGRESS_EVERY_S:
+            last[0] = now
+            print(inert(f"kvstate report: {stage}"), file=sys.stderr, flush=True)
+
+    return show
+
+
 def _run(args: argparse.Namespace) -> int:
     trace = input_file(args.trace, "TRACE")
     out = output_dir(args.out, "--out", mkdir=args.mkdir)
@@ -80,7 +103,7 @@ def _run(args: argparse.Namespace) -> int:
             spec=spec,
             all_edges=args.all_edges,
             loop=args.loop,
-            progress=lambda stage: status.update(inert(f"{trace}: {stage}")),
+            progress=_progress(status, trace),
         )
     s = result.summary
     print(

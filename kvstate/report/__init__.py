@@ -11,13 +11,13 @@ lazily), `diagram`, `html`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvstate.diagrams import DOT_MISSING
 from kvstate.output_files import write_whole
-from kvstate.report.model import TraceError, TraceSummary, load_lines, summarize
+from kvstate.report.model import MAX_REPORT_REQUESTS, TraceError, TraceSummary, load_lines, summarize
 from kvstate.spec import Spec, default_spec
 from kvstate.trace import read_header
 
@@ -44,11 +44,12 @@ def write_report(
 ) -> ReportFiles:
     """Read `trace`, write every report file into `out_dir` (created), and return what was written.
 
-    `all_edges` draws every transition as its own arrow (default: broadcast events bundled); `loop` (first, last
-    iteration) marks the part of a counterexample that repeats forever (`kvstate check` writes such traces); a
-    counterexample trace's violating step is marked in red with its invariant (the trace's header, spec/TRACE.md);
-    `progress` is told what is being done, stage by stage (reading the trace every `PROGRESS_LINES` lines). Every
-    stage is linear in the trace's lines. Each file is written whole or not at all (`kvstate.output_files`)."""
+        `all_edges` draws every transition as its own arrow (default: broadcast events bundled); `loop` (first, last
+        iteration) marks the part of a counterexample that repeats forever (`kvstate check` writes such traces); a
+        counterexample trace's violating step is marked in red with its invariant (the trace's header, spec/TRACE.md);
+        `progress` is told what is being done, stage by stage (reading the trace every `PROGRESS_LINES` lines: lines and
+    bytes read against the file's size, and the caps a report keeps, `reading_progress`). Every
+        stage is linear in the trace's lines. Each file is written whole or not at all (`kvstate.output_files`)."""
     from kvstate.report.diagram import annotated_diagram, render, review_dot
     from kvstate.report.figures import write_figures
     from kvstate.report.html import render_html
@@ -57,7 +58,8 @@ def write_report(
     say = progress or (lambda _: None)
     try:
         violation = read_header(trace)
-        summary = summarize(counted(load_lines(trace), say), loop=loop, spec=spec, violation=violation)
+        lines = load_lines(trace, reading_progress(trace, say), every=PROGRESS_LINES)
+        summary = summarize(lines, loop=loop, spec=spec, violation=violation)
     except TraceError as err:  # one found while summarizing: named with the trace it is in
         if err.path is not None:
             raise
@@ -101,12 +103,27 @@ def write_report(
 PROGRESS_LINES = 100_000  # lines read between two progress reports
 
 
-def counted(lines: Iterable[dict], say: Callable[[str], None]) -> Iterator[dict]:
-    """`lines`, telling `say` how many were read every `PROGRESS_LINES` lines."""
-    for number, line in enumerate(lines, 1):
-        if number % PROGRESS_LINES == 0:
-            say(f"reading the trace: {number} lines")
-        yield line
+def reading_progress(trace: str | Path, say: Callable[[str], None]) -> Callable[[int, int], None]:
+    """A `read_trace` progress callback that tells `say` the lines and bytes read against the file's size, and the
+    caps a report keeps (`MAX_REPORT_REQUESTS`; a trace past it is refused when its first request past it
+    appears)."""
+    try:
+        total = Path(trace).stat().st_size
+    except OSError:  # reading the trace then fails with its own error
+        total = 0
+
+    def tell(lines: int, read: int) -> None:
+        share = f" ({100 * read // total}%)" if total else ""
+        say(
+            f"reading the trace: {lines:,} lines, {_megabytes(read)} of {_megabytes(total)}{share}; a report "
+            f"draws at most {MAX_REPORT_REQUESTS:,} requests"
+        )
+
+    return tell
+
+
+def _megabytes(count: int) -> str:
+    return f"{count / 1e6:,.1f} MB"
 
 
 __all__ = ["ReportFiles", "TraceError", "TraceSummary", "summarize", "write_report"]

@@ -25,7 +25,7 @@ from the trace's first iteration. Lines are read one at a time by the trace vali
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,11 +77,13 @@ class TraceSummary:
         return tuple(f for f in BLOCK_COUNT_FIELDS if line[f] < 0)
 
 
-def load_lines(path: str | Path) -> Iterator[dict]:
-    """The trace's objects, read lazily (`kvstate.trace.read_trace`); raises `TraceError` for a missing file, an
-    empty trace or a bad line."""
+def load_lines(
+    path: str | Path, progress: Callable[[int, int], None] | None = None, every: int = 100_000
+) -> Iterator[dict]:
+    """The trace's objects, read lazily (`kvstate.trace.read_trace`, which tells `progress` the lines and bytes
+    read every `every` lines); raises `TraceError` for a missing file, an empty trace or a bad line."""
     empty = True
-    for line in read_trace(path):
+    for line in read_trace(path, progress=progress, every=every):
         empty = False
         yield line
     if empty:

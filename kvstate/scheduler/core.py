@@ -23,7 +23,7 @@ from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from typing import Any
 
 from kvstate.config import SchedulerConfig
-from kvstate.errors import KVStateError, UnknownRequestId
+from kvstate.errors import KVStateError, TierFull, UnknownRequestId
 from kvstate.lifecycle import STATE_ATTRIBUTE, make_lifecycle
 from kvstate.output import SchedulerOutput
 from kvstate.policy import (
@@ -226,8 +226,11 @@ class SchedulerCore:
         if transition.effect is not None:
             try:
                 getattr(self._effects_in(pass_), transition.effect)(request, transition)
-            except BaseException:
+            except BaseException as err:
                 setattr(request, STATE_ATTRIBUTE, before)  # the effect refused before changing anything: undo the move
+                if isinstance(err, TierFull) and err.edge is None:
+                    err.edge = transition  # the edge whose guard let the effect ask for blocks the tier lacks
+                    err.request_id = request.request_id
                 raise
         self._move(request, before, transition.dest, figures)
         if self.fired is not None:
@@ -277,6 +280,12 @@ class SchedulerCore:
     def active_per_state(self) -> dict[str, int]:
         """Active requests per non-terminal state (the tally's counts, kept on each transition)."""
         return self.tally.counts
+
+    @property
+    def peak_per_state(self) -> dict[str, int]:
+        """The most requests each state has held at once, taken on every transition (`StateTally.peaks`), so a
+        request that entered a state and left it within one step counts; the terminal state's peak is its count."""
+        return {**self.tally.peaks, self._ended: len(self.finished)}
 
     def _move(self, request: Request, old: str, new: str, figures: Figures | None) -> None:
         """Keep the per-state containers and the tally in step with a transition (`figures`: the request's tallied

@@ -271,10 +271,33 @@ class Scheduler(Preemption, Admission, StepLanding, CopyReports):
             listing = ", ".join(f"{r.request_id!r}:{r.state}" for r in list(self.requests.values())[:20])
             raise SchedulerStalled(
                 f"no request made progress for {self._idle_iterations} iterations; requests {listing}; "
-                f"pool {self.pool.usage()}; in-flight copies {len(self.pool.in_flight)} (complete them with "
-                "complete_migrations), or raise gpu_blocks / enable recompute-pause"
+                f"pool {self.pool.usage()}; {self._stall_hint()}"
             )
         self._idle_iterations += 1
+
+    def _stall_hint(self) -> str:
+        """What a stall of the no-progress detector says to do: complete the copies in flight (F2) if any; with
+        recompute-pause off under max_utilization, that LIVE-DONE is not promised then (spec/SPEC.md section 6);
+        otherwise that it is promised, so the stall is a defect of the scheduler or of the spec in use."""
+        in_flight = len(self.pool.in_flight)
+        hints = [
+            f"in-flight copies {in_flight}"
+            + (" (complete them with complete_migrations: a copy never completed stalls the run)" if in_flight else "")
+        ]
+        if not self.config.enable_recompute_pause and self.config.capacity_policy == "max_utilization":
+            hints.append(
+                "recompute-pause is off (enable_recompute_pause=False), and without it every request finishing "
+                "is not promised under max_utilization: a full host tier can stall the scheduler (LIVE-DONE, "
+                "spec/SPEC.md section 6); enable recompute-pause, or raise host_blocks or gpu_blocks"
+            )
+        elif not in_flight:
+            hints.append(
+                "every request fits alone and recompute-pause is "
+                + ("on" if self.config.enable_recompute_pause else "not needed under guaranteed_no_evict")
+                + ", so every request finishing is promised (LIVE-DONE, spec/SPEC.md section 6): this stall is a "
+                "defect of the scheduler or of the spec in use; `kvstate check --spec SPEC` looks for it"
+            )
+        return "; ".join(hints)
 
     def _replay_allowance(self) -> int:
         """Passes the longest pending replay prompt needs to be recomputed once (0 when nothing replays)."""

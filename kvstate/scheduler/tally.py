@@ -32,6 +32,8 @@ class StateTally:
 
     Invariants kept, checked against `recount` by `Scheduler.check_invariants`:
     * `counts[s]` is the number of active (unfinished) requests in state s, for every non-terminal state s;
+    * `peaks[s]` is the largest `counts[s]` has been, taken on every transition: a request that entered s and left
+      it again between two samples of `counts` still counts (not part of the recount: a recount has no history);
     * for every `held` state s (a non-terminal state whose requests do not compute: the spec's `computing` flag
       says which, never a name), `kv_tokens[s]`, `replay_tokens[s]` and `gpu_blocks[s]` are the sums of
       `num_computed_tokens`, `num_prefill_tokens` (`len(prefill_tokens)`) and `num_gpu_blocks` over the requests in
@@ -42,10 +44,11 @@ class StateTally:
     pipelined step that lands after its request was preempted); nothing else changes a held request's figures.
     """
 
-    __slots__ = ("counts", "gpu_blocks", "held", "kv_tokens", "replay_tokens")
+    __slots__ = ("counts", "gpu_blocks", "held", "kv_tokens", "peaks", "replay_tokens")
 
     def __init__(self, states: Iterable[str], held: Iterable[str]) -> None:
         self.counts: dict[str, int] = dict.fromkeys(states, 0)
+        self.peaks: dict[str, int] = dict.fromkeys(self.counts, 0)
         self.held = frozenset(held)
         if not self.held <= set(self.counts):
             raise ValueError(f"held states {sorted(self.held - set(self.counts))} are not among the tallied states")
@@ -58,7 +61,7 @@ class StateTally:
         return figures(request) if request.state in self.held else None
 
     def added(self, request: Holding) -> None:
-        self.counts[request.state] += 1
+        self._count(request.state)
         self._add(request.state, figures(request), 1)
 
     def moved(self, request: Holding, old: str, before: Figures | None) -> None:
@@ -67,8 +70,12 @@ class StateTally:
         if before is not None:
             self._add(old, before, -1)
         if request.state in self.counts:
-            self.counts[request.state] += 1
+            self._count(request.state)
             self._add(request.state, figures(request), 1)
+
+    def _count(self, state: str) -> None:
+        count = self.counts[state] = self.counts[state] + 1
+        self.peaks[state] = max(self.peaks[state], count)
 
     def changed(self, request: Holding, before: Figures) -> None:
         """A held `request`'s figures changed from `before` without a transition."""

@@ -165,3 +165,23 @@ def test_counterexample_file_is_a_failing_pytest(tmp_path, capsys):
     )
     assert run.returncode == 1, run.stdout + run.stderr  # the regression test fails while the bug is there
     assert "RES-STATE" in run.stdout
+
+
+def test_an_admit_guard_that_ignores_room_is_reported_as_own_excl_naming_the_edge(tmp_path):
+    """A spec copy whose admit edge is guarded by `single_stage` (true in one stage, whatever the room): the
+    refinement's scheduler asks the GPU tier for blocks it does not have. The checker reports that as the
+    invariant an allocation beyond capacity breaks, naming the edge and its guard, never as a raw pool error."""
+    spec_path = packaged_spec_path()
+    admit = next(t for t in load_spec(spec_path).transitions if t.event == "admit")
+    text = Path(spec_path).read_text()
+    old = f'guard = "{admit.guard}", effect = "{admit.effect}"'
+    assert text.count(old) == 2  # admit, and replay's readmission: mutate the first only
+    mutant = tmp_path / "lifecycle.toml"
+    mutant.write_text(text.replace(old, f'guard = "single_stage", effect = "{admit.effect}"', 1))
+    (bound,) = select_bounds(["preemption_cap"])
+    report = check_bound(bound, spec=load_spec(mutant), counterexample_dir=None)
+    result = report.refinement
+    assert report.verdict == "violated" and result is not None and result.violation_id == "OWN-EXCL"
+    assert "PoolError" not in result.message and f"took edge {admit.source} -admit-> {admit.dest}" in result.message
+    assert "guard 'single_stage'" in result.message and f"effect '{admit.effect}'" in result.message
+    assert result.path  # the counterexample's actions

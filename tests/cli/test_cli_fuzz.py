@@ -4,12 +4,15 @@ and one error line, before any work starts and before torch (or the torch side, 
 from __future__ import annotations
 
 import builtins
+import os
+import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstate.cli import build_parser, main
+from kvstate.commands.args import GPU_DRIVER_FILES
 
 TORCH_SIDE = ("torch", "executor")
 
@@ -68,9 +71,9 @@ CASES = [
     (["demo", "--inject", "copy_to_host:0.1", "--pp", "2"], "--inject is not supported with --pp 2"),
     (["demo", "--no-checksums", "--pp", "2"], "--no-checksums is not supported with --pp 2"),
     (["demo", "--gpu-blocks", "1", "--block-size", "1"], "the smallest request needs 2"),
-    (["demo", "--gpu-blocks", "0"], "gpu_blocks must be a positive integer"),
+    (["demo", "--gpu-blocks", "0"], "--gpu-blocks must be a positive integer, got 0"),
     (["demo", "--requests", "-3"], "--requests must be positive, got -3"),
-    (["demo", "--pp", "0"], "pp must be a positive integer"),
+    (["demo", "--pp", "0"], "--pp must be a positive integer, got 0"),
     (["demo", "--device", "tpu"], "expected auto, cpu, cuda or cuda:N"),
     (["demo", "--dtype", "int8"], "invalid choice"),
     (["soak", "--inject", "bogus"], "unknown fault kind 'bogus'"),
@@ -111,7 +114,7 @@ CASES = [
     (["generate", "--checkpoint", "/nonexistent", "hello"], "--checkpoint /nonexistent does not exist"),
     (["generate", "--checkpoint", "/tmp", "hello"], "has no config.json"),
     (["generate", "--checkpoint", "/etc/passwd", "hello"], "is not a directory"),
-    (["generate", "--checkpoint", "/tmp", "--max-new-tokens", "0", "hi"], "max_new_tokens must be a positive"),
+    (["generate", "--checkpoint", "/tmp", "--max-new-tokens", "0", "hi"], "--max-new-tokens must be a positive"),
     (["nope"], "invalid choice"),
 ]
 
@@ -127,6 +130,18 @@ def test_bad_command_line_is_one_error_line_and_exit_2(run_cli, trace, tmp_path,
         return
     assert_refused(code, out, err, argv)
     assert words in err, (argv, err)
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or any(os.path.exists(path) for path in GPU_DRIVER_FILES),
+    reason="a GPU driver is present: torch decides whether CUDA is usable",
+)
+@pytest.mark.parametrize("command", ["demo", "soak", "bench"])
+def test_cuda_without_a_gpu_driver_is_refused_before_torch_is_imported(run_cli, command):
+    build_parser()  # the command modules are loaded (torch-free) before the spy watches
+    code, out, err = run_cli([command, "--device", "cuda"])
+    assert_refused(code, out, err, [command])
+    assert "--device cuda: this machine has no GPU driver" in err and "use 'cpu' or 'auto'" in err
 
 
 def test_unknown_option_prints_the_subcommands_usage(run_cli):

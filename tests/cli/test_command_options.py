@@ -46,13 +46,23 @@ def test_a_count_past_its_bound_is_refused_by_the_parser_naming_the_bound(capsys
     err = capsys.readouterr().err
     bound = options(command)[flag].type.maximum
     assert f"at most {bound}" in err and "99999999999999999999" in err
-    assert err.strip().splitlines()[-1].startswith(f"kvstate {command}: error: argument {flag}")
+    assert err.strip().splitlines()[-1].startswith(f"kvstate {command}: error: {flag} must be at most {bound}")
+
+
+@pytest.mark.parametrize("command, flag, action", integer_options(), ids=lambda v: getattr(v, "dest", v))
+def test_a_count_below_its_minimum_is_refused_naming_the_flag(capsys, command, flag, action):
+    below = str(action.type.minimum - 1)
+    assert main([command, flag, below]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith(f"kvstate {command}: error: {flag} must be "), lines
+    assert lines[-1].endswith(f"got {below}"), lines
+    assert not lines[0].startswith("kvstate") or len(lines) == 1  # argparse's usage, then the one error line
 
 
 def test_a_duration_too_large_for_a_timer_is_refused(capsys):
     assert main(["diagram", "--dot-timeout", "1e300"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "kvstate diagram: error: argument --dot-timeout: must be between 0.01 and 86400 seconds, got '1e300'"
+        "kvstate diagram: error: --dot-timeout must be between 0.01 and 86400 seconds, got '1e300'"
     )
 
 

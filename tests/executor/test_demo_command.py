@@ -142,7 +142,7 @@ def test_demo_on_two_pipeline_stages(tmp_path, capsys):
 def test_demo_bad_option_is_a_clear_error(tmp_path, capsys):
     code = main(["demo", "--gpu-blocks", "0", "--device", "cpu", "--trace", str(tmp_path / "t.ndjson")])
     assert code == 2
-    assert "gpu_blocks must be a positive integer" in capsys.readouterr().err
+    assert "--gpu-blocks must be a positive integer, got 0" in capsys.readouterr().err
 
 
 def test_import_kvstate_does_not_import_torch():
@@ -213,3 +213,68 @@ def test_demo_says_when_requests_are_capped_to_fit_the_gpu_tier(tmp_path, capsys
     out = " ".join(capsys.readouterr().out.split())
     assert code == 0 and "PASS" in out
     assert "each request is capped at 16 tokens" in out
+
+
+def test_ctrl_c_during_the_demo_is_one_calm_line_and_exit_130(tmp_path, capsys, monkeypatch):
+    from executor.model import LlamaModel
+
+    forward = LlamaModel.forward_paged
+    calls = []
+
+    def interrupted_on_the_tenth_pass(self, batch, cache):  # the user presses Ctrl-C during a forward pass
+        calls.append(None)
+        if len(calls) == 10:
+            raise KeyboardInterrupt
+        return forward(self, batch, cache)
+
+    monkeypatch.setattr(LlamaModel, "forward_paged", interrupted_on_the_tenth_pass)
+    code = main(["demo", *SMALL_DEMO, "--requests", "8", "--device", "cpu", "--trace", str(tmp_path / "t.ndjson")])
+    err = capsys.readouterr().err
+    assert code == 130 and len(calls) == 10
+    assert err.count("\n") == 1 and err.startswith("kvstate demo: interrupted at step "), err
+    assert "was settled" in err and "of 8 requests had finished" in err
+    assert "failed" not in err and "keep stepping" not in err, err
+
+
+def test_the_demo_peaks_count_a_state_entered_and_left_within_one_step(capsys):
+    from executor import Engine
+    from executor.checks import DEMO_MAX_NEW_TOKENS, DEMO_PROMPT_LEN, demo_engine_config, random_workload
+    from executor.commands.demo import _run_with_progress, progress_status
+    from kvstate.terminal import console
+
+    config = demo_engine_config(
+        gpu_blocks=12,
+        host_blocks=4,
+        block_size=4,
+        chunk_size=64,
+        hidden_size=64,
+        seed=0,
+        dtype="float64",
+        trace=None,
+        device="cpu",
+    )
+    with Engine(config) as engine:
+        entered, sampled = set(), {}
+        engine.scheduler.on_transition = lambda request, transition: entered.add(transition.dest)
+        step = engine.step
+
+        def sampling_step():  # what a per-step sample of requests_per_state sees
+            stats = step()
+            for state, count in stats.requests_per_state.items():
+                sampled[state] = max(sampled.get(state, 0), count)
+            return stats
+
+        engine.step = sampling_step
+        work = random_workload(
+            8, 0, DEMO_PROMPT_LEN, DEMO_MAX_NEW_TOKENS, vocab=engine.model.config.vocab_size, max_tokens=48
+        )
+        for prompt, new in work:
+            engine.add_request(prompt, new)
+        peak = _run_with_progress(engine, console())
+        assert any(sampled[state] == 0 for state in entered), "no state was entered and left within one step"
+        assert all(peak[state] >= max(1, sampled[state]) for state in entered), (peak, entered)
+        status = progress_status(engine, engine.stats())
+        assert status.startswith(
+            f"suspensions {engine.totals.suspensions}, recompute-pauses {engine.totals.recompute_pauses} (now 0 "
+        )
+        assert engine.totals.recompute_pauses > 0

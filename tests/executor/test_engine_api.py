@@ -151,6 +151,15 @@ def test_step_statistics(make_engine):
     assert engine.stats().requests_per_state["done"] == 12
 
 
+def test_the_statistics_type_a_step_returns_is_exported_by_executor(make_engine):
+    import executor
+
+    engine = make_engine(gpu_blocks=16, host_blocks=6, block_size=4)
+    submit_all(engine, random_workload(2, 1, (4, 8), (2, 4)))
+    assert "IterationStats" in executor.__all__
+    assert type(engine.step()) is executor.IterationStats is type(engine.stats())
+
+
 def test_reference_ignores_pressure_settings(tiny_model):
     big = Engine(EngineConfig(device="cpu", scheduler=SchedulerConfig(gpu_blocks=64, block_size=16)), model=tiny_model)
     small = Engine(

@@ -177,7 +177,7 @@ def test_bad_configurations_are_refused(overrides, message):
         (["demo", "--inject", "melt_gpu"], "unknown fault kind 'melt_gpu'"),
         (["demo", "--inject", "copy_to_host:7"], r"probability in \[0, 1\]"),
         (["demo", "--requests", "0"], "--requests must be positive"),
-        (["demo", "--gpu-blocks", "-2"], "gpu_blocks must be a positive integer"),
+        (["demo", "--gpu-blocks", "-2"], "--gpu-blocks must be a positive integer, got -2"),
         (["soak", "--requests", "0"], "--requests must be positive"),
         (["soak", "--cancel-rate", "1.5"], r"--cancel-rate must be in \[0, 1\]"),
         (["soak", "--inject", "host_loss@x"], "iterations must be integers"),

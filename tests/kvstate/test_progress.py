@@ -55,5 +55,23 @@ def test_a_replay_livelock_is_reported_by_the_detector(monkeypatch: pytest.Monke
     rng = random.Random(0)
     for i, (p, m) in enumerate([(8, 10), (6, 1), (6, 2), (9, 4), (9, 3)]):
         sched.submit([rng.randrange(1000) for _ in range(p)], m, request_id=i)
-    with pytest.raises(SchedulerStalled, match="no request made progress"):
+    with pytest.raises(SchedulerStalled, match="no request made progress") as info:
         SimExecutor(sched).run(2_000)
+    assert sched.config.enable_recompute_pause
+    message = str(info.value)
+    assert "enable recompute-pause" not in message  # it is on: enabling it is no fix
+    assert "recompute-pause is on" in message and "defect" in message
+
+
+def test_a_stall_with_recompute_pause_off_names_it_as_the_lost_guarantee() -> None:
+    sched = Scheduler(
+        SchedulerConfig(gpu_blocks=6, host_blocks=1, block_size=2, enable_recompute_pause=False, no_progress_limit=20)
+    )
+    rng = random.Random(0)
+    for i in range(5):
+        sched.submit([rng.randrange(100) for _ in range(rng.randint(2, 6))], rng.randint(2, 6), request_id=i)
+    with pytest.raises(SchedulerStalled) as info:
+        SimExecutor(sched).run(2_000)
+    message = str(info.value)
+    assert not sched.pool.in_flight and "complete_migrations" not in message
+    assert "recompute-pause is off" in message and "LIVE-DONE" in message and "enable recompute-pause" in message

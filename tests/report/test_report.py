@@ -238,3 +238,31 @@ def test_a_trace_of_more_requests_than_a_report_draws_is_refused_naming_the_file
     assert message.startswith(f"{trace}: transition {MAX_REPORT_REQUESTS + 1}: request {MAX_REPORT_REQUESTS} ")
     assert f"a report draws at most {MAX_REPORT_REQUESTS}" in message and "\n" not in message
     assert not (tmp_path / "out").exists()
+
+
+def test_reading_a_long_trace_says_how_far_it_got_against_the_file_size(tmp_path, capsys, monkeypatch):
+    import kvstate.commands.report as report_command
+    import kvstate.report as report_module
+    from kvstate.report.model import MAX_REPORT_REQUESTS
+
+    admit, finish = LINES[1], LINES[5]
+    trace = tmp_path / "long.ndjson"
+    with trace.open("w") as out:  # 2,500 requests, each admitted, then finished one iteration later
+        for rid in range(2_500):
+            out.write(json.dumps({**admit, "iteration": 2 * rid + 1, "request_id": rid}) + "\n")
+            out.write(json.dumps({**finish, "iteration": 2 * rid + 2, "request_id": rid}) + "\n")
+    monkeypatch.setattr(report_module, "PROGRESS_LINES", 1_000)
+    monkeypatch.setattr(report_command, "PROGRESS_EVERY_S", 0.0)  # a line per report, stderr not being a terminal
+    assert main(["report", str(trace), "--out", str(tmp_path / "out")]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "reading the trace" in line]
+    size = f"of {trace.stat().st_size / 1e6:,.1f} MB"
+    assert [line.split(" lines,")[0].rsplit(" ", 1)[1] for line in lines] == [
+        "1,000",
+        "2,000",
+        "3,000",
+        "4,000",
+        "5,000",
+    ]
+    shares = [int(line.split("(")[1].split("%")[0]) for line in lines]
+    assert shares == sorted(shares) and shares[0] > 0 and shares[-1] == 100  # the last line read is the end
+    assert all(size in line and f"at most {MAX_REPORT_REQUESTS:,} requests" in line for line in lines), lines
