@@ -128,7 +128,7 @@ def test_the_shipped_cap_rule_walks_the_large_bound_without_a_livelock():
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["--simulate", "0"], "--simulate: must be"),
+        (["--simulate", "0"], "--simulate must be a positive integer, got 0"),
         (["--simulate", "3", "--sweep", "ci"], "--sweep does not apply to --simulate"),
         (["--simulate", "3", "--max-states", "10"], "--max-states does not apply to --simulate"),
         (["--simulate", "3", "--engine", "tlc"], "--engine tlc does not apply to --simulate"),
