@@ -352,13 +352,18 @@ def _fair_loop(v: int, comp: list[int], fair: list[list[tuple[int, Action]]]) ->
     while True:
         nodes = {v, *(w for _, w in walk)}
         enabled = set.intersection(*({a for _, a in fair[u]} for u in nodes))
-        missing = sorted(enabled - {a for a, _ in walk})
+        missing = sorted(enabled - {a for a, _ in walk}, key=_action_order)
         if not missing:
             return walk
         action = missing[0]
         disabled = next((u for u in range(len(fair)) if comp[u] == c and all(a != action for _, a in fair[u])), None)
         there = route(v, taking=action) if disabled is None else route(v, to=disabled)
         walk += there + route(there[-1][1], to=v)
+
+
+def _action_order(action: Action) -> tuple:
+    """A total order on actions, whose optional fields may be None."""
+    return tuple((value is not None, value) for value in action)
 
 
 def _unwind(prev: dict[int, tuple[int, Action]], start: int, node: int) -> list[tuple[Action, int]]:
