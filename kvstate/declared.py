@@ -64,13 +64,13 @@ PRESETS: Mapping[str, Mapping[str, Any]] = {
     # TensorRT-LLM's KVCacheV2Scheduler: victims tail-first over its active list, never one served earlier in the
     # pass, never twice, never a request about to complete (GENERATION_TO_COMPLETE); a generation requester scans
     # only the requests behind it, a context requester (context-phase preemption, without a tier below the GPU)
-    # every started request, those ahead of it included, so ahead_of_requester is not declared; lazy suspension
+    # every started request, those ahead of it included (ahead_of_decoding_requester); lazy suspension
     # whatever the host can take (its ladder: suspend, then recompute-pause, then suspend itself), held pages
     # offloaded on demand; it recompute-pauses suspended requests, those of earlier passes included, in
     # suspension order, which the lifecycle's promotion_gate allows and no promotion rule of the policy names
     "trtllm": {
         "victim_order": "latest_admission_first",
-        "victim_exclusions": ("scheduled_this_pass", "about_to_finish", *_ONCE),
+        "victim_exclusions": ("scheduled_this_pass", "about_to_finish", "ahead_of_decoding_requester", *_ONCE),
         "suspend_rule": "always",
         "admission_rules": ("no_readmission_of_victims",),
         "work_conservation": False,

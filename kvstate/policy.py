@@ -31,6 +31,8 @@ from kvstate.pass_record import (
     snapshot,
 )
 from kvstate.policy_rules import (
+    AHEAD_OF_DECODING_REQUESTER,
+    AHEAD_OF_REQUESTER,
     CANNOT_BE_MOVED,
     CAP_SPARES_HEAD,
     CHUNK_IN_FLIGHT,
@@ -177,7 +179,9 @@ class _PassCheck:
         scheduled = self.served_before(requester) if "scheduled_this_pass" in excluded else set()
         if "waiting_this_pass" in excluded:
             scheduled |= waiting
-        if "ahead_of_requester" in excluded:  # in the engine's whole order: a suspended requester is in it too
+        if AHEAD_OF_REQUESTER in excluded or (
+            AHEAD_OF_DECODING_REQUESTER in excluded and not self.prefilling(requester)
+        ):  # in the engine's whole order: a suspended requester is in it too
             order = list(self.before.serve_order) if self.before.serve_order is not None else self.order
             if requester in order:
                 scheduled |= set(order[: order.index(requester)])
@@ -219,6 +223,11 @@ class _PassCheck:
             elif isinstance(d, Promotion):
                 room += self.by_id[d.promoted].host_blocks + self.by_id[d.promoted].gpu_blocks
         return found
+
+    def prefilling(self, requester: Hashable) -> bool:
+        """`requester` asks for room for a prompt or replay chunk, not for a decode step."""
+        snapshot = self.by_id.get(requester)
+        return snapshot is not None and snapshot.prefilling
 
     @property
     def head(self) -> Hashable | None:

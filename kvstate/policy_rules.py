@@ -18,6 +18,8 @@ if TYPE_CHECKING:  # annotations only: kvstate.spec validates what it loads with
 
 # the rule names the scheduler and the pass check read by name (each is a key of VOCABULARY below)
 CHUNK_IN_FLIGHT = "chunk_in_flight"
+AHEAD_OF_REQUESTER = "ahead_of_requester"
+AHEAD_OF_DECODING_REQUESTER = "ahead_of_decoding_requester"
 CANNOT_BE_MOVED = "cannot_be_moved"
 PREEMPTION_CAP_REACHED = "preemption_cap_reached"
 CAP_SPARES_HEAD = "preemption_cap_reached_except_for_head"
@@ -75,6 +77,12 @@ VOCABULARY: Mapping[str, Mapping[str, str]] = {
         "ahead_of_requester": (
             "a request ahead of the requester in the pass's serve order, served or not (victims are searched "
             "behind it only: TensorRT-LLM scans its active list from the tail down to the requester)"
+        ),
+        AHEAD_OF_DECODING_REQUESTER: (
+            "a request ahead of the requester in the pass's serve order, served or not, when the requester asks for "
+            "room for a decode step; a requester of a prompt or replay chunk searches every request (TensorRT-LLM's "
+            "generation phase scans its active list from the tail down to the requester, its context phase the "
+            "whole list)"
         ),
     },
     "no_eligible_victim": {
@@ -148,11 +156,18 @@ VICTIM_EXCLUSIONS: Mapping[str, Callable[[SchedulerCore, Request, SchedulingPass
     ),
     CHUNK_IN_FLIGHT: lambda s, candidate, pass_: candidate.request_id in s.in_flight and candidate.is_prefilling,
     CANNOT_BE_MOVED: lambda s, candidate, pass_: not s.victim_movable(candidate, pass_),
-    "ahead_of_requester": lambda s, candidate, pass_: (
-        pass_.requester is not None
-        and (candidate.is_prefilling, candidate.arrival) < (pass_.requester.is_prefilling, pass_.requester.arrival)
-    ),  # ahead in the spec's serve order (SPEC.md 7.2); declared by third-party policies (kvstate.declared)
+    AHEAD_OF_REQUESTER: lambda s, candidate, pass_: pass_.requester is not None and _ahead(candidate, pass_.requester),
+    AHEAD_OF_DECODING_REQUESTER: lambda s, candidate, pass_: (
+        pass_.requester is not None and not pass_.requester.is_prefilling and _ahead(candidate, pass_.requester)
+    ),
 }
+
+
+def _ahead(candidate: Request, requester: Request) -> bool:
+    """`candidate` comes before `requester` in the spec's serve order (SPEC.md 7.2: decode steps first, then
+    prompt and replay chunks, each by arrival); the exclusions that read it are declared by third-party policies
+    (kvstate.declared)."""
+    return (candidate.is_prefilling, candidate.arrival) < (requester.is_prefilling, requester.arrival)
 
 
 def policy_problems(spec: Spec) -> list[str]:
