@@ -151,6 +151,10 @@ class Request:
     def replay_complete(self) -> bool:
         return not self.is_prefilling
 
+    @property
+    def mid_replay(self) -> bool:
+        return bool(self.generated) and self.is_prefilling
+
     def reset_for_replay(self) -> None:
         """Make the replay prompt prompt + generated and clear every KV-derived counter (RESET-*)."""
         replay_prompt = self.all_tokens

@@ -61,6 +61,10 @@ class RequestView(Protocol):
         """Every token of its replay prompt has been computed again."""
 
     @property
+    def mid_replay(self) -> bool:
+        """It has produced a token and has not computed its whole prompt again: a replay that has not caught up."""
+
+    @property
     def termination_reason(self) -> str | None:
         """The reason of a finish, cancel or abort deferred while it awaits consensus; None otherwise."""
 
@@ -216,10 +220,22 @@ def host_room_for_held_blocks(request: RequestView, pool: PoolView) -> bool:
 
 
 @tla(r"~request.copy_in_flight /\ pool.resume_gate_open /\ pool.gpu_free_blocks >= request.num_host_blocks")
-def gpu_room_for_offloaded_blocks(request: RequestView, pool: PoolView) -> bool:
+def resume_fits(request: RequestView, pool: PoolView) -> bool:
     """No copy of it is in flight, the utilization gate is open, and the GPU tier has a free block for every block
     the request holds in the host tier (its blocks still on the GPU need none: they are locked again)."""
     return not request.copy_in_flight and pool.resume_gate_open and pool.gpu_free_blocks >= request.num_host_blocks
+
+
+@tla(r"resume_fits(request, pool) /\ ~request.mid_replay")
+def gpu_room_for_offloaded_blocks(request: RequestView, pool: PoolView) -> bool:
+    """The resume fits (`resume_fits`) and the request is no replay suspended mid-way: it resumes running."""
+    return resume_fits(request, pool) and not request.mid_replay
+
+
+@tla(r"resume_fits(request, pool) /\ request.mid_replay")
+def gpu_room_for_offloaded_replay(request: RequestView, pool: PoolView) -> bool:
+    """The resume fits (`resume_fits`) and the request is a replay suspended mid-way: it resumes replaying."""
+    return resume_fits(request, pool) and request.mid_replay
 
 
 @tla("Min(Min(request.num_gpu_blocks, pool.host_free_blocks), pool.offload_limit)")
@@ -295,6 +311,7 @@ GUARDS: Mapping[str, Guard] = {
         no_copy_in_flight,
         host_room_for_held_blocks,
         gpu_room_for_offloaded_blocks,
+        gpu_room_for_offloaded_replay,
         promotion_gate,
         single_stage,
         multi_stage,

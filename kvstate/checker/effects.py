@@ -160,6 +160,10 @@ class RequestState:
         return self.computed >= self.prefill
 
     @property
+    def mid_replay(self) -> bool:
+        return self.generated > 0 and self.computed < self.prefill
+
+    @property
     def termination_reason(self) -> str | None:
         return self.deferred
 

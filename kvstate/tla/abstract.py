@@ -81,6 +81,7 @@ PRELUDE = (
      num_host_blocks |-> request.host,
      final_token_produced |-> request.stopped \\/ request.generated >= request.max_new_tokens,
      replay_complete |-> request.computed >= request.prefill,
+     mid_replay |-> request.generated > 0 /\\ request.computed < request.prefill,
      termination_reason |-> request.deferred,
      suspended_in_pass |-> 0,
      kv_tokens |-> request.computed,

@@ -58,6 +58,7 @@ class FakeRequest:
         num_host_blocks: int = 0,
         final_token_produced: bool = False,
         replay_complete: bool = False,
+        mid_replay: bool = False,
         termination_reason: str | None = None,
         suspended_in_pass: int | None = None,
         kv_tokens: int = 0,
@@ -74,6 +75,7 @@ class FakeRequest:
         self.num_host_blocks = num_host_blocks
         self.final_token_produced = final_token_produced
         self.replay_complete = replay_complete
+        self.mid_replay = mid_replay
         self.termination_reason = termination_reason
 
     def __repr__(self) -> str:
@@ -90,6 +92,7 @@ class EqualFieldsRequest:
     num_host_blocks: int = 0
     final_token_produced: bool = False
     replay_complete: bool = False
+    mid_replay: bool = False
     termination_reason: str | None = None
     suspended_in_pass: int | None = None
     kv_tokens: int = 0
@@ -428,6 +431,27 @@ REAL_GUARD_CASES = {
         FakePool(gpu_free_blocks=0, has_host_tier=False),
         "gpu_room_for_offloaded_blocks",
     ),
+    "resume-mid-replay-replays": (
+        "suspended",
+        "resume",
+        {"num_gpu_blocks": 2, "num_host_blocks": 1, "mid_replay": True},
+        FakePool(gpu_free_blocks=1, has_host_tier=True),
+        "gpu_room_for_offloaded_replay",
+    ),
+    "resume-mid-replay-gpu-short-one": (
+        "suspended",
+        "resume",
+        {"num_host_blocks": 3, "mid_replay": True},
+        FakePool(gpu_free_blocks=2, has_host_tier=True),
+        None,
+    ),
+    "suspend-replaying": (
+        "replaying",
+        "suspend",
+        {"num_gpu_blocks": 3},
+        FakePool(has_host_tier=False),
+        "no_copy_in_flight",
+    ),
     "resume-refused-by-the-utilization-gate": (
         "suspended",
         "resume",
@@ -551,6 +575,7 @@ def test_real_guards(impl, case) -> None:
             "num_host_blocks": st.integers(0, 8),
             "final_token_produced": st.booleans(),
             "replay_complete": st.booleans(),
+            "mid_replay": st.booleans(),
             "termination_reason": st.sampled_from([None, "finished", "cancelled", "aborted"]),
         }
     ),

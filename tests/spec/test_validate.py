@@ -106,25 +106,27 @@ def cannot_reach_terminal(data: dict) -> list[list[str]]:
 
 
 def ambiguous_guards(data: dict) -> list[list[str]]:
-    # a second edge from suspended on resume, with a guard not declared exclusive with the first one
+    # one more edge from suspended on resume, with a guard not declared exclusive with those it has: one problem
+    # for each of them
     resume = event_entry(data, "resume")["transitions"]
-    first = resume[0]
+    existing = list(resume)
+    (source,) = existing[0]["source"]
     resume.append(
         {
-            "source": first["source"],
+            "source": [source],
             "dest": "recompute_paused",
             "guard": "promotion_gate",
             "effect": "release_kv_and_reset",
         }
     )
-    (source,) = first["source"]
     return [
         [
             f"event 'resume' from state {source!r} has two transitions",
-            f"to {first['dest']!r} guarded by {first['guard']}",
+            f"to {edge['dest']!r} guarded by {edge['guard']}",
             "to 'recompute_paused' guarded by promotion_gate",
             "are not declared mutually exclusive",
         ]
+        for edge in existing
     ]
 
 
