@@ -101,6 +101,10 @@ class PassSnapshot:
     # the order in which the pass serves its requesters, where it is not the spec's (SPEC.md 7.2: decode steps,
     # then chunks, each by arrival): a third-party engine's own (`kvstate.declared`); None keeps the spec's
     serve_order: tuple[Hashable, ...] | None = None
+    # the order in which the engine searches its victims, which ahead_of_requester and ahead_of_decoding_requester
+    # read, where it is not the serve order (TensorRT-LLM serves decode steps before chunks but searches its whole
+    # active list); None: the serve order
+    scan_order: tuple[Hashable, ...] | None = None
     host_free: int = 0  # free host blocks
     recompute_pause: bool = True  # the scheduler may recompute-pause a victim (cannot_be_moved)
 

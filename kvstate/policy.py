@@ -182,7 +182,8 @@ class _PassCheck:
         if AHEAD_OF_REQUESTER in excluded or (
             AHEAD_OF_DECODING_REQUESTER in excluded and not self.prefilling(requester)
         ):  # in the engine's whole order: a suspended requester is in it too
-            order = list(self.before.serve_order) if self.before.serve_order is not None else self.order
+            whole = self.before.scan_order if self.before.scan_order is not None else self.before.serve_order
+            order = list(whole) if whole is not None else self.order
             if requester in order:
                 scheduled |= set(order[: order.index(requester)])
         return [
@@ -488,7 +489,9 @@ class _PassCheck:
         offloaded_for[d.requester] = offloaded_for.get(d.requester, 0) + d.blocks
         takes = None if requester is None else requester.next_step_blocks
         if requester is not None and requester.state == self.spec.role(OFFLOADED):
-            takes = requester.host_blocks + self.offloaded_in_pass(d.requester)  # a resume copies every host block
+            # a resume copies every host block, those offloaded in this pass included; an engine that grows the
+            # request in the same allocation reports the growth too (next_step_blocks)
+            takes = max(requester.host_blocks, requester.next_step_blocks) + self.offloaded_in_pass(d.requester)
         if takes is None or offloaded_for[d.requester] > takes:
             need = "no allocation" if takes is None else f"{takes} blocks"
             self.fail(

@@ -528,12 +528,14 @@ class TrtllmAdapter:
         return self._state_of_role[roles.RECOMPUTING if req.replaying else roles.ACTIVE]
 
     def _next_step_pages(self, req: TrtRequest, cache: _Cache | None) -> int:
-        """The GPU pages `req`'s next allocation takes: a resume's offloaded pages, or the pages a decode step or
-        the rest of its prefill adds (a chunk takes at most that)."""
-        if cache is not None and not cache.active:
-            return len(cache.on(HOST))
+        """The GPU pages `req`'s next allocation takes: the pages its decode step or the rest of its prefill adds (a
+        chunk takes at most that), and for a suspended request also its offloaded pages: the engine resumes it and
+        grows it in the same pass (`try_allocate_generation` in one call, `prepare_context` then `resize_context`)."""
         tokens = len(req.tokens) if not req.is_context_init_state else len(req.context)
-        return max(0, ceil_div(tokens, self.block_size) - (len(cache.pages) if cache else 0))
+        growth = max(0, ceil_div(tokens, self.block_size) - (len(cache.pages) if cache else 0))
+        if cache is not None and not cache.active:
+            return len(cache.on(HOST)) + growth
+        return growth
 
     def _snapshot(self) -> PassSnapshot:
         """The requests and the pool just before a pass; a suspended request with pages on the GPU is held there,
@@ -564,9 +566,17 @@ class TrtllmAdapter:
             has_host_tier=self.pool.can_evict,
             max_batch_size=self.scheduler.max_num_requests,
             max_num_tokens=self.max_num_tokens or 1 << 30,
-            serve_order=tuple(req.py_request_id for req in self.active),
+            serve_order=self._serve_order(),
+            scan_order=tuple(req.py_request_id for req in self.active),
             host_free=len(self.pool.free_host),
         )
+
+    def _serve_order(self) -> tuple[int, ...]:
+        """The order `_schedule_loop` serves requests in: its first phase takes every request but context ones in
+        active-list order, its second the context requests it deferred, in the same order."""
+        first = [req.py_request_id for req in self.active if not req.is_context_init_state]
+        deferred = [req.py_request_id for req in self.active if req.is_context_init_state]
+        return (*first, *deferred)
 
     def _pass_output(self, before: PassSnapshot, out) -> PassOutput:
         was = {r.request_id: r.state for r in before.requests}
