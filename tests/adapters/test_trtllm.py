@@ -20,7 +20,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvstate.adapters.trtllm import SOURCE_ENV, CheckoutMissing, TrtllmAdapter, checkout
 from kvstate.declared import preset, with_policy
 from kvstate.errors import InvariantViolation
-from kvstate.policy import check_pass
+from kvstate.policy import Victim, check_pass
 from kvstate.spec import default_spec
 from kvstate.testing import conformance_machine
 
@@ -49,12 +49,10 @@ def test_without_a_checkout_the_adapter_says_which_variable_to_set(monkeypatch, 
 
 @needs_checkout
 @pytest.mark.parametrize("host_pages", [12, 0], ids=["host-tier", "gpu-only"])
-def test_with_recompute_pause_it_follows_its_declared_policy(host_pages: int) -> None:
-    if not has_recompute_pause():
-        pytest.skip(
-            "this checkout has no recompute-pause path: GPU-only runs stop in its deadlock detector, host-tier runs "
-            "meet the adapter's same-call resume and growth (docs/trtllm-findings.md)"
-        )
+def test_with_whole_prompts_it_follows_its_declared_policy(host_pages: int) -> None:
+    """Every version with a host tier; GPU-only only where the recompute-pause path exists."""
+    if not host_pages and not has_recompute_pause():
+        pytest.skip("this checkout has no recompute-pause path: GPU-only runs stop in its deadlock detector")
     machine = conformance_machine(lambda: TrtllmAdapter(host_pages=host_pages, **SHAPE), name="TrtllmPolicy")
     assert machine.binding.policy_name == "preset 'trtllm'"
     run_state_machine_as_test(machine, settings=RUNS)
@@ -108,3 +106,71 @@ def test_fuzzing_the_overlap_executor_finds_it_within_50_examples(host_pages: in
     with pytest.raises(InvariantViolation) as caught:
         run_state_machine_as_test(machine, settings=settings(FAILS, max_examples=50))
     assert caught.value.invariant_id == "VICTIM-NOT-FINAL", caught.value
+
+
+CHUNKED = dict(gpu_pages=8, tokens_per_block=2, chunk_unit_size=2, max_num_tokens=6)
+
+
+@needs_checkout
+def test_with_chunked_prefill_and_a_host_tier_two_started_prompts_deadlock() -> None:
+    """Finding 3 of the findings page: request 2's resume onboards its pages, its next chunk does not fit, and
+    request 3, mid-prefill too, needs a page as well; with a tier below the GPU, `_try_preempt_for_pages` gives up
+    at once and a failed resize suspends only a first chunk, so both keep their pages until the engine's own
+    deadlock detector raises."""
+    if not has_recompute_pause():
+        pytest.skip("this checkout has no recompute-pause path: its deadlock detector fires on the first stall")
+    adapter = TrtllmAdapter(host_pages=16, **CHUNKED)
+    for prompt_len, max_new_tokens in ((1, 1), (1, 6), (15, 1), (6, 1)):
+        adapter.submit([0] * prompt_len, max_new_tokens)
+    with pytest.raises(RuntimeError, match="V2 scheduler deadlock"):
+        for _ in range(1100):
+            adapter.step()
+            for observed in adapter.take_passes():
+                stuck = observed.before.requests
+    states = {r.request_id: (r.state, r.prefilling, r.gpu_blocks) for r in stuck}
+    assert states == {2: ("running", True, 6), 3: ("running", True, 2)}, states
+
+
+@needs_checkout
+@pytest.mark.parametrize("host_pages", [16, 4], ids=["host-tier", "small-host-tier"])
+def test_fuzzing_chunked_prefill_with_a_host_tier_meets_the_deadlock_first(host_pages: int) -> None:
+    """The kit reports nothing before the engine's own detector stops a run: replays suspended mid-way resume
+    replaying (the spec allows it), and a decode requester's victims are behind it (ahead_of_decoding_requester)."""
+    if not has_recompute_pause():
+        pytest.skip("this checkout has no recompute-pause path: host-tier runs meet its deadlock detector at once")
+    machine = conformance_machine(lambda: TrtllmAdapter(host_pages=host_pages, **CHUNKED), name="TrtllmChunked")
+    with pytest.raises(RuntimeError, match="V2 scheduler deadlock"):
+        run_state_machine_as_test(machine, settings=settings(FAILS, max_examples=300, stateful_step_count=40))
+
+
+@needs_checkout
+def test_with_chunked_prefill_and_no_host_tier_a_self_suspension_deadlocks() -> None:
+    """Finding 2 of the findings page: request 2 decodes behind request 1, which is mid-prefill; needing a page, it
+    finds no victim behind it and suspends itself, which frees nothing without a tier below the GPU; request 1's
+    context-phase preemption passes over it (it is no longer active), so neither moves until the engine's own
+    deadlock detector raises."""
+    if not has_recompute_pause():
+        pytest.skip("this checkout has no recompute-pause path: its deadlock detector fires on the first stall")
+    adapter = TrtllmAdapter(host_pages=0, **CHUNKED)
+    for prompt_len, max_new_tokens in ((10, 2), (12, 1), (2, 6)):
+        adapter.submit([0] * prompt_len, max_new_tokens)
+    decisions: list[object] = []
+    with pytest.raises(RuntimeError, match="V2 scheduler deadlock") as caught:
+        for _ in range(1100):
+            adapter.step()
+            for observed in adapter.take_passes():
+                decisions.extend(observed.record.decisions)
+                stuck = observed.before.requests
+    assert decisions == [Victim(requester=2, victim=2, event="suspend")], (decisions, caught.value)
+    states = {r.request_id: (r.state, r.prefilling) for r in stuck}
+    assert states == {1: ("running", True), 2: ("suspended", False)}, states
+
+
+@needs_checkout
+def test_fuzzing_chunked_prefill_without_a_host_tier_meets_the_deadlock_first() -> None:
+    """Without a host tier too, the first failure within 300 derandomized examples is the engine's own detector."""
+    if not has_recompute_pause():
+        pytest.skip("this checkout has no recompute-pause path: its deadlock detector fires on the first stall")
+    machine = conformance_machine(lambda: TrtllmAdapter(host_pages=0, **CHUNKED), name="TrtllmChunkedGpuOnly")
+    with pytest.raises(RuntimeError, match="V2 scheduler deadlock"):
+        run_state_machine_as_test(machine, settings=settings(FAILS, max_examples=300, stateful_step_count=40))
