@@ -226,16 +226,16 @@ def resume_fits(request: RequestView, pool: PoolView) -> bool:
     return not request.copy_in_flight and pool.resume_gate_open and pool.gpu_free_blocks >= request.num_host_blocks
 
 
-@tla(r"resume_fits(request, pool) /\ ~request.mid_replay")
+@tla(r"~request.mid_replay /\ resume_fits(request, pool)")
 def gpu_room_for_offloaded_blocks(request: RequestView, pool: PoolView) -> bool:
-    """The resume fits (`resume_fits`) and the request is no replay suspended mid-way: it resumes running."""
-    return resume_fits(request, pool) and not request.mid_replay
+    """The request is no replay suspended mid-way, and the resume fits (`resume_fits`): it resumes running."""
+    return not request.mid_replay and resume_fits(request, pool)
 
 
-@tla(r"resume_fits(request, pool) /\ request.mid_replay")
+@tla(r"request.mid_replay /\ resume_fits(request, pool)")
 def gpu_room_for_offloaded_replay(request: RequestView, pool: PoolView) -> bool:
-    """The resume fits (`resume_fits`) and the request is a replay suspended mid-way: it resumes replaying."""
-    return resume_fits(request, pool) and request.mid_replay
+    """The request is a replay suspended mid-way, and the resume fits (`resume_fits`): it resumes replaying."""
+    return request.mid_replay and resume_fits(request, pool)
 
 
 @tla("Min(Min(request.num_gpu_blocks, pool.host_free_blocks), pool.offload_limit)")

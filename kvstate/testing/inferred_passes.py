@@ -22,6 +22,7 @@ from kvstate.policy import PassRecord, PassSnapshot, RequestSnapshot, Victim, ad
 from kvstate.roles import PENDING_RESET
 from kvstate.spec import Spec, Transition
 from kvstate.testing.observed_edges import ObservedRequest, admitted_path
+from kvstate.testing.spec_model import replay_states
 
 __all__ = [
     "MAX_READINGS",
@@ -235,12 +236,14 @@ def infer_step(
     """Hold the pass inferred from one step (`before` and `after` it) to `spec`'s policy, then count its admissions
     and victims in `book`. `requests`: each request's prompt length and unpressured reference output."""
     changes: list[RequestChange] = []
+    replaying = replay_states(spec)
     for rid, old in before.states.items():
         new, done = after.states[rid], len(before.outputs[rid])
         prompt_tokens, reference = requests[rid]
         sampled = len(after.outputs[rid]) - done
         final = len(after.outputs[rid]) >= len(reference)
-        path = admitted_path(spec, old, new, ObservedRequest(rid, sampled, final)) if old != new else []
+        observed = ObservedRequest(rid, sampled, final, generated_before=done, replaying_before=old in replaying)
+        path = admitted_path(spec, old, new, observed) if old != new else []
         facts = {"about_to_finish": done + 1 >= len(reference), "arrival": len(changes), "prompt_tokens": prompt_tokens}
         changes.append(change_of(rid, old, new, done, path or (), facts))
     pending = spec.role(PENDING_RESET)

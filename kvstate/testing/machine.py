@@ -470,7 +470,9 @@ class ConformanceMachine(RuleBasedStateMachine):
         """What request `rid`'s counters decide since its last observation, given its output `out` now."""
         submission = self.submitted[rid]
         final = len(out) >= submission.max_new_tokens or bool(out and out[-1] in submission.stop_token_ids)
-        return ObservedRequest(rid, len(out) - len(self.last_outputs.get(rid, ())), final)
+        before = len(self.last_outputs.get(rid, ()))
+        replaying = self.last_states.get(rid) in self.model.replay_states
+        return ObservedRequest(rid, len(out) - before, final, generated_before=before, replaying_before=replaying)
 
     def check_state(self, rid: Hashable, old: str | None, new: str, observed: ObservedRequest | None = None) -> None:
         """`new` is a spec state that a path of spec edges leads to from `old` (terminal states absorb), each edge's

@@ -32,18 +32,37 @@ class ObservedRequest:
     `tokens_sampled`: tokens its output grew by between the observations. `output_is_final`: its output after them
     ends with a stop token or spends its budget. A replay completes with the chunk that samples its next token (the
     `catch_up` event: the last chunk of the replay samples a token), so a request that sampled no token did not
-    complete a replay. Every other field raises `Unobservable`. `read` keeps the fields the guards read.
+    complete a replay. `generated_before`: its output's length at the earlier observation (None: not known);
+    `replaying_before`: it was then replaying or waiting to replay (`mid_replay` reads both). Every other field raises
+    `Unobservable`. `read` keeps the fields the guards read.
     """
 
     request_id: Hashable
     tokens_sampled: int
     output_is_final: bool
     read: list[str] = field(default_factory=list)
+    generated_before: int | None = None
+    replaying_before: bool = False
 
     @property
     def replay_complete(self) -> bool:
         self.read.append("replay_complete")
         return self.tokens_sampled > 0
+
+    @property
+    def mid_replay(self) -> bool:
+        """Decided in two cases: a request that has never produced a token is no replay under way; one that was
+        replaying (or waiting to replay) with tokens produced, and sampled none since, is one all along the path,
+        since a replay completes only with a sampled token and a reset starts another."""
+        if self.generated_before is None:
+            raise Unobservable("mid_replay")
+        if self.generated_before + self.tokens_sampled == 0:
+            self.read.append("mid_replay")
+            return False
+        if self.replaying_before and self.tokens_sampled == 0:
+            self.read.append("mid_replay")
+            return True
+        raise Unobservable("mid_replay")
 
     @property
     def final_token_produced(self) -> bool:
@@ -59,6 +78,13 @@ class ObservedRequest:
             return (
                 f"it sampled {self.tokens_sampled} token(s) between the observations, and a replay completes with "
                 "the chunk that samples its next token"
+            )
+        if name == "mid_replay":
+            if not self.generated_before and not self.tokens_sampled:
+                return "it has produced no token, so no replay of it is under way"
+            return (
+                f"it was replaying with {self.generated_before} token(s) produced and sampled none since, so its "
+                "replay has not caught up"
             )
         return f"its output after them is {'' if self.output_is_final else 'not '}final"
 

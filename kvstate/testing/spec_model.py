@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvstate.errors import InvariantViolation
+from kvstate.roles import DROPPED, PENDING_RESET, RECOMPUTING
 from kvstate.spec import Spec
 
-__all__ = ["CHECKED_INVARIANTS", "POLICY_INVARIANTS", "RESET_INVARIANTS", "SpecModel"]
+__all__ = ["CHECKED_INVARIANTS", "POLICY_INVARIANTS", "RESET_INVARIANTS", "SpecModel", "replay_states"]
 
 # Spec invariants this machine checks; each must exist in the spec the machine is built from.
 CHECKED_INVARIANTS = (
@@ -40,6 +41,11 @@ POLICY_INVARIANTS = (
 RESET_INVARIANTS = ("RESET-PROMPT", "RESET-BUDGET", "RESET-CLEARED")
 
 
+def replay_states(spec: Spec) -> frozenset[str]:
+    """The states in which a request that has produced tokens replays, or will, until it samples its next one."""
+    return frozenset(s.name for s in spec.states if s.role in (RECOMPUTING, DROPPED, PENDING_RESET))
+
+
 class SpecModel:
     """What the machine derives from the spec: states, the reachability closure of its edges, residencies (per
     tier, the states whose residency lets a request hold blocks there: `holding`), the destinations of the cancel
@@ -63,6 +69,7 @@ class SpecModel:
         self.gpu_states = frozenset(spec.states_with_residency("gpu"))  # KV locked on the GPU
         self.held_states = frozenset(spec.states_with_residency("held"))  # KV held: on the GPU, the host, or both
         self.holding = {tier: spec.states_holding(tier) for tier in ("gpu", "host")}
+        self.replay_states = replay_states(spec)
         if cancel_event not in spec.event_by_name:
             raise ValueError(
                 f"spec {spec.name!r} has no event {cancel_event!r}; pass cancel_event= naming the "

@@ -28,13 +28,15 @@ FIND = settings(
 class ScriptedToy:
     """Every request follows one script, a state per step; a step in a computing state samples its next reference
     token. The script recompute-pauses each request after its first token and replays it; `catch_up_first` False
-    suspends it while it is still replaying (no token sampled: the replay never caught up)."""
+    returns it from replaying to running without sampling a token (the replay never caught up), True suspends it
+    after its replay caught up in that step."""
 
     gpu_token_capacity, block_size = 16, 4
 
     def __init__(self, catch_up_first: bool) -> None:
-        replay = [RECOMPUTING] if not catch_up_first else []
-        self.script = [ACTIVE, DROPPED, *replay, OFFLOADED, ACTIVE]
+        self.catch_up_first = catch_up_first
+        tail = [OFFLOADED, ACTIVE] if catch_up_first else [RECOMPUTING, ACTIVE]
+        self.script = [ACTIVE, DROPPED, *tail]
         self.requests: dict[int, dict] = {}
         self.passes: list[ObservedPass] = []
 
@@ -50,10 +52,12 @@ class ScriptedToy:
         for r in self.requests.values():
             if r["state"] == ENDED:
                 continue
+            was = r["state"]
             r["at"] = min(r["at"] + 1, len(self.script) - 1)
             r["state"] = self.script[r["at"]]
-            if r["state"] == ACTIVE or (r["state"] == OFFLOADED and RECOMPUTING not in self.script):
-                r["out"].append(r["ref"][len(r["out"])])  # caught up (or decoded): a token
+            caught_up = r["state"] == OFFLOADED and self.catch_up_first
+            if (r["state"] == ACTIVE and was != RECOMPUTING) or caught_up:
+                r["out"].append(r["ref"][len(r["out"])])  # decoded (or caught up): a token
             if len(r["out"]) == len(r["ref"]):
                 r["state"] = ENDED
 
@@ -80,24 +84,37 @@ class ScriptedToy:
         return reference_output(prompt, max_new_tokens, stop_token_ids)
 
 
-def test_a_black_box_that_suspends_a_replaying_request_fails_spec_edge() -> None:
-    machine = conformance_machine(lambda: ScriptedToy(catch_up_first=False), name="ReplaySuspender")
+def test_a_black_box_whose_replay_runs_again_without_a_token_fails_spec_edge() -> None:
+    """Neither catch-up (no token sampled) nor suspension and resume (a replay that has not caught up resumes
+    replaying) leads from replaying to running."""
+    machine = conformance_machine(lambda: ScriptedToy(catch_up_first=False), name="ReplayRunner")
     with pytest.raises(LifecycleViolation) as caught:
         run_state_machine_as_test(machine, settings=FIND)
     message = str(caught.value)
     assert caught.value.invariant_id == "SPEC-EDGE"
-    assert f"from {RECOMPUTING!r} to {OFFLOADED!r}" in message, message
+    assert f"from {RECOMPUTING!r} to {ACTIVE!r}" in message, message
     assert "needs replay_complete, yet it sampled 0 token(s)" in message, message
+    assert "needs gpu_room_for_offloaded_blocks, yet it was replaying with 1 token(s) produced" in message, message
     assert "[SPEC-EDGE:" in message
 
 
-def test_a_replay_that_caught_up_in_the_step_may_be_suspended_in_it() -> None:
-    """The path replaying -> running -> suspended is admitted when the request sampled a token on the way."""
+def test_a_replay_may_be_suspended_whether_or_not_it_caught_up() -> None:
+    """replaying -> suspended is one edge; replaying -> running needs a sampled token, or a replay that was not
+    under way (one of a request that produced nothing)."""
     machine = conformance_machine(lambda: ScriptedToy(catch_up_first=True), name="CaughtUpThenSuspended")
     run_state_machine_as_test(machine, settings=settings(FIND, max_examples=10))
-    caught_up = ObservedRequest("r", tokens_sampled=1, output_is_final=False)
-    assert [t.event for t in admitted_path(SPEC, RECOMPUTING, OFFLOADED, caught_up) or []] == ["catch_up", "suspend"]
-    assert admitted_path(SPEC, RECOMPUTING, OFFLOADED, ObservedRequest("r", 0, False)) is None
+    for sampled in (0, 1):
+        observed = ObservedRequest("r", sampled, False, generated_before=1, replaying_before=True)
+        assert [t.event for t in admitted_path(SPEC, RECOMPUTING, OFFLOADED, observed) or []] == ["suspend"]
+    caught_up = ObservedRequest("r", 1, False, generated_before=1, replaying_before=True)
+    assert [t.event for t in admitted_path(SPEC, RECOMPUTING, ACTIVE, caught_up) or []] == ["catch_up"]
+    not_yet = ObservedRequest("r", 0, False, generated_before=1, replaying_before=True)
+    assert admitted_path(SPEC, RECOMPUTING, ACTIVE, not_yet) is None
+    nothing_produced = ObservedRequest("r", 0, False, generated_before=0, replaying_before=True)
+    assert [t.event for t in admitted_path(SPEC, RECOMPUTING, ACTIVE, nothing_produced) or []] == [
+        "suspend",
+        "resume",
+    ]
 
 
 def test_finishing_needs_a_final_output() -> None:
@@ -106,10 +123,10 @@ def test_finishing_needs_a_final_output() -> None:
     assert finish is not None and len(finish) == 1
 
 
-def test_a_reported_pass_that_suspends_a_replaying_request_fails_spec_edge_exactly() -> None:
+def test_a_reported_pass_that_suspends_a_recompute_paused_request_fails_spec_edge_exactly() -> None:
     machine = conformance_machine(lambda: ScriptedToy(catch_up_first=True), name="Listed", check_policy=False)()
-    snapshot = RequestSnapshot(request_id=7, state=RECOMPUTING, arrival=0, admission=0, prefilling=True,
-                               about_to_finish=False, capped=False, kv_tokens=3, gpu_blocks=1)  # fmt: skip
+    snapshot = RequestSnapshot(request_id=7, state=DROPPED, arrival=0, admission=0, prefilling=True,
+                               about_to_finish=False, capped=False, kv_tokens=0, gpu_blocks=0)  # fmt: skip
     passed = ObservedPass(
         PassSnapshot((snapshot,), has_host_tier=True), PassRecord(), PassOutput(suspended=(Listed(7, OFFLOADED),))
     )
