@@ -17,15 +17,18 @@ from kvstate.trace import BLOCK_COUNT_FIELDS, counterexample_header, read_header
 
 
 def swapped_guards_spec(tmp_path):
-    """A copy of the packaged spec with the guards of the suspend and resume transitions swapped."""
+    """A copy of the packaged spec with the guards of the suspend transition and of resume to running swapped (in
+    the exclusivity group of resume's two guards too, so that the copy is well formed)."""
     spec = load_spec()
-    (suspend,) = spec.event_by_name["suspend"].transitions
-    (resume,) = spec.event_by_name["resume"].transitions
+    suspend = spec.event_by_name["suspend"].transitions[0]  # one TOML entry, one edge per source state
+    resume = spec.event_by_name["resume"].transitions[0]
     text = packaged_spec_path().read_text(encoding="utf-8")
     for guard in (suspend.guard, resume.guard):
         assert text.count(f'guard = "{guard}"') == 1  # each used once: swapping the texts swaps the transitions
     text = text.replace(f'guard = "{suspend.guard}"', "GUARD-A").replace(f'guard = "{resume.guard}"', "GUARD-B")
     text = text.replace("GUARD-A", f'guard = "{resume.guard}"').replace("GUARD-B", f'guard = "{suspend.guard}"')
+    assert text.count(f'guards = ["{resume.guard}", ') == 1  # the exclusivity group of resume's guards
+    text = text.replace(f'guards = ["{resume.guard}", ', f'guards = ["{suspend.guard}", ')
     path = tmp_path / "swapped.toml"
     path.write_text(text, encoding="utf-8")
     swapped = load_spec(path)

@@ -290,8 +290,15 @@ def test_accepting_a_request_that_can_never_fit_breaks_refusal(find_failure) -> 
 
 # ---------------------------------------------------------------------------------------- broken spec
 def test_the_edge_graph_comes_from_the_spec_passed_in(find_failure) -> None:
-    """Without the catch-up edge, our scheduler's replaying -> running is a path the spec does not have."""
-    events = tuple(e for e in SPEC.events if e.name != "catch_up")
+    """Without the catch-up edge, our scheduler's replaying -> running is a path the spec does not have (suspend from
+    replaying is left out too: replaying -> suspended -> running would be a path the black box cannot refute)."""
+    events = tuple(
+        dataclasses.replace(e, transitions=tuple(t for t in e.transitions if t.source != "replaying"))
+        if e.name == "suspend"
+        else e
+        for e in SPEC.events
+        if e.name != "catch_up"
+    )
     spec = dataclasses.replace(SPEC, events=events)
     machine = conformance_machine(adapter_with(NO_HOST), spec=spec, name="NoCatchUp")
     err = find_failure(machine, LifecycleViolation)

@@ -36,7 +36,10 @@ def spec_copy(directory: Path, change) -> Spec:
 
 
 def swap_suspend_and_resume_guards(data: dict) -> None:
-    """The planted spec bug: suspend guarded by resume's guard and resume by suspend's."""
+    """The planted spec bug: suspend guarded by the guard of resume to running, and that resume by suspend's (in
+    the exclusivity group of resume's two guards too, so that the copy is well formed)."""
     events = {e["name"]: e for e in data["events"]}
-    (suspend,), (resume,) = events["suspend"]["transitions"], events["resume"]["transitions"]
+    (suspend,), (resume, *_) = events["suspend"]["transitions"], events["resume"]["transitions"]
     suspend["guard"], resume["guard"] = resume["guard"], suspend["guard"]
+    for group in data["exclusive_guards"]:
+        group["guards"] = [resume["guard"] if g == suspend["guard"] else g for g in group["guards"]]

@@ -22,10 +22,10 @@ TWINS = Bound("twins", ((2, 1), (2, 1)), gpu_blocks=4, host_blocks=2, block_size
 
 
 def swap_suspend_and_resume_effects(data: dict) -> None:
-    """A planted spec bug: suspend runs resume's effect and resume suspend's (a resumed request keeps the blocks it
-    holds in the host tier: a running request with host blocks)."""
+    """A planted spec bug: suspend runs resume's effect and resume to running suspend's (a resumed request keeps the
+    blocks it holds in the host tier: a running request with host blocks)."""
     events = {e["name"]: e for e in data["events"]}
-    (suspend,), (resume,) = events["suspend"]["transitions"], events["resume"]["transitions"]
+    (suspend,), (resume, *_) = events["suspend"]["transitions"], events["resume"]["transitions"]
     suspend["effect"], resume["effect"] = resume["effect"], suspend["effect"]
 
 
