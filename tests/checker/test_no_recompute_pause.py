@@ -57,7 +57,6 @@ def test_where_nothing_can_be_moved_only_live_done_is_violated(name: str) -> Non
     [
         (STALLING, "WORK-CONSERVE"),
         ("no_recompute_pause_small_host", "VICTIM-TAIL"),
-        ("no_recompute_pause_replay", "VICTIM-TAIL"),
     ],
 )
 def test_without_the_rule_the_bounds_break_a_safety_invariant(name: str, invariant: str) -> None:
@@ -76,10 +75,10 @@ def test_a_scheduler_that_takes_a_victim_it_cannot_move_is_caught(monkeypatch: p
 
 
 def test_a_check_that_counts_a_victim_it_cannot_move_as_eligible_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rule taken from the per-pass check only: the scheduler's self-preemption, with a replaying request the
-    pass cannot suspend, then looks like a requester passing over a victim it could take, or wait for."""
+    """The rule taken from the per-pass check only: the scheduler's victim, taken past a later request that the host
+    tier has no room to suspend, then looks like a requester passing over a victim it could take."""
     monkeypatch.setattr(policy_module._PassCheck, "movable", lambda self, r, host_room: True)
-    report = check_bound(bound("no_recompute_pause_replay"))
+    report = check_bound(bound("no_recompute_pause_small_host"))
     assert report.verdict == VIOLATED, "the check without the rule accepted every pass"
-    assert report.violated_invariant in ("VICTIM-TAIL", "VICTIM-SELF"), report.counterexample
-    assert "preempted itself although" in report.counterexample[0]
+    assert report.violated_invariant == "VICTIM-TAIL", report.counterexample
+    assert "was admitted later and is eligible" in report.counterexample[0]
