@@ -15,8 +15,11 @@ step). Here, at batch 64 (`--quick`: 4, with 8-token prompts and budgets), seede
   `eager` (all of them when it is suspended); without one nothing is ever offloaded, so one run stands for both.
   Each pressure row also says how many engine steps the run took, beside the unpressured run's and the fewest any
   schedule could take in that GPU tier (`fewest_steps`): a step has a fixed cost that does not shrink with its
-  batch, so the ratio falls with the step count as well as with what each step costs; and the blocks it
-  offloaded and the resumes that needed no copy (their blocks were all still on the GPU).
+  batch, so the ratio falls with the step count as well as with what each step costs; the blocks it offloaded
+  and the resumes that needed no copy (their blocks were all still on the GPU); and what a step of the run cost
+  on average beside an unpressured step, with the ratio that `fewest_steps` steps of that cost would give
+  (`step_cost_ceiling`): where that is short of the target, no schedule in that GPU tier reaches the target
+  until a step costs less.
 
 The peer is `transformers`' `LlamaForCausalLM.generate` on the same weights, driven one static batch at a time,
 as a server without continuous batching would: the requests present when a batch starts form it (prompts
@@ -124,6 +127,19 @@ def fewest_steps(requests: list[Request], gpu_blocks: int, block_size: int = BLO
     return max(max((r.budget for r in requests), default=0), ceil_div(held, gpu_blocks))
 
 
+def step_cost_ceiling(unpressured_seconds: float, pressured_seconds: float, pressured_steps: int, fewest: int) -> float:
+    """The ratio (unpressured time over pressured time) a pressured run would reach in `fewest` steps (the
+    `fewest_steps` bound), each costing what a step of the measured run cost on average: ``unpressured_seconds /
+    (fewest * pressured_seconds / pressured_steps)``. A schedule of fewer steps packs more tokens into each, so
+    its steps cost no less: the ratio it could reach is at most this, until a step costs less."""
+    if fewest < 1 or pressured_steps < fewest or pressured_seconds <= 0:
+        raise ValueError(
+            f"need 1 <= fewest <= pressured_steps and pressured_seconds > 0, got fewest={fewest}, "
+            f"pressured_steps={pressured_steps}, pressured_seconds={pressured_seconds}"
+        )
+    return unpressured_seconds * pressured_steps / (fewest * pressured_seconds)
+
+
 def workload_section(
     *,
     shape: ServingShape = FULL_SERVING,
@@ -189,6 +205,11 @@ def workload_section(
     data.update(gpu_blocks_needed=need, tokens_per_s=rate, engine_steps=steps, engine_copies=copies)
     section = Section("serving", data={**data, "fewest_steps_under_pressure": fewest})
     measured = _Measured(rate, outputs, seconds, steps, copies, peer)
+    section.data["step_seconds"] = {name: measured.step_seconds(name) for name in steps}
+    section.data["step_cost_ceiling"] = {
+        pressure_run(tier, offload): measured.ceiling(pressure_run(tier, offload), fewest)
+        for tier, offload in PRESSURE_RUNS
+    }
     for name in ("ragged prompts", "staggered budgets", "arrivals during decode", "best case"):
         section.rows.append(_peer_row(name, work[name], measured))
     for tier, offload in PRESSURE_RUNS:
@@ -207,6 +228,15 @@ class _Measured:
     steps: dict[str, int]
     copies: dict[str, dict[str, int]]
     peer: str
+
+    def step_seconds(self, run: str) -> float:
+        """The median seconds of engine run `run` (the warmup left out) over its engine steps."""
+        return median(self.seconds[run][1:]) / self.steps[run]
+
+    def ceiling(self, run: str, fewest: int) -> float:
+        """`step_cost_ceiling` of pressure run `run` beside the unpressured best case."""
+        unpressured = median(self.seconds["best case engine"][1:])
+        return step_cost_ceiling(unpressured, median(self.seconds[run][1:]), self.steps[run], fewest)
 
     def spread(self, baseline: str, variant: str) -> str:
         """A note on the ratio's noise: the lowest and highest of its per-round ratios (`round_ratios`, the warmup
@@ -375,6 +405,9 @@ def _pressure_row(
             f" {need // 2} GPU blocks takes fewer than {fewest})"
             + f"; {copied['blocks_offloaded']} blocks offloaded, {copied['resumed_without_copy']} of "
             f"{copied['resumes']} resumes without a copy"
+            + f"; a step took {measured.step_seconds(name) * 1e3:.2f} ms vs "
+            f"{measured.step_seconds('best case engine') * 1e3:.2f} ms unpressured: at that cost {fewest} steps "
+            f"give a ratio of at most {measured.ceiling(name, fewest):.2f}"
             + ("; no host tier: nothing is offloaded under either policy" if offload is None else "")
             + measured.spread("best case engine", name)
         ),
@@ -397,6 +430,7 @@ __all__ = [
     "ServingShape",
     "fewest_steps",
     "pressure_run",
+    "step_cost_ceiling",
     "workload_section",
     "workloads",
 ]

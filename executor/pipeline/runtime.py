@@ -106,6 +106,8 @@ class RankResult:
     final_states: dict = field(default_factory=dict)
     leaked_blocks: int = 0
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # CPU time this rank's process (every thread of it) used during the loop
+    receive_wait_s: float = 0.0  # wall time of the loop spent waiting for messages from the other ranks
     micro_batches: int = 1  # micro-batches in flight at once (1: lockstep)
 
 
@@ -170,6 +172,7 @@ class PipelineRank:
         self.trace = _TraceSink(config.trace_path_for(rank))
         self.sampling: dict[Hashable, Any] = {}
         self.iteration = 0
+        self.receive_wait_s = 0.0  # wall time spent waiting for messages from the other ranks
         self.micro_batches = config.micro_batches_for(world_size)
         self.planners = [
             BatchPlanner(e.scheduler.block_size, self.device, decode_kv_budget=e.decode_kv_bytes)
@@ -370,14 +373,14 @@ class PipelineRank:
 
     def run(self) -> RankResult:
         """The loop; returns this rank's result once rank 0 says stop. Raises `PipelineFailed` on rank 0's error."""
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         try:
             self._drive() if self.rank == 0 else self._follow()
             if self.world_size > 1:
                 self.comm.flush()
         finally:
             self.trace.close()
-        return self._result(time.perf_counter() - started)
+        return self._result(time.perf_counter() - started, time.process_time() - cpu)
 
     def _drive(self) -> None:
         """Rank 0: land, agree, plan, post, compute stage 0; up to `micro_batches` micro-batches in flight."""
@@ -422,7 +425,7 @@ class PipelineRank:
         """Rank 0: the oldest micro-batch in flight left the last stage; take its tokens and acknowledgements, and
         post the receive of the next one's while it is still in flight."""
         iteration, step = in_flight.popleft()
-        landed, _ = self.comm.recv_message(self.world_size - 1)
+        landed, _ = self._receive(self.world_size - 1)
         if in_flight:
             self.comm.expect(self.world_size - 1)
         if landed["iteration"] != iteration:
@@ -437,7 +440,7 @@ class PipelineRank:
         """Rank r > 0: receive each message from rank r-1, mirror it, pass it on, compute this stage."""
         last = self.rank == self.world_size - 1
         while True:
-            message, hidden = self.comm.recv_message(self.rank - 1)
+            message, hidden = self._receive(self.rank - 1)
             if not message["stop"]:
                 self.comm.expect(self.rank - 1)  # rank r-1 sends at least its stop message after this one
             now = message["now"]
@@ -459,12 +462,20 @@ class PipelineRank:
             else:
                 self.comm.send_message(message, self.rank + 1, result)
 
+    def _receive(self, src: int) -> tuple[Any, torch.Tensor | None]:
+        """The next message from rank `src`, the wall time spent waiting for it added to `receive_wait_s`."""
+        started = time.perf_counter()
+        try:
+            return self.comm.recv_message(src)
+        finally:
+            self.receive_wait_s += time.perf_counter() - started
+
     @staticmethod
     def _stop(message: dict[str, Any]) -> None:
         if message["error"]:
             raise PipelineFailed(f"rank 0 stopped the pipeline: {message['error']}")
 
-    def _result(self, wall: float) -> RankResult:
+    def _result(self, wall: float, cpu: float) -> RankResult:
         common = RankResult(
             rank=self.rank,
             world_size=self.world_size,
@@ -475,6 +486,8 @@ class PipelineRank:
             pauses=tuple(r.to_dict() for r in self.book.history),
             copy_calls=self.cache.num_copies,
             wall_s=wall,
+            cpu_s=cpu,
+            receive_wait_s=self.receive_wait_s,
             micro_batches=self.micro_batches,
         )
         if self.rank:

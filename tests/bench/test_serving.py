@@ -16,6 +16,7 @@ from executor.bench.serving import (
     fewest_steps,
     needed_blocks,
     pressure_run,
+    step_cost_ceiling,
     workload_section,
     workloads,
 )
@@ -89,6 +90,35 @@ def test_every_variant_runs_and_every_output_is_compared() -> None:
             f"{copied['resumed_without_copy']} of {copied['resumes']} resumes without a copy"
         ) in row.note
         assert row.note.endswith(f"; per-round ratios {row.ratio:.2f} to {row.ratio:.2f} over 1 rounds")
+        # the ceiling is this run's ratio scaled by its steps over the fewest any schedule takes
+        ceiling, per_step = section.data["step_cost_ceiling"][run], section.data["step_seconds"]
+        assert ceiling == pytest.approx(row.ratio * taken / fewest) and ceiling >= row.ratio * (1 - 1e-9)
+        assert per_step[run] > 0 and per_step["best case engine"] > 0
+        assert (
+            f"; a step took {per_step[run] * 1e3:.2f} ms vs {per_step['best case engine'] * 1e3:.2f} ms "
+            f"unpressured: at that cost {fewest} steps give a ratio of at most {ceiling:.2f}"
+        ) in row.note
+
+
+@given(
+    unpressured=st.floats(1e-3, 10.0),
+    pressured=st.floats(1e-3, 10.0),
+    fewest=st.integers(1, 200),
+    extra=st.integers(0, 200),
+)
+def test_the_step_cost_ceiling_is_the_ratio_at_the_fewest_steps(unpressured, pressured, fewest, extra) -> None:
+    """A run that took the fewest steps is at its own ceiling; each step more raises the ceiling above the
+    measured ratio in proportion."""
+    steps = fewest + extra
+    ceiling = step_cost_ceiling(unpressured, pressured, steps, fewest)
+    assert ceiling == pytest.approx((unpressured / pressured) * steps / fewest)
+    assert step_cost_ceiling(unpressured, pressured, fewest, fewest) == pytest.approx(unpressured / pressured)
+
+
+@pytest.mark.parametrize(("steps", "fewest", "seconds"), [(3, 4, 1.0), (4, 0, 1.0), (4, 4, 0.0)])
+def test_the_step_cost_ceiling_refuses_impossible_runs(steps, fewest, seconds) -> None:
+    with pytest.raises(ValueError, match="fewest"):
+        step_cost_ceiling(1.0, seconds, steps, fewest)
 
 
 _REQUESTS = st.lists(
