@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
+from operator import attrgetter
 from typing import TYPE_CHECKING, TypeVar
 
 from transitions import Event, Machine, MachineError, State
@@ -137,9 +138,12 @@ class _EventCondition(Condition):
 
 
 class _SpecState(State):
-    """A state of the spec. Entering or leaving it runs its callbacks as `transitions.State` does; the spec gives
-    none (the scheduler runs each edge's effect itself), so then nothing runs, not even the log lines that report
-    callbacks run."""
+    """A state of the spec, named by a string (never an enumeration: its name and value are read as they are).
+    Entering or leaving it runs its callbacks as `transitions.State` does; the spec gives none (the scheduler runs
+    each edge's effect itself), so then nothing runs, not even the log lines that report callbacks run."""
+
+    name = property(attrgetter("_name"))
+    value = name
 
     def enter(self, event_data: EventData) -> None:
         if self.on_enter:
