@@ -7,7 +7,10 @@ expose it read-only as `state`). Neither registers requests with the machine (`a
 triggered on a request passed in, and requests compare by identity. They share the spec, the error wording and
 `fire`: `Lifecycle` lets `transitions` find the edge (its conditions are the guards, its callbacks record the edge
 taken, and an event with no edge from the state is its `MachineError`), `TransitionTable` looks the edge up itself. A
-differential test runs whole workloads through both and requires byte-identical traces.
+differential test runs whole workloads through both and requires byte-identical traces. The machine is a `Machine`
+subclass whose event, edge and state classes (the classes `transitions` lets a subclass name) run the library's
+stages in its order, skipping the callback lists the spec leaves empty and the library's debug log lines: a scheduler
+fires an event on every preemption.
 
 Invariants kept by both `Lifecycle` and `TransitionTable`:
 * a request's state changes only along an edge of the spec whose guard holds;
@@ -21,16 +24,22 @@ Invariants kept by both `Lifecycle` and `TransitionTable`:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from typing import TypeVar
+from collections.abc import Iterable, Mapping
+from operator import attrgetter
+from typing import TYPE_CHECKING, TypeVar
 
-from transitions import Machine, MachineError
+from transitions import Event, Machine, MachineError, State
+from transitions import Transition as MachineTransition
+from transitions.core import Condition, EventData
 
 from kvstate.config import LIFECYCLES
 from kvstate.errors import GuardRejected, IllegalTransition
 from kvstate.request import STATE_ATTRIBUTE
 from kvstate.semantics import GUARDS, EffectHooks, Guard, PoolView, RequestView
 from kvstate.spec import Spec, Transition, default_spec
+
+if TYPE_CHECKING:  # declared by the library's type stubs only
+    from transitions.core import Callback
 
 R = TypeVar("R", bound=RequestView)  # the request a transition fires on, and so the one its effect hooks take
 
@@ -117,12 +126,124 @@ class _SpecRules(ABC):
         return transition
 
 
+class _EventCondition(Condition):
+    """A condition given as a callable that takes the event (the machine sends events): called as it is, with no
+    resolution of a name on the model (a spec's guards are functions, never model methods)."""
+
+    def check(self, event_data: EventData) -> bool:
+        func = self.func
+        if isinstance(func, str):  # a name: resolved on the model as `Condition` resolves it
+            return super().check(event_data)
+        return bool(func(event_data) == self.target)
+
+
+class _SpecState(State):
+    """A state of the spec, named by a string (never an enumeration: its name and value are read as they are).
+    Entering or leaving it runs its callbacks as `transitions.State` does; the spec gives none (the scheduler runs
+    each edge's effect itself), so then nothing runs, not even the log lines that report callbacks run."""
+
+    name = property(attrgetter("_name"))
+    value = name
+
+    def enter(self, event_data: EventData) -> None:
+        if self.on_enter:
+            super().enter(event_data)
+
+    def exit(self, event_data: EventData) -> None:
+        if self.on_exit:
+            super().exit(event_data)
+
+
+class _SpecEdge(MachineTransition):
+    """An edge of the spec in the machine: executed in the order `transitions.Transition.execute` documents
+    (prepare callbacks, conditions, before callbacks, exit, the state change, enter, final callbacks, after
+    callbacks), each list of callbacks run only when it has any, and without the debug log lines of each stage."""
+
+    condition_cls = _EventCondition
+
+    def execute(self, event_data: EventData) -> bool:
+        machine = event_data.machine
+        if self.prepare:
+            machine.callbacks(self.prepare, event_data)
+        for condition in self.conditions:
+            if not condition.check(event_data):
+                return False
+        before = [*machine.before_state_change, *self.before]
+        if before:
+            machine.callbacks(before, event_data)
+        self._change_state(event_data)
+        machine.callbacks([*self.after, *machine.after_state_change], event_data)
+        return True
+
+    def _change_state(self, event_data: EventData) -> None:
+        if self.dest is None:  # an internal transition
+            return
+        machine = event_data.machine
+        states = machine.states
+        states[self.source].exit(event_data)
+        dest = states[self.dest]
+        setattr(event_data.model, machine.model_attribute, dest.value)  # what `Machine.set_state` writes
+        event_data.state = dest
+        dest.enter(event_data)
+        if dest.final:
+            machine.callbacks(machine.on_final, event_data)
+
+
+class _SpecEvent(Event):
+    """An event of the spec: processed as `transitions.Event` processes one (the model's state looked up, an event
+    with no edge from it a `MachineError`, the machine's prepare callbacks, the edges from the state tried in order
+    until one executes, the machine's exception callbacks on an error, its finalize callbacks in any case), each list
+    of callbacks run only when it has any, and without the debug log lines of each stage."""
+
+    def _trigger(self, event_data: EventData) -> bool:
+        machine = self.machine
+        event_data.state = machine.get_model_state(event_data.model)
+        try:
+            if self._is_valid_source(event_data.state):
+                self._process(event_data)
+        except BaseException as err:
+            event_data.error = err  # type: ignore[assignment]  # the library's own handler keeps any exception
+            if not machine.on_exception:
+                raise
+            machine.callbacks(machine.on_exception, event_data)
+        finally:
+            if machine.finalize_event:
+                machine.callbacks(machine.finalize_event, event_data)
+        return bool(event_data.result)
+
+    def _process(self, event_data: EventData) -> bool:
+        machine = self.machine
+        if machine.prepare_event:
+            machine.callbacks(machine.prepare_event, event_data)
+        for edge in self.transitions[event_data.state.name]:
+            event_data.transition = edge
+            if edge.execute(event_data):
+                event_data.result = True
+                break
+        return bool(event_data.result)
+
+
+class _SpecMachine(Machine):
+    """The `transitions` machine of a spec: its states and edges are `_SpecState` and `_SpecEdge` (the machine's
+    `state_cls` and `transition_cls`) and its events `_SpecEvent` (its `event_cls`), which skip the callback lists a
+    spec leaves empty; no stage writes a debug log line."""
+
+    state_cls = _SpecState
+    transition_cls = _SpecEdge
+    event_cls = _SpecEvent
+
+    def callbacks(self, funcs: Iterable[Callback], event_data: EventData) -> None:
+        """Run `funcs` in order, as `Machine.callbacks` does, without its log line per callback."""
+        for func in funcs:
+            self.callback(func, event_data)
+
+
 class Lifecycle(_SpecRules):
     """The reference implementation: fires events through the `transitions` machine built from the spec."""
 
     def __init__(self, spec: Spec | None = None, guards: Mapping[str, Guard] = GUARDS) -> None:
         super().__init__(spec, guards)
-        self.machine = Machine(
+        self.machine = _SpecMachine(
             model=None,
             states=[{"name": s.name, "final": s.terminal} for s in self.spec.states],
             initial=self.spec.initial,
@@ -138,6 +259,9 @@ class Lifecycle(_SpecRules):
                 conditions=[self._guard_condition(t.guard)] if t.guard else None,
                 after=[self._record_taken(t)],
             )
+        self._events = (
+            self.machine.events
+        )  # read once: every attribute read on a `Machine` goes through its __getattr__
 
     def _guard_condition(self, guard_name: str):
         guard = self.guards[guard_name]
@@ -150,7 +274,7 @@ class Lifecycle(_SpecRules):
     def try_fire(self, request: R, event: str, pool: PoolView) -> Transition | None:
         """`_SpecRules.try_fire` through the `transitions` machine: it evaluates the guards (its conditions) once,
         changes the state and reports an event with no edge from the state (its `MachineError`)."""
-        trigger = self.machine.events.get(event)
+        trigger = self._events.get(event)
         if trigger is None:
             raise self._illegal(request, event)
         taken: list[Transition] = []

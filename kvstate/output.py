@@ -163,8 +163,8 @@ class SchedulerOutput:  # noqa: PLW1641
 
     @property
     def num_scheduled(self) -> int:
-        """`len(scheduled)`, without building the list."""
-        return sum(len(getattr(self, name)) for name in SCHEDULED_LISTS)
+        """`len(scheduled)`, without building the list (the lengths of the `SCHEDULED_LISTS`)."""
+        return len(self.context) + len(self.replay) + len(self.generation)
 
     @property
     def num_tokens(self) -> int:

@@ -115,7 +115,7 @@ class Tier:
         blocks = [heapq.heappop(self._free) for _ in range(count)]
         for block in blocks:
             self.owner_of[block] = owner
-        self.blocks_of[owner] = self.held(owner) + tuple(blocks)
+        self.blocks_of[owner] = self.blocks_of.get(owner, ()) + tuple(blocks)  # `held(owner)` + the new blocks
         return blocks
 
     def take_one_each(self, owners: list[Hashable]) -> None:
@@ -231,11 +231,17 @@ class TieredBlockPool:
     # ---- PoolView
     @property
     def gpu_free_blocks(self) -> int:
-        return self.gpu.num_free
+        return len(self.gpu._free)  # `gpu.num_free`, read on every decision of a pass
 
     @property
     def host_free_blocks(self) -> int:
-        return self.host.num_free
+        return len(self.host._free)
+
+    def view_figures(self) -> tuple[int, int, bool, int]:
+        """(`gpu_free_blocks`, `host_free_blocks`, `has_host_tier`, `pipeline_stages`) in one call: what a scheduling
+        pass's `PassView` takes of the pool for each decision."""
+        host = self.host
+        return len(self.gpu._free), len(host._free), host.capacity > 0, self._pipeline_stages
 
     @property
     def has_host_tier(self) -> bool:
@@ -269,7 +275,7 @@ class TieredBlockPool:
 
     # ---- GPU allocation
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self.gpu.num_free
+        return num_blocks <= len(self.gpu._free)
 
     def allocate(self, owner: Hashable, num_blocks: int) -> list[int]:
         """Append `num_blocks` fresh GPU blocks to `owner`'s block table."""

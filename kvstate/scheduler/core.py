@@ -148,7 +148,8 @@ class SchedulerCore:
         """Ids of the resident requests this pass may not schedule: those whose step of an earlier pass is still in
         the pipeline (`in_flight`) and those whose resume copy is still in flight (the forward would read KV not
         written yet). Empty, and built from nothing, in the steady state."""
-        copying = [p.request_id for p in self.pool.in_flight.values() if p.direction != TO_HOST]
+        copies = self.pool.in_flight
+        copying = [p.request_id for p in copies.values() if p.direction != TO_HOST] if copies else None
         if not copying:
             return self.in_flight
         return {*self.in_flight, *copying}

@@ -24,6 +24,8 @@ class HeldBlocks(SchedulerCore):
         the requester itself and requests with a copy or a step in flight; their sources become room on its way
         (`pending_free`). Returns the blocks moved."""
         moved = 0
+        if not self.pool.host_free_blocks:
+            return moved  # no room below (or no host tier): nothing moves
         for owner in self.pool.held_owners():
             if moved >= blocks or not self.pool.host_free_blocks:
                 break

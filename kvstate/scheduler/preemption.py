@@ -49,8 +49,9 @@ class Preemption(HeldBlocks):
         waits for room on its way (which it then reserves: WORK-CONSERVE)."""
         if self.config.max_preemptions_per_request is not None:
             self.head_of_pass(pass_)  # the cap spares the head's victims: find it before any victim changes state
-        while self.pool.gpu_free_blocks < need:
-            short = need - self.pool.gpu_free_blocks
+        pool = self.pool
+        while (free := pool.gpu_free_blocks) < need:
+            short = need - free
             if pass_.pending_free < short:  # held blocks move down first: their sources free once copied
                 self._offload_for(request, short - pass_.pending_free, pass_)
             if pass_.pending_free >= short:

@@ -267,7 +267,8 @@ class Scheduler(Preemption, Admission, StepLanding, CopyReports):
         if not self.requests:
             self._idle_iterations = 0
             return
-        if self._idle_iterations >= self.config.no_progress_limit + self._replay_allowance():
+        idle, limit = self._idle_iterations, self.config.no_progress_limit
+        if idle >= limit and idle >= limit + self._replay_allowance():  # the allowance is read once the limit is hit
             listing = ", ".join(f"{r.request_id!r}:{r.state}" for r in list(self.requests.values())[:20])
             raise SchedulerStalled(
                 f"no request made progress for {self._idle_iterations} iterations; requests {listing}; "

@@ -50,11 +50,12 @@ class SchedulingPass:
 
     def view(self, pool: TieredBlockPool, config: SchedulerConfig) -> PassView:
         """What the guards read for one decision in this pass: `pool`'s figures and the pass's own."""
+        gpu_free, host_free, has_host_tier, pipeline_stages = pool.view_figures()
         return PassView(
-            pool.gpu_free_blocks,
-            pool.host_free_blocks,
-            pool.has_host_tier,
-            pool.pipeline_stages,
+            gpu_free,
+            host_free,
+            has_host_tier,
+            pipeline_stages,
             config.block_size,
             min(config.prefill_chunk_size, self.tokens_left),
             self.number,

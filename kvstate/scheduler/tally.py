@@ -66,12 +66,14 @@ class StateTally:
 
     def moved(self, request: Holding, old: str, before: Figures | None) -> None:
         """`request` left `old` (its figures were `before`) for its present state (terminal: no longer counted)."""
-        self.counts[old] -= 1
+        counts, state = self.counts, request.state
+        counts[old] -= 1
         if before is not None:
             self._add(old, before, -1)
-        if request.state in self.counts:
-            self._count(request.state)
-            self._add(request.state, figures(request), 1)
+        if state in counts:
+            self._count(state)
+            if state in self.held:
+                self._add(state, figures(request), 1)
 
     def _count(self, state: str) -> None:
         count = self.counts[state] = self.counts[state] + 1

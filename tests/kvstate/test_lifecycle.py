@@ -652,3 +652,51 @@ def test_without_a_spec_every_lifecycle_shares_the_packaged_one_parsed_once(kind
     assert first.spec == SPEC  # the same content as a fresh parse of the packaged file
     custom = make_lifecycle(kind, SPEC)
     assert custom.spec is SPEC  # a spec passed in is used as given
+
+
+# ------------------------------------------------------------------------------ the machine's own classes
+
+
+class _Model:
+    """A bare model for a plain `transitions.Machine` beside the lifecycle's."""
+
+
+@pytest.mark.parametrize("guard_holds", [True, False])
+def test_callbacks_added_to_the_machine_run_as_a_plain_transitions_machine_runs_them(guard_holds: bool) -> None:
+    """The lifecycle's machine classes skip only empty callback lists: every kind of callback a caller adds runs in
+    the order, and with the outcome, of the library's own `Machine` on the same states and edge."""
+    from transitions import Machine
+
+    (admit, *_) = edges_from(SPEC.initial, "admit")
+    guards = {name: (lambda r, p: guard_holds) for name in GUARDS}
+    lifecycle = Lifecycle(SPEC, guards=guards)
+    plain = Machine(
+        model=None,
+        states=[{"name": s.name, "final": s.terminal} for s in SPEC.states],
+        initial=SPEC.initial,
+        auto_transitions=False,
+        send_event=True,
+        model_attribute=STATE_ATTRIBUTE,
+    )
+    plain.add_transition("admit", admit.source, admit.dest, conditions=[lambda event_data: guard_holds])
+    logs: dict[str, list[str]] = {}
+    for name, machine in (("lifecycle", lifecycle.machine), ("plain", plain)):
+        log = logs[name] = []
+
+        def note(stage: str, log: list[str] = log):
+            return lambda event_data: log.append(stage)
+
+        for stage in ("prepare_event", "before_state_change", "after_state_change", "finalize_event", "on_final"):
+            setattr(machine, stage, [note(stage)])
+        for stage in ("prepare", "before", "after"):
+            machine.events["admit"].add_callback(stage, note(stage))
+        machine.get_state(admit.source).add_callback("exit", note("exit"))
+        machine.get_state(admit.dest).add_callback("enter", note("enter"))
+    request, model = request_in(SPEC.initial), _Model()
+    setattr(model, STATE_ATTRIBUTE, SPEC.initial)
+    fired = lifecycle.try_fire(request, "admit", FakePool())
+    plain_fired = plain.events["admit"].trigger(model)
+    assert (fired is not None) == plain_fired == guard_holds
+    assert getattr(request, STATE_ATTRIBUTE) == getattr(model, STATE_ATTRIBUTE)
+    assert logs["lifecycle"] == logs["plain"]
+    assert ("enter" in logs["plain"]) == guard_holds
