@@ -259,9 +259,8 @@ class Lifecycle(_SpecRules):
                 conditions=[self._guard_condition(t.guard)] if t.guard else None,
                 after=[self._record_taken(t)],
             )
-        self._events = (
-            self.machine.events
-        )  # read once: every attribute read on a `Machine` goes through its __getattr__
+        # read once: every attribute read on a `Machine` goes through its __getattr__
+        self._events = self.machine.events
 
     def _guard_condition(self, guard_name: str):
         guard = self.guards[guard_name]
