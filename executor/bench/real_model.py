@@ -15,6 +15,10 @@ for every victim, so both suspensions and recompute-pauses happen — and full: 
 1 has the steady row only. Decode time starts after the first step (the engine's first `step()`; `generate`'s
 first logits-processor call) and ends with the last token; tokens/s counts the tokens produced in that time. On
 the CPU the seconds are this thread's CPU time. Without the model or transformers the rows say what to install.
+
+Each row's note also gives the decode limit of the machine at its batch size, measured in the same run
+(`machine_limit`: the model's weights read once at the measured copy bandwidth, or its matrix products at the
+measured matmul throughput, whichever is slower), and the share of it the engine reaches.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from executor.bench.machine_limit import MachineLimit, measure_bandwidth, measure_limit
 from executor.bench.results import Row, Section
 from executor.bench.timing import interleaved, median
 from kvstate.config import SchedulerConfig
@@ -121,12 +126,19 @@ def smollm2_section(*, shape: RealShape = FULL_SHAPE, device: str = "cpu", seed:
     hf, peer = hf_peer(model, torch.float32)
     section.data["peer"] = peer
     pad = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 0
+    say("measuring the machine's memory bandwidth")
+    bandwidth = measure_bandwidth(dev)
     for n, batch in enumerate(shape.batches, 1):
         say(f"batch {batch} ({n}/{len(shape.batches)})")
         prompts = [r.prompt for r in chat_workload(tokenizer, batch, max_tokens=1 << 20)]
         figures = _measure(model, hf, prompts, shape, dev, seed=seed, pad=pad)
+        limit = measure_limit(model, batch, bandwidth=bandwidth, seed=seed)
         section.data["per_batch"][batch] = figures
-        section.rows += _rows(batch, figures, peer, shape)
+        section.data.setdefault("limit", {})[batch] = {
+            **limit.to_dict(),
+            "share": {regime: limit.share(f["tokens_per_s"]) for regime, f in figures.items()},
+        }
+        section.rows += _rows(batch, figures, peer, shape, limit)
     return section
 
 
@@ -195,7 +207,7 @@ def _measure(model, hf, prompts, shape: RealShape, dev, *, seed: int, pad: int) 
     return figures
 
 
-def _rows(batch: int, figures: dict, peer: str, shape: RealShape) -> list[Row]:
+def _rows(batch: int, figures: dict, peer: str, shape: RealShape, limit: MachineLimit) -> list[Row]:
     theirs = figures.get("generate", {}).get("tokens_per_s")
     rows = []
     for regime, figure in figures.items():
@@ -205,6 +217,7 @@ def _rows(batch: int, figures: dict, peer: str, shape: RealShape) -> list[Row]:
         note = "no peer to compare outputs with" if equal is None else f"greedy outputs equal for {equal}/{batch}"
         if REGIMES[regime] is not None:
             note += f"; {figure['suspensions']} suspends, {figure['recompute_pauses']} recompute-pauses"
+        note += f"; {limit.describe(figure['tokens_per_s'])}"
         rows.append(
             Row(
                 group="smollm2",

@@ -1,5 +1,6 @@
 """The `smollm2` group of `kvstate bench --peers` (`executor.bench.real_model`): SmolLM2-135M's decode beside
-transformers' `generate`, steady and under memory pressure; without the model its row says what to install."""
+transformers' `generate`, steady and under memory pressure, each beside the machine's decode limit measured in the
+same run; without the model its row says what to install."""
 
 from __future__ import annotations
 
@@ -38,5 +39,7 @@ def test_the_rows_compare_the_engine_beside_generate_steady_and_under_pressure()
     for row in section.rows:
         assert row.value > 0 and row.baseline and row.ratio > 0
         assert "greedy outputs equal for" in row.note
+        limit = section.data["limit"][8]
+        assert f"limit {limit['tokens_per_s']:,.0f} tok/s" in row.note and limit["weight_bytes"] > 0
     pressured = section.data["per_batch"][8]
     assert pressured["host none"]["recompute_pauses"] > 0 and pressured["host none"]["suspensions"] == 0
