@@ -34,6 +34,8 @@ from kvstate.config import SchedulerConfig
 from kvstate.pool import ceil_div
 
 BLOCK_SIZE = 16
+RATIO_TARGET = 1.3  # a steady row's tokens/s over generate's
+LIMIT_SHARE_TARGET = 0.75  # a steady row's share of this machine's decode limit (`machine_limit`)
 REGIMES = {"steady": None, "host none": 0.0, "host part": 0.125, "host full": 1.0}  # host blocks / batch's blocks
 
 
@@ -218,6 +220,12 @@ def _rows(batch: int, figures: dict, peer: str, shape: RealShape, limit: Machine
         if REGIMES[regime] is not None:
             note += f"; {figure['suspensions']} suspends, {figure['recompute_pauses']} recompute-pauses"
         note += f"; {limit.describe(figure['tokens_per_s'])}"
+        steady = REGIMES[regime] is None
+        met = None
+        if steady:
+            ratio = figure["tokens_per_s"] / theirs if theirs else float("nan")
+            share = limit.share(figure["tokens_per_s"])
+            met = ratio >= RATIO_TARGET and share >= LIMIT_SHARE_TARGET and equal == batch
         rows.append(
             Row(
                 group="smollm2",
@@ -226,6 +234,10 @@ def _rows(batch: int, figures: dict, peer: str, shape: RealShape, limit: Machine
                 unit="tok/s",
                 baseline_name=peer,
                 baseline=theirs,
+                target=f"ratio >= {RATIO_TARGET}, >= {LIMIT_SHARE_TARGET:.0%} of the limit, outputs equal"
+                if steady
+                else "",
+                met=met,
                 note=note,
             )
         )

@@ -43,3 +43,25 @@ def test_the_rows_compare_the_engine_beside_generate_steady_and_under_pressure()
         assert f"limit {limit['tokens_per_s']:,.0f} tok/s" in row.note and limit["weight_bytes"] > 0
     pressured = section.data["per_batch"][8]
     assert pressured["host none"]["recompute_pauses"] > 0 and pressured["host none"]["suspensions"] == 0
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "equal", "met"),
+    [(130.0, 100.0, 8, True), (129.0, 100.0, 8, False), (130.0, 100.0, 7, False), (70.0, 50.0, 8, False)],
+    ids=["met", "ratio-short", "outputs-differ", "limit-short"],
+)
+def test_a_steady_row_meets_its_target_with_the_ratio_the_limit_share_and_equal_outputs(ours, theirs, equal, met):
+    """The limit here is 100 tok/s at batch 8 (weights read in 0.08 s per step): 70 tok/s is 70% of it."""
+    from executor.bench.machine_limit import MachineLimit
+    from executor.bench.real_model import _rows
+
+    limit = MachineLimit(batch=8, weight_bytes=80, flops_per_step=1.0, bandwidth_bytes_per_s=1000.0,
+                         matmul_flops_per_s=1e9)  # fmt: skip
+    figures = {
+        "steady": {"tokens_per_s": ours, "outputs_equal": equal},
+        "host none": {"tokens_per_s": ours / 2, "outputs_equal": 8, "suspensions": 0, "recompute_pauses": 3},
+        "generate": {"tokens_per_s": theirs, "outputs_equal": 8},
+    }
+    steady, pressured = _rows(8, figures, "generate", RealShape(batches=(8,), new_tokens=4, repeats=2), limit)
+    assert steady.met is met and "of the limit" in steady.target
+    assert pressured.met is None and pressured.target == ""
