@@ -79,7 +79,8 @@ VOCABULARY: Mapping[str, Mapping[str, str]] = {
             "behind it only: TensorRT-LLM scans its active list from the tail down to the requester)"
         ),
         AHEAD_OF_DECODING_REQUESTER: (
-            "a request ahead of the requester in the pass's serve order, served or not, when the requester asks for "
+            "a request ahead of the requester in the order the pass searches victims in (its serve order unless the "
+            "engine reports its own scan order), served or not, when the requester asks for "
             "room for a decode step; a requester of a prompt or replay chunk searches every request (TensorRT-LLM's "
             "generation phase scans its active list from the tail down to the requester, its context phase the "
             "whole list)"
