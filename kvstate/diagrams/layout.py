@@ -54,9 +54,9 @@ TITLE_FONT = 14.0
 NODE_HEIGHT = 36.0
 POINT_SIZE = 11.0
 NODE_PAD = 12.0  # each side of a node's name
-LABEL_PAD = 3.0  # each side of an edge label
+LABEL_PAD = 2.0  # each side of an edge label
 CLUSTER_PAD = 16.0
-COLUMN_LABELS = 2.2  # labels side by side a column gap holds at most
+COLUMN_LABELS = (1.8, 2.0, 2.2)  # labels side by side a column gap holds at most: the first that keeps every edge clean
 COLUMN_SHARE = (0.8, 0.2)  # ... the widest label of those crossing it times a, plus b per edge crossing it
 ROW_LABELS = 3.4  # labels one over the other a row gap holds at most
 ROW_SHARE = (1.4, 0.35)  # ... the tallest label of those crossing it times a, plus b per edge crossing it
@@ -146,14 +146,31 @@ def label_box_size(lines: Sequence[str]) -> tuple[float, float]:
 @functools.lru_cache(maxsize=16)
 def lay_out(diagram: Diagram, labels: tuple[tuple[str, ...], ...], legend_size: tuple[float, float]) -> Layout:
     """The layout of `diagram` with `labels` (one per drawn edge, one part per line) and a legend of that size
-    (kept for the last few diagrams: a pure function, called again for every drawing of the same diagram)."""
+    (kept for the last few diagrams: a pure function, called again for every drawing of the same diagram). Column
+    gaps are as narrow as `COLUMN_LABELS` allows: wider ones are tried only while some edge is not kept clean, and
+    the cleanest layout is kept (the narrowest of equally clean ones)."""
+    best: Layout | None = None
+    for column_labels in COLUMN_LABELS:
+        layout = _lay_out_with(diagram, labels, legend_size, column_labels)
+        if best is None or len(layout.compromised) < len(best.compromised):
+            best = layout
+        if not best.compromised:
+            break
+    assert best is not None  # COLUMN_LABELS is not empty
+    return best
+
+
+def _lay_out_with(
+    diagram: Diagram, labels: tuple[tuple[str, ...], ...], legend_size: tuple[float, float], column_labels: float
+) -> Layout:
+    """`lay_out` with column gaps that hold at most `column_labels` labels side by side."""
     drawn = diagram.drawn_edges
     cells = story_cells(diagram)
     finals = {node.name for node in diagram.final_nodes}
     sizes = {name: node_box_size(node_lines(diagram, name), name in finals) for name in cells}
     label_sizes = [label_box_size(parts) for parts in labels]
     check_sizes(cells, sizes, drawn, label_sizes)
-    xs = column_positions(drawn, cells, sizes, label_sizes)
+    xs = column_positions(drawn, cells, sizes, label_sizes, column_labels)
     ys = row_positions(drawn, cells, sizes, label_sizes)
     check_extent(xs, ys)
     nodes = {
@@ -252,10 +269,11 @@ def column_positions(
     cells: Mapping[str, tuple[int, int]],
     sizes: Mapping[str, tuple[float, float]],
     label_sizes: Sequence[tuple[float, float]],
+    column_labels: float = COLUMN_LABELS[0],
 ) -> dict[int, float]:
     """The x of every column's centre: each gap between two columns is as wide as the widest label of the edges
-    that cross it, and wider (up to `COLUMN_LABELS` labels) the more of them cross it."""
-    return positions(drawn, cells, sizes, label_sizes, axis=0, share=COLUMN_SHARE, most=COLUMN_LABELS, least=40.0)
+    that cross it, and wider (up to `column_labels` labels) the more of them cross it."""
+    return positions(drawn, cells, sizes, label_sizes, axis=0, share=COLUMN_SHARE, most=column_labels, least=40.0)
 
 
 def row_positions(
