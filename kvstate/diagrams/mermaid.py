@@ -49,6 +49,8 @@ STORY_ORDER = (  # (source role, destination role) of the transition lines, in t
     (ACTIVE, OFFLOADED),
     (OFFLOADED, ACTIVE),
     (OFFLOADED, DROPPED),
+    (RECOMPUTING, OFFLOADED),
+    (OFFLOADED, RECOMPUTING),
     (ACTIVE, DROPPED),
     (RECOMPUTING, DROPPED),
     (ACTIVE, PENDING_RESET),
