@@ -5,12 +5,12 @@ model checker's engine). `make_lifecycle(kind)` picks one by name (`LIFECYCLES`)
 Both drive request objects that keep their state in the attribute `kvstate.request.STATE_ATTRIBUTE` (requests
 expose it read-only as `state`). Neither registers requests with the machine (`add_model` is quadratic): events are
 triggered on a request passed in, and requests compare by identity. They share the spec, the error wording and
-`fire`: `Lifecycle` lets `transitions` find the edge (its conditions are the guards, its callbacks record the edge
-taken, and an event with no edge from the state is its `MachineError`), `TransitionTable` looks the edge up itself. A
-differential test runs whole workloads through both and requires byte-identical traces. The machine is a `Machine`
-subclass whose event, edge and state classes (the classes `transitions` lets a subclass name) run the library's
-stages in its order, skipping the callback lists the spec leaves empty and the library's debug log lines: a scheduler
-fires an event on every preemption.
+`fire`: `Lifecycle` lets `transitions` find the edge (its conditions are the guards, each of its edges keeps the
+spec's edge, read off the one that executed, and an event with no edge from the state is its `MachineError`),
+`TransitionTable` looks the edge up itself. A differential test runs whole workloads through both and requires
+byte-identical traces. The machine is a `Machine` subclass whose event, edge and state classes (the classes
+`transitions` lets a subclass name) run the library's stages in its order, skipping the callback lists the spec
+leaves empty and the library's debug log lines: a scheduler fires an event on every preemption.
 
 Invariants kept by both `Lifecycle` and `TransitionTable`:
 * a request's state changes only along an edge of the spec whose guard holds;
@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
+from functools import partial
 from operator import attrgetter
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from transitions import Event, Machine, MachineError, State
 from transitions import Transition as MachineTransition
@@ -155,11 +156,17 @@ class _SpecState(State):
 
 
 class _SpecEdge(MachineTransition):
-    """An edge of the spec in the machine: executed in the order `transitions.Transition.execute` documents
-    (prepare callbacks, conditions, before callbacks, exit, the state change, enter, final callbacks, after
-    callbacks), each list of callbacks run only when it has any, and without the debug log lines of each stage."""
+    """An edge of the spec in the machine, which keeps the spec's own edge (`spec_edge`, given to
+    `Machine.add_transition` as the extra argument the library passes on to its transition class): executed in the
+    order `transitions.Transition.execute` documents (prepare callbacks, conditions, before callbacks, exit, the
+    state change, enter, final callbacks, after callbacks), each list of callbacks run only when it has any, and
+    without the debug log lines of each stage."""
 
     condition_cls = _EventCondition
+
+    def __init__(self, *args: Any, spec_edge: Transition | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.spec_edge = spec_edge
 
     def execute(self, event_data: EventData) -> bool:
         machine = event_data.machine
@@ -168,11 +175,13 @@ class _SpecEdge(MachineTransition):
         for condition in self.conditions:
             if not condition.check(event_data):
                 return False
-        before = [*machine.before_state_change, *self.before]
-        if before:
-            machine.callbacks(before, event_data)
+        before = machine.before_state_change
+        if before or self.before:
+            machine.callbacks([*before, *self.before], event_data)
         self._change_state(event_data)
-        machine.callbacks([*self.after, *machine.after_state_change], event_data)
+        after = machine.after_state_change
+        if after or self.after:
+            machine.callbacks([*self.after, *after], event_data)
         return True
 
     def _change_state(self, event_data: EventData) -> None:
@@ -193,7 +202,17 @@ class _SpecEvent(Event):
     """An event of the spec: processed as `transitions.Event` processes one (the model's state looked up, an event
     with no edge from it a `MachineError`, the machine's prepare callbacks, the edges from the state tried in order
     until one executes, the machine's exception callbacks on an error, its finalize callbacks in any case), each list
-    of callbacks run only when it has any, and without the debug log lines of each stage."""
+    of callbacks run only when it has any, and without the debug log lines of each stage. `trigger_taking` is
+    `trigger` that also says which edge executed."""
+
+    def trigger_taking(self, model: object, **kwargs: Any) -> _SpecEdge | None:
+        """Trigger the event on `model` as `Event.trigger` does (its event data, with `kwargs`, processed by the
+        machine), and return the edge that executed: the event data's `transition` once an edge succeeded. None
+        when none did (a guard failed). The machine is not queued, so the event is processed before this returns."""
+        event_data = EventData(None, self, self.machine, model, args=(), kwargs=kwargs)
+        if self.machine._process(partial(self._trigger, event_data)):  # what Event.trigger calls
+            return event_data.transition  # type: ignore[return-value]  # the machine's transition class
+        return None
 
     def _trigger(self, event_data: EventData) -> bool:
         machine = self.machine
@@ -232,6 +251,14 @@ class _SpecMachine(Machine):
     transition_cls = _SpecEdge
     event_cls = _SpecEvent
 
+    def get_state(self, state: str) -> State:  # type: ignore[override]  # a spec names its states by strings
+        """The state named `state`, as `Machine.get_state` finds it (a spec's states are named by strings, never by
+        an enumeration: nothing to convert); `ValueError` for a name the machine lacks."""
+        try:
+            return self.states[state]
+        except KeyError:
+            raise ValueError(f"State '{state}' is not a registered state.") from None
+
     def callbacks(self, funcs: Iterable[Callback], event_data: EventData) -> None:
         """Run `funcs` in order, as `Machine.callbacks` does, without its log line per callback."""
         for func in funcs:
@@ -257,31 +284,27 @@ class Lifecycle(_SpecRules):
                 source=t.source,
                 dest=t.dest,
                 conditions=[self._guard_condition(t.guard)] if t.guard else None,
-                after=[self._record_taken(t)],
+                spec_edge=t,
             )
         # read once: every attribute read on a `Machine` goes through its __getattr__
-        self._events = self.machine.events
+        self._events: dict[str, _SpecEvent] = self.machine.events  # type: ignore[assignment]  # its event_cls
 
     def _guard_condition(self, guard_name: str):
         guard = self.guards[guard_name]
         return lambda event_data: guard(event_data.model, event_data.kwargs["pool"])
 
-    @staticmethod
-    def _record_taken(transition: Transition):
-        return lambda event_data: event_data.kwargs["taken"].append(transition)
-
     def try_fire(self, request: R, event: str, pool: PoolView) -> Transition | None:
         """`_SpecRules.try_fire` through the `transitions` machine: it evaluates the guards (its conditions) once,
-        changes the state and reports an event with no edge from the state (its `MachineError`)."""
+        changes the state and reports an event with no edge from the state (its `MachineError`); the edge taken is
+        the spec's edge of the machine's edge that executed."""
         trigger = self._events.get(event)
         if trigger is None:
             raise self._illegal(request, event)
-        taken: list[Transition] = []
         try:
-            fired = trigger.trigger(request, pool=pool, taken=taken)
+            taken = trigger.trigger_taking(request, pool=pool)
         except MachineError:
             raise self._illegal(request, event) from None
-        return taken[0] if fired else None
+        return None if taken is None else taken.spec_edge
 
 
 class TransitionTable(_SpecRules):

@@ -700,3 +700,18 @@ def test_callbacks_added_to_the_machine_run_as_a_plain_transitions_machine_runs_
     assert getattr(request, STATE_ATTRIBUTE) == getattr(model, STATE_ATTRIBUTE)
     assert logs["lifecycle"] == logs["plain"]
     assert ("enter" in logs["plain"]) == guard_holds
+
+
+def test_the_machine_finds_states_as_a_plain_transitions_machine_does() -> None:
+    """The lifecycle's machine looks a state up by its name as the library's `Machine.get_state` does: the same
+    state for every name of the spec, and `ValueError` for a name it lacks."""
+    from transitions import Machine
+
+    lifecycle = Lifecycle(SPEC)
+    plain = Machine(model=None, states=[s.name for s in SPEC.states], initial=SPEC.initial, auto_transitions=False)
+    for state in SPEC.states:
+        assert lifecycle.machine.get_state(state.name).name == plain.get_state(state.name).name == state.name
+        assert lifecycle.machine.get_state(state.name) is lifecycle.machine.states[state.name]
+    for machine in (lifecycle.machine, plain):
+        with pytest.raises(ValueError, match="not a registered state"):
+            machine.get_state("no-such-state")
