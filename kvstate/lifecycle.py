@@ -178,24 +178,22 @@ class _SpecEdge(MachineTransition):
         before = machine.before_state_change
         if before or self.before:
             machine.callbacks([*before, *self.before], event_data)
-        self._change_state(event_data)
+        if self.dest is not None:  # the state change (`Transition._change_state`); None: an internal transition
+            states = machine.states
+            source = states[self.source]
+            if source.on_exit:  # `_SpecState.exit` runs nothing without callbacks: no call then
+                source.exit(event_data)
+            dest = states[self.dest]
+            setattr(event_data.model, machine.model_attribute, dest.value)  # what `Machine.set_state` writes
+            event_data.state = dest
+            if dest.on_enter:
+                dest.enter(event_data)
+            if dest.final and machine.on_final:
+                machine.callbacks(machine.on_final, event_data)
         after = machine.after_state_change
         if after or self.after:
             machine.callbacks([*self.after, *after], event_data)
         return True
-
-    def _change_state(self, event_data: EventData) -> None:
-        if self.dest is None:  # an internal transition
-            return
-        machine = event_data.machine
-        states = machine.states
-        states[self.source].exit(event_data)
-        dest = states[self.dest]
-        setattr(event_data.model, machine.model_attribute, dest.value)  # what `Machine.set_state` writes
-        event_data.state = dest
-        dest.enter(event_data)
-        if dest.final:
-            machine.callbacks(machine.on_final, event_data)
 
 
 class _SpecEvent(Event):
@@ -216,9 +214,9 @@ class _SpecEvent(Event):
 
     def _trigger(self, event_data: EventData) -> bool:
         machine = self.machine
-        event_data.state = machine.get_model_state(event_data.model)
-        try:
-            if self._is_valid_source(event_data.state):
+        state = event_data.state = machine.get_state(getattr(event_data.model, machine.model_attribute))
+        try:  # `_is_valid_source` raises `MachineError` for a state with no edge (called only then)
+            if state.name in self.transitions or self._is_valid_source(state):
                 self._process(event_data)
         except BaseException as err:
             event_data.error = err  # type: ignore[assignment]  # the library's own handler keeps any exception
@@ -242,14 +240,29 @@ class _SpecEvent(Event):
         return bool(event_data.result)
 
 
+def _callback_list(name: str) -> property:
+    """`Machine`'s property `name` (a list of callbacks), read without a Python call (its getter returns the
+    attribute `_name`; the library's own setter makes a list of what it is given)."""
+    library = vars(Machine)[name]
+    return property(attrgetter(f"_{name}"), library.fset, doc=library.__doc__)
+
+
 class _SpecMachine(Machine):
     """The `transitions` machine of a spec: its states and edges are `_SpecState` and `_SpecEdge` (the machine's
     `state_cls` and `transition_cls`) and its events `_SpecEvent` (its `event_cls`), which skip the callback lists a
-    spec leaves empty; no stage writes a debug log line."""
+    spec leaves empty; no stage writes a debug log line. Its callback lists and `has_queue` are the library's
+    properties with a getter that is no Python function (each event reads them)."""
 
     state_cls = _SpecState
     transition_cls = _SpecEdge
     event_cls = _SpecEvent
+    prepare_event = _callback_list("prepare_event")
+    before_state_change = _callback_list("before_state_change")
+    after_state_change = _callback_list("after_state_change")
+    finalize_event = _callback_list("finalize_event")
+    on_exception = _callback_list("on_exception")
+    on_final = _callback_list("on_final")
+    has_queue = property(attrgetter("_queued"), doc=vars(Machine)["has_queue"].__doc__)
 
     def get_state(self, state: str) -> State:  # type: ignore[override]  # a spec names its states by strings
         """The state named `state`, as `Machine.get_state` finds it (a spec's states are named by strings, never by

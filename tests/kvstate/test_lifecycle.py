@@ -715,3 +715,24 @@ def test_the_machine_finds_states_as_a_plain_transitions_machine_does() -> None:
     for machine in (lifecycle.machine, plain):
         with pytest.raises(ValueError, match="not a registered state"):
             machine.get_state("no-such-state")
+
+
+def test_the_machine_keeps_its_callback_lists_and_queue_flag_as_the_library_does() -> None:
+    """The machine's callback lists are the library's properties: a callable set alone is read back as a list of
+    it, as a plain `transitions.Machine` reads it; `has_queue` says what the machine was built with."""
+    from transitions import Machine
+
+    lifecycle = Lifecycle(SPEC)
+    plain = Machine(model=None, states=[s.name for s in SPEC.states], initial=SPEC.initial, auto_transitions=False)
+    assert lifecycle.machine.has_queue is plain.has_queue is False
+    queued = type(lifecycle.machine)(model=None, states=["a"], initial="a", queued=True)
+    assert queued.has_queue is Machine(model=None, states=["a"], initial="a", queued=True).has_queue is True
+
+    def callback(event_data: object) -> None:
+        """A callback that is never run here."""
+
+    for name in ("prepare_event", "before_state_change", "after_state_change", "finalize_event", "on_exception"):
+        for machine in (lifecycle.machine, plain):
+            assert getattr(machine, name) == []
+            setattr(machine, name, callback)
+            assert getattr(machine, name) == [callback]
