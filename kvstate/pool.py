@@ -237,11 +237,18 @@ class TieredBlockPool:
     def host_free_blocks(self) -> int:
         return len(self.host._free)
 
-    def view_figures(self) -> tuple[int, int, bool, int]:
-        """(`gpu_free_blocks`, `host_free_blocks`, `has_host_tier`, `pipeline_stages`) in one call: what a scheduling
-        pass's `PassView` takes of the pool for each decision."""
+    def view_figures(self, max_util_for_resume: float) -> tuple[int, int, bool, int, bool]:
+        """(`gpu_free_blocks`, `host_free_blocks`, `has_host_tier`, `pipeline_stages`,
+        `resume_gate_open(max_util_for_resume)`) in one call: what a scheduling pass's `PassView` takes of the pool
+        for each decision."""
         host = self.host
-        return len(self.gpu._free), len(host._free), host.capacity > 0, self._pipeline_stages
+        return (
+            len(self.gpu._free),
+            len(host._free),
+            host.capacity > 0,
+            self._pipeline_stages,
+            max_util_for_resume >= 1 or self.resume_gate_open(max_util_for_resume),  # 1: open, with no call
+        )
 
     @property
     def has_host_tier(self) -> bool:

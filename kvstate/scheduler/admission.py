@@ -11,7 +11,7 @@ from kvstate.policy import HOLD_NEW_AFTER_PREEMPTION_OR_WAIT, NO_READMISSION_OF_
 from kvstate.request import Request
 from kvstate.scheduler.held_blocks import HeldBlocks
 from kvstate.scheduler.scheduling_pass import SchedulingPass
-from kvstate.semantics import first_chunk_blocks, first_chunk_tokens
+from kvstate.semantics import PassView, first_chunk_blocks, first_chunk_tokens
 
 __all__ = ["Admission"]
 
@@ -53,28 +53,30 @@ class Admission(HeldBlocks):
         if pass_.slots_left == 0 or request.request_id in self.in_flight:
             return False  # no slot, or its step of an earlier pass has not landed yet (it lost its host copy since)
         out = pass_.output
-        if request.state == self._offloaded:  # a resume locks its held blocks, copies its host blocks up and
-            if not self._fire_admission(request, event, pass_):  # computes once they are back (refused while a
-                self._make_admission_room(request, request.num_host_blocks, pass_)  # copy of it is in flight)
+        if request.state == self._offloaded:
+            # a resume locks its held blocks, copies its host blocks up and computes once they are back (refused
+            # while a copy of it is in flight)
+            if not self._fire_admission(request, event, pass_, self._view(pass_)):
+                self._make_admission_room(request, request.num_host_blocks, pass_)
                 return False
             out.resumed.append(request)
             pass_.slots_left -= 1
             return True
         if pass_.tokens_left == 0:
             return False
-        if not self._fire_admission(request, event, pass_):
-            self._make_admission_room(request, first_chunk_blocks(request, self._view(pass_)), pass_)
+        view = self._view(pass_)
+        if not self._fire_admission(request, event, pass_, view):
+            self._make_admission_room(request, first_chunk_blocks(request, view), pass_)  # nothing changed since
             return False
         self._add_scheduled(request, first_chunk_tokens(request, self._view(pass_)), pass_)
         return True
 
-    def _fire_admission(self, request: Request, event: str, pass_: SchedulingPass) -> bool:
-        """Fire the admission class `event` on `request` if one of its guards holds. The spec's guards are asked
-        first (`can_fire`, nothing fires): a candidate that does not fit, under memory pressure the head of its
-        queue on every pass, is refused without an event fired through the lifecycle."""
-        return self.lifecycle.can_fire(request, event, self._view(pass_)) and (
-            self._try_fire(request, event, pass_) is not None
-        )
+    def _fire_admission(self, request: Request, event: str, pass_: SchedulingPass, view: PassView) -> bool:
+        """Fire the admission class `event` on `request` if one of its guards holds (`view`: the pass as it is now).
+        The spec's guards are asked first (`can_fire`, nothing fires): a candidate that does not fit, under memory
+        pressure the head of its queue on every pass, is refused without an event fired through the lifecycle, and
+        `view` still holds after a refusal."""
+        return self.lifecycle.can_fire(request, event, view) and self._try_fire(request, event, pass_) is not None
 
     def _make_admission_room(self, request: Request, need: int, pass_: SchedulingPass) -> None:
         """A readmission or admission that did not fit: when GPU room is what it lacked beyond the room already on

@@ -50,7 +50,9 @@ class SchedulingPass:
 
     def view(self, pool: TieredBlockPool, config: SchedulerConfig) -> PassView:
         """What the guards read for one decision in this pass: `pool`'s figures and the pass's own."""
-        gpu_free, host_free, has_host_tier, pipeline_stages = pool.view_figures()
+        gpu_free, host_free, has_host_tier, pipeline_stages, resume_gate_open = pool.view_figures(
+            config.max_util_for_resume
+        )
         return PassView(
             gpu_free,
             host_free,
@@ -61,7 +63,7 @@ class SchedulingPass:
             self.number,
             self.promotion_worth,
             self.offload_limit,
-            pool.resume_gate_open(config.max_util_for_resume),
+            resume_gate_open,
         )
 
     def charge(self, tokens: int, slots: int) -> None:
