@@ -213,11 +213,18 @@ class _SpecEvent(Event):
         return None
 
     def _trigger(self, event_data: EventData) -> bool:
+        """`Event._trigger` with `Event._process` run in it (one Python call fewer per event)."""
         machine = self.machine
         state = event_data.state = machine.get_state(getattr(event_data.model, machine.model_attribute))
         try:  # `_is_valid_source` raises `MachineError` for a state with no edge (called only then)
             if state.name in self.transitions or self._is_valid_source(state):
-                self._process(event_data)
+                if machine.prepare_event:  # `_process`: prepare callbacks, then the edges from the state in order
+                    machine.callbacks(machine.prepare_event, event_data)
+                for edge in self.transitions[state.name]:
+                    event_data.transition = edge
+                    if edge.execute(event_data):
+                        event_data.result = True
+                        break
         except BaseException as err:
             event_data.error = err  # type: ignore[assignment]  # the library's own handler keeps any exception
             if not machine.on_exception:
@@ -226,17 +233,6 @@ class _SpecEvent(Event):
         finally:
             if machine.finalize_event:
                 machine.callbacks(machine.finalize_event, event_data)
-        return bool(event_data.result)
-
-    def _process(self, event_data: EventData) -> bool:
-        machine = self.machine
-        if machine.prepare_event:
-            machine.callbacks(machine.prepare_event, event_data)
-        for edge in self.transitions[event_data.state.name]:
-            event_data.transition = edge
-            if edge.execute(event_data):
-                event_data.result = True
-                break
         return bool(event_data.result)
 
 
