@@ -56,8 +56,9 @@ class Admission(HeldBlocks):
         if request.state == self._offloaded:
             # a resume locks its held blocks, copies its host blocks up and computes once they are back (refused
             # while a copy of it is in flight)
-            if not self._fire_admission(request, event, pass_, self._view(pass_)):
-                self._make_admission_room(request, request.num_host_blocks, pass_)
+            view = self._view(pass_)
+            if not self._fire_admission(request, event, pass_, view):
+                self._make_admission_room(request, pass_, view)
                 return False
             out.resumed.append(request)
             pass_.slots_left -= 1
@@ -66,7 +67,7 @@ class Admission(HeldBlocks):
             return False
         view = self._view(pass_)
         if not self._fire_admission(request, event, pass_, view):
-            self._make_admission_room(request, first_chunk_blocks(request, view), pass_)  # nothing changed since
+            self._make_admission_room(request, pass_, view)  # nothing changed since `view` was built
             return False
         self._add_scheduled(request, first_chunk_tokens(request, self._view(pass_)), pass_)
         return True
@@ -78,10 +79,15 @@ class Admission(HeldBlocks):
         `view` still holds after a refusal."""
         return self.lifecycle.can_fire(request, event, view) and self._try_fire(request, event, pass_) is not None
 
-    def _make_admission_room(self, request: Request, need: int, pass_: SchedulingPass) -> None:
-        """A readmission or admission that did not fit: when GPU room is what it lacked beyond the room already on
-        its way, offload held blocks for the shortfall (the storage manager's allocation), so it fits once their
-        copies complete."""
+    def _make_admission_room(self, request: Request, pass_: SchedulingPass, view: PassView) -> None:
+        """A readmission or admission that did not fit (`view`: the pass when it was refused): when GPU room is what
+        it lacked beyond the room already on its way, offload held blocks for the shortfall (the storage manager's
+        allocation), so it fits once their copies complete. A resume needs its host blocks on the GPU, anything else
+        its first chunk's blocks; with no host room nothing can be offloaded (`_offload_for`), so the need is not
+        worked out then."""
+        if not self.pool.host_free_blocks:
+            return
+        need = request.num_host_blocks if request.state == self._offloaded else first_chunk_blocks(request, view)
         short = need - self.pool.gpu_free_blocks - pass_.pending_free
         if short > 0:
             self._offload_for(request, short, pass_)
