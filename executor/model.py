@@ -313,8 +313,20 @@ def _split_layer_name(name: str) -> tuple[str, str]:
     return "", name
 
 
+def column_major(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` ``[out, in]`` with the same values, stored column by column: its transpose ``[in, out]`` is
+    contiguous, so ``F.linear(x, weight)`` multiplies ``x`` by a contiguous matrix, which the CPU's matrix
+    product runs faster at decode batch sizes than by the transpose of a row-major one."""
+    return weight.t().contiguous().t()
+
+
 class LlamaModel(nn.Module):
-    """The decoder. Build with `LlamaModel.from_seed(config, seed)` or `executor.load_hf_llama(path)`."""
+    """The decoder. Build with `LlamaModel.from_seed(config, seed)` or `executor.load_hf_llama(path)`.
+
+    Every weight a forward multiplies through (`_multiplied_weights`) is stored column-major (`column_major`)
+    from construction on: loading copies values into the parameters, and moving them to another dtype or device
+    keeps their strides, so every loader gets the layout without doing anything; the parameters keep Hugging
+    Face's shapes, so state dicts and checkpoints are unchanged."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -325,7 +337,17 @@ class LlamaModel(nn.Module):
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        for matrix in self._multiplied_weights():
+            matrix.weight = nn.Parameter(column_major(matrix.weight))
         self.requires_grad_(False)
+
+    def _multiplied_weights(self) -> list[nn.Linear | nn.Embedding]:
+        """The modules whose weight a forward multiplies activations through (`F.linear`): every linear layer, and
+        the embedding when it is also the vocabulary projection (tied)."""
+        modules: list[nn.Linear | nn.Embedding] = [m for m in self.modules() if isinstance(m, nn.Linear)]
+        if self.lm_head is None:
+            modules.append(self.embed_tokens)
+        return modules
 
     @classmethod
     def from_seed(

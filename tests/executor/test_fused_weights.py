@@ -1,11 +1,14 @@
-"""The fused q/k/v and gate/up matrices: stored once, seen under Hugging Face's names, loaded back exactly."""
+"""The fused q/k/v and gate/up matrices: stored once, seen under Hugging Face's names, loaded back exactly; every
+multiplied weight stored column-major whichever way the model was built or loaded."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from executor import LlamaModel, ModelConfig
+from executor import LlamaModel, ModelConfig, load_hf_llama, save_hf_llama
+from executor.gguf_llama import load_gguf_llama
+from tests.executor.gguf_files import write_gguf
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -59,3 +62,35 @@ def test_load_hf_state_dict_round_trips_and_casts():
         assert torch.equal(target.state_dict()[name], tensor.to(torch.float32)), name
     with pytest.raises(RuntimeError, match="Missing key"):
         target.load_hf_state_dict({n: t for n, t in source.hf_state_dict().items() if "k_proj" not in n})
+
+
+def _multiplied(model: LlamaModel) -> dict[str, torch.Tensor]:
+    """The weights a forward passes to `F.linear`: 2-D parameters, the embedding only when it is tied."""
+    return {
+        name: param
+        for name, param in model.named_parameters()
+        if param.dim() == 2 and (name != "embed_tokens.weight" or model.lm_head is None)
+    }
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_loader_stores_the_multiplied_weights_column_major(tmp_path, tied):
+    """Seeded, cast, read back from a Hugging Face checkpoint or a GGUF file: each multiplied weight's transpose is
+    contiguous, with Hugging Face's shape and the values written."""
+    source = LlamaModel.from_seed(ModelConfig(tie_word_embeddings=tied), seed=3)
+    built = {
+        "seeded": source,
+        "cast": LlamaModel.from_seed(source.config, seed=3).to(torch.float32),  # `to` casts in place
+        "hf": load_hf_llama(save_hf_llama(source, tmp_path / "hf")),
+        "gguf": load_gguf_llama(write_gguf(tmp_path / "m.gguf", source), dtype=torch.float32),
+    }
+    expected = {name: param.float() for name, param in LlamaModel.from_seed(source.config, seed=3).named_parameters()}
+    for how, model in built.items():
+        weights = _multiplied(model)
+        assert len(weights) == 4 * model.config.num_layers + 1, how
+        for name, weight in weights.items():
+            assert weight.t().is_contiguous() and not weight.is_contiguous(), (how, name)
+            assert weight.shape == expected[name].shape, (how, name)
+        if how != "gguf":  # GGUF rows of q and k are stored permuted: test_gguf compares their values
+            for name, weight in weights.items():
+                assert torch.equal(weight.float(), expected[name]), (how, name)
