@@ -86,3 +86,34 @@ def test_a_small_measurement_gives_positive_finite_figures():
     flops = measure_matmul(2, {(8, 16): 2, (8, 4): 1}, "cpu", torch.float32)
     assert math.isfinite(bandwidth) and bandwidth > 0
     assert math.isfinite(flops) and flops > 0
+
+
+@pytest.mark.parametrize("faster", ["row-major", "column-major"])
+def test_each_shape_counts_its_faster_weight_layout(monkeypatch, faster):
+    """Made-up timings: a product takes one second with its weight in one layout and two in the other; each
+    shape is timed in both and its faster second counts, whichever layout that is."""
+    import torch
+
+    from executor.bench import machine_limit
+
+    layouts = []
+    linear = torch.nn.functional.linear
+
+    def recording_linear(rows, weight):
+        layouts.append("row-major" if weight.is_contiguous() else "column-major")
+        return linear(rows, weight)
+
+    def made_up_timed(call, device, *, repeats):
+        layouts.clear()
+        call()
+        return [1.0 if set(layouts) == {faster} else 2.0] * repeats
+
+    monkeypatch.setattr(torch.nn.functional, "linear", recording_linear)
+    monkeypatch.setattr(machine_limit, "_timed", made_up_timed)
+    shapes = {(8, 16): 2, (8, 4): 1}
+    calls = {
+        shape: max(1, round(machine_limit.MATMUL_FLOPS_PER_SAMPLE / flops_per_step(2, math.prod(shape))))
+        for shape in shapes
+    }
+    expected = weighted_flops_per_s(2, shapes, {shape: 1.0 / calls[shape] for shape in shapes})
+    assert measure_matmul(2, shapes, "cpu", torch.float32) == pytest.approx(expected)
