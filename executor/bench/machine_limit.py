@@ -1,20 +1,20 @@
 """The decode limit of the machine a benchmark runs on, measured in the same run: what a model's decode step
-would cost if it were only its weights read from memory or only its matrix products.
+would cost if it were only its matrix products.
 
-At batch size B a decode step reads every weight matrix once (each linear layer of every layer, and the
-vocabulary projection: `lm_head`, or the embedding when they are tied) and multiplies B rows through each of
-them: 2 * B * (their parameter count) floating-point operations. The step cannot take less than the slower of
-(a) its weight bytes at the memory bandwidth and (b) those operations at the matmul throughput, so
+At batch size B a decode step multiplies B rows through every weight matrix once (each linear layer of every
+layer, and the vocabulary projection: `lm_head`, or the embedding when they are tied). The limit times exactly
+that: as many matrices of each shape as the model has, so as many bytes as its weights, each shape's matrices
+multiplied in turn by `torch.nn.functional.linear` with the CPU caches evicted before each timed sample, since a
+real step finds no weight of an earlier step in them when the weights outgrow the caches. Each shape is timed
+with its weights row-major and column-major (as `executor.model` keeps them), and the faster counts: the limit is
+the machine's, not one layout's. So
 
-    limit tokens/s = B / max(weight_bytes / bandwidth, flops_per_step / matmul_flops_per_s).
+    limit tokens/s = B / (the seconds of one step's matrix products, from memory).
 
-Bandwidth is a large tensor copy (bytes read and written per second, median of repeats); matmul throughput is
-`torch.nn.functional.linear` at the model's own shapes and batch size, each shape weighted by how often a step
-uses it, with the weight stored whichever way (row-major, or column-major as `executor.model` keeps it) the
-product runs faster at that shape: the limit is the machine's, not one layout's. Both run on the caller's
-torch threads (the bench sets one) and, on the CPU, are timed in this thread's CPU time, as the decode rows are.
-Attention over the KV cache, norms, rotary embeddings and sampling are left out, so the limit is optimistic: a
-real step costs more.
+It runs on the caller's torch threads (the bench sets one) and, on the CPU, is timed in this thread's CPU time,
+as the decode rows are. Attention over the KV cache, norms, rotary embeddings and sampling are left out, so the
+limit is optimistic: a real step costs more. The rates it implies (weight bytes and operations per second) are
+printed beside it.
 """
 
 from __future__ import annotations
@@ -25,26 +25,23 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-COPY_ELEMENTS = 1 << 25  # float32: 128 MiB per side, far beyond the caches
-COPY_REPEATS = 5
-MATMUL_REPEATS = 3
-MATMUL_FLOPS_PER_SAMPLE = 2e8  # each timed sample runs a shape this many operations' worth of times (at least once)
+PRODUCT_REPEATS = 3
 
 
 @dataclass(frozen=True)
 class MachineLimit:
-    """The decode limit at one batch size, with the measured figures it is made of."""
+    """The decode limit at one batch size: the measured seconds of one step's matrix products
+    (`products_seconds`), with the weight bytes and operations they are made of."""
 
     batch: int
     weight_bytes: int
     flops_per_step: float
-    bandwidth_bytes_per_s: float
-    matmul_flops_per_s: float
+    products_seconds: float
 
     @property
     def step_seconds(self) -> float:
-        """The least a step can take: the slower of reading the weights and multiplying through them."""
-        return max(self.weight_bytes / self.bandwidth_bytes_per_s, self.flops_per_step / self.matmul_flops_per_s)
+        """The least a step can take: its matrix products alone."""
+        return self.products_seconds
 
     @property
     def tokens_per_s(self) -> float:
@@ -56,9 +53,9 @@ class MachineLimit:
 
     def describe(self, tokens_per_s: float) -> str:
         return (
-            f"limit {self.tokens_per_s:,.0f} tok/s (weights {self.weight_bytes / 1e6:,.0f} MB at "
-            f"{self.bandwidth_bytes_per_s / 1e9:.1f} GB/s, matmul {self.matmul_flops_per_s / 1e9:.1f} GFLOP/s): "
-            f"{self.share(tokens_per_s):.0%} of it"
+            f"limit {self.tokens_per_s:,.0f} tok/s (the step's matrix products alone: weights "
+            f"{self.weight_bytes / 1e6:,.0f} MB from memory at {self.weight_bytes / self.step_seconds / 1e9:.1f} "
+            f"GB/s, {self.flops_per_step / self.step_seconds / 1e9:.1f} GFLOP/s): {self.share(tokens_per_s):.0%} of it"
         )
 
     def to_dict(self) -> dict:
@@ -66,8 +63,7 @@ class MachineLimit:
             "batch": self.batch,
             "weight_bytes": self.weight_bytes,
             "flops_per_step": self.flops_per_step,
-            "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
-            "matmul_flops_per_s": self.matmul_flops_per_s,
+            "products_seconds": self.products_seconds,
             "tokens_per_s": self.tokens_per_s,
         }
 
@@ -96,57 +92,33 @@ def flops_per_step(batch: int, parameters: int) -> float:
     return 2.0 * batch * parameters
 
 
-def copy_bandwidth(nbytes: int, seconds: list[float]) -> float:
-    """Bytes per second of copying `nbytes` (read once, written once), from the median of `seconds`."""
-    return 2 * nbytes / statistics.median(seconds)
-
-
-def weighted_flops_per_s(
-    batch: int, shapes: Mapping[tuple[int, int], int], seconds_per_call: Mapping[tuple[int, int], float]
-) -> float:
-    """Operations per second of one step's matrix products: every shape's operations, `count` times, over the
-    time those calls take at the measured seconds per call."""
-    flops = sum(count * flops_per_step(batch, a * b) for (a, b), count in shapes.items())
-    seconds = sum(count * seconds_per_call[shape] for shape, count in shapes.items())
-    return flops / seconds
-
-
-def measure_bandwidth(device, *, elements: int = COPY_ELEMENTS, repeats: int = COPY_REPEATS) -> float:
-    """Bytes per second of `elements` float32 copied on `device` (median of `repeats`, after one warmup)."""
-    import torch
-
-    source = torch.ones(elements, dtype=torch.float32, device=device)
-    target = torch.empty_like(source)
-    seconds = _timed(lambda: target.copy_(source), device, repeats=repeats)
-    return copy_bandwidth(source.numel() * source.element_size(), seconds)
-
-
-def measure_matmul(batch: int, shapes: Mapping[tuple[int, int], int], device, dtype, *, seed: int = 0) -> float:
-    """Operations per second of `torch.nn.functional.linear` at batch `batch` and each of `shapes` (seeded random
-    operands in `dtype` on `device`), weighted by how often a step uses each shape; each shape is timed with its
-    weight row-major and column-major, and the faster counts."""
+def measure_products(batch: int, shapes: Mapping[tuple[int, int], int], device, dtype, *, seed: int = 0) -> float:
+    """Seconds of one step's matrix products at batch `batch`: for each of `shapes` (in_features, out_features),
+    its `count` matrices (seeded random operands in `dtype` on `device`) multiplied in turn, timed with the caches
+    evicted before each sample, with the weights row-major and column-major; each shape's faster median counts."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
-    seconds_per_call = {}
-    for fan_in, fan_out in shapes:
+    seconds = 0.0
+    for (fan_in, fan_out), count in shapes.items():
         rows = torch.randn(batch, fan_in, generator=generator).to(device=device, dtype=dtype)
         weight = torch.randn(fan_out, fan_in, generator=generator).to(device=device, dtype=dtype)
-        calls = max(1, round(MATMUL_FLOPS_PER_SAMPLE / flops_per_step(batch, fan_in * fan_out)))
         layouts = []
-        for stored in (weight, weight.t().contiguous().t()):
+        for layout in (lambda w: w.clone(), lambda w: w.t().contiguous().t()):
+            weights = [layout(weight) for _ in range(count)]
 
-            def run(rows=rows, weight=stored, calls=calls) -> None:
-                for _ in range(calls):
-                    torch.nn.functional.linear(rows, weight)
+            def run(rows=rows, weights=weights) -> None:
+                for stored in weights:
+                    torch.nn.functional.linear(rows, stored)
 
-            layouts.append(statistics.median(_timed(run, device, repeats=MATMUL_REPEATS)) / calls)
-        seconds_per_call[(fan_in, fan_out)] = min(layouts)
-    return weighted_flops_per_s(batch, shapes, seconds_per_call)
+            layouts.append(statistics.median(_timed(run, device, repeats=PRODUCT_REPEATS)))
+            del weights
+        seconds += min(layouts)
+    return seconds
 
 
-def measure_limit(model, batch: int, *, bandwidth: float | None = None, seed: int = 0) -> MachineLimit:
-    """`model`'s decode limit at `batch` on its own device and dtype; `bandwidth` reuses one already measured."""
+def measure_limit(model, batch: int, *, seed: int = 0) -> MachineLimit:
+    """`model`'s decode limit at `batch` on its own device and dtype."""
     weight = model.embed_tokens.weight
     shapes = weight_shapes(model)
     parameters = parameters_per_token(shapes)
@@ -154,15 +126,16 @@ def measure_limit(model, batch: int, *, bandwidth: float | None = None, seed: in
         batch=batch,
         weight_bytes=parameters * weight.element_size(),
         flops_per_step=flops_per_step(batch, parameters),
-        bandwidth_bytes_per_s=bandwidth if bandwidth is not None else measure_bandwidth(weight.device),
-        matmul_flops_per_s=measure_matmul(batch, shapes, weight.device, weight.dtype, seed=seed),
+        products_seconds=measure_products(batch, shapes, weight.device, weight.dtype, seed=seed),
     )
 
 
 def _timed(call: Callable[[], object], device, *, repeats: int) -> list[float]:
-    """Seconds of each of `repeats` calls after one warmup: this thread's CPU time on the CPU, wall time with
-    the device synchronized elsewhere."""
+    """Seconds of each of `repeats` calls after one warmup, the caches evicted before each (`evict_caches`): this
+    thread's CPU time on the CPU, wall time with the device synchronized elsewhere."""
     import torch
+
+    from executor.bench.stepping import evict_caches
 
     on_cpu = torch.device(device).type == "cpu"
     clock = time.thread_time if on_cpu else time.perf_counter
@@ -171,6 +144,7 @@ def _timed(call: Callable[[], object], device, *, repeats: int) -> list[float]:
     sync()
     seconds = []
     for _ in range(repeats):
+        evict_caches()
         start = clock()
         call()
         sync()
@@ -180,12 +154,9 @@ def _timed(call: Callable[[], object], device, *, repeats: int) -> list[float]:
 
 __all__ = [
     "MachineLimit",
-    "copy_bandwidth",
     "flops_per_step",
-    "measure_bandwidth",
     "measure_limit",
-    "measure_matmul",
+    "measure_products",
     "parameters_per_token",
     "weight_shapes",
-    "weighted_flops_per_s",
 ]

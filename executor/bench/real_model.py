@@ -17,8 +17,8 @@ first logits-processor call) and ends with the last token; tokens/s counts the t
 the CPU the seconds are this thread's CPU time. Without the model or transformers the rows say what to install.
 
 Each row's note also gives the decode limit of the machine at its batch size, measured in the same run
-(`machine_limit`: the model's weights read once at the measured copy bandwidth, or its matrix products at the
-measured matmul throughput, whichever is slower), and the share of it the engine reaches.
+(`machine_limit`: the step's matrix products alone, on as many weight bytes as the model's, read from memory),
+and the share of it the engine reaches.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from executor.bench.machine_limit import MachineLimit, measure_bandwidth, measure_limit
+from executor.bench.machine_limit import MachineLimit, measure_limit
 from executor.bench.results import Row, Section
 from executor.bench.timing import interleaved, median
 from kvstate.config import SchedulerConfig
@@ -128,13 +128,11 @@ def smollm2_section(*, shape: RealShape = FULL_SHAPE, device: str = "cpu", seed:
     hf, peer = hf_peer(model, torch.float32)
     section.data["peer"] = peer
     pad = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 0
-    say("measuring the machine's memory bandwidth")
-    bandwidth = measure_bandwidth(dev)
     for n, batch in enumerate(shape.batches, 1):
         say(f"batch {batch} ({n}/{len(shape.batches)})")
         prompts = [r.prompt for r in chat_workload(tokenizer, batch, max_tokens=1 << 20)]
         figures = _measure(model, hf, prompts, shape, dev, seed=seed, pad=pad)
-        limit = measure_limit(model, batch, bandwidth=bandwidth, seed=seed)
+        limit = measure_limit(model, batch, seed=seed)
         section.data["per_batch"][batch] = figures
         section.data.setdefault("limit", {})[batch] = {
             **limit.to_dict(),

@@ -51,12 +51,11 @@ def test_the_rows_compare_the_engine_beside_generate_steady_and_under_pressure()
     ids=["met", "ratio-short", "outputs-differ", "limit-short"],
 )
 def test_a_steady_row_meets_its_target_with_the_ratio_the_limit_share_and_equal_outputs(ours, theirs, equal, met):
-    """The limit here is 100 tok/s at batch 8 (weights read in 0.08 s per step): 70 tok/s is 70% of it."""
+    """The limit here is 100 tok/s at batch 8 (a step's products take 0.08 s): 70 tok/s is 70% of it."""
     from executor.bench.machine_limit import MachineLimit
     from executor.bench.real_model import _rows
 
-    limit = MachineLimit(batch=8, weight_bytes=80, flops_per_step=1.0, bandwidth_bytes_per_s=1000.0,
-                         matmul_flops_per_s=1e9)  # fmt: skip
+    limit = MachineLimit(batch=8, weight_bytes=80, flops_per_step=1.0, products_seconds=0.08)
     figures = {
         "steady": {"tokens_per_s": ours, "outputs_equal": equal},
         "host none": {"tokens_per_s": ours / 2, "outputs_equal": 8, "suspensions": 0, "recompute_pauses": 3},
