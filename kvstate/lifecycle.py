@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
-from functools import partial
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -200,17 +199,16 @@ class _SpecEvent(Event):
     """An event of the spec: processed as `transitions.Event` processes one (the model's state looked up, an event
     with no edge from it a `MachineError`, the machine's prepare callbacks, the edges from the state tried in order
     until one executes, the machine's exception callbacks on an error, its finalize callbacks in any case), each list
-    of callbacks run only when it has any, and without the debug log lines of each stage. `trigger_taking` is
-    `trigger` that also says which edge executed."""
+    of callbacks run only when it has any, and without the debug log lines of each stage. `trigger_taking` is the
+    library's `trigger` that also says which edge executed (`taken`: the edge of the last trigger that executed
+    one; the machine is not queued, so a trigger is processed before it returns)."""
+
+    taken: _SpecEdge | None = None
 
     def trigger_taking(self, model: object, **kwargs: Any) -> _SpecEdge | None:
-        """Trigger the event on `model` as `Event.trigger` does (its event data, with `kwargs`, processed by the
-        machine), and return the edge that executed: the event data's `transition` once an edge succeeded. None
-        when none did (a guard failed). The machine is not queued, so the event is processed before this returns."""
-        event_data = EventData(None, self, self.machine, model, args=(), kwargs=kwargs)
-        if self.machine._process(partial(self._trigger, event_data)):  # what Event.trigger calls
-            return event_data.transition  # type: ignore[return-value]  # the machine's transition class
-        return None
+        """`Event.trigger` on `model` with `kwargs`, and the edge that executed; None when none did (a guard
+        failed)."""
+        return self.taken if self.trigger(model, **kwargs) else None
 
     def _trigger(self, event_data: EventData) -> bool:
         """`Event._trigger` with `Event._process` run in it (one Python call fewer per event)."""
@@ -224,6 +222,7 @@ class _SpecEvent(Event):
                     event_data.transition = edge
                     if edge.execute(event_data):
                         event_data.result = True
+                        self.taken = edge  # type: ignore[assignment]  # the machine's transition class
                         break
         except BaseException as err:
             event_data.error = err  # type: ignore[assignment]  # the library's own handler keeps any exception
